@@ -1,0 +1,1 @@
+"""Trainer backends behind one interface (`base.Trainer`)."""

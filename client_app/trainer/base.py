@@ -1,0 +1,60 @@
+"""The contract between the trainer service and every trainer backend (builtin, verl).
+
+A trainer is persistent: it is built once per GPU lane and serves many client fits in turn.
+Per fit it swaps weights in, rebuilds only the optimizer and LR schedule (a fresh AdamW per
+fit is what FedAvg assumes), trains, and exports fp32 weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class FitRequest:
+    """One client's local training in one round."""
+
+    round: int                       # federated round (1-based)
+    client_id: int                   # logical client id in [0, federation.clients)
+    task_indices: list[int]          # the client's shard: env task indices it may draw from
+    local_epochs: int                # E: RL iterations (rollout batch + update) in this fit
+    seed: int                        # master seed; row seeds derive from (seed, round, client, epoch, index)
+    proximal_mu: float = 0.0         # FedProx mu; anchor = the weights loaded for this fit; policy only
+
+
+@dataclass
+class FitResult:
+    num_examples: int                # weight of this client in FedAvg (episodes trained on)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    task_indices: list[int]          # the fixed validation set
+    seed: int                        # decoding seed (fixed across rounds)
+
+
+@dataclass
+class EvalResult:
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)   # success, reward, per-type breakdowns
+
+
+class Trainer(Protocol):
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy fp32 weights into the live model in place (no rebuild)."""
+        ...
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights, detached CPU copies, names as in `load_weights`."""
+        ...
+
+    def fit(self, req: FitRequest) -> FitResult: ...
+
+    def evaluate(self, req: EvalRequest) -> EvalResult: ...
+
+    def close(self) -> None:
+        """Release everything the trainer holds (env sessions, device memory)."""
+        ...

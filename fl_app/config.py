@@ -1,0 +1,212 @@
+"""Recipe YAML + run-config overrides -> one validated, typed config.
+
+Every config key is documented here, in the field descriptions; `docs/config.md` is generated
+from this module (`python -m fl_app.config --doc`). Unknown keys and bad values fail with a
+message that names the key and the fix, before any process or service starts.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from omegaconf import OmegaConf
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_RECIPE = "tiny-shop-grpo"
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid; the message names the key and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelCfg(_Strict):
+    """The locally built default model (used when `model.path` is `tiny`)."""
+
+    hidden_size: int = Field(128, gt=0, description="Width of the tiny Qwen2 model.")
+    layers: int = Field(2, gt=0, description="Decoder layers of the tiny model.")
+    heads: int = Field(4, gt=0, description="Attention heads (KV heads = heads / 2).")
+    vocab_size: int = Field(1024, ge=300, description="BPE vocabulary trained on env text.")
+    sft_episodes: int = Field(512, ge=0, description="Expert episodes used for the SFT warm start.")
+    sft_epochs: int = Field(2, ge=0, description="Passes over the SFT demonstrations.")
+    sft_noise: float = Field(0.3, ge=0, le=1, description="Fraction of demonstration actions replaced by a random valid action, so the warm start is imperfect.")
+    seed: int = Field(0, description="Seed of tokenizer training, init and SFT (the build is a pure function of it).")
+    cache_dir: str = Field("~/.cache/fedagent-flower/models", description="Where built tiny models are cached (keyed by a hash of this section and the env).")
+
+
+class ModelCfg(_Strict):
+    path: str = Field("tiny", description="`tiny` builds the local default; otherwise a local Hugging Face model directory (e.g. Qwen2.5-1.5B-Instruct).")
+    tiny: TinyModelCfg = TinyModelCfg()
+
+
+class EnvCfg(_Strict):
+    name: Literal["shop"] = Field("shop", description="Environment engine (see envs/registry.py).")
+    params: dict[str, Any] = Field(default_factory=dict, description="Engine keyword arguments, e.g. shop: num_products, num_goals, val_size, search_return_n, seed.")
+    pool_size: int = Field(16, gt=0, description="Pre-warmed env instances per env service.")
+    max_turns: int = Field(15, gt=0, description="Step budget per episode (WebShop 15, ALFWorld 50).")
+
+
+class RolloutCfg(_Strict):
+    mode: Literal["windowed"] = Field("windowed", description="Prompt construction: task + the last `history_length` (observation, action) turns.")
+    history_length: int = Field(2, ge=0, description="Turns of history in a windowed prompt.")
+    max_prompt_tokens: int = Field(1024, gt=0, description="Prompt budget; longer prompts are left-truncated identically for generation and training.")
+    max_response_tokens: int = Field(32, gt=0, description="Generated tokens per turn.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature for training rollouts.")
+    val_temperature: float = Field(0.4, ge=0, description="Sampling temperature for validation (0 = greedy).")
+    invalid_action_penalty: float = Field(0.1, ge=0, description="Subtracted from a training episode's reward per invalid action; never applied to validation.")
+
+
+class AlgoCfg(_Strict):
+    name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
+    tasks_per_step: int = Field(8, gt=0, description="Distinct tasks per RL iteration (train_batch_size).")
+    group_size: int = Field(8, gt=0, description="Rollouts per task (GRPO group size n).")
+    lr: float = Field(1e-6, gt=0, description="Actor learning rate (constant, AdamW).")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO clip epsilon (low = high).")
+    clip_ratio_c: float = Field(3.0, gt=1, description="Dual-clip constant c.")
+    entropy_coeff: float = Field(0.001, ge=0, description="Entropy bonus coefficient.")
+    kl_coef: float = Field(0.01, ge=0, description="KL loss coefficient against the reference model (0 disables the reference).")
+    kl_type: Literal["k1", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator.")
+    ref_anchor: Literal["base", "round"] = Field("base", description="Reference model: `base` = the original backbone (published runs), `round` = the round-start global weights.")
+    mini_batch_size: int = Field(64, gt=0, description="Rows per optimizer step.")
+    micro_batch_size: int = Field(16, gt=0, description="Rows per forward/backward pass (gradient accumulation; does not change the loss).")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+
+
+class FederationCfg(_Strict):
+    clients: int = Field(100, gt=0, description="N: clients in the federation (virtual clients in simulation).")
+    clients_per_round: int = Field(2, gt=0, description="M: clients sampled per round, a pure function of (seed, round).")
+    rounds: int = Field(70, gt=0, description="T: federated rounds.")
+    local_epochs: int = Field(3, gt=0, description="E: RL iterations per sampled client per round (one rollout batch + one update each).")
+    tasks_per_client: int = Field(100, gt=0, description="|X_i|: training tasks in each client's shard.")
+    strategy: Literal["fedavg", "fedprox"] = Field("fedavg", description="Aggregation strategy.")
+    proximal_mu: float = Field(0.01, ge=0, description="FedProx mu (only used by `fedprox`; applies to the policy only).")
+    eval_every: int = Field(1, ge=0, description="Validate the global model every k rounds (and at round 0); 0 = only round 0 and the last round.")
+    val_tasks: int = Field(64, gt=0, description="Size of the fixed validation set (the env's first tasks).")
+
+
+class RunCfg(_Strict):
+    name: str = Field("tiny-shop-grpo", description="Run name; the run dir is `<run_dir>` if set, else `runs/<name>`.")
+    run_dir: str = Field("", description="Run directory (resume happens when it already holds rounds).")
+    seed: int = Field(0, description="Master seed: client sampling, task draws, rollouts.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Trainer device: `auto` = CUDA when visible, else CPU.")
+    inline_max_mb: float = Field(64.0, ge=0, description="Models up to this size travel inline in Flower messages; larger ones through the weight store.")
+    shard_max_mb: float = Field(512.0, gt=0, description="Upper bound on one safetensors shard.")
+    service_idle_timeout_s: float = Field(900.0, gt=0, description="A trainer service with no request for this long exits.")
+
+
+class Config(_Strict):
+    backend: Literal["builtin"] = Field("builtin", description="Trainer backend.")
+    model: ModelCfg = ModelCfg()
+    env: EnvCfg = EnvCfg()
+    rollout: RolloutCfg = RolloutCfg()
+    algo: AlgoCfg = AlgoCfg()
+    federation: FederationCfg = FederationCfg()
+    run: RunCfg = RunCfg()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        f = self.federation
+        if f.clients_per_round > f.clients:
+            raise ValueError(
+                f"federation.clients_per_round={f.clients_per_round} exceeds federation.clients={f.clients}; "
+                "lower clients-per-round or raise clients"
+            )
+        return self
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run.run_dir or f"runs/{self.run.name}").expanduser().resolve()
+
+
+# Flower run-config keys (kebab-case, flat) -> recipe paths.
+RUN_CONFIG_KEYS: dict[str, str] = {
+    "rounds": "federation.rounds",
+    "seed": "run.seed",
+    "run-dir": "run.run_dir",
+    "clients": "federation.clients",
+    "clients-per-round": "federation.clients_per_round",
+    "local-epochs": "federation.local_epochs",
+    "eval-every": "federation.eval_every",
+    "strategy": "federation.strategy",
+    "proximal-mu": "federation.proximal_mu",
+    "model": "model.path",
+    "device": "run.device",
+}
+
+
+def recipe_path(recipe: str) -> Path:
+    """A recipe name in configs/ or a path to a YAML file."""
+    p = Path(recipe).expanduser()
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    q = CONFIGS_DIR / f"{recipe}.yaml"
+    if q.exists():
+        return q
+    known = ", ".join(sorted(x.stem for x in CONFIGS_DIR.glob("*.yaml")))
+    raise ConfigError(f"recipe {recipe!r} not found: pass a name from configs/ ({known}) or a path to a .yaml file")
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key; remove it or check the spelling (keys are documented in fl_app/config.py)")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def load_config(recipe: str = DEFAULT_RECIPE, overrides: dict[str, Any] | None = None,
+                dotlist: list[str] | None = None) -> Config:
+    """Load a recipe, apply Flower run-config overrides and `a.b=c` dotlist overrides, validate."""
+    base = OmegaConf.load(recipe_path(recipe))
+    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(dotlist or [])))
+    data = OmegaConf.to_container(merged, resolve=True) or {}
+    for key, value in (overrides or {}).items():
+        if key == "recipe":
+            continue
+        if key not in RUN_CONFIG_KEYS:
+            raise ConfigError(f"run-config key {key!r} is not known; known keys: {', '.join(sorted(RUN_CONFIG_KEYS))}")
+        if isinstance(value, str) and value == "":
+            continue  # empty string in pyproject = "keep the recipe's value"
+        node = data
+        *parents, leaf = RUN_CONFIG_KEYS[key].split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Write the resolved config as YAML (what the run actually used)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump(mode="json"))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Validate a recipe and print what it resolves to.")
+    ap.add_argument("--check", default=DEFAULT_RECIPE, help="recipe name or YAML path")
+    ap.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. federation.rounds=5")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.check, dotlist=args.overrides)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump(mode="json"))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
