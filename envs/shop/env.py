@@ -1,0 +1,282 @@
+"""`ShopEnv`: a WebShop-compatible shopping episode over a shared `World`.
+
+Pages: search -> results (10 per page) -> item (options, tabs, Buy Now) -> done.
+Actions: `search[<query>]` on the search page, `click[<button>]` elsewhere; click arguments
+are matched case-insensitively and listed lower-case, as WebShop does. An action that is not
+valid in the current state changes nothing (same observation, reward 0, valid_action False).
+The episode ends at Buy Now with WebShop's reward; the step budget belongs to the rollout.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from envs.shop import pages
+from envs.shop.goals import price_clause
+from envs.shop.reward import Reward, purchase_reward
+from envs.shop.schema import Goal, Product
+from envs.shop.search import DEFAULT_FIELDS, RANKINGS
+from envs.shop.world import World, WorldSpec, get_world
+
+SEARCH_MARKER = "search[<your query>]"   # the valid-action entry for the search bar
+_ACTION = re.compile(r"\s*(search|click)\s*\[(.*)\]\s*", re.IGNORECASE | re.DOTALL)
+
+
+class ShopEnv:
+    """One shop episode at a time; `reset(seed)` plays task `seed % num_tasks`.
+
+    Heterogeneity hooks (defaults = the unmodified shop):
+      catalog_keep     product ids shown by search (None: all). The targets of
+                       `protected_tasks` are always kept, so those tasks stay winnable.
+      protected_tasks  task indices whose targets must stay (None: every task). Resetting
+                       to a task whose target was filtered out raises ValueError.
+      ranking          "bm25" | "shuffled_topk" (seeded per query) | "inverted_topk".
+      index_fields, bm25_k1, bm25_b   what the BM25 index sees and how it weighs it.
+      lookalikes       number of lookalike products (same text, decoy options, higher price).
+    """
+
+    name = "shop"
+
+    def __init__(self, num_products: int = 300, num_goals: int = 1000, val_size: int = 64,
+                 search_return_n: int = 50, seed: int = 0, data_dir: str | None = None,
+                 human_goals: bool = False, catalog_keep: Sequence[str] | None = None,
+                 protected_tasks: Sequence[int] | None = None, ranking: str = "bm25",
+                 index_fields: Sequence[str] = DEFAULT_FIELDS, bm25_k1: float = 1.2,
+                 bm25_b: float = 0.75, lookalikes: int = 0):
+        if ranking not in RANKINGS:
+            raise ValueError(f"unknown ranking {ranking!r}; choose from {RANKINGS}")
+        if search_return_n < 1:
+            raise ValueError(f"search_return_n must be >= 1, got {search_return_n}")
+        self._world: World = get_world(WorldSpec(
+            num_products=num_products, num_goals=num_goals, seed=seed,
+            data_dir=None if data_dir is None else str(data_dir), human_goals=human_goals,
+            lookalikes=lookalikes, index_fields=tuple(index_fields), bm25_k1=bm25_k1,
+            bm25_b=bm25_b))
+        if not 0 <= val_size <= self.num_tasks:
+            raise ValueError(f"val_size={val_size} must lie in [0, num_tasks={self.num_tasks}]")
+        self._val_size = val_size
+        self._return_n = search_return_n
+        self._ranking = ranking
+        self._seed = seed
+        self._visible = self._visible_mask(catalog_keep, protected_tasks)
+        self._task = -1
+        self._goal: Goal | None = None
+
+    # -- task addressing ---------------------------------------------------------------------
+    @property
+    def num_tasks(self) -> int:
+        return len(self._world.goals)
+
+    @property
+    def val_size(self) -> int:
+        return self._val_size
+
+    def task_ids(self) -> list[str]:
+        return [self._task_id(i) for i in range(self.num_tasks)]
+
+    def _task_id(self, index: int) -> str:
+        return f"{index:06d}-{self._world.goals[index].asin}"
+
+    def goal(self, task: int) -> Goal:
+        return self._world.goals[task % self.num_tasks]
+
+    def product(self, asin: str) -> Product:
+        return self._world.products[self._world.position[asin]]
+
+    def product_ids(self) -> list[str]:
+        """Every product id in the world, in catalog order (before any catalog filter)."""
+        return [p.asin for p in self._world.products]
+
+    def winnable(self, task: int) -> bool:
+        """True when the target of `task` is in the shown catalog."""
+        return bool(self._visible[self._world.position[self.goal(task).asin]])
+
+    def _visible_mask(self, keep: Sequence[str] | None,
+                      protected: Sequence[int] | None) -> np.ndarray:
+        products = self._world.products
+        if keep is None:
+            return np.ones(len(products), dtype=bool)
+        unknown = [a for a in keep if a not in self._world.position]
+        if unknown:
+            raise ValueError(f"catalog_keep names {len(unknown)} unknown product ids, e.g. "
+                             f"{unknown[:3]}; take ids from ShopEnv.product_ids()")
+        mask = np.zeros(len(products), dtype=bool)
+        mask[[self._world.position[a] for a in keep]] = True
+        tasks = range(self.num_tasks) if protected is None else protected
+        for t in tasks:
+            mask[self._world.position[self.goal(t).asin]] = True
+        return mask
+
+    # -- episode -----------------------------------------------------------------------------
+    def reset(self, seed: int) -> tuple[str, dict]:
+        self._task = seed % self.num_tasks
+        if not self.winnable(self._task):
+            raise ValueError(f"task {self._task} ({self._task_id(self._task)}) has its target "
+                             "filtered out of this catalog; add the task to protected_tasks")
+        self._goal = self._world.goals[self._task]
+        self._state = "search"
+        self._results: list[int] = []
+        self._page_no = 1
+        self._item: Product | None = None
+        self._tab = ""
+        self._chosen: dict[str, str] = {}
+        self._reward: Reward | None = None
+        return self.observation, self._info()
+
+    def step(self, action: str) -> tuple[str, float, bool, dict]:
+        if self._goal is None:
+            raise RuntimeError("call reset(seed) before step()")
+        valid = self._apply(action) if self._state != "done" else False
+        done = self._state == "done"
+        reward = self._reward.total if (done and valid) else 0.0
+        info = self._info()
+        info["valid_action"] = valid
+        if done and self._reward is not None:
+            info["reward_terms"] = asdict(self._reward)   # plain dict: JSON-safe
+        return self.observation, reward, done, info
+
+    def _info(self) -> dict[str, Any]:
+        return {"task_id": self._task_id(self._task), "task_index": self._task,
+                "instruction": self._goal.instruction, "valid_actions": self.valid_actions(),
+                "won": self._reward is not None and self._reward.won}
+
+    # -- pages -------------------------------------------------------------------------------
+    @property
+    def raw_observation(self) -> str:
+        """The WebShop text-mode page, instruction included."""
+        instruction = self._goal.instruction
+        if self._state == "search":
+            return pages.search_page(instruction)
+        if self._state == "results":
+            return pages.results_page(instruction, self._page_products(), self._page_no,
+                                      len(self._results))
+        if self._state == "item":
+            return pages.item_page(instruction, self._item)
+        if self._state == "detail":
+            return pages.detail_page(instruction, self._item, self._tab)
+        return pages.done_page(instruction, self._item, self._reward.total)
+
+    @property
+    def observation(self) -> str:
+        """What the policy reads: the formatted page (see `pages.format_observation`)."""
+        return pages.format_observation(self.raw_observation, self._goal.instruction)
+
+    def _page_products(self) -> list[Product]:
+        start = (self._page_no - 1) * pages.PAGE_SIZE
+        return [self._world.products[i] for i in self._results[start:start + pages.PAGE_SIZE]]
+
+    def _clickables(self) -> dict[str, tuple[str, Any]]:
+        """Lower-cased button text -> (kind, payload) for the current page."""
+        if self._state == "results":
+            clicks = {pages.BACK_TO_SEARCH: ("search", None)}
+            if self._page_no > 1:
+                clicks[pages.PREV] = ("page", self._page_no - 1)
+            if self._page_no * pages.PAGE_SIZE < len(self._results):
+                clicks[pages.NEXT] = ("page", self._page_no + 1)
+            for p in self._page_products():
+                clicks[p.asin] = ("item", p)
+        elif self._state == "item":
+            clicks = {pages.BACK_TO_SEARCH: ("search", None), pages.PREV: ("results", None)}
+            for name, values in self._item.options.items():
+                for value in values:
+                    clicks.setdefault(value.lower(), ("option", (name, value)))
+            for tab in pages.DETAIL_TABS:
+                clicks[tab] = ("tab", tab)
+            clicks[pages.BUY_NOW] = ("buy", None)
+        elif self._state == "detail":
+            clicks = {pages.BACK_TO_SEARCH: ("search", None), pages.PREV: ("return", None)}
+        else:
+            clicks = {}
+        return {k.lower(): v for k, v in clicks.items()}
+
+    def valid_actions(self) -> list[str]:
+        if self._state == "search":
+            return [SEARCH_MARKER]
+        return [f"click[{text}]" for text in self._clickables()]
+
+    def _apply(self, action: str) -> bool:
+        """Advance the state for a valid action; False (state untouched) otherwise."""
+        match = _ACTION.fullmatch(action) if isinstance(action, str) else None
+        if match is None:
+            return False
+        verb, arg = match.group(1).lower(), match.group(2).strip().lower()
+        if verb == "search":
+            if self._state != "search" or not arg:
+                return False
+            self._results = self._world.index.search(arg, self._return_n, self._visible,
+                                                     self._ranking, self._seed)
+            self._state, self._page_no = "results", 1
+            return True
+        click = self._clickables().get(arg)
+        if click is None:
+            return False
+        kind, payload = click
+        if kind == "search":
+            self._state, self._results = "search", []
+        elif kind == "page":
+            self._page_no = payload
+        elif kind == "item":
+            self._state, self._item, self._chosen = "item", payload, {}
+        elif kind == "results":
+            self._state = "results"
+        elif kind == "return":                  # from a detail tab: options stay chosen
+            self._state = "item"
+        elif kind == "option":
+            name, value = payload
+            self._chosen[name] = value
+        elif kind == "tab":
+            self._state, self._tab = "detail", payload
+        elif kind == "buy":
+            self._reward = purchase_reward(self._item, self._goal, self._chosen)
+            self._state = "done"
+        return True
+
+    # -- oracle ------------------------------------------------------------------------------
+    def expert_query(self, task: int | None = None) -> str:
+        """A query whose results contain the target of `task` (default: the current task).
+
+        First the instruction without its price clause (what a policy can also write; it
+        finds the target on page 1 for every default goal), then the target's title, then
+        longer title-based fallbacks. Returns the title if nothing retrieves the target.
+        """
+        goal = self._goal if task is None else self.goal(task)
+        target = self.product(goal.asin)
+        position = self._world.position[goal.asin]
+        clause = price_clause(goal.price_upper)
+        wish = goal.instruction[: -len(clause)] if clause and goal.instruction.endswith(clause) \
+            else goal.instruction
+        candidates = (wish, target.title, f"{target.title} {target.description}",
+                      " ".join((target.title, *target.bullets)))
+        for query in candidates:
+            hits = self._world.index.search(query.lower(), self._return_n, self._visible,
+                                            self._ranking, self._seed)
+            if position in hits:
+                return query.lower()
+        return target.title.lower()
+
+    def expert_action(self) -> str:
+        """The oracle's next action: search the target, page to it, open it, click every goal
+        option it offers, buy. "" once the episode is over."""
+        if self._goal is None or self._state == "done":
+            return ""
+        target = self._world.position[self._goal.asin]
+        if self._state == "search":
+            return f"search[{self.expert_query()}]"
+        if self._state == "results":
+            if target not in self._results:
+                return f"click[{pages.BACK_TO_SEARCH.lower()}]"
+            page = self._results.index(target) // pages.PAGE_SIZE + 1
+            if page == self._page_no:
+                return f"click[{self._goal.asin.lower()}]"
+            return f"click[{(pages.NEXT if page > self._page_no else pages.PREV).lower()}]"
+        if self._state == "detail" or self._item.asin != self._goal.asin:
+            return f"click[{pages.PREV.lower()}]"
+        clicks = self._clickables()
+        for name, want in self._goal.goal_options.items():
+            if self._chosen.get(name) != want and clicks.get(want.lower()) == ("option", (name, want)):
+                return f"click[{want.lower()}]"
+        return f"click[{pages.BUY_NOW.lower()}]"

@@ -1,0 +1,110 @@
+"""BM25 product search (bm25s) with the ranking variants environment-heterogeneity arms use.
+
+Ties are broken by catalog position, so a query's result list is a pure function of the
+index and the query. Only documents sharing at least one term with the query are returned
+(like Lucene); hidden products (a filtered catalog) are dropped after scoring, so one index
+serves every catalog filter built over the same products.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from collections.abc import Sequence
+
+import bm25s
+import numpy as np
+
+from envs.shop.schema import Product
+
+INDEX_FIELDS = ("title", "description", "bullets", "options", "attributes", "category")
+DEFAULT_FIELDS = ("title", "description", "bullets", "options")
+RANKINGS = ("bm25", "shuffled_topk", "inverted_topk")
+
+_TOKEN = re.compile(r"[a-z0-9]+")
+_STOPWORDS = frozenset(
+    "a an and are as at be by for from i in is it me of on or that the this to with "
+    "want need looking find would like im i'm lower than price dollars".split())
+
+
+def tokenize(text: str) -> list[str]:
+    """Lower-case alphanumeric runs minus stop words (no stemming)."""
+    return [t for t in _TOKEN.findall(text.lower()) if t not in _STOPWORDS]
+
+
+def _field_texts(product: Product, field: str) -> list[str]:
+    if field == "title":
+        return [product.title]
+    if field == "description":
+        return [product.description]
+    if field == "bullets":
+        return list(product.bullets)
+    if field == "options":
+        return [v for values in product.options.values() for v in values]
+    if field == "attributes":
+        return list(product.attributes)
+    if field == "category":
+        return [product.product_category, product.query]
+    raise ValueError(f"unknown index field {field!r}; choose from {INDEX_FIELDS}")
+
+
+def document_text(product: Product, fields: Sequence[str]) -> str:
+    """The text of `product` that the index sees, from the chosen fields."""
+    return " ".join(s for f in fields for s in _field_texts(product, f))
+
+
+class SearchIndex:
+    """Immutable BM25 index over a product list; safe to share between threads.
+
+    Token ids are assigned in first-seen order (not from a hash-ordered set), and each
+    distinct field string is tokenized once: catalog text repeats a lot (bullets, options).
+    """
+
+    def __init__(self, products: Sequence[Product], fields: Sequence[str] = DEFAULT_FIELDS,
+                 k1: float = 1.2, b: float = 0.75):
+        vocab: dict[str, int] = {}
+        memo: dict[str, list[int]] = {}
+
+        def ids(text: str) -> list[int]:
+            got = memo.get(text)
+            if got is None:
+                got = memo[text] = [vocab.setdefault(t, len(vocab)) for t in tokenize(text)]
+            return got
+
+        corpus = []
+        for p in products:
+            doc: list[int] = []
+            for f in fields:
+                for text in _field_texts(p, f):
+                    doc += ids(text)
+            corpus.append(doc)
+        self._vocab = dict(vocab)
+        self._bm25 = bm25s.BM25(k1=k1, b=b)
+        self._bm25.index((corpus, vocab), show_progress=False)
+        self.size = len(products)
+
+    def search(self, query: str, n: int, visible: np.ndarray | None = None,
+               ranking: str = "bm25", seed: int = 0) -> list[int]:
+        """Catalog positions of the top `n` matches for `query`, reordered by `ranking`."""
+        terms = list(dict.fromkeys(self._vocab[t] for t in tokenize(query) if t in self._vocab))
+        if not terms or n <= 0:
+            return []
+        scores = np.asarray(self._bm25.get_scores_from_ids(terms), dtype=np.float64)
+        if visible is not None:
+            scores = np.where(visible, scores, 0.0)
+        hits = np.flatnonzero(scores > 0)
+        top = hits[np.lexsort((hits, -scores[hits]))][:n].tolist()
+        return rerank(top, ranking, query, seed)
+
+
+def rerank(top: list[int], ranking: str, query: str, seed: int) -> list[int]:
+    """Apply a ranking variant: as scored, seeded shuffle (per query), or reversed."""
+    if ranking == "bm25":
+        return top
+    if ranking == "inverted_topk":
+        return top[::-1]
+    if ranking == "shuffled_topk":
+        digest = hashlib.sha256(f"{seed}\0{query}".encode()).digest()
+        random.Random(digest).shuffle(top)
+        return top
+    raise ValueError(f"unknown ranking {ranking!r}; choose from {RANKINGS}")

@@ -1,0 +1,43 @@
+"""The uniform partition: every client gets an equal, contiguous block of one seeded
+permutation of the training pool (FedAgent's `uniform` strategy).
+
+When N * tasks_per_client exceeds the pool, consecutive clients' blocks start `stride` apart
+and wrap around the permutation, so blocks overlap evenly instead of the tail clients getting
+nothing.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+
+def client_shard(client_id: int, num_clients: int, tasks_per_client: int,
+                 train_pool: Sequence[int], seed: int) -> list[int]:
+    """The task indices (env `reset` seeds) of one client's shard.
+
+    `train_pool` is put in canonical (sorted) order before the seeded shuffle, so callers that
+    list the pool differently still agree (invariant 11).
+    """
+    if not 0 <= client_id < num_clients:
+        raise ValueError(f"client_id {client_id} outside [0, {num_clients})")
+    pool = sorted(set(train_pool))
+    if not pool:
+        raise ValueError("empty training pool: the environment serves no training tasks")
+    order = list(pool)
+    random.Random(f"uniform-partition:{seed}").shuffle(order)
+    n = len(order)
+    stride = max(n // num_clients, 1)
+    start = client_id * stride
+    size = min(tasks_per_client, n)
+    return [order[(start + j) % n] for j in range(size)]
+
+
+def sample_clients(seed: int, server_round: int, num_clients: int, per_round: int) -> list[int]:
+    """Clients trained in a round: a pure function of (seed, round) (invariant 5).
+
+    Same rule as the published runs (a generator seeded with seed + round - 1, M draws without
+    replacement), so a resumed run samples exactly what an uninterrupted one would.
+    """
+    if per_round > num_clients:
+        raise ValueError(f"cannot sample {per_round} of {num_clients} clients")
+    return random.Random(seed + server_round - 1).sample(range(num_clients), per_round)

@@ -1,0 +1,36 @@
+"""Partitions and client sampling are pure functions of their inputs (invariants 5, 11)."""
+from __future__ import annotations
+
+import random
+
+from partitions.uniform import client_shard, sample_clients
+
+
+def test_client_sampling_is_pure_function_of_seed_and_round():
+    a = [sample_clients(0, r, 100, 2) for r in range(1, 71)]
+    random.seed(12345)  # process-global RNG state must not matter
+    b = [sample_clients(0, r, 100, 2) for r in range(1, 71)]
+    assert a == b
+    # a resumed run recomputes round 4 without having sampled rounds 1-3
+    assert sample_clients(0, 4, 100, 2) == a[3]
+    assert all(len(set(s)) == 2 for s in a)
+
+
+def test_sampling_matches_the_published_rounds():
+    """FedAgent seeds Python's generator with seed + round - 1 (seed 42): rounds 1-3."""
+    assert [sample_clients(42, r, 100, 2) for r in (1, 2, 3)] == [[81, 14], [4, 36], [52, 66]]
+
+
+def test_shard_is_independent_of_pool_listing_order():
+    pool = list(range(64, 1000))
+    shuffled = pool[:]
+    random.Random(1).shuffle(shuffled)
+    assert client_shard(7, 100, 100, pool, seed=0) == client_shard(7, 100, 100, shuffled, seed=0)
+
+
+def test_shards_cover_the_pool_evenly_and_stay_inside_it():
+    pool = list(range(64, 1000))
+    shards = [client_shard(c, 100, 100, pool, seed=0) for c in range(100)]
+    assert all(len(s) == 100 and len(set(s)) == 100 and set(s) <= set(pool) for s in shards)
+    assert set().union(*map(set, shards)) == set(pool)
+    assert shards[0] != shards[1]
