@@ -8,6 +8,7 @@ from envs.base import Env
 
 _ENGINES = {
     "shop": "envs.shop.env:ShopEnv",
+    "alfworld": "envs.alfworld.env:AlfworldEnv",
 }
 
 

@@ -1,0 +1,126 @@
+"""The Flower ClientApp: a thin, stateless adapter in front of the lane's trainer service.
+
+It turns each Message into a fit / evaluate / init request for the trainer service of its GPU
+lane (`client_app.lane`). Weights travel as fp32 safetensors shards (fl_app.transport): inline
+in the Message for small models, by a manifest-pinned reference into the run directory's
+weight store otherwise. Nothing heavy lives here: in deployment this process exists for one
+message only.
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from client_app.lane import LaneService
+from fl_app.config import Config, load_config
+from fl_app.rundir import RunDir
+from fl_app.store import DirStore
+from fl_app.transport import WeightsRef, receive_manifest, receive_weights, send_stored
+from fl_app.weights import save_shards
+
+app = ClientApp()
+
+
+@dataclass
+class _Node:
+    cfg: Config
+    rd: RunDir
+    store: DirStore
+    lane: LaneService
+
+    @property
+    def shard_bytes(self) -> int:
+        return int(self.cfg.run.shard_max_mb * 2**20)
+
+    @property
+    def inline_bytes(self) -> int:
+        return int(self.cfg.run.inline_max_mb * 2**20)
+
+
+def _node(context: Context) -> _Node:
+    run_config = dict(context.run_config)
+    cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
+    rd = RunDir(cfg.resolved_run_dir())
+    store = DirStore(rd.path, int(cfg.run.shard_max_mb * 2**20))
+    return _Node(cfg, rd, store, LaneService(context.run_id, run_config, log_dir=rd.path / "logs"))
+
+
+def _weights_dir(node: _Node, msg: Message, scratch: Path) -> Path:
+    """A weights dir holding the message's global model: the store entry itself, or a spill
+    of the inline arrays into `scratch`."""
+    ref = WeightsRef.from_config(msg.content["config"])
+    if not ref.inline:
+        return receive_manifest(ref, node.store).root
+    shutil.rmtree(scratch, ignore_errors=True)
+    save_shards(receive_weights(ref, msg.content["arrays"], None), scratch, node.shard_bytes)
+    return scratch
+
+
+def _reply(msg: Message, node: _Node, out: Path, metrics: dict[str, Any], config: dict[str, Any]) -> Message:
+    ref, arrays = send_stored(node.store, node.rd.store_key(out), node.inline_bytes)
+    if ref.inline:
+        shutil.rmtree(out, ignore_errors=True)
+    content = RecordDict({"arrays": arrays, "config": ConfigRecord({**ref.to_config(), **config})})
+    if metrics:
+        content["metrics"] = MetricRecord(metrics)
+    return Message(content=content, reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    node = _node(context)
+    conf = msg.content["config"]
+    rnd, cid = int(conf["server-round"]), int(conf["client-id"])
+    base = node.rd.client_dir(rnd, cid)
+    shutil.rmtree(base, ignore_errors=True)  # a dead attempt's leftovers are never reused
+    w_in = _weights_dir(node, msg, base / "global")
+    out = base / "actor"
+    reply = node.lane.request("/fit", {
+        "run_id": context.run_id, "round": rnd, "client_id": cid, "local_epochs": int(conf["local-epochs"]),
+        "seed": int(conf["seed"]), "proximal_mu": float(conf.get("proximal-mu", 0.0)),
+        "weights_in": str(w_in), "weights_out": str(out)})
+    if w_in == base / "global":
+        shutil.rmtree(w_in)
+    metrics = {k: float(v) for k, v in reply["metrics"].items()}
+    metrics["num-examples"] = int(reply["num_examples"])
+    return _reply(msg, node, out, metrics, {"client-id": cid})
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    node = _node(context)
+    rnd = int(msg.content["config"]["server-round"])
+    scratch = node.rd.path / "scratch" / f"eval-{rnd:04d}"
+    w_in = _weights_dir(node, msg, scratch)
+    reply = node.lane.request("/evaluate", {"run_id": context.run_id, "round": rnd,
+                                            "seed": int(msg.content["config"]["seed"]), "weights_in": str(w_in)})
+    shutil.rmtree(scratch, ignore_errors=True)
+    metrics = {k: float(v) for k, v in reply["metrics"].items()}
+    metrics["num-examples"] = int(reply["num_examples"])
+    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+@app.query("init")
+def init_weights(msg: Message, context: Context) -> Message:
+    """Export the lane's freshly built model as round 0: the server never loads the model."""
+    node = _node(context)
+    out = node.rd.path / "scratch" / "init"
+    shutil.rmtree(out, ignore_errors=True)
+    reply = node.lane.request("/init", {"run_id": context.run_id, "weights_out": str(out)})
+    return _reply(msg, node, out, {}, {"fits": int(reply["fits"]), "lane": node.lane.lane})
+
+
+@app.query("shutdown")
+def shutdown(msg: Message, context: Context) -> Message:
+    """End of run: stop this lane's trainer service and report what it served."""
+    node = _node(context)
+    h = node.lane.health() or {}
+    stopped = node.lane.shutdown()
+    return Message(content=RecordDict({"metrics": MetricRecord({
+        "stopped": int(stopped), "fits": int(h.get("fits", 0)), "evals": int(h.get("evals", 0)),
+        "rss_mb": float(h.get("rss_mb", 0.0))})}), reply_to=msg)

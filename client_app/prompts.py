@@ -1,0 +1,98 @@
+"""Windowed prompts: what the policy sees each turn, and how its reply becomes an action.
+
+One prompt per turn (verl-agent's windowed mode, invariant 15): the task, the last
+`history_length` (observation, action) turns, the current observation and the admissible
+actions. The message layout is fixed so truncation can be structural:
+
+    [system]     SYSTEM_PROMPT
+    [user]       Observation: <older observation>      } one pair per history turn,
+    [assistant]  <action taken there>                  } oldest first
+    ...
+    [user]       Task: <instruction>
+                 Observation: <current observation>
+                 Your admissible actions of the current situation are: ['a', 'b'].
+
+The task sits in the last message, so the oldest history can be dropped without losing it.
+`prompt_ids` is the ONE function that turns messages into token ids, for generation and for
+training alike, so the context a policy acted on is exactly the context it is trained on.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+SYSTEM_PROMPT = (
+    "You are a shopping agent in a web shop. Reply with exactly one action, "
+    "chosen from the admissible actions."
+)
+
+# End-of-turn markers a decoded generation may still carry (ChatML, Qwen base, Llama 3, SentencePiece).
+END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
+
+
+def build_messages(instruction: str, history: list[tuple[str, str]], observation: str,
+                   valid_actions: list[str], history_length: int) -> list[dict[str, str]]:
+    """Chat messages for one turn; `history` is every earlier (observation, action) of the episode."""
+    window = history[-history_length:] if history_length > 0 else []
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for past_obs, past_action in window:
+        messages.append({"role": "user", "content": f"Observation: {past_obs}"})
+        messages.append({"role": "assistant", "content": response_text(past_action)})
+    actions = ", ".join(f"'{a}'" for a in valid_actions)
+    messages.append({"role": "user", "content": (
+        f"Task: {instruction}\n"
+        f"Observation: {observation}\n"
+        f"Your admissible actions of the current situation are: [{actions}]."
+    )})
+    return messages
+
+
+def _render_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The template already wrote every special token it wants; never let the tokenizer add more.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict[str, str]], max_prompt_tokens: int) -> list[int]:
+    """Token ids of the generation prompt, at most `max_prompt_tokens` long.
+
+    Too long: drop the oldest history turn (a user/assistant pair after the system message)
+    until it fits or no history is left, then keep the last `max_prompt_tokens` ids.
+    Use this for generation AND for building the training row (invariant 15).
+    """
+    if max_prompt_tokens <= 0:
+        raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
+    msgs = list(messages)
+    ids = _render_ids(tokenizer, msgs)
+    while len(ids) > max_prompt_tokens and len(msgs) >= 4:
+        msgs = msgs[:1] + msgs[3:]
+        ids = _render_ids(tokenizer, msgs)
+    return ids[-max_prompt_tokens:]
+
+
+def response_text(action: str) -> str:
+    """What the model is trained to emit for `action`; the tokenizer's eos ends the turn."""
+    return action
+
+
+def response_ids(tokenizer: Any, action: str) -> list[int]:
+    """Token ids of a demonstrated reply: `response_text(action)` followed by eos."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has no eos token; set eos_token (e.g. <|im_end|>) so replies can end")
+    return list(tokenizer(response_text(action), add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+
+
+def parse_action(text: str) -> str:
+    """The action in a generated reply.
+
+    Cut at the first end-of-turn marker; if `<action>` is present keep only what follows it, up
+    to `</action>`; then take the first non-empty line, stripped. "" means nothing usable.
+    """
+    for marker in END_MARKERS:
+        text = text.split(marker, 1)[0]
+    start = text.find("<action>")
+    if start >= 0:
+        text = text[start + len("<action>"):].split("</action>", 1)[0]
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""

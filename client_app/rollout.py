@@ -1,0 +1,345 @@
+"""Batched multi-turn rollouts against env-service sessions, and the rows they train on.
+
+One call plays a set of episodes together: every turn, all live episodes are generated in one
+left-padded `model.generate` batch (KV cache) and stepped in one `step_batch` request, so the
+cost of a turn is one forward pass per generated token and one HTTP round trip, whatever the
+number of episodes.
+
+Task addressing (envs/base.py): an episode is reset with the env task index as its seed, so the
+served task is a pure function of that index; a GRPO group is `group_size` episodes of one task,
+and the served `task_id`s are checked per group before any token is generated (invariant 9).
+
+Training rows are windowed (verl-agent, invariant 15): one row per turn, holding exactly the
+prompt ids the policy generated from and the ids it generated, plus its episode's scalar score.
+The invalid-action penalty enters that score only (`training_rows`); validation reads the raw
+env reward (invariant 10).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from client_app.prompts import build_messages, parse_action, prompt_ids
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed that is a pure function of `parts` (sha256: stable across processes and
+    machines, unlike Python's salted `hash`)."""
+    digest = hashlib.sha256(repr(tuple(parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def row_seed(seed: int, round: int, client: int, epoch: int, index: int) -> int:
+    """Seed of training row `index` of local epoch `epoch` (invariant 8)."""
+    return derive_seed("row", seed, round, client, epoch, index)
+
+
+def draw_tasks(shard: Sequence[int], n: int, seed: int, round: int, client: int, epoch: int) -> list[int]:
+    """`n` task indices from `shard` for one local epoch, fresh every epoch (invariant 8).
+
+    Shard position j gets the key `row_seed(seed, round, client, epoch, j)`; the draw is the
+    shard ordered by key, so it is a pure function of the tuple, has no repeats while
+    n <= len(shard), and cycles through the shard again when n is larger.
+    """
+    if not shard:
+        raise ValueError("the client's task shard is empty; FitRequest.task_indices must list at least one task")
+    ranked = sorted(range(len(shard)), key=lambda j: row_seed(seed, round, client, epoch, j))
+    return [int(shard[ranked[i % len(shard)]]) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """One episode to play: the env task index (its reset seed) and its GRPO group."""
+
+    task_index: int
+    group: int
+
+
+def group_specs(tasks: Sequence[int], group_size: int) -> list[EpisodeSpec]:
+    """`group_size` episodes of each task; group g = tasks[g]."""
+    return [EpisodeSpec(int(t), g) for g, t in enumerate(tasks) for _ in range(group_size)]
+
+
+@dataclass
+class Turn:
+    observation: str             # the state the action was taken in ...
+    valid_actions: list[str]     # ... and what was admissible there
+    prompt_ids: list[int]        # the exact context the response was generated from
+    response_ids: list[int]      # generated ids, ending at (and including) eos when one was emitted
+    action: str                  # what was sent to the env ("" when nothing parseable was generated)
+    valid_action: bool           # the env accepted the action in that state
+
+
+@dataclass
+class Episode:
+    spec: EpisodeSpec
+    task_id: str                 # served task identity (from the env's reset info)
+    instruction: str
+    turns: list[Turn] = field(default_factory=list)
+    reward: float = 0.0          # env return (sum of step rewards), never penalised
+    won: bool = False
+    done: bool = False           # False when the episode ran out of turns
+
+    @property
+    def invalid_actions(self) -> int:
+        return sum(not t.valid_action for t in self.turns)
+
+
+@dataclass
+class RolloutStats:
+    generate_s: float = 0.0
+    env_s: float = 0.0
+    tokens: int = 0              # generated tokens
+    steps: int = 0               # env steps (turns over all episodes)
+    wall_s: float = 0.0
+
+    def as_metrics(self, prefix: str) -> dict[str, float]:
+        return {
+            f"{prefix}generate_s": self.generate_s,
+            f"{prefix}env_s": self.env_s,
+            f"{prefix}tokens": float(self.tokens),
+            f"{prefix}steps": float(self.steps),
+            f"{prefix}tokens_per_s": self.tokens / max(self.generate_s, 1e-9),
+            f"{prefix}steps_per_s": self.steps / max(self.wall_s, 1e-9),
+        }
+
+
+class _VocabLimit(LogitsProcessor):
+    """Mask ids the tokenizer cannot decode (embedding rows padded beyond the vocabulary)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores[:, self.size:] = -float("inf")
+        return scores
+
+
+class BatchedGenerator:
+    """Left-padded batched sampling with `model.generate` (KV cache).
+
+    Sampling is from the full tempered distribution over the tokenizer's ids (top-k/top-p off;
+    `vocab_size` cuts padded embedding rows, as the trainer's log-probs do), so the training
+    log-probabilities (same temperature) describe the policy that acted. Randomness comes from
+    a per-call seed applied inside `torch.random.fork_rng`, so the process-global RNG is left
+    as it was. `max_batch` splits a call into sequential batches (1 = a per-sequence loop).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, max_new_tokens: int, autocast_dtype: torch.dtype | None = None,
+                 max_batch: int | None = None) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.autocast_dtype = autocast_dtype
+        self.max_batch = max_batch
+        self.device = next(model.parameters()).device
+        eos = model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        if not eos_ids:
+            raise ValueError("neither the model's generation_config nor the tokenizer defines an eos token; "
+                             "set tokenizer.eos_token so generated turns can end")
+        self.eos_ids = sorted(eos_ids)
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
+        self.vocab_size = len(tokenizer)
+        rows = model.get_output_embeddings().weight.shape[0]
+        if rows < self.vocab_size:
+            raise ValueError(f"the model's output layer has {rows} rows but the tokenizer has {self.vocab_size} "
+                             "tokens; model and tokenizer do not belong together")
+        self._limit = LogitsProcessorList([_VocabLimit(self.vocab_size)] if rows > self.vocab_size else [])
+
+    def generate(self, prompts: Sequence[Sequence[int]], temperature: float, seed: int) -> list[list[int]]:
+        """Response ids per prompt, cut after the first eos (greedy when temperature == 0)."""
+        step = self.max_batch or len(prompts)
+        out: list[list[int]] = []
+        for start in range(0, len(prompts), step):
+            out.extend(self._generate_batch(prompts[start:start + step], temperature, derive_seed(seed, start)))
+        return out
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: Sequence[Sequence[int]], temperature: float, seed: int) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
+            else dict(do_sample=False)
+        devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+            if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), autocast(self.device, self.autocast_dtype):
+            torch.manual_seed(seed)
+            seqs = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                max_new_tokens=self.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
+                use_cache=True, logits_processor=self._limit, **sampling)
+        return [_cut_at_eos(row, self.eos_ids) for row in seqs[:, width:].tolist()]
+
+
+def _cut_at_eos(ids: list[int], eos_ids: Sequence[int]) -> list[int]:
+    for k, t in enumerate(ids):
+        if t in eos_ids:
+            return ids[:k + 1]
+    return ids
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """bf16 autocast on CUDA (fp32 master weights stay fp32); a no-op context otherwise."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    max_turns: int
+    history_length: int
+    max_prompt_tokens: int
+
+
+def check_groups(episodes: Sequence[Episode]) -> None:
+    """Every episode of a GRPO group must have been served the same task (invariant 9)."""
+    served: dict[int, str] = {}
+    for ep in episodes:
+        first = served.setdefault(ep.spec.group, ep.task_id)
+        if first != ep.task_id:
+            raise RuntimeError(
+                f"GRPO group {ep.spec.group} was served different tasks ({first!r} and {ep.task_id!r}, "
+                f"task index {ep.spec.task_index}); group advantages would compare unrelated tasks. "
+                "Check that the env service maps reset seeds to tasks deterministically (envs/base.py)")
+
+
+def _checked(results: list[dict], verb: str, sids: Sequence[str]) -> list[dict]:
+    """Batched verbs answer per item; an item error is a bug or a lost session: fail loudly."""
+    for sid, res in zip(sids, results):
+        if "error" in res:
+            raise RuntimeError(f"env service {verb} failed for session {sid!r}: {res['error']}")
+    return results
+
+
+def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeSpec], settings: RolloutSettings,
+                 temperature: float, seed: int, max_sessions: int, desc: str = "rollout",
+                 ) -> tuple[list[Episode], RolloutStats]:
+    """Play `specs` to the end (done or `settings.max_turns`) on env-service sessions.
+
+    `env` is an `envs.client.SyncEnvClient`. At most `max_sessions` sessions are held (the
+    service's pool blocks /create beyond its size); a session whose episode ends is reset with
+    the next pending spec, so the generation batch stays full. Sessions are closed on every
+    path. Decoding seed of the c-th generate call: `derive_seed(seed, c)`.
+    """
+    if max_sessions < 1:
+        raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+    stats = RolloutStats()
+    t_start = time.perf_counter()
+    slots = [f"ro-{uuid.uuid4().hex[:12]}-{k}" for k in range(min(max_sessions, len(specs)))]
+    episodes: list[Episode] = []
+    pending = iter(range(len(specs)))
+    # per busy slot: (episode index, observation, valid actions, windowed history)
+    busy: dict[int, tuple[int, str, list[str], list[tuple[str, str]]]] = {}
+    tok = generator.tokenizer
+
+    def start(free: list[int]) -> None:
+        pairs = list(zip(free, pending))
+        if not pairs:
+            return
+        t0 = time.perf_counter()
+        items = [(slots[k], specs[i].task_index) for k, i in pairs]
+        resets = _checked(env.reset_batch(items), "reset", [sid for sid, _ in items])
+        stats.env_s += time.perf_counter() - t0
+        for (k, i), r in zip(pairs, resets):
+            info = r["info"]
+            episodes.append(Episode(specs[i], str(info["task_id"]), str(info["instruction"])))
+            busy[k] = (len(episodes) - 1, r["observation"], list(info["valid_actions"]), [])
+        check_groups(episodes)
+
+    t0 = time.perf_counter()
+    env.create_many(slots)
+    stats.env_s += time.perf_counter() - t0
+    try:
+        with tqdm(total=len(specs), desc=desc, unit="ep", disable=None, leave=False) as bar:
+            start(list(range(len(slots))))
+            calls = 0
+            while busy:
+                live = sorted(busy)
+                prompts = [prompt_ids(tok, build_messages(episodes[busy[k][0]].instruction, busy[k][3], busy[k][1],
+                                                          busy[k][2], settings.history_length),
+                                      settings.max_prompt_tokens) for k in live]
+                t0 = time.perf_counter()
+                responses = generator.generate(prompts, temperature, derive_seed(seed, calls))
+                calls += 1
+                stats.generate_s += time.perf_counter() - t0
+                stats.tokens += sum(len(r) for r in responses)
+                actions = [parse_action(text) for text in tok.batch_decode(responses, skip_special_tokens=False)]
+                t0 = time.perf_counter()
+                results = _checked(env.step_batch([(slots[k], a) for k, a in zip(live, actions)]), "step",
+                                   [slots[k] for k in live])
+                stats.env_s += time.perf_counter() - t0
+                stats.steps += len(live)
+                freed = []
+                for k, prompt, response, action, res in zip(live, prompts, responses, actions, results):
+                    e, obs, valid, history = busy[k]
+                    ep, info = episodes[e], res["info"]
+                    ep.turns.append(Turn(obs, valid, prompt, response, action, bool(info["valid_action"])))
+                    ep.reward += float(res["reward"])
+                    history.append((obs, action))
+                    if res["done"]:
+                        ep.done, ep.won = True, bool(info["won"])
+                    if ep.done or len(ep.turns) >= settings.max_turns:
+                        del busy[k]
+                        freed.append(k)
+                        bar.update(1)
+                    else:
+                        busy[k] = (e, res["observation"], list(info["valid_actions"]), history)
+                start(freed)
+    finally:
+        t0 = time.perf_counter()
+        env.close_many(slots)
+        stats.env_s += time.perf_counter() - t0
+    stats.wall_s = time.perf_counter() - t_start
+    return episodes, stats            # episodes[i] plays specs[i]: `pending` is consumed in order
+
+
+def training_score(episode: Episode, invalid_action_penalty: float) -> float:
+    """The scalar a TRAINING episode is scored with: env return minus the per-invalid-action
+    penalty. Validation never calls this (invariant 10)."""
+    return episode.reward - invalid_action_penalty * episode.invalid_actions
+
+
+@dataclass(frozen=True)
+class TrainRow:
+    """One windowed turn, trained on exactly the context it was generated from."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    score: float                 # its episode's training score (same on every turn)
+    group: int                   # its episode's GRPO group
+    episode: int                 # index of its episode in the rollout
+
+
+def training_rows(episodes: Sequence[Episode], invalid_action_penalty: float) -> list[TrainRow]:
+    """One row per turn of every episode, carrying the episode's penalised score and group."""
+    rows = []
+    for k, ep in enumerate(episodes):
+        score = training_score(ep, invalid_action_penalty)
+        rows.extend(TrainRow(t.prompt_ids, t.response_ids, score, ep.spec.group, k) for t in ep.turns)
+    return rows
+
+
+def episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float]:
+    """Success, raw reward, turns and invalid-action rate of a set of episodes (unpenalised)."""
+    n = max(len(episodes), 1)
+    turns = sum(len(e.turns) for e in episodes)
+    return {
+        f"{prefix}success": sum(e.won for e in episodes) / n,
+        f"{prefix}reward": sum(e.reward for e in episodes) / n,
+        f"{prefix}turns": turns / n,
+        f"{prefix}invalid_action_rate": sum(e.invalid_actions for e in episodes) / max(turns, 1),
+    }

@@ -1,0 +1,240 @@
+"""The trainer service: one long-lived process per (run, GPU lane) holding the persistent trainer.
+
+Why a service: Flower deployment starts a new ClientApp process for every message, and in
+simulation virtual clients are not pinned to actors. The model, reference model, env service
+and rollout engine must outlive both, so they live here; the ClientApp is a thin adapter
+(`client_app.lane`) that talks to this process over a Unix socket.
+
+Lifecycle: started by the first ClientApp message on its lane; serves requests one at a time;
+exits on `POST /shutdown` (sent when the run ends), after `run.service_idle_timeout_s` without a
+request, or as soon as its owner process (the simulation actor that started it) is gone. It
+belongs to exactly one Flower run: requests naming another run are refused.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import uvicorn
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel
+
+from client_app.trainer.base import EvalRequest, FitRequest, Trainer
+from fl_app.config import Config, load_config
+from envs.registry import make_env
+from fl_app.weights import load_shards, save_shards
+from partitions.uniform import client_shard
+
+log = logging.getLogger("fedagent.service")
+
+
+class FitBody(BaseModel):
+    run_id: int
+    round: int
+    client_id: int
+    local_epochs: int
+    seed: int
+    proximal_mu: float = 0.0
+    weights_in: str           # manifest directory of the global weights
+    weights_out: str          # directory to write this client's fp32 shards into
+
+
+class EvalBody(BaseModel):
+    run_id: int
+    round: int
+    seed: int
+    weights_in: str
+
+
+class InitBody(BaseModel):
+    run_id: int
+    weights_out: str
+
+
+def rss_mb() -> float:
+    return psutil.Process().memory_info().rss / 2**20
+
+
+class TrainerService:
+    """Owns the trainer and the node's env service; serialises every request."""
+
+    def __init__(self, cfg: Config, run_id: int, lane: str) -> None:
+        self.cfg, self.run_id, self.lane = cfg, run_id, lane
+        self.lock = threading.Lock()
+        self.last_request = time.monotonic()
+        self.fits = 0
+        self.evals = 0
+        self._stack = contextlib.ExitStack()
+        self.trainer: Trainer | None = None
+        self.env_url = ""
+
+    def start(self) -> None:
+        """Start the env service and build the trainer (the slow, once-per-lane part)."""
+        from client_app.trainer.builtin import BuiltinTrainer
+        from envs.service import serve_in_subprocess
+
+        env = self.cfg.env
+        self.env_url = self._stack.enter_context(serve_in_subprocess(env.name, env.pool_size, env.params))
+        probe = make_env(env.name, **env.params)
+        self.num_tasks, self.val_size = probe.num_tasks, probe.val_size
+        if self.cfg.federation.val_tasks > self.val_size:
+            raise ValueError(f"federation.val_tasks={self.cfg.federation.val_tasks} exceeds the env's validation "
+                             f"split ({self.val_size} tasks); lower val_tasks or raise env.params.val_size")
+        self.trainer = BuiltinTrainer(self.cfg, self.env_url)
+        self._stack.callback(self.trainer.close)
+
+    def shard(self, client_id: int) -> list[int]:
+        """This client's training tasks: every lane recomputes the same global assignment."""
+        f = self.cfg.federation
+        return client_shard(client_id, f.clients, f.tasks_per_client,
+                            range(self.val_size, self.num_tasks), self.cfg.run.seed)
+
+    def save(self, out_dir: Path) -> Any:
+        assert self.trainer is not None
+        return save_shards(self.trainer.export_weights(), out_dir, int(self.cfg.run.shard_max_mb * 2**20))
+
+    def init(self, body: InitBody) -> dict[str, Any]:
+        """Export the initial weights (before any load): the run's round 0."""
+        self._check_run(body.run_id)
+        with self.lock:
+            if self.fits or self.evals:
+                raise HTTPException(409, "initial weights requested after the trainer already loaded others")
+            self.save(Path(body.weights_out))
+            return {"fits": self.fits}
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def _check_run(self, run_id: int) -> None:
+        if run_id != self.run_id:
+            raise HTTPException(409, f"this trainer service belongs to run {self.run_id}, not run {run_id}")
+
+    def fit(self, body: FitBody) -> dict[str, Any]:
+        self._check_run(body.run_id)
+        assert self.trainer is not None
+        with self.lock:
+            self.last_request = time.monotonic()
+            t0 = time.perf_counter()
+            self.trainer.load_weights(load_shards(Path(body.weights_in)))
+            t_load = time.perf_counter() - t0
+            res = self.trainer.fit(FitRequest(
+                round=body.round, client_id=body.client_id, task_indices=self.shard(body.client_id),
+                local_epochs=body.local_epochs, seed=body.seed, proximal_mu=body.proximal_mu))
+            t1 = time.perf_counter()
+            manifest = self.save(Path(body.weights_out))
+            t_export = time.perf_counter() - t1
+            self.fits += 1
+            metrics = dict(res.metrics)
+            metrics.update({
+                "load_s": t_load, "export_s": t_export, "fit_total_s": time.perf_counter() - t0,
+                "service_fits": float(self.fits), "service_rss_mb": rss_mb(),
+                "bytes_in": float(_dir_bytes(Path(body.weights_in))), "bytes_out": float(manifest.total_bytes),
+            })
+            self.last_request = time.monotonic()
+            return {"num_examples": res.num_examples, "metrics": metrics}
+
+    def evaluate(self, body: EvalBody) -> dict[str, Any]:
+        self._check_run(body.run_id)
+        assert self.trainer is not None
+        with self.lock:
+            self.last_request = time.monotonic()
+            self.trainer.load_weights(load_shards(Path(body.weights_in)))
+            res = self.trainer.evaluate(EvalRequest(task_indices=list(range(self.cfg.federation.val_tasks)), seed=body.seed))
+            self.evals += 1
+            self.last_request = time.monotonic()
+            return {"num_examples": res.num_examples, "metrics": dict(res.metrics)}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def create_app(svc: TrainerService, stop: threading.Event) -> FastAPI:
+    app = FastAPI(title="fedagent trainer service")
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"ok": True, "run_id": svc.run_id, "lane": svc.lane, "pid": os.getpid(),
+                "fits": svc.fits, "evals": svc.evals, "rss_mb": rss_mb()}
+
+    @app.post("/fit")
+    def fit(body: FitBody) -> dict[str, Any]:
+        return svc.fit(body)
+
+    @app.post("/evaluate")
+    def evaluate(body: EvalBody) -> dict[str, Any]:
+        return svc.evaluate(body)
+
+    @app.post("/init")
+    def init(body: InitBody) -> dict[str, Any]:
+        return svc.init(body)
+
+    @app.post("/shutdown")
+    def shutdown() -> dict[str, Any]:
+        stop.set()
+        return {"ok": True, "fits": svc.fits}
+
+    return app
+
+
+def _watchdog(svc: TrainerService, server: uvicorn.Server, stop: threading.Event,
+              owner_pid: int, idle_timeout_s: float) -> None:
+    """Stop the server when asked, when idle too long, or when the owner process is gone."""
+    while not server.should_exit:
+        if stop.wait(1.0):
+            log.info("shutdown requested")
+            break
+        if owner_pid and not psutil.pid_exists(owner_pid):
+            log.info("owner process %d is gone; exiting", owner_pid)
+            break
+        idle = time.monotonic() - svc.last_request
+        if idle > idle_timeout_s and not svc.lock.locked():
+            log.info("idle for %.0f s; exiting", idle)
+            break
+    server.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Per-lane trainer service (started by the ClientApp).")
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--run-id", type=int, required=True)
+    ap.add_argument("--lane", required=True)
+    ap.add_argument("--run-config", required=True, help="the Flower run config as JSON")
+    ap.add_argument("--owner-pid", type=int, default=0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s service[%(process)d] %(message)s")
+
+    run_config = json.loads(args.run_config)
+    cfg = load_config(run_config.get("recipe") or "tiny-shop-grpo", overrides=run_config)
+    svc = TrainerService(cfg, args.run_id, args.lane)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    sock = Path(args.socket)
+    try:
+        svc.start()
+        sock.unlink(missing_ok=True)
+        server = uvicorn.Server(uvicorn.Config(create_app(svc, stop), uds=str(sock), log_level="warning",
+                                               timeout_keep_alive=600))
+        threading.Thread(target=_watchdog, daemon=True,
+                         args=(svc, server, stop, args.owner_pid, cfg.run.service_idle_timeout_s)).start()
+        log.info("serving run %d lane %s on %s", args.run_id, args.lane, sock)
+        server.run()
+    finally:
+        svc.close()
+        sock.unlink(missing_ok=True)
+        log.info("stopped after %d fits, %d evaluations", svc.fits, svc.evals)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""The embedded default model: a tiny Qwen2 policy built locally and warm-started on the shop.
+
+No model hub is reachable, yet `flwr run .` must train something real on a fresh machine. So
+`model.path: tiny` builds, once per config and cached on disk, an ordinary Hugging Face model
+directory:
+
+1. expert episodes are played in-process on TRAINING tasks (never the validation tasks
+   `[0, val_size)`), every turn rendered with the same windowed prompts the RL loop uses;
+   a seeded fraction `sft_noise` of the demonstrated actions is replaced by a random valid
+   action (and played), so the warm start is imperfect and RL has room to improve it;
+2. a byte-level BPE tokenizer is trained on that text, with ChatML special tokens and template;
+3. a Qwen2-architecture causal LM is initialised from a local torch.Generator;
+4. it is fine-tuned on (prompt, reply) pairs with the loss on the reply tokens only.
+
+The build is a pure function of the config (`seed` included): two builds give identical
+safetensors bytes. `load_causal_lm` is the one loader for tiny and real model directories.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from client_app import prompts
+from envs.registry import make_env
+from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg
+
+log = logging.getLogger(__name__)
+
+# Bump when a change to this module changes what gets built, so stale caches are not reused.
+CODE_VERSION = "tiny-model-1"
+
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# An admissible entry whose argument is a <placeholder> (`search[<your query>]`) is a template.
+PLACEHOLDER = re.compile(r"\[<[^\]]*>\]$")
+
+MLP_RATIO = 4              # intermediate_size = MLP_RATIO * hidden_size
+INIT_STD = 0.02            # normal init of every matrix (Qwen2's initializer_range)
+SFT_LR = 3e-3              # AdamW peak LR, linear warmup then linear decay to 0
+SFT_BATCH = 16             # (prompt, reply) rows per optimizer step
+SFT_WARMUP_FRACTION = 0.05
+COPY_STEPS = 600          # copy warm-up steps before SFT (see `copy_warmup`)
+COPY_BATCH = 32
+BUILD_THREADS = 4          # torch intra-op threads during the build (capped by the CPU count)
+
+
+class ModelDirError(ValueError):
+    """A model directory cannot be used as a policy; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Demo:
+    """One demonstrated turn: the windowed prompt and the action the policy should emit."""
+
+    task: int                          # env task index the episode played
+    messages: list[dict[str, str]]
+    action: str                        # what the policy is trained to emit (and was played)
+    expert: str                        # the oracle's action in that state (== action unless noised)
+
+
+# ----------------------------------------------------------------------------- cache
+
+def cache_key(tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_cfg: RolloutCfg) -> str:
+    """sha256 over everything the built weights depend on (not where the cache lives)."""
+    payload = {
+        "code": CODE_VERSION,
+        "tiny": tiny_cfg.model_dump(mode="json", exclude={"cache_dir"}),
+        "env": {"name": env_cfg.name, "params": env_cfg.params, "max_turns": env_cfg.max_turns},
+        "rollout": rollout_cfg.model_dump(
+            mode="json", include={"mode", "history_length", "max_prompt_tokens", "max_response_tokens"}),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def tiny_model_dir(tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_cfg: RolloutCfg) -> Path:
+    return Path(tiny_cfg.cache_dir).expanduser() / cache_key(tiny_cfg, env_cfg, rollout_cfg)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive lock across processes, so concurrent first runs build once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def build_tiny_model(tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_cfg: RolloutCfg) -> Path:
+    """The cached tiny model directory for this config; builds it on first use."""
+    final = tiny_model_dir(tiny_cfg, env_cfg, rollout_cfg)
+    if (final / "config.json").exists():
+        log.info("tiny model: cached at %s", final)
+        return final
+    with _file_lock(final.parent / f"{final.name}.lock"):
+        if (final / "config.json").exists():       # another process built it while we waited
+            log.info("tiny model: cached at %s", final)
+            return final
+        t0 = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name[:16]}.building-", dir=final.parent))
+        try:
+            build_into(tmp, tiny_cfg, env_cfg, rollout_cfg)
+            os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+    log.info("tiny model: built in %.0f s -> %s", time.perf_counter() - t0, final)
+    return final
+
+
+# ----------------------------------------------------------------------------- build steps
+
+def build_into(out_dir: Path, tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_cfg: RolloutCfg) -> None:
+    """Build the model directory in `out_dir` (no caching; `build_tiny_model` wraps this)."""
+    with _build_torch_settings():
+        demos = collect_demonstrations(env_cfg, rollout_cfg.history_length, tiny_cfg.sft_episodes,
+                                       tiny_cfg.sft_noise, tiny_cfg.seed)
+        tokenizer = train_tokenizer(_tokenizer_corpus(demos), tiny_cfg.vocab_size)
+        max_positions = rollout_cfg.max_prompt_tokens + rollout_cfg.max_response_tokens
+        model = init_model(tiny_cfg, tokenizer, max_positions)
+        rows = [(prompts.prompt_ids(tokenizer, d.messages, rollout_cfg.max_prompt_tokens),
+                 prompts.response_ids(tokenizer, d.action)[:rollout_cfg.max_response_tokens]) for d in demos]
+        copy_warmup(model, rows, COPY_STEPS, tiny_cfg.seed)
+        final_loss = supervised_finetune(model, rows, tiny_cfg.sft_epochs, tiny_cfg.seed)
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        (out_dir / "tiny_model.json").write_text(json.dumps({
+            "code_version": CODE_VERSION,
+            "tiny": tiny_cfg.model_dump(mode="json", exclude={"cache_dir"}),
+            "env": env_cfg.model_dump(mode="json"),
+            "history_length": rollout_cfg.history_length,
+            "max_prompt_tokens": rollout_cfg.max_prompt_tokens,
+            "demonstrations": len(rows),
+            "sft_final_loss": round(final_loss, 6),
+        }, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def _build_torch_settings() -> Iterator[None]:
+    """Deterministic CPU kernels and a bounded thread count, restored afterwards."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(max(1, min(BUILD_THREADS, os.cpu_count() or 1)))
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def collect_demonstrations(env_cfg: EnvCfg, history_length: int, episodes: int, noise: float,
+                           seed: int) -> list[Demo]:
+    """Windowed (prompt, action) turns of the expert on training tasks, a `noise` fraction randomised.
+
+    A randomised action is also the one played, so the expert's recoveries are demonstrated too.
+    Template entries such as `search[<your query>]` are never drawn as the random action.
+    """
+    env = make_env(env_cfg.name, **env_cfg.params)
+    if env.num_tasks <= env.val_size:
+        raise ValueError(f"env has {env.num_tasks} tasks and val_size={env.val_size}: no training task "
+                         "is left for the SFT warm start; raise the task count or lower val_size")
+    rng = random.Random(f"tiny-sft-{seed}")
+    demos: list[Demo] = []
+    for _ in range(episodes):
+        task = rng.randrange(env.val_size, env.num_tasks)
+        obs, info = env.reset(task)
+        history: list[tuple[str, str]] = []
+        for _turn in range(env_cfg.max_turns):
+            expert = action = env.expert_action()
+            others = [a for a in info["valid_actions"] if a != expert and not PLACEHOLDER.search(a)]
+            if others and rng.random() < noise:
+                action = rng.choice(others)
+            messages = prompts.build_messages(info["instruction"], history, obs, info["valid_actions"],
+                                              history_length)
+            demos.append(Demo(task, messages, action, expert))
+            history.append((obs, action))
+            obs, _reward, done, info = env.step(action)
+            if done:
+                break
+    return demos
+
+
+def _tokenizer_corpus(demos: list[Demo]) -> list[str]:
+    """The texts of the demonstrations, in a fixed order; history repeats earlier current turns,
+    so each turn's last message (plus the system prompt and the reply) covers them at the right frequency."""
+    texts = []
+    for d in demos:
+        texts += [d.messages[0]["content"], d.messages[-1]["content"], prompts.response_text(d.action)]
+    return texts
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE on `texts`, wrapped as a transformers tokenizer with ChatML tokens and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, IM_START, IM_END],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=IM_END, pad_token=PAD,
+                                        extra_special_tokens=[IM_START], model_max_length=1 << 20)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def init_model(tiny_cfg: TinyModelCfg, tokenizer, max_positions: int):
+    """A Qwen2 causal LM with every weight drawn from a local generator seeded by `tiny_cfg.seed`."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if tiny_cfg.hidden_size % tiny_cfg.heads or tiny_cfg.heads % 2:
+        raise ValueError(f"tiny model: hidden_size={tiny_cfg.hidden_size} must be divisible by heads="
+                         f"{tiny_cfg.heads}, and heads must be even (KV heads = heads / 2)")
+    eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=tiny_cfg.hidden_size,
+        intermediate_size=MLP_RATIO * tiny_cfg.hidden_size, num_hidden_layers=tiny_cfg.layers,
+        num_attention_heads=tiny_cfg.heads, num_key_value_heads=tiny_cfg.heads // 2,
+        max_position_embeddings=max_positions, tie_word_embeddings=True, initializer_range=INIT_STD,
+        bos_token_id=None, eos_token_id=eos, pad_token_id=pad, use_cache=True, dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):   # transformers' own init draws from the global RNG
+        model = Qwen2ForCausalLM(config)
+    gen = torch.Generator().manual_seed(tiny_cfg.seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+    return model.float()
+
+
+def supervised_finetune(model, rows: list[tuple[list[int], list[int]]], epochs: int, seed: int) -> float:
+    """Cross-entropy on reply tokens only; seeded data order. Returns the last epoch's mean loss."""
+    if not rows or epochs == 0:
+        return float("nan")
+    gen = torch.Generator().manual_seed(seed + 1)
+    steps = epochs * math.ceil(len(rows) / SFT_BATCH)
+    warmup = max(1, int(SFT_WARMUP_FRACTION * steps))
+    opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup))))
+    pad, device = model.config.pad_token_id, next(model.parameters()).device
+    model.train()
+    epoch_loss = float("nan")
+    for _epoch in range(epochs):
+        total, count = 0.0, 0
+        for batch in _length_bucketed_batches(rows, gen):
+            ids, mask, targets = (t.to(device) for t in sft_batch([rows[i] for i in batch], pad))
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            picked = targets != -100
+            loss = F.cross_entropy(model.lm_head(hidden[picked]), targets[picked])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            total, count = total + loss.item() * len(batch), count + len(batch)
+        epoch_loss = total / count
+        log.info("tiny model: SFT epoch %d/%d loss %.4f", _epoch + 1, epochs, epoch_loss)
+    model.eval()
+    return epoch_loss
+
+
+def copy_warmup(model, rows: list[tuple[list[int], list[int]]], steps: int, seed: int) -> None:
+    """Teach copying before SFT: predict the second half of `span + span` for random spans of
+    the demonstration token stream. Copying (the task into the query, an id from the admissible
+    list into the reply) is what a from-scratch model learns slowest from SFT alone."""
+    if steps == 0:
+        return
+    gen = torch.Generator().manual_seed(seed + 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
+    device = next(model.parameters()).device
+    model.train()
+    for _ in range(steps):
+        k = int(torch.randint(8, 33, (1,), generator=gen))
+        spans = []
+        for r in torch.randint(len(rows), (COPY_BATCH,), generator=gen).tolist():
+            seq = rows[r][0] + rows[r][1]
+            start = int(torch.randint(max(1, len(seq) - k + 1), (1,), generator=gen))
+            span = (seq * k)[start:start + k]          # (seq * k): a reply-only row is still k long
+            spans.append(span + span)
+        x = torch.tensor(spans, device=device)
+        logits = model(input_ids=x).logits[:, k - 1:-1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, k:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    log.info("tiny model: copy warm-up %d steps, last loss %.4f", steps, loss.item())
+
+
+def sft_batch(rows: list[tuple[list[int], list[int]]], pad_id: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, targets); targets are -100 except where the
+    next token is a reply token, so the loss never trains on prompt text."""
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    targets = torch.full((len(rows), width), -100, dtype=torch.long)
+    for k, (prompt, reply) in enumerate(rows):
+        n = len(prompt) + len(reply)
+        ids[k, :n] = torch.tensor(prompt + reply)
+        mask[k, :n] = 1
+        targets[k, len(prompt) - 1:n - 1] = torch.tensor(reply)   # position t predicts token t+1
+    return ids, mask, targets
+
+
+def _length_bucketed_batches(rows: list[tuple[list[int], list[int]]], gen: torch.Generator) -> list[list[int]]:
+    """Seeded shuffle, then batches of similar length (less padding), in a seeded batch order."""
+    order = torch.randperm(len(rows), generator=gen).tolist()
+    chunk = 8 * SFT_BATCH
+    batches = []
+    for start in range(0, len(order), chunk):
+        part = sorted(order[start:start + chunk], key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+        batches += [part[j:j + SFT_BATCH] for j in range(0, len(part), SFT_BATCH)]
+    return [batches[k] for k in torch.randperm(len(batches), generator=gen).tolist()]
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_causal_lm(path: str | Path, device: str | torch.device = "cpu"):
+    """(model, tokenizer) from a local Hugging Face directory, fp32 master weights on `device`.
+
+    Everything is checked before any weight is read, and every failure names the fix.
+    """
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ModelDirError(f"model directory {p} does not exist: set `model.path` to a local Hugging Face "
+                            "model directory, or to `tiny` to build the embedded default model")
+    if not (p / "config.json").is_file():
+        raise ModelDirError(f"{p} has no config.json, so it is not a Hugging Face model directory; "
+                            "fix `model.path`")
+    config = AutoConfig.from_pretrained(p)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelDirError(f"{p} holds a {config.model_type!r} model (architectures "
+                            f"{getattr(config, 'architectures', None)}), not a causal language model; "
+                            "point `model.path` at a causal LM (e.g. Qwen2.5-1.5B-Instruct)")
+    tokenizer = AutoTokenizer.from_pretrained(p)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelDirError(f"the tokenizer in {p} has no chat template, and prompts are built with "
+                            "apply_chat_template; use an instruct/chat model or add `chat_template` "
+                            "to its tokenizer_config.json")
+    if tokenizer.eos_token_id is None:
+        raise ModelDirError(f"the tokenizer in {p} has no eos token, so replies could never end; set "
+                            "`eos_token` in its tokenizer_config.json")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token   # batched generation needs a pad id; masked anyway
+    model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).to(device)
+    model.eval()
+    return model, tokenizer

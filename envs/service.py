@@ -1,0 +1,523 @@
+"""Pooled environment service: any registered engine behind JSON over HTTP (FastAPI + uvicorn).
+
+Why a pool: an engine instance is expensive to build, so the service pre-warms `pool_size` of
+them and every episode (session) borrows one from /create to /close. Two field failures shape
+the bookkeeping (invariant 20):
+  - /create double-borrow: a client retry of a /create that is still parked on an exhausted
+    pool is an *additional* concurrent request (uvicorn does not cancel the first). The session
+    is therefore reserved synchronously, before any await, and a duplicate joins the reservation.
+  - /close leaks: /close is idempotent and always puts the env back, also for a session whose
+    env has not arrived yet (it simply never receives one) or that is mid-step (the env goes back
+    when the step ends, never to a second session while in use).
+Every state change of the pool is plain synchronous code on the event-loop thread, so no await
+can split a check from the action it guards; the conservation check in /info proves it under load.
+
+Step retries are made safe by an optional `turn` (steps taken since reset): a retried step whose
+first attempt already ran replays the stored result instead of advancing the episode twice.
+
+Run: python -m envs.service --env shop --port 23456 [--pool-size K] [--params JSON] [--relocate]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from envs.base import Env, task_order_fingerprint
+from envs.ports import PortError, bind_listener, check_port_allowed, port_is_free
+from envs.registry import make_env
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+READY_PREFIX = "ENV-SERVICE READY "
+
+
+class PoolMismatchError(RuntimeError):
+    """Pool members serve different task orders: a task index would mean different tasks."""
+
+
+class UnknownSession(LookupError):
+    """No such session (HTTP 404)."""
+
+
+class SessionConflict(RuntimeError):
+    """The session exists but cannot take this request now (HTTP 409)."""
+
+
+class EngineRejected(RuntimeError):
+    """The engine refused the request's arguments (HTTP 422), e.g. a filtered-out task."""
+
+
+# ----------------------------------------------------------------------------------- the pool
+
+@dataclasses.dataclass(eq=False)
+class _Session:
+    sid: str
+    env: Env | None = None
+    closed: bool = False
+    turn: int | None = None              # steps since the last reset; None before any reset
+    last_step: tuple[str, dict] | None = None   # (action, result) of step `turn - 1`, for retries
+    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+
+class EnvPool:
+    """Borrow/return bookkeeping for a fixed set of engines.
+
+    Invariant: every engine is in exactly one place: the free list, one live session, or a
+    closed session that is finishing its last engine call (`_returning`). Methods that change
+    that state never await, so they are atomic on the event loop.
+    """
+
+    def __init__(self, envs: list[Env]):
+        self.envs = list(envs)
+        self._free: deque[Env] = deque(self.envs)
+        self._waiting: deque[_Session] = deque()   # FIFO of sessions parked on an empty pool
+        self._returning: list[Env] = []
+        self.sessions: dict[str, _Session] = {}
+
+    def reserve(self, sid: str) -> _Session:
+        """The session for `sid`, created (and handed an env if one is free) if absent."""
+        s = self.sessions.get(sid)
+        if s is None:
+            s = self.sessions[sid] = _Session(sid)
+            if self._free:
+                self._hand(s, self._free.popleft())
+            else:
+                self._waiting.append(s)
+        return s
+
+    async def create(self, sid: str) -> None:
+        s = self.reserve(sid)
+        await s.ready.wait()
+        if s.closed:
+            raise SessionConflict(f"session {sid!r} was closed before a pooled env became free")
+
+    def get(self, sid: str) -> _Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise UnknownSession(f"unknown session {sid!r}: /create it first (or it was closed)")
+        if s.env is None:
+            raise SessionConflict(f"session {sid!r} is still waiting for a pooled env; "
+                                  f"wait for its /create to return before using it")
+        return s
+
+    async def close(self, sid: str) -> None:
+        """Idempotent: unknown or already-closed sessions are a no-op."""
+        s = self.sessions.pop(sid, None)
+        if s is None:
+            return
+        s.closed = True
+        s.ready.set()                       # wakes parked /create duplicates (they report closed)
+        if s.env is None:
+            return                          # still parked: `_give` skips closed sessions
+        env = s.env
+        if not s.lock.locked():
+            self._give(env)
+            return
+        self._returning.append(env)
+        # The env goes back only once the in-flight engine call on it has finished; shielded so
+        # a cancelled /close request cannot strand it.
+        await asyncio.shield(self._return_after_lock(s, env))
+
+    async def _return_after_lock(self, s: _Session, env: Env) -> None:
+        async with s.lock:
+            self._returning.remove(env)
+            self._give(env)
+
+    def _give(self, env: Env) -> None:
+        while self._waiting:
+            s = self._waiting.popleft()
+            if not s.closed:
+                self._hand(s, env)
+                return
+        self._free.append(env)
+
+    @staticmethod
+    def _hand(s: _Session, env: Env) -> None:
+        s.env = env
+        s.ready.set()
+
+    def stats(self) -> dict[str, Any]:
+        held = [s.env for s in self.sessions.values() if s.env is not None]
+        placed = list(self._free) + held + self._returning
+        return {
+            "pool_size": len(self.envs),
+            "free": len(self._free),
+            "live_sessions": len(held),
+            "pending_sessions": sum(1 for s in self.sessions.values() if s.env is None),
+            "returning": len(self._returning),
+            # Conservation: each engine placed exactly once (no leak, no double hold).
+            "conserved": len(placed) == len(self.envs) == len({id(e) for e in placed}),
+        }
+
+
+def build_pool(env_name: str, pool_size: int, env_params: dict) -> list[Env]:
+    """Build the engines concurrently (as production does) so construction races would show."""
+    if pool_size < 1:
+        raise ValueError(f"pool_size must be >= 1, got {pool_size}")
+    with ThreadPoolExecutor(max_workers=min(pool_size, 8), thread_name_prefix="env-build") as ex:
+        return list(ex.map(lambda _: make_env(env_name, **env_params), range(pool_size)))
+
+
+def check_same_task_order(envs: list[Env]) -> str:
+    """The pool's full-length task-order fingerprint; raises if any member disagrees (inv. 21)."""
+    prints = [task_order_fingerprint(e) for e in envs]
+    if len(set(prints)) != 1:
+        detail = ", ".join(f"member {i}: {p[:12]}" for i, p in enumerate(prints))
+        raise PoolMismatchError(
+            f"pool members serve different task orders ({detail}); engine construction is not "
+            f"deterministic (a shared RNG or unordered input?) - refusing to start")
+    return prints[0]
+
+
+# -------------------------------------------------------------------------------- the wire
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SessionReq(_Strict):
+    session_id: str
+
+
+class ResetReq(_Strict):
+    session_id: str
+    seed: int
+
+
+class StepReq(_Strict):
+    session_id: str
+    action: str
+    turn: int | None = None
+
+
+class BatchReq(_Strict):
+    items: list[Any]
+
+
+def _jsonable(o: Any) -> Any:
+    """Engine info may carry dataclasses (e.g. reward terms) and numpy scalars."""
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):
+        return {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}  # json recurses
+    if hasattr(o, "item") and callable(o.item):
+        return o.item()
+    if isinstance(o, (set, frozenset)):
+        return sorted(o)
+    raise TypeError(f"{type(o).__name__} in an engine result is not JSON serializable")
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(json.dumps(payload, separators=(",", ":"), default=_jsonable),
+                    status_code=status, media_type="application/json")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, or 413 when it exceeds `limit`.
+
+    An oversized body is still read (and discarded) up to 8x the limit before answering:
+    a server that answers and closes while the client is still sending makes the client see a
+    broken pipe instead of the 413. Beyond that it answers at once.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > 8 * limit:
+        raise HTTPException(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > 8 * limit:
+            break
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:
+        raise HTTPException(413, f"request body exceeds the {limit}-byte limit")
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, model: type[BaseModel], limit: int) -> Any:
+    try:
+        return model.model_validate_json(await _read_body(request, limit))
+    except ValidationError as e:
+        raise HTTPException(422, e.errors(include_url=False, include_context=False,
+                                               include_input=False)) from None
+
+
+def create_app(env_name: str, pool_size: int, env_params: dict,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, offload: bool = False) -> FastAPI:
+    """Build the pool (refusing mismatched task orders) and the app serving it.
+
+    The pool is built here, not in a lifespan hook, so a bad configuration fails before any port
+    is bound (invariant 22).
+
+    `offload`: where engine calls run. Default (False) is inline on the event loop, because
+    measured on the shop (bench/env_service.py, docs/benchmarks.md) a step costs ~70 us and a
+    reset ~5 us, while a threadpool hop alone costs about as much again and buys no parallelism
+    (pure-Python engine, one GIL). True runs them in worker threads, for engines whose calls take
+    milliseconds (the loop then stays responsive to /create, /close and /health meanwhile); the
+    per-session lock keeps one call at a time per session either way.
+    """
+    pool = EnvPool(build_pool(env_name, pool_size, env_params))
+    fingerprint = check_same_task_order(pool.envs)
+    first = pool.envs[0]
+    app = FastAPI(title=f"{env_name} env service", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.pool = pool
+
+    def do_reset(s: _Session, seed: int) -> dict:
+        obs, info = s.env.reset(seed)
+        s.turn, s.last_step = 0, None
+        return {"observation": obs, "info": info}
+
+    def do_step(s: _Session, action: str, turn: int | None) -> dict:
+        if s.turn is None:
+            raise SessionConflict(f"session {s.sid!r} has no episode: /reset it before /step")
+        if turn is not None and turn != s.turn:
+            if turn == s.turn - 1 and s.last_step is not None and s.last_step[0] == action:
+                return s.last_step[1]       # a retry of a step that already ran
+            raise SessionConflict(f"step turn {turn} out of order: session {s.sid!r} is at turn {s.turn}")
+        obs, reward, done, info = s.env.step(action)
+        s.turn += 1
+        result = {"observation": obs, "reward": reward, "done": done, "info": info}
+        s.last_step = (action, result)
+        return result
+
+    async def locked(sid: str, fn, *args) -> dict:
+        s = pool.get(sid)
+        async with s.lock:
+            if s.closed:
+                raise UnknownSession(f"unknown session {sid!r}: it was closed")
+            try:
+                if offload:
+                    return await asyncio.to_thread(fn, s, *args)
+                return fn(s, *args)
+            except ValueError as e:   # the engine's "bad request" (e.g. a filtered-out task)
+                raise EngineRejected(f"engine rejected the request for {sid!r}: {e}") from e
+
+    async def per_item(items: list[Any], model: type[BaseModel], call) -> list[dict]:
+        out = []
+        for item in items:
+            try:
+                out.append(await call(model.model_validate(item)))
+            except ValidationError as e:
+                out.append({"error": f"malformed item: {e.errors(include_url=False)[0]['msg']}"})
+            except (UnknownSession, SessionConflict, EngineRejected) as e:
+                out.append({"error": str(e)})
+            except Exception as e:  # an engine failure on one item must not fail its batch
+                out.append({"error": f"{type(e).__name__}: {e}"})
+        return out
+
+    @app.exception_handler(UnknownSession)
+    async def _unknown(_: Request, e: UnknownSession) -> Response:
+        return _json({"detail": str(e)}, 404)
+
+    @app.exception_handler(SessionConflict)
+    async def _conflict(_: Request, e: SessionConflict) -> Response:
+        return _json({"detail": str(e)}, 409)
+
+    @app.exception_handler(EngineRejected)
+    async def _rejected(_: Request, e: EngineRejected) -> Response:
+        return _json({"detail": str(e)}, 422)
+
+    async def health(_: Request) -> Response:
+        return _json({"ok": True})
+
+    async def info(_: Request) -> Response:
+        return _json({"env": env_name, "params": env_params, "pid": os.getpid(),
+                      "fingerprint": fingerprint,
+                      "num_tasks": first.num_tasks, "val_size": first.val_size, **pool.stats()})
+
+    async def create(request: Request) -> Response:
+        r = await _parse(request, SessionReq, max_body_bytes)
+        await pool.create(r.session_id)
+        return _json({"ok": True})
+
+    async def close(request: Request) -> Response:
+        r = await _parse(request, SessionReq, max_body_bytes)
+        await pool.close(r.session_id)
+        return _json({"ok": True})
+
+    async def reset(request: Request) -> Response:
+        r = await _parse(request, ResetReq, max_body_bytes)
+        return _json(await locked(r.session_id, do_reset, r.seed))
+
+    async def step(request: Request) -> Response:
+        r = await _parse(request, StepReq, max_body_bytes)
+        return _json(await locked(r.session_id, do_step, r.action, r.turn))
+
+    async def expert(request: Request) -> Response:
+        r = await _parse(request, SessionReq, max_body_bytes)
+        return _json(await locked(r.session_id, lambda s: {"action": s.env.expert_action()}))
+
+    async def reset_batch(request: Request) -> Response:
+        r = await _parse(request, BatchReq, max_body_bytes)
+        return _json({"results": await per_item(
+            r.items, ResetReq, lambda it: locked(it.session_id, do_reset, it.seed))})
+
+    async def step_batch(request: Request) -> Response:
+        r = await _parse(request, BatchReq, max_body_bytes)
+        return _json({"results": await per_item(
+            r.items, StepReq, lambda it: locked(it.session_id, do_step, it.action, it.turn))})
+
+    # Plain Starlette routes, hot verbs first: FastAPI's per-request dependency solving and
+    # route scan cost ~a third of a step's server time (profiled, docs/benchmarks.md), and the
+    # handlers validate their bodies themselves anyway.
+    for path, handler in [("/step", step), ("/step_batch", step_batch), ("/reset", reset),
+                          ("/reset_batch", reset_batch), ("/create", create), ("/close", close),
+                          ("/expert", expert)]:
+        app.add_route(path, handler, methods=["POST"])
+    app.add_route("/info", info, methods=["GET"])
+    app.add_route("/health", health, methods=["GET"])
+    return app
+
+
+# ---------------------------------------------------------------------------- running it
+
+def serve(app: FastAPI, host: str, port: int | None, relocate: bool = False,
+          parent_pid: int | None = None) -> None:
+    """Bind (one clean retry on a collision), print the ready line, serve until SIGTERM/SIGINT,
+    or until `parent_pid` is gone: a launcher killed with SIGKILL runs no cleanup, and an
+    orphaned service would hold its port and engines forever."""
+    import uvicorn
+
+    sock = bind_listener(host, port, relocate)
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False,
+                            log_level="warning", timeout_keep_alive=120, proxy_headers=False,
+                            server_header=False, date_header=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    ready = READY_PREFIX + json.dumps({"url": f"http://{host}:{bound}", "port": bound,
+                                       "pid": os.getpid()})
+
+    async def run() -> None:
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            print(ready, flush=True)
+        while parent_pid is not None and not task.done():
+            if os.getppid() != parent_pid:
+                server.should_exit = True
+                break
+            await asyncio.sleep(0.5)
+        await task
+
+    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+        runner.run(run())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m envs.service", description=__doc__.split("\n")[0])
+    ap.add_argument("--env", required=True, help="engine name (envs/registry.py)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=None,
+                    help="listen port, outside the ephemeral range; omitted: a free private-band port")
+    ap.add_argument("--relocate", action="store_true",
+                    help="move to a free private-band port if --port is busy or ephemeral")
+    ap.add_argument("--pool-size", type=int, default=16)
+    ap.add_argument("--params", default="{}", help="engine parameters as a JSON object")
+    ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    ap.add_argument("--parent-pid", type=int, default=None,
+                    help="exit when this process is no longer our parent (set by launchers)")
+    ap.add_argument("--offload", action="store_true",
+                    help="run engine calls in worker threads (for engines with millisecond steps)")
+    args = ap.parse_args(argv)
+    try:
+        params = json.loads(args.params)
+    except json.JSONDecodeError as e:
+        ap.error(f"--params is not valid JSON ({e}); example: --params '{{\"seed\": 0}}'")
+    if not isinstance(params, dict):
+        ap.error("--params must be a JSON object, e.g. '{\"seed\": 0}'")
+    try:
+        if args.port is not None and not args.relocate:
+            # Fail in milliseconds, before the (slow) pool build; the bind re-checks for real.
+            check_port_allowed(args.port)
+            if not port_is_free(args.port, args.host):
+                raise PortError(f"port {args.port} on {args.host} is already in use; stop whatever "
+                                f"listens there, pick another port, or pass --relocate")
+        app = create_app(args.env, args.pool_size, params, args.max_body_bytes, args.offload)
+        serve(app, args.host, args.port, args.relocate, args.parent_pid)
+    except (PortError, PoolMismatchError, ValueError, TypeError) as e:
+        print(f"envs.service: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+class ServiceStartError(RuntimeError):
+    pass
+
+
+@contextmanager
+def serve_in_subprocess(env_name: str, pool_size: int, env_params: dict, port: int | None = None,
+                        host: str = "127.0.0.1", offload: bool = False,
+                        startup_timeout_s: float = 180.0, stop_timeout_s: float = 10.0
+                        ) -> Iterator[str]:
+    """Run the service CLI in a child process for the `with` block; yields its base URL.
+
+    The child exists only inside this scope (invariant 22): whatever happens, on exit exactly
+    this PID gets SIGTERM, then SIGKILL after `stop_timeout_s`; and if this process dies
+    without cleanup (SIGKILL), the child notices its parent is gone and exits by itself.
+    `port=None` lets the child pick a free private-band port (with its one clean retry); the
+    URL comes from its ready line.
+    """
+    cmd = [sys.executable, "-m", "envs.service", "--env", env_name, "--pool-size", str(pool_size),
+           "--params", json.dumps(env_params), "--host", host, "--parent-pid", str(os.getpid())]
+    if port is not None:
+        cmd += ["--port", str(port)]
+    if offload:
+        cmd.append("--offload")
+    root = str(Path(__file__).resolve().parents[1])
+    child_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=child_env)
+    tail: deque[str] = deque(maxlen=50)
+    url: list[str] = []
+    got_ready = threading.Event()
+
+    def drain() -> None:  # keep reading so the child never blocks on a full pipe
+        for line in proc.stdout:
+            if line.startswith(READY_PREFIX) and not url:
+                url.append(json.loads(line[len(READY_PREFIX):])["url"])
+                got_ready.set()
+            else:
+                tail.append(line.rstrip())
+        got_ready.set()
+
+    reader = threading.Thread(target=drain, name=f"env-service-{proc.pid}-stdout", daemon=True)
+    reader.start()
+    try:
+        if not got_ready.wait(startup_timeout_s) or not url:
+            raise ServiceStartError(
+                f"env service (pid {proc.pid}, rc {proc.poll()}) did not become ready within "
+                f"{startup_timeout_s:.0f}s; its output:\n" + "\n".join(tail))
+        with urllib.request.urlopen(url[0] + "/health", timeout=10) as resp:
+            if resp.status != 200:
+                raise ServiceStartError(f"{url[0]}/health answered {resp.status}")
+        yield url[0]
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        reader.join(5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""PNG plots of a run's metrics.jsonl.
+
+Headless and free of global state: a bare matplotlib `Figure` renders through the Agg canvas,
+so no pyplot backend is switched and no figure registry is touched.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(int(r["round"]), float(r[key])) for r in rows if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_validation(metrics_jsonl: Path, out_png: Path, val_key: str = "val_success",
+                    train_key: str = "train_success", title: str | None = None) -> Path:
+    """Validation success per round (rounds without validation are skipped), plus train success
+    when the file has it. Raises ValueError when there is nothing to plot."""
+    rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+    vx, vy = _series(rows, val_key)
+    if not vx:
+        raise ValueError(f"{metrics_jsonl} has no {val_key!r} values to plot; check the metric name")
+    tx, ty = _series(rows, train_key)
+    fig = Figure(figsize=(7, 4.2), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ax.plot(vx, vy, marker="o", label=f"validation ({val_key})")
+    if tx:
+        ax.plot(tx, ty, marker=".", alpha=0.7, label=f"train ({train_key})")
+    ax.set_xlabel("federated round (0 = initial model)")
+    ax.set_ylabel("success rate")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    ax.set_title(title or f"Success per round: {Path(metrics_jsonl).parent.name}")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, format="png")
+    return out_png

@@ -1,0 +1,1 @@
+"""Server side: the Flower ServerApp, its strategies and the round loop."""

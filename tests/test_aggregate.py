@@ -1,0 +1,206 @@
+"""FedAvg (invariants 1 and 2): weighted by example counts, fp32 throughout, identity for one
+client, streaming == inline bit for bit, agrees with Flower's own aggregation."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fl_app.aggregate import fedavg_manifests, fedavg_states
+from fl_app.transport import state_to_arrayrecord
+from fl_app.weights import Manifest, WeightsError, load_shards, save_shards
+
+SHARD = 5000  # bytes: several shards per small model
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(40, 16, generator=g),
+        "layers.0.w": torch.randn(16, 16, generator=g),
+        "layers.0.b": torch.randn(16, generator=g),
+        "layers.1.w": torch.randn(16, 16, generator=g) * 1e-3,
+        "head.weight": torch.randn(40, 16, generator=g),
+        "position_ids": torch.arange(8),
+    }
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().numpy().tobytes()
+
+
+def _export(tmp_path: Path, states: list[dict[str, torch.Tensor]]) -> list[Manifest]:
+    return [save_shards(s, tmp_path / f"client-{i}", SHARD) for i, s in enumerate(states)]
+
+
+def test_fedavg_single_client_is_identity_bitwise(tmp_path):
+    state = _model(0)
+    state["specials"] = torch.tensor([float("nan"), -0.0, 1e-45, float("inf"), 1 + 2 ** -20])
+    # A signalling NaN: any arithmetic (even x * 1.0) quiets it, so only a true copy keeps its bits.
+    state["snan"] = torch.tensor([0x7F800001, 0x7FA00000], dtype=torch.int32).view(torch.float32)
+    (m,) = _export(tmp_path, [state])
+    out = fedavg_manifests([(m, 37.0)], tmp_path / "global", SHARD)
+    assert out.sha256 == m.sha256  # the very same shard bytes
+    streamed = load_shards(out.root)
+    inline = fedavg_states([(state, 37.0)])
+    for k in state:
+        assert _bits(streamed[k]) == _bits(state[k]) == _bits(inline[k]), k
+    # A client with all the weight is copied, not multiplied, even next to zero-weight clients.
+    other = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
+    assert all(_bits(v) == _bits(state[k]) for k, v in fedavg_states([(state, 5), (other, 0)]).items())
+
+
+def test_fedavg_weighted_by_num_examples(tmp_path):
+    a = {"w": torch.zeros(6), "n": torch.arange(3)}
+    b = {"w": torch.full((6,), 4.0), "n": torch.arange(3)}
+    avg = fedavg_states([(a, 1), (b, 3)])
+    assert torch.equal(avg["w"], torch.full((6,), 3.0))  # (0*1 + 4*3) / 4, exact
+    assert torch.equal(avg["n"], torch.arange(3))         # integer buffers are carried, not averaged
+    states, weights = [_model(s) for s in range(3)], [12, 30, 7]
+    ms = _export(tmp_path, states)
+    got = load_shards(fedavg_manifests(list(zip(ms, weights)), tmp_path / "g", SHARD).root)
+    for k in states[0]:
+        if not states[0][k].is_floating_point():
+            continue
+        ref = sum(s[k].double() * w for s, w in zip(states, weights)) / sum(weights)
+        assert got[k].dtype == torch.float32
+        torch.testing.assert_close(got[k].double(), ref, rtol=1e-6, atol=1e-7)
+    # Scaling all counts does not change the result.
+    again = fedavg_states([(s, w * 10) for s, w in zip(states, weights)])
+    assert all(_bits(again[k]) == _bits(got[k]) for k in got)
+
+
+def test_value_bf16_cannot_represent_survives(tmp_path):
+    x = 1 + 2 ** -20                       # fp32-exact; bf16 rounds it to 1.0
+    assert torch.tensor(x).bfloat16().float().item() == 1.0
+    a = {"w": torch.full((4,), x), "v": torch.full((3,), 1 + 2 ** -20)}
+    b = {"w": torch.full((4,), x), "v": torch.full((3,), 1 + 3 * 2 ** -20)}
+    ms = _export(tmp_path, [a, b])          # client export
+    out = fedavg_manifests([(ms[0], 1), (ms[1], 3)], tmp_path / "global", SHARD)  # server
+    back = load_shards(out.root)           # next round's client load
+    assert back["w"].tolist() == [x] * 4
+    assert back["v"].tolist() == [1 + 2.5 * 2 ** -20] * 3  # the mean itself needs fp32 precision
+    assert (torch.tensor(1 + 2.5 * 2 ** -20).bfloat16().float() != back["v"][0]).item()
+
+
+class _DtypeRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.dtypes.add(t.dtype)
+        return out
+
+
+def test_aggregation_never_widens_to_float64(tmp_path):
+    states = [_model(s) for s in range(3)]
+    ms = _export(tmp_path, states)
+    with _DtypeRecorder() as rec:
+        out = fedavg_manifests([(m, w) for m, w in zip(ms, (3, 1, 2))], tmp_path / "g", SHARD)
+        fedavg_states([(s, w) for s, w in zip(states, (3, 1, 2))])
+    assert torch.float32 in rec.dtypes and torch.float64 not in rec.dtypes, rec.dtypes
+    assert {t.dtype for t in out.tensors} == {"float32", "int64"}
+
+
+_PEAK_CHILD = """
+import json, sys
+from pathlib import Path
+from fl_app.aggregate import fedavg_manifests
+from fl_app.weights import Manifest
+
+def status_kb(field):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":"))
+
+inputs = [(Manifest.from_dir(Path(p)), w) for p, w in zip(sys.argv[3:], (5, 2, 9))]
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
+before = status_kb("VmRSS")
+fedavg_manifests(inputs, Path(sys.argv[1]), int(sys.argv[2]))
+print(json.dumps({"peak_increase_bytes": (status_kb("VmHWM") - before) * 1024}))
+"""
+
+
+def test_streaming_fedavg_peak_memory_is_a_few_shards_not_models(tmp_path):
+    # 3 clients x 32 MiB models in 1 MiB shards. Holding every model would add 96 MiB, one
+    # float64 copy of a model 64 MiB; streaming holds ~3 shards (sum, current, prefetched read).
+    g = torch.Generator().manual_seed(0)
+    shard, model_bytes = 1 << 20, 32 << 20
+    dirs = []
+    for c in range(3):
+        state = {f"t{i}": torch.randn(1 << 18, generator=g) for i in range(model_bytes // (1 << 20))}
+        dirs.append(str(save_shards(state, tmp_path / f"c{c}", shard).root))
+        del state
+    res = subprocess.run([sys.executable, "-c", _PEAK_CHILD, str(tmp_path / "g"), str(shard), *dirs],
+                         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    peak = json.loads(res.stdout.strip().splitlines()[-1])["peak_increase_bytes"]
+    assert 0 < peak < model_bytes // 2, f"aggregation raised peak RSS by {peak / 2**20:.1f} MiB"
+    assert Manifest.from_dir(tmp_path / "g").tensor_bytes == model_bytes
+
+
+def test_streaming_and_inline_fedavg_give_identical_bits(tmp_path):
+    states, weights = [_model(s) for s in range(4)], [3, 5, 11, 1]
+    ms = _export(tmp_path, states)
+    snapshot = {k: v.clone() for k, v in states[0].items()}
+    inline = fedavg_states(list(zip(states, weights)))
+    streamed = load_shards(fedavg_manifests(list(zip(ms, weights)), tmp_path / "g", SHARD).root)
+    assert list(inline) == list(streamed)
+    assert all(_bits(inline[k]) == _bits(streamed[k]) for k in inline)
+    assert all(torch.equal(states[0][k], snapshot[k]) for k in snapshot)  # inputs untouched
+
+
+def test_fedavg_matches_flower_aggregate_arrayrecords():
+    states, weights = [_model(s) for s in range(3)], [4, 9, 2]
+    floats = [{k: v for k, v in s.items() if v.is_floating_point()} for s in states]
+    records = [RecordDict({"arrays": state_to_arrayrecord(s), "metrics": MetricRecord({"num-examples": w})})
+               for s, w in zip(floats, weights)]
+    flower: ArrayRecord = aggregate_arrayrecords(records, "num-examples")
+    ours = fedavg_states(list(zip(floats, weights)))
+    assert list(flower.keys()) == list(ours)
+    eps = float(np.finfo(np.float32).eps)
+    for k, arr in flower.items():
+        theirs = arr.numpy()
+        assert theirs.dtype == np.float32 and ours[k].dtype == torch.float32
+        # Equal within fp32 rounding: a few ulps of the magnitudes that were summed.
+        scale = sum(abs(s[k].double().numpy()) * w for s, w in zip(floats, weights)) / sum(weights)
+        assert np.all(np.abs(ours[k].double().numpy() - theirs) <= 3 * eps * scale), k
+
+
+def test_fedavg_refuses_corrupt_client_shard_and_writes_no_manifest(tmp_path):
+    ms = _export(tmp_path, [_model(0), _model(1)])
+    victim = ms[1].shard_path(len(ms[1].shards) - 1)
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0x10
+    victim.write_bytes(bytes(data))
+    with pytest.raises(WeightsError, match=victim.name):
+        fedavg_manifests([(ms[0], 1), (ms[1], 1)], tmp_path / "g", SHARD)
+    with pytest.raises(WeightsError, match="no manifest.json"):
+        Manifest.from_dir(tmp_path / "g")
+
+
+def test_fedavg_refuses_clients_that_do_not_match(tmp_path):
+    a, b = _model(0), _model(1)
+    b["layers.0.b"] = torch.randn(17)
+    with pytest.raises(WeightsError, match="shape"):
+        fedavg_states([(a, 1), (b, 1)])
+    m_a = save_shards(a, tmp_path / "a", SHARD)
+    m_b = save_shards(_model(1), tmp_path / "b", SHARD * 2)
+    with pytest.raises(WeightsError, match="shard layout"):
+        fedavg_manifests([(m_a, 1), (m_b, 1)], tmp_path / "g", SHARD)
+    c = _model(2)
+    c["position_ids"] = torch.arange(8) + 1
+    with pytest.raises(WeightsError, match="position_ids"):
+        fedavg_states([(a, 1), (c, 1)])
+    for bad in ([(a, -1), (c, 2)], [(a, 0)], []):
+        with pytest.raises(WeightsError, match="FedAvg"):
+            fedavg_states(bad)

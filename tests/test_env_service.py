@@ -1,0 +1,344 @@
+"""The pooled env service against a real uvicorn server in a subprocess, real shop engines.
+
+Invariants: 20 (idempotent /create, /close always returns the env, pool conserved under storms),
+21 (pool members agree on task order; the service refuses to start otherwise), 22 (the service
+lives only inside a scope that stops it).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import aiohttp
+import psutil
+import pytest
+
+from envs.base import task_order_fingerprint
+from envs.client import EnvClient, EnvServiceError
+from envs.registry import make_env
+from envs.service import (PoolMismatchError, ServiceStartError, build_pool,
+                          check_same_task_order, create_app, serve_in_subprocess)
+
+PARAMS = {"num_products": 300, "num_goals": 1000, "val_size": 64, "seed": 0}
+POOL = 8
+DOC = Path(__file__).resolve().parents[1] / "docs" / "env-service.md"
+
+
+@pytest.fixture(scope="module")
+def url():
+    with serve_in_subprocess("shop", POOL, PARAMS) as base_url:
+        yield base_url
+
+
+@pytest.fixture(scope="module")
+def offload_url():
+    with serve_in_subprocess("shop", POOL, PARAMS, offload=True) as base_url:
+        yield base_url
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def raw_post(url: str, path: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+async def _post_chunked(url: str, body: bytes) -> int:
+    async def chunks():
+        for i in range(0, len(body), 64 << 10):
+            yield body[i:i + (64 << 10)]
+    async with aiohttp.ClientSession() as h:
+        async with h.post(url, data=chunks()) as r:
+            return r.status
+
+
+async def info(url: str) -> dict:
+    async with EnvClient(url) as c:
+        return await c.info()
+
+
+def assert_pool_whole(url: str) -> dict:
+    """Every env free, no session live or parked, each env placed exactly once."""
+    i = run(info(url))
+    assert (i["free"], i["live_sessions"], i["pending_sessions"], i["conserved"]) == \
+        (POOL, 0, 0, True), i
+    return i
+
+
+# ------------------------------------------------------------------------------ basics
+
+def test_documented_expert_episode_reaches_reward_one(url, capsys):
+    """The docs' snippet, verbatim except for the URL, plays an expert episode to reward 1.0."""
+    block = re.search(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL).group(1)
+    assert 'URL = "http://127.0.0.1:23456"' in block
+    exec(compile(block.replace("http://127.0.0.1:23456", url), str(DOC), "exec"), {})
+    assert "click[buy now] -> 1.0" in capsys.readouterr().out
+    assert_pool_whole(url)
+
+
+def test_info_reports_pool_and_full_task_order_fingerprint(url):
+    i = assert_pool_whole(url)
+    assert i["env"] == "shop" and i["pool_size"] == POOL and i["num_tasks"] == 1000
+    assert i["fingerprint"] == task_order_fingerprint(make_env("shop", **PARAMS))
+
+
+def test_error_codes(url):
+    assert raw_post(url, "/create", b'{"session_id": "err"}')[0] == 200
+    code, body = raw_post(url, "/step", b'{"session_id": "no-such-session", "action": "x"}')
+    assert code == 404 and "no-such-session" in body["detail"]
+    assert raw_post(url, "/reset", b'{"session_id": "err", "seed":')[0] == 422      # malformed
+    assert raw_post(url, "/reset", b'{"session_id": "err"}')[0] == 422              # no seed
+    assert raw_post(url, "/reset", b'{"session_id": "err", "seed": "x"}')[0] == 422
+    code, body = raw_post(url, "/step", b'{"session_id": "err", "action": "click[x]"}')
+    assert code == 409 and "/reset" in body["detail"]                             # no episode
+    big = json.dumps({"session_id": "err", "seed": 1, "pad": "x" * (1 << 20)}).encode()
+    code, body = raw_post(url, "/reset", big)
+    assert code == 413 and "limit" in body["detail"]
+    assert run(_post_chunked(url + "/reset", big)) == 413          # no Content-Length to trust
+    code, first = raw_post(url, "/reset", b'{"session_id": "err", "seed": 5}')
+    assert code == 200 and first["info"]["valid_actions"] == ["search[<your query>]"]
+    code, out = raw_post(url, "/step", b'{"session_id": "err", "action": "click[not a button]"}')
+    assert code == 200 and out["info"]["valid_action"] is False and out["done"] is False
+    assert out["observation"] == first["observation"]
+    assert raw_post(url, "/close", b'{"session_id": "err"}') == (200, {"ok": True})
+    assert raw_post(url, "/close", b'{"session_id": "err"}') == (200, {"ok": True})
+    assert_pool_whole(url)
+
+
+def test_batched_verbs_answer_bad_items_per_item(url):
+    async def go():
+        async with EnvClient(url) as c:
+            await c.create_many(["b0", "b1"])
+            resets = await c.reset_batch([("b0", 1), ("nope", 2), ("b1", 3)])
+            assert "nope" in resets[1]["error"]
+            assert [r["info"]["task_id"] for r in (resets[0], resets[2])] == \
+                [make_env("shop", **PARAMS).task_ids()[i] for i in (1, 3)]
+            body = {"items": [{"session_id": "b0", "action": await c.expert("b0")},
+                              {"session_id": "b1"},                      # malformed item
+                              {"session_id": "gone", "action": "search[x]"},
+                              {"session_id": "b1", "action": "click[nothing]"}]}
+            async with aiohttp.ClientSession() as h:
+                async with h.post(url + "/step_batch", json=body) as r:
+                    assert r.status == 200
+                    out = (await r.json())["results"]
+            assert out[0]["info"]["valid_action"] is True
+            assert "malformed" in out[1]["error"] and "gone" in out[2]["error"]
+            assert out[3]["info"]["valid_action"] is False
+            await c.close_many(["b0", "b1"])
+    run(go())
+    assert_pool_whole(url)
+
+
+def test_step_retry_replays_instead_of_advancing(url):
+    """A resent /step (same turn, same action) returns the first result; the episode moves once."""
+    async def go():
+        async with EnvClient(url) as c:
+            await c.create("r")
+            await c.reset("r", 11)
+            search = await c.expert("r")
+            item = {"session_id": "r", "action": search, "turn": 0}
+            async with aiohttp.ClientSession() as h:
+                outs = []
+                for _ in range(2):
+                    async with h.post(url + "/step", json=item) as r:
+                        outs.append((r.status, await r.json()))
+                assert outs[0] == outs[1] and outs[0][0] == 200
+                async with h.post(url + "/step", json={**item, "action": "click[back to search]"}) as r:
+                    assert r.status == 409                     # same turn, different action
+                async with h.post(url + "/step", json={**item, "turn": 5}) as r:
+                    assert r.status == 409 and "turn 5" in (await r.json())["detail"]
+            assert (await c.expert("r")).startswith("click[")  # advanced exactly one step
+            await c.close("r")
+    run(go())
+    assert_pool_whole(url)
+
+
+# -------------------------------------------------------------------- invariant 20
+
+def test_create_is_idempotent_under_concurrent_retries(url):
+    """With the pool exhausted, 3 concurrent /create of one session borrow exactly one env."""
+    holders = [f"h{i}" for i in range(POOL)]
+
+    async def go():
+        async with EnvClient(url) as c:
+            await c.create_many(holders)
+            dupes = [asyncio.ensure_future(c.create("dup")) for _ in range(3)]
+            await asyncio.sleep(0.3)
+            i = await c.info()
+            assert (i["free"], i["live_sessions"], i["pending_sessions"]) == (0, POOL, 1)
+            assert not any(d.done() for d in dupes)            # parked, not failed
+            await c.close(holders[0])
+            await asyncio.gather(*dupes)
+            i = await c.info()
+            assert (i["free"], i["live_sessions"], i["pending_sessions"]) == (0, POOL, 0)
+            await c.close_many(holders[1:] + ["dup"])
+    run(go())
+    assert_pool_whole(url)
+
+
+def test_close_of_pending_create_returns_env_to_pool(url):
+    """Closing a session still parked on the exhausted pool: it never takes the next env."""
+    holders = [f"p{i}" for i in range(POOL)]
+
+    async def go():
+        async with EnvClient(url) as c:
+            await c.create_many(holders)
+            parked = asyncio.ensure_future(c.create("late"))
+            await asyncio.sleep(0.3)
+            await c.close("late")
+            with pytest.raises(EnvServiceError) as e:
+                await parked
+            assert e.value.status == 409
+            await c.close(holders[0])
+            assert (await c.info())["free"] == 1
+            await c.close_many(holders[1:])
+    run(go())
+    assert_pool_whole(url)
+
+
+async def _doomed(h: aiohttp.ClientSession, url: str, path: str, body: dict, rng: random.Random):
+    """A request whose connection the client drops after 0-30 ms, mid-flight or not."""
+    try:
+        await asyncio.wait_for(h.post(url + path, json=body), timeout=rng.uniform(0, 0.03))
+    except (asyncio.TimeoutError, aiohttp.ClientError):
+        pass
+
+
+def _storm(url: str, sessions: int, in_flight: int = 48) -> None:
+    """`sessions` episodes through the pool: duplicated concurrent creates while the pool is
+    exhausted, requests dropped mid-flight on every verb, closes racing in-flight steps; then
+    every env is back, no session is left behind, and no env was ever held twice (checked
+    while the storm runs)."""
+    seen_bad: list[dict] = []
+
+    async def episode(c: EnvClient, h: aiohttp.ClientSession, sid: str, rng: random.Random):
+        await _doomed(h, url, "/create", {"session_id": sid}, rng)
+        await asyncio.gather(*[c.create(sid) for _ in range(rng.randint(2, 3))])
+        try:
+            out = await c.reset(sid, rng.randrange(1000))
+            for turn in range(rng.randint(0, 3)):
+                action = rng.choice(out["info"]["valid_actions"] + ["click[nonsense]"])
+                if rng.random() < 0.3:     # may or may not run; the real step then replays
+                    await _doomed(h, url, "/step", {"session_id": sid, "action": action,
+                                                    "turn": turn}, rng)
+                out = await c.step(sid, action)
+                if out["done"]:
+                    break
+            if rng.random() < 0.2:         # close while a step on the same env is in flight
+                step, _ = await asyncio.gather(c.step(sid, "click[nonsense]"), c.close(sid),
+                                               return_exceptions=True)
+                assert isinstance(step, dict) or getattr(step, "status", None) == 404, step
+        finally:
+            if rng.random() < 0.5:
+                await _doomed(h, url, "/close", {"session_id": sid}, rng)
+            await c.close(sid)
+
+    async def watch(c: EnvClient, stop: asyncio.Event):
+        while not stop.is_set():
+            i = await c.info()
+            if not i["conserved"]:
+                seen_bad.append(i)
+            await asyncio.sleep(0.05)
+
+    async def go():
+        rng = random.Random(0)
+        gate = asyncio.Semaphore(in_flight)
+        async with EnvClient(url, timeout_s=20) as c, aiohttp.ClientSession() as h:
+            async def one(k: int):
+                async with gate:
+                    await episode(c, h, f"storm-{k}", random.Random(rng.random()))
+            stop = asyncio.Event()
+            watcher = asyncio.ensure_future(watch(c, stop))
+            try:
+                await asyncio.gather(*[one(k) for k in range(sessions)])
+            finally:
+                stop.set()
+                await watcher
+
+    run(go())
+    assert not seen_bad, seen_bad[:3]
+    assert_pool_whole(url)
+
+
+@pytest.mark.timeout(120)
+def test_pool_conserved_under_storm(url):
+    _storm(url, sessions=1000)
+
+
+@pytest.mark.timeout(120)
+def test_pool_conserved_under_storm_with_offloaded_engine_calls(offload_url):
+    """Engine calls in worker threads: per-session locks are held across awaits, so /close
+    meets in-flight steps and must wait for them before the env goes back."""
+    _storm(offload_url, sessions=200)
+
+
+# -------------------------------------------------------------------- invariant 21
+
+def test_pool_members_built_concurrently_share_task_order():
+    envs = build_pool("shop", 4, PARAMS)
+    assert len({id(e) for e in envs}) == 4
+    assert check_same_task_order(envs) == task_order_fingerprint(make_env("shop", **PARAMS))
+
+
+def test_refuses_start_on_fingerprint_mismatch(monkeypatch):
+    other = make_env("shop", **{**PARAMS, "seed": 1})
+    same = make_env("shop", **PARAMS)
+    assert task_order_fingerprint(other) != task_order_fingerprint(same)
+    with pytest.raises(PoolMismatchError, match="member 1"):
+        check_same_task_order([same, other])
+    # create_app runs that check on what build_pool returns, before serving anything
+    monkeypatch.setattr("envs.service.build_pool", lambda *a, **k: [same, same, other])
+    with pytest.raises(PoolMismatchError, match="refusing to start"):
+        create_app("shop", 3, PARAMS)
+
+
+def test_concurrent_services_report_same_fingerprint():
+    """Two services built at once agree on the task order; both are stopped (by PID) when the
+    scope exits with an error (invariant 22)."""
+    cms = [serve_in_subprocess("shop", 2, PARAMS) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="boom"):
+        with ExitStack() as stack, ThreadPoolExecutor(2) as ex:
+            urls = [f.result() for f in [ex.submit(stack.enter_context, cm) for cm in cms]]
+            infos = [run(info(u)) for u in urls]
+            raise RuntimeError("boom")
+    assert urls[0] != urls[1]
+    assert infos[0]["fingerprint"] == infos[1]["fingerprint"]
+    assert not any(psutil.pid_exists(i["pid"]) for i in infos)
+
+
+def test_service_exits_when_its_launcher_is_killed():
+    """SIGKILL on the launcher runs no `finally`; the service must not outlive it as an orphan."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from envs.service import serve_in_subprocess\n"
+         f"with serve_in_subprocess('shop', 1, {PARAMS!r}) as u:\n"
+         "    print(u, flush=True); time.sleep(600)"],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = run(info(launcher.stdout.readline().strip()))["pid"]
+    finally:
+        launcher.kill()
+        launcher.wait()
+    service = psutil.Process(pid) if psutil.pid_exists(pid) else None
+    if service is not None:
+        service.wait(timeout=15)   # raises TimeoutExpired if it lingers
+
+
+def test_service_start_failure_is_reported_and_reaped():
+    with pytest.raises(ServiceStartError, match="unknown environment 'nope'"):
+        with serve_in_subprocess("nope", 1, {}):
+            pass

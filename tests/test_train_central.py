@@ -1,0 +1,45 @@
+"""`python -m client_app.train_central`: one client, centralized GRPO, validation before and
+during training, metrics as JSON lines. The fast test runs the real entry point end to end on a
+small build; the slow one is the must-show (validation success rises by >= 10 points)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from client_app.train_central import main
+from trainer_support import SMALL_ENV_PARAMS, one_torch_thread  # noqa: F401
+
+
+def _small_overrides(cache_dir) -> list[str]:
+    env = [f"env.params.{k}={v}" for k, v in SMALL_ENV_PARAMS.items()]
+    return env + [
+        "model.tiny.hidden_size=32", "model.tiny.layers=1", "model.tiny.heads=2", "model.tiny.vocab_size=300",
+        "model.tiny.sft_episodes=6", "model.tiny.sft_epochs=1", f"model.tiny.cache_dir={cache_dir}",
+        "env.pool_size=8", "env.max_turns=3", "rollout.max_prompt_tokens=384", "rollout.max_response_tokens=8",
+        "algo.tasks_per_step=2", "algo.group_size=2", "algo.mini_batch_size=4", "algo.micro_batch_size=2",
+        "federation.val_tasks=8", "run.device=cpu",
+    ]
+
+
+def test_train_central_writes_metrics_and_curve(tmp_path):
+    out = tmp_path / "central"
+    rc = main(["--iterations", "2", "--eval-every", "1", "--tasks", "40", "--out", str(out),
+               *_small_overrides(tmp_path / "models")])
+    assert rc == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [x for x in lines if "val_success" in x]
+    train = [x for x in lines if "train_success" in x]
+    assert [x["iteration"] for x in val] == [0, 1, 2] and [x["iteration"] for x in train] == [1, 2]
+    assert all(0.0 <= x["val_success"] <= 1.0 and x["val_turns"] >= 1 for x in val)
+    assert all(x["rollout_s"] > 0 and x["update_s"] > 0 and x["rows"] > 0 for x in train)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["val_curve"] == [[x["iteration"], x["val_success"]] for x in val]
+    assert summary["train_tasks"] == 40 and summary["val_tasks"] == 8
+    assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "val_tasks: 8" in (out / "config.yaml").read_text()
+
+
+def test_train_central_rejects_bad_overrides(tmp_path, capsys):
+    assert main(["--iterations", "1", "--out", str(tmp_path), "algo.no_such_key=1"]) == 2
+    assert "algo.no_such_key: unknown key" in capsys.readouterr().err

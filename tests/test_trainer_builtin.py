@@ -1,0 +1,266 @@
+"""The builtin trainer: weight exchange (invariant 1), a fresh optimizer per fit (3), FedProx on
+the policy only (4), validation never penalised (10), flat memory across fits (24), and clear
+errors for unusable model directories. Real env service, real tiny model, real fits on CPU."""
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from transformers import DistilBertConfig
+
+from client_app.algos import FedProxAnchor
+from client_app.rollout import group_specs, run_episodes, training_rows
+from client_app.tiny_model import ModelDirError, build_tiny_model
+from client_app.trainer.base import EvalRequest, FitRequest
+from client_app.trainer.builtin import BuiltinTrainer
+from envs.service import serve_in_subprocess
+from trainer_support import POOL_SIZE, SMALL_ENV_PARAMS, one_torch_thread, small_config  # noqa: F401
+
+TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))
+
+
+@pytest.fixture(scope="module")
+def env_url():
+    with serve_in_subprocess("shop", POOL_SIZE, SMALL_ENV_PARAMS) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def trainer(env_url, cache_dir):
+    t = BuiltinTrainer(small_config(cache_dir), env_url)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+@pytest.fixture(scope="module")
+def initial(trainer) -> dict[str, torch.Tensor]:
+    return trainer.export_weights()
+
+
+def _live(cls: type) -> list:
+    """Every live object of exactly this class (type() check: isinstance trips lazy modules)."""
+    gc.collect()
+    return [o for o in gc.get_objects() if type(o) is cls]
+
+
+def test_load_then_export_is_bitwise_identity(trainer, initial):
+    gen = torch.Generator().manual_seed(0)
+    weights = {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in initial.items()}
+    for w in weights.values():
+        w.view(-1)[0] = 1.0 + 2.0 ** -20          # not representable in bf16
+    live = {k: (p, p.data_ptr()) for k, p in trainer.params.items()}
+    try:
+        trainer.load_weights(weights)
+        out = trainer.export_weights()
+        assert out.keys() == weights.keys()
+        for k, w in weights.items():
+            assert out[k].dtype == torch.float32 and out[k].device.type == "cpu"
+            assert torch.equal(out[k].view(torch.int32), w.view(torch.int32)), k
+            p, ptr = live[k]
+            assert trainer.params[k] is p and p.data_ptr() == ptr, f"{k} was replaced, not copied into"
+            assert out[k].data_ptr() != p.data_ptr()
+        out[k].add_(1.0)                           # an export is a copy, not a view of the model
+        assert torch.equal(trainer.params[k].detach(), w)
+        # what cannot be loaded fails with a message naming the problem
+        name = next(iter(weights))
+        with pytest.raises(KeyError, match="missing"):
+            trainer.load_weights({k: v for k, v in weights.items() if k != name})
+        with pytest.raises(KeyError, match="unexpected"):
+            trainer.load_weights({**weights, "extra.weight": torch.zeros(1)})
+        with pytest.raises(ValueError, match="shape"):
+            trainer.load_weights({**weights, name: torch.zeros(3, 3)})
+        with pytest.raises(TypeError, match="fp32"):
+            trainer.load_weights({**weights, name: weights[name].bfloat16()})
+    finally:
+        trainer.load_weights(initial)
+
+
+def test_fresh_optimizer_per_fit(trainer, initial):
+    """Two fits from the same weights with the same request end bit-identical: no optimizer
+    state (moments, step count) survives a fit. And the optimizer is gone afterwards."""
+    req = FitRequest(round=1, client_id=3, task_indices=TRAIN_TASKS, local_epochs=2, seed=0)
+    trainer.load_weights(initial)
+    first = trainer.fit(req)
+    a = trainer.export_weights()
+    trainer.load_weights(initial)
+    second = trainer.fit(req)
+    b = trainer.export_weights()
+    trainer.load_weights(initial)
+    assert any(not torch.equal(a[k], initial[k]) for k in a), "the fit must change the weights"
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert first.num_examples == second.num_examples == 2 * 2 * 2   # E x tasks_per_step x group_size
+    assert first.metrics["optimizer_steps"] >= 1 and first.metrics["update_s"] > 0
+    assert not _live(torch.optim.AdamW)
+    assert all(p.grad is None for p in trainer.params.values())
+
+
+def test_fedprox_applied_to_policy_only(trainer, initial):
+    """On a fixed batch, mu > 0 changes the policy gradient by exactly mu * (w - w_anchor) and
+    touches nothing else; the anchor is released when the fit ends."""
+    trainer.load_weights(initial)
+    episodes, _ = run_episodes(trainer.generator, trainer.env, group_specs([20, 21], 2), trainer.settings, 1.0,
+                               seed=0, max_sessions=trainer.max_sessions)
+    rows = training_rows(episodes, 0.1)
+    adv = trainer.episode_advantages(episodes, rows)
+    anchor = FedProxAnchor.snapshot(trainer.model.named_parameters())
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():                       # the policy has moved away from the round's weights
+        for p in trainer.params.values():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+    old = trainer.row_log_probs(trainer.model, rows)
+    ref = trainer.row_log_probs(trainer.ref, rows)
+    ref_before = {k: p.detach().clone() for k, p in trainer.ref.named_parameters()}
+    idx = list(range(len(rows)))
+    mu = 0.5
+    try:
+        trainer.accumulate_gradients(rows, adv, old, ref, idx, None, 0.0)
+        plain = {k: p.grad.clone() for k, p in trainer.params.items()}
+        for p in trainer.params.values():
+            p.grad = None
+        trainer.accumulate_gradients(rows, adv, old, ref, idx, anchor, mu)
+        for k, p in trainer.params.items():
+            expected = mu * (p.detach() - anchor.tensors[k])
+            assert expected.abs().max() > 0
+            torch.testing.assert_close(p.grad - plain[k], expected, rtol=1e-4, atol=1e-7)
+        for k, p in trainer.ref.named_parameters():
+            assert p.grad is None and torch.equal(p.detach(), ref_before[k]), f"reference {k} was touched"
+    finally:
+        for p in trainer.params.values():
+            p.grad = None
+        anchor.release()
+        trainer.load_weights(initial)
+    trainer.fit(FitRequest(round=1, client_id=1, task_indices=TRAIN_TASKS, local_epochs=1, seed=0, proximal_mu=0.1))
+    trainer.load_weights(initial)
+    assert all(a.released for a in _live(FedProxAnchor))
+
+
+def test_micro_batches_do_not_change_the_gradient(trainer, initial):
+    trainer.load_weights(initial)
+    episodes, _ = run_episodes(trainer.generator, trainer.env, group_specs([30, 31], 2), trainer.settings, 1.0,
+                               seed=5, max_sessions=trainer.max_sessions)
+    rows = training_rows(episodes, 0.1)
+    adv = [a + 0.3 * (k % 3 - 1) for k, a in enumerate(trainer.episode_advantages(episodes, rows))]
+    old = [lp - 0.05 for lp in trainer.row_log_probs(trainer.model, rows)]   # ratios != 1
+    ref = trainer.row_log_probs(trainer.ref, rows)
+    grads = []
+    saved = trainer.cfg.algo.micro_batch_size
+    try:
+        for micro in (1, len(rows)):
+            trainer.cfg.algo.micro_batch_size = micro
+            trainer.accumulate_gradients(rows, adv, old, ref, list(range(len(rows))), None, 0.0)
+            grads.append({k: p.grad.clone() for k, p in trainer.params.items()})
+            for p in trainer.params.values():
+                p.grad = None
+    finally:
+        trainer.cfg.algo.micro_batch_size = saved
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-7)
+
+
+def test_validation_rows_never_penalised(trainer, initial):
+    trainer.load_weights(initial)
+    req = EvalRequest(task_indices=list(range(8)), seed=0)
+    saved = trainer.cfg.rollout.invalid_action_penalty
+    try:
+        trainer.cfg.rollout.invalid_action_penalty = 0.0
+        plain = trainer.evaluate(req)
+        trainer.cfg.rollout.invalid_action_penalty = 5.0
+        penalised = trainer.evaluate(req)
+    finally:
+        trainer.cfg.rollout.invalid_action_penalty = saved
+    keys = ("success", "reward", "turns", "invalid_action_rate")
+    assert plain.metrics["invalid_action_rate"] > 0, "the penalty must have had something to act on"
+    assert {k: plain.metrics[k] for k in keys} == {k: penalised.metrics[k] for k in keys}
+    assert 0.0 <= penalised.metrics["reward"] <= 1.0 and plain.num_examples == 8
+
+
+def _fit_rss_series(trainer, initial, fits: int) -> list[float]:
+    """RSS (MB) at one phase point (after export) of consecutive fits of different clients."""
+    proc = psutil.Process()
+    series = []
+    for i in range(fits):
+        trainer.load_weights(initial)
+        shard = TRAIN_TASKS[(7 * i) % 50:][:40]
+        trainer.fit(FitRequest(round=1 + i // 2, client_id=i, task_indices=shard, local_epochs=1, seed=0,
+                               proximal_mu=0.01))
+        exported = trainer.export_weights()
+        del exported
+        series.append(proc.memory_info().rss / 2**20)
+    return series
+
+
+@pytest.fixture(scope="module")
+def wide_trainer(env_url, cache_dir):
+    """A model large enough (~9 MB of fp32 weights, ~27 MB with AdamW moments) that leaking one
+    copy of anything per fit stands far above allocator noise."""
+    cfg = small_config(cache_dir, model={"path": "tiny", "tiny": {
+        "hidden_size": 256, "layers": 2, "heads": 4, "vocab_size": 300, "sft_episodes": 2, "sft_epochs": 1,
+        "cache_dir": str(cache_dir)}}, env={"max_turns": 2}, rollout={"max_prompt_tokens": 128})
+    t = BuiltinTrainer(cfg, env_url)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def _assert_flat(series: list[float], warmup: int, model_mb: float) -> float:
+    steady = series[warmup:]
+    per_fit = (steady[-1] - steady[0]) / (len(steady) - 1)
+    print(f"RSS after export per fit (MB): {[round(x, 1) for x in series]}; slope {per_fit:.2f} MB/fit")
+    assert per_fit < 0.25 * model_mb, f"RSS grows {per_fit:.1f} MB per fit (model is {model_mb:.1f} MB)"
+    return per_fit
+
+
+def test_rss_flat_across_5_fits(wide_trainer):
+    initial = wide_trainer.export_weights()
+    model_mb = sum(t.numel() * 4 for t in initial.values()) / 2**20
+    _assert_flat(_fit_rss_series(wide_trainer, initial, 5), warmup=2, model_mb=model_mb)
+
+
+@pytest.mark.slow
+def test_rss_flat_across_20_fits(wide_trainer):
+    initial = wide_trainer.export_weights()
+    model_mb = sum(t.numel() * 4 for t in initial.values()) / 2**20
+    _assert_flat(_fit_rss_series(wide_trainer, initial, 20), warmup=4, model_mb=model_mb)
+
+
+# ---------------------------------------------------------------- unusable model directories
+
+def _cfg_for(path: Path, cache_dir: Path):
+    return small_config(cache_dir, model={"path": str(path)})
+
+
+def test_missing_model_dir_fails_clearly(tmp_path, cache_dir):
+    with pytest.raises(ModelDirError, match="does not exist"):
+        BuiltinTrainer(_cfg_for(tmp_path / "no-such-model", cache_dir), "http://127.0.0.1:9")
+
+
+def test_non_causal_lm_dir_fails_clearly(tmp_path, cache_dir):
+    DistilBertConfig().save_pretrained(tmp_path)
+    with pytest.raises(ModelDirError, match="not a causal language model"):
+        BuiltinTrainer(_cfg_for(tmp_path, cache_dir), "http://127.0.0.1:9")
+
+
+def test_tokenizer_without_chat_template_fails_clearly(tmp_path, cache_dir, trainer):
+    cfg = small_config(cache_dir)
+    src = build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout)    # cached by the trainer fixture
+    dst = tmp_path / "no-template"
+    shutil.copytree(src, dst)
+    (dst / "chat_template.jinja").unlink(missing_ok=True)
+    tok_cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (dst / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    with pytest.raises(ModelDirError, match="no chat template"):
+        BuiltinTrainer(_cfg_for(dst, cache_dir), "http://127.0.0.1:9")

@@ -1,0 +1,114 @@
+"""Weights through Flower messages: inline ArrayRecord vs weight store, bit-identical both ways."""
+from __future__ import annotations
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
+
+from fl_app.store import DirStore
+from fl_app.transport import (WeightsRef, arrayrecord_to_state, fedavg_received, receive_weights, send_stored,
+                              send_weights, state_to_arrayrecord)
+from fl_app.weights import WeightsError, load_shards, save_shards, state_nbytes
+
+SHARD = 4000
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed": torch.randn(30, 16, generator=g), "w": torch.randn(16, 16, generator=g),
+            "b": torch.randn(16, generator=g), "special": torch.tensor([1 + 2 ** -20, -0.0, 1e-45, float("nan")]),
+            "ids": torch.arange(5)}
+
+
+def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return list(a) == list(b) and all(
+        a[k].dtype == b[k].dtype and a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a)
+
+
+def _over_the_wire(content: RecordDict) -> RecordDict:
+    """Serialize a message's content with Flower's own protobuf serde and parse it back."""
+    wire = recorddict_to_proto(content).SerializeToString()
+    proto = ProtoRecordDict()
+    proto.ParseFromString(wire)
+    return recorddict_from_proto(proto)
+
+
+def _ship(ref: WeightsRef, arrays: ArrayRecord) -> tuple[WeightsRef, ArrayRecord]:
+    got = _over_the_wire(RecordDict({"arrays": arrays, "config": ConfigRecord(ref.to_config())}))
+    return WeightsRef.from_config(got["config"]), got["arrays"]
+
+
+def test_arrayrecord_roundtrip_is_bitwise_through_flower_wire():
+    state = _model(0)
+    ref, arrays = _ship(WeightsRef(inline=True, nbytes=state_nbytes(state)), state_to_arrayrecord(state))
+    back = receive_weights(ref, arrays, store=None)
+    assert _same_bits(state, back)
+    assert back["embed"].dtype == torch.float32
+
+
+def test_inline_and_store_transports_give_identical_bits(tmp_path):
+    store = DirStore(tmp_path, SHARD)
+    states, counts = [_model(1), _model(2)], [7, 3]
+    received = {}
+    for mode, threshold in (("inline", 1 << 30), ("store", 0)):
+        replies = []
+        for c, (state, n) in enumerate(zip(states, counts)):
+            ref, arrays = _ship(*send_weights(state, store, f"{mode}/client-{c}", inline_max_bytes=threshold))
+            assert ref.inline == (mode == "inline")
+            assert _same_bits(receive_weights(ref, arrays, store), state)
+            replies.append((ref, arrays, n))
+        received[mode] = fedavg_received(replies, store, tmp_path / f"global-{mode}", SHARD)
+    assert received["inline"].sha256 == received["store"].sha256  # same shard bytes on disk
+    assert _same_bits(load_shards(received["inline"].root), load_shards(received["store"].root))
+
+
+def test_inline_threshold_picks_the_transport(tmp_path):
+    store = DirStore(tmp_path, SHARD)
+    state = _model(0)
+    n = state_nbytes(state)
+    ref, arrays = send_weights(state, store, "a", inline_max_bytes=n)
+    assert ref.inline and len(arrays) == len(state) and not store.exists("a")
+    ref, arrays = send_weights(state, store, "b", inline_max_bytes=n - 1)
+    assert not ref.inline and len(arrays) == 0 and store.exists("b")
+    assert ref.key == "b" and ref.manifest_sha256 == store.manifest("b").sha256 and ref.nbytes == n
+
+
+def test_send_stored_global_inline_or_by_reference(tmp_path):
+    store = DirStore(tmp_path, SHARD)
+    state = _model(3)
+    save_shards(state, store.path("rounds/round-0000/actor"), SHARD)
+    ref, arrays = send_stored(store, "rounds/round-0000/actor", inline_max_bytes=1 << 20)
+    assert ref.inline and _same_bits(arrayrecord_to_state(arrays), state)
+    ref, arrays = _ship(*send_stored(store, "rounds/round-0000/actor", inline_max_bytes=0))
+    assert not ref.inline and _same_bits(receive_weights(ref, arrays, store), state)
+
+
+def test_weights_ref_survives_a_configrecord_and_names_missing_keys():
+    ref = WeightsRef(inline=False, nbytes=6_200_000_000, key="rounds/round-0003/actor", manifest_sha256="ab" * 32)
+    got = _over_the_wire(RecordDict({"c": ConfigRecord({**ref.to_config("actor"), "server-round": 3})}))
+    assert WeightsRef.from_config(got["c"], "actor") == ref
+    with pytest.raises(WeightsError, match="critic-inline"):
+        WeightsRef.from_config(got["c"], "critic")
+
+
+def test_replaced_store_entry_is_refused(tmp_path):
+    store = DirStore(tmp_path, SHARD)
+    ref, arrays = send_weights(_model(0), store, "clients/client-0001/actor", inline_max_bytes=0)
+    store.delete("clients/client-0001/actor")
+    store.put("clients/client-0001/actor", _model(9))  # e.g. a re-run wrote the same key
+    with pytest.raises(WeightsError, match="not the one the sender wrote"):
+        receive_weights(ref, arrays, store)
+    with pytest.raises(WeightsError, match="not the one the sender wrote"):
+        fedavg_received([(ref, arrays, 1)], store, tmp_path / "g", SHARD)
+
+
+def test_non_fp32_cannot_ride_inline_and_mixed_replies_are_refused(tmp_path):
+    with pytest.raises(WeightsError, match="fp32"):
+        state_to_arrayrecord({"w": torch.ones(3, dtype=torch.bfloat16)})
+    store = DirStore(tmp_path, SHARD)
+    a = send_weights(_model(0), store, "a", inline_max_bytes=1 << 20)
+    b = send_weights(_model(1), store, "b", inline_max_bytes=0)
+    with pytest.raises(WeightsError, match="inline_max_mb"):
+        fedavg_received([(*a, 1), (*b, 1)], store, tmp_path / "g", SHARD)
