@@ -43,7 +43,7 @@ from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg
 log = logging.getLogger(__name__)
 
 # Bump when a change to this module changes what gets built, so stale caches are not reused.
-CODE_VERSION = "tiny-model-1"
+CODE_VERSION = "tiny-model-2"
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHATML_TEMPLATE = (
@@ -308,11 +308,11 @@ def copy_warmup(model, rows: list[tuple[list[int], list[int]]], steps: int, seed
         for r in torch.randint(len(rows), (COPY_BATCH,), generator=gen).tolist():
             seq = rows[r][0] + rows[r][1]
             start = int(torch.randint(max(1, len(seq) - k + 1), (1,), generator=gen))
-            span = (seq * k)[start:start + k]          # (seq * k): a reply-only row is still k long
+            span = (seq * k)[start:start + k]          # (seq * k): k long even for a row shorter than k
             spans.append(span + span)
         x = torch.tensor(spans, device=device)
-        logits = model(input_ids=x).logits[:, k - 1:-1]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, k:].reshape(-1))
+        hidden = model.model(input_ids=x).last_hidden_state[:, k - 1:-1]   # positions predicting copy 2
+        loss = F.cross_entropy(model.lm_head(hidden).flatten(0, 1), x[:, k:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

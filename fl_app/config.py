@@ -6,6 +6,7 @@ message that names the key and the fix, before any process or service starts.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +37,8 @@ class TinyModelCfg(_Strict):
     sft_epochs: int = Field(2, ge=0, description="Passes over the SFT demonstrations.")
     sft_noise: float = Field(0.3, ge=0, le=1, description="Fraction of demonstration actions replaced by a random valid action, so the warm start is imperfect.")
     seed: int = Field(0, description="Seed of tokenizer training, init and SFT (the build is a pure function of it).")
-    cache_dir: str = Field("~/.cache/fedagent-flower/models", description="Where built tiny models are cached (keyed by a hash of this section and the env).")
+    cache_dir: str = Field(default_factory=lambda: str(Path(os.environ.get("FEDAGENT_CACHE_DIR", "~/.cache/fedagent-flower")) / "models"),
+                           description="Where built tiny models are cached (keyed by a hash of this section and the env); default `$FEDAGENT_CACHE_DIR/models`, else ~/.cache/fedagent-flower/models.")
 
 
 class ModelCfg(_Strict):

@@ -1,0 +1,190 @@
+"""The embedded default model: deterministic cached build, loadability, warm-start quality, and
+the loader's errors for directories that cannot serve as a policy."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DistilBertConfig
+
+from client_app import prompts
+from client_app.tiny_model import (ModelDirError, build_tiny_model, cache_key, collect_demonstrations,
+                                   load_causal_lm, sft_batch)
+from envs.registry import make_env
+from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg, load_config
+
+# A reduced build: same code path as the default, seconds instead of minutes.
+SMALL_ENV = EnvCfg(params={"num_products": 300, "num_goals": 120, "val_size": 16, "search_return_n": 50, "seed": 0},
+                   max_turns=8)
+SMALL_ROLLOUT = RolloutCfg(max_prompt_tokens=384)
+
+
+def small_tiny(cache_dir: Path, **over) -> TinyModelCfg:
+    base = dict(hidden_size=32, layers=1, heads=2, vocab_size=300, sft_episodes=6, sft_epochs=1,
+                cache_dir=str(cache_dir))
+    return TinyModelCfg(**(base | over))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(small_tiny(tmp_path_factory.mktemp("cache")), SMALL_ENV, SMALL_ROLLOUT)
+
+
+def test_tiny_model_build_is_deterministic(tiny_dir, tmp_path):
+    other = build_tiny_model(small_tiny(tmp_path / "other-cache"), SMALL_ENV, SMALL_ROLLOUT)
+    assert other != tiny_dir and other.name == tiny_dir.name
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "tiny_model.json"):
+        assert (other / name).read_bytes() == (tiny_dir / name).read_bytes(), name
+    reseeded = build_tiny_model(small_tiny(tmp_path / "other-cache", seed=1), SMALL_ENV, SMALL_ROLLOUT)
+    assert reseeded.name != tiny_dir.name
+    assert (reseeded / "model.safetensors").read_bytes() != (tiny_dir / "model.safetensors").read_bytes()
+
+
+def test_tiny_model_loads_as_plain_hugging_face_dir(tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    assert model.config.model_type == "qwen2" and model.config.tie_word_embeddings
+    assert model.config.num_key_value_heads == model.config.num_attention_heads // 2
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert "<|im_start|>" in tok.chat_template and tok.eos_token == "<|im_end|>"
+    assert model.generation_config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert len(tok) <= 300 and model.config.vocab_size == len(tok)
+    # a real forward pass on a real windowed prompt
+    msgs = prompts.build_messages("buy a red mug", [], "Search", ["search[<query>]"], history_length=2)
+    ids = torch.tensor([prompts.prompt_ids(tok, msgs, SMALL_ROLLOUT.max_prompt_tokens)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()
+
+
+def test_build_is_cached_and_says_where(tiny_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="client_app.tiny_model"):
+        again = build_tiny_model(small_tiny(tiny_dir.parent), SMALL_ENV, SMALL_ROLLOUT)
+    assert again == tiny_dir
+    assert f"tiny model: cached at {tiny_dir}" in caplog.text
+    assert not [p for p in tiny_dir.parent.iterdir() if ".building-" in p.name]
+
+
+def test_cache_key_follows_what_the_weights_depend_on(tmp_path):
+    tiny = small_tiny(tmp_path)
+    key = cache_key(tiny, SMALL_ENV, SMALL_ROLLOUT)
+    assert key == cache_key(small_tiny(tmp_path / "elsewhere"), SMALL_ENV, SMALL_ROLLOUT)   # not the location
+    assert key == cache_key(tiny, SMALL_ENV, SMALL_ROLLOUT.model_copy(update={"temperature": 0.5}))
+    assert key != cache_key(tiny, SMALL_ENV, SMALL_ROLLOUT.model_copy(update={"history_length": 1}))
+    assert key != cache_key(small_tiny(tmp_path, sft_noise=0.1), SMALL_ENV, SMALL_ROLLOUT)
+    env2 = SMALL_ENV.model_copy(update={"params": SMALL_ENV.params | {"seed": 1}})
+    assert key != cache_key(tiny, env2, SMALL_ROLLOUT)
+
+
+def test_concurrent_builds_produce_one_directory(tmp_path, caplog):
+    tiny = small_tiny(tmp_path, sft_episodes=2)
+    results: list[Path] = []
+    with caplog.at_level(logging.INFO, logger="client_app.tiny_model"):
+        threads = [threading.Thread(target=lambda: results.append(build_tiny_model(tiny, SMALL_ENV, SMALL_ROLLOUT)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(results) == 2 and results[0] == results[1]
+    assert caplog.text.count("tiny model: built in") == 1 and caplog.text.count("tiny model: cached at") == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [results[0].name]
+
+
+def test_demonstrations_use_training_tasks_and_noise_the_given_fraction():
+    env = make_env(SMALL_ENV.name, **SMALL_ENV.params)
+    clean = collect_demonstrations(SMALL_ENV, 2, episodes=20, noise=0.0, seed=0)
+    assert all(d.task >= env.val_size for d in clean)
+    assert all(d.action == d.expert for d in clean)
+    noisy = collect_demonstrations(SMALL_ENV, 2, episodes=40, noise=0.5, seed=0)
+    changed = sum(d.action != d.expert for d in noisy) / len(noisy)
+    assert 0.3 < changed < 0.7
+    assert all(d.task >= env.val_size for d in noisy)
+    # the last message always shows the admissible actions of the state the action was taken in
+    assert all("Your admissible actions of the current situation are: [" in d.messages[-1]["content"] for d in noisy)
+
+
+def test_sft_loss_targets_only_reply_tokens():
+    rows = [([5, 6, 7], [8, 9]), ([5, 6], [10, 11, 12])]
+    ids, mask, targets = sft_batch(rows, pad_id=0)
+    assert ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 10, 11, 12]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert targets.tolist() == [[-100, -100, 8, 9, -100], [-100, 10, 11, 12, -100]]
+    ids, mask, targets = sft_batch([([5], [8]), ([5, 6, 7], [8, 9])], pad_id=0)
+    assert ids[0].tolist() == [5, 8, 0, 0, 0] and mask[0].tolist() == [1, 1, 0, 0, 0]
+    assert targets[0].tolist() == [8, -100, -100, -100, -100]
+
+
+def test_load_causal_lm_returns_fp32_policy(tiny_dir):
+    model, tok = load_causal_lm(str(tiny_dir), "cpu")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert tok.pad_token_id is not None and tok.eos_token_id is not None and not model.training
+
+
+def test_load_causal_lm_missing_dir_names_it_and_the_fix(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ModelDirError, match=r"no-such-model does not exist.*model\.path.*tiny"):
+        load_causal_lm(missing, "cpu")
+
+
+def test_load_causal_lm_rejects_non_causal_lm_config(tmp_path):
+    DistilBertConfig().save_pretrained(tmp_path)
+    with pytest.raises(ModelDirError, match=r"'distilbert'.*not a causal language model"):
+        load_causal_lm(tmp_path, "cpu")
+
+
+def test_load_causal_lm_rejects_tokenizer_without_chat_template(tiny_dir, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_dir, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    cfg_path = bare / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelDirError, match=r"no chat template"):
+        load_causal_lm(bare, "cpu")
+
+
+# ----------------------------------------------------------------------------- full size (slow)
+
+def play_episodes(model, tok, env_cfg: EnvCfg, rollout: RolloutCfg, tasks: list[int], temperature: float,
+                  seed: int) -> float:
+    """Success rate of `model` sampling at `temperature` on `tasks`, one episode at a time."""
+    env = make_env(env_cfg.name, **env_cfg.params)
+    wins = 0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)   # generate() samples from the global RNG; fork_rng restores it
+        for task in tasks:
+            obs, info = env.reset(task)
+            history: list[tuple[str, str]] = []
+            for _ in range(env_cfg.max_turns):
+                msgs = prompts.build_messages(info["instruction"], history, obs, info["valid_actions"],
+                                              rollout.history_length)
+                ids = torch.tensor([prompts.prompt_ids(tok, msgs, rollout.max_prompt_tokens)])
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=temperature > 0,
+                                     temperature=temperature or None, top_k=0, top_p=1.0,
+                                     max_new_tokens=rollout.max_response_tokens)
+                action = prompts.parse_action(tok.decode(out[0, ids.shape[1]:]))
+                history.append((obs, action))
+                obs, _reward, done, info = env.step(action)
+                if done:
+                    break
+            wins += bool(info["won"])
+    return wins / len(tasks)
+
+
+@pytest.mark.slow
+def test_default_tiny_model_warm_start_is_imperfect(tmp_path):
+    """The default build lands in the band where RL has something to learn: 10-50% val success."""
+    cfg = load_config()
+    tiny = cfg.model.tiny.model_copy(update={"cache_dir": str(tmp_path)})
+    model, tok = load_causal_lm(build_tiny_model(tiny, cfg.env, cfg.rollout), "cpu")
+    success = play_episodes(model, tok, cfg.env, cfg.rollout, list(range(cfg.federation.val_tasks)),
+                            cfg.rollout.val_temperature, seed=0)
+    print(f"warm-start validation success: {success:.3f}")
+    assert 0.10 <= success <= 0.50
