@@ -6,7 +6,9 @@ and everything started is stopped by PID on every path.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +24,8 @@ FLWR = str(Path(sys.executable).with_name("flwr"))
 class FlowerRun:
     def __init__(self, home: Path) -> None:
         self.home = home
+        # Unix socket paths are limited to 107 bytes: Ray's and ours live in a short dir.
+        self.short = Path(tempfile.mkdtemp(prefix="fa-", dir="/tmp"))
         http_port, control_port = choose_free_port(), choose_free_port()
         while control_port == http_port:
             control_port = choose_free_port()
@@ -30,7 +34,7 @@ class FlowerRun:
                     "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
                     "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
                     "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
-                    "RAY_TMPDIR": str(home / "ray"), "FEDAGENT_RUNTIME_DIR": str(home / "rt")}
+                    "RAY_TMPDIR": str(self.short / "ray"), "FEDAGENT_RUNTIME_DIR": str(self.short / "rt")}
 
     def run(self, run_config: str, timeout_s: float, federation_config: str = "num-supernodes=2"
             ) -> subprocess.CompletedProcess:
@@ -40,6 +44,7 @@ class FlowerRun:
 
     def stop(self) -> None:
         stop_superlink(self.port)
+        shutil.rmtree(self.short, ignore_errors=True)
 
     def superlink_log(self) -> str:
         p = self.home / "local-superlink" / "superlink.log"

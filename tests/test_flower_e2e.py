@@ -3,8 +3,8 @@ trainer service, env service and tiny model (issue 4's must-shows, scaled to min
 from __future__ import annotations
 
 import json
-import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -13,7 +13,8 @@ import pytest
 
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest, load_shards
-from flower_harness import ROOT, flower
+from flower_harness import FLWR, ROOT, flower
+from server_app.local_superlink import find_superlink
 
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
 
@@ -23,8 +24,8 @@ def _rc(run_dir: Path, **extra: object) -> str:
     return " ".join(f"{k}={v}" for k, v in items.items())
 
 
-def _service_pids(home: Path) -> list[int]:
-    rt = home / "rt"
+def _service_pids(fr) -> list[int]:
+    rt = fr.short / "rt"
     return [int(p.read_text()) for p in rt.glob("svc-*.pid")] if rt.exists() else []
 
 
@@ -62,7 +63,7 @@ def test_one_trainer_service_serves_every_fit_and_stops(two_rounds, fl):
     summary = json.loads((two_rounds / "summary.json").read_text())
     (svc,) = summary["services"]                       # one lane (CPU) -> one service
     assert svc["fits"] == 4 and svc["evals"] == 3      # 2 rounds x 2 clients; rounds 0, 1, 2
-    for pid in _service_pids(fl.home):
+    for pid in _service_pids(fl):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
@@ -97,4 +98,54 @@ def test_bad_config_fails_before_anything_starts(fl, tmp_path):
     out = p.stdout + p.stderr
     assert "exceeds federation.clients" in out, out[-4000:]
     assert not run_dir.exists()                         # nothing was created
-    assert not _service_pids(fl.home) or all(not psutil.pid_exists(p) for p in _service_pids(fl.home))
+    assert not _service_pids(fl) or all(not psutil.pid_exists(p) for p in _service_pids(fl))
+
+
+def _kill_tree(pid: int) -> list[int]:
+    """SIGKILL a process and every descendant (what a crashed node or `kill -9` does)."""
+    root = psutil.Process(pid)
+    procs = [root, *root.children(recursive=True)]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+    return [p.pid for p in procs]
+
+
+@pytest.mark.slow
+def test_sigkill_mid_round_then_rerun_resumes_cleanly(tmp_path):
+    """Kill the whole run (SuperLink, simulation, Ray actors) mid-round; the trainer service of
+    the dead attempt exits by itself and the rerun resumes from the last complete round."""
+    run_dir = tmp_path / "killed"
+    home = tmp_path / "flwr"
+    with flower(home) as fr:
+        log = open(tmp_path / "first-attempt.log", "w")
+        proc = subprocess.Popen([FLWR, "run", str(ROOT), "--run-config",
+                                 _rc(run_dir, rounds=4), "--federation-config", "num-supernodes=2", "--stream"],
+                                env=fr.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 1200
+            rd = RunDir(run_dir, total_rounds=4)
+            while time.monotonic() < deadline and (rd.last_complete_round() or 0) < 1 and proc.poll() is None:
+                time.sleep(1)
+            assert rd.last_complete_round() == 1, (tmp_path / "first-attempt.log").read_text()[-4000:]
+            time.sleep(2)                                   # now inside round 2
+            first_services = _service_pids(fr)
+            assert first_services
+            _kill_tree(find_superlink(fr.port).pid)
+        finally:
+            proc.kill()
+            proc.wait()
+            log.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in first_services):
+            time.sleep(0.5)
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                       for p in first_services), "a trainer service outlived its killed run"
+        p = fr.run(_rc(run_dir, rounds=4), timeout_s=1200)
+        assert "resuming after round" in p.stdout, p.stdout[-4000:]
+        assert RunDir(run_dir, total_rounds=4).last_complete_round() == 4
+        assert [r["round"] for r in rd.read_metrics()] == [0, 1, 2, 3, 4]   # one line per round
+        assert set(_service_pids(fr)) - set(first_services)   # the rerun got a service of its own
