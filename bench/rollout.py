@@ -3,10 +3,13 @@
     python -m bench.rollout --size tiny --episodes 32 --max-turns 5          # CPU, the tiny model
     python -m bench.rollout --size qwen0.5b --episodes 64 --device cuda      # GPU, Qwen2.5-0.5B shape
 
-Both arms play the same episodes (distinct validation tasks, one env-service session each)
-through the same rollout loop (`client_app.rollout.run_episodes`); the only difference is that
-the baseline generates each live episode's turn on its own (`max_batch=1`). Decoding is greedy,
-so both arms see the same prompts (the report says how many turns agreed token for token).
+All arms play the same episodes (distinct validation tasks, one env-service session each)
+through the same rollout loop (`client_app.rollout.run_episodes`); they differ only in how a
+turn's prompts are generated: `batched` = all live episodes in one left-padded `generate` call
+(the GPU setting), `batched, length-grouped` = longest first, a new call whenever padding would
+exceed 25% of a row (the CPU setting), `per-sequence` = one `generate` call per prompt. Decoding
+is greedy, so all arms see the same prompts (the report says how many turns agreed token for
+token with the per-sequence arm).
 `qwen0.5b` is a random-weight model with Qwen2.5-0.5B's shape (24 layers, width 896, 14/2
 heads, 151,936-row tied embedding) and the tiny tokenizer: it never stops early, so every
 turn generates `--max-new-tokens` tokens; that measures the engine, not the policy.
@@ -32,12 +35,12 @@ QWEN05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, nu
                rms_norm_eps=1e-6, max_position_embeddings=32768)
 
 
-def build_policy(size: str, cfg, device: torch.device):
-    """(model, tokenizer) for a bench size."""
+def build_policy(size: str, model_dir: str, cfg, device: torch.device):
+    """(model, tokenizer) for a bench size (`model_dir` overrides the tiny build)."""
     from client_app.tiny_model import build_tiny_model, collect_demonstrations, load_causal_lm, train_tokenizer
 
     if size == "tiny":
-        return load_causal_lm(build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout), device)
+        return load_causal_lm(model_dir or build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout), device)
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     demos = collect_demonstrations(cfg.env, cfg.rollout.history_length, 64, 0.0, 0)
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--episodes", type=int, default=32)
     ap.add_argument("--max-turns", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=0, help="0 = the recipe's rollout.max_response_tokens")
+    ap.add_argument("--model", default="", help="tiny: use this model directory instead of the cached tiny build")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     args = ap.parse_args(argv)
@@ -64,13 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     cfg = load_config("tiny-shop-grpo")
     device = resolve_device(args.device)
-    model, tok = build_policy(args.size, cfg, device)
+    model, tok = build_policy(args.size, args.model, cfg, device)
     amp = torch.bfloat16 if device.type == "cuda" else None
     new_tokens = args.max_new_tokens or cfg.rollout.max_response_tokens
     settings = RolloutSettings(args.max_turns, cfg.rollout.history_length, cfg.rollout.max_prompt_tokens)
     val_size = int(cfg.env.params.get("val_size", 64))
     specs = group_specs([k % val_size for k in range(args.episodes)], 1)
     arms = {"batched": BatchedGenerator(model, tok, new_tokens, amp),
+            "batched, length-grouped": BatchedGenerator(model, tok, new_tokens, amp, max_padding=0.25),
             "per-sequence": BatchedGenerator(model, tok, new_tokens, amp, max_batch=1)}
     results, turns = {}, {}
     with serve_in_subprocess(cfg.env.name, args.episodes, cfg.env.params) as url, SyncEnvClient(url) as env:
@@ -86,22 +91,25 @@ def main(argv: list[str] | None = None) -> int:
                              "generate_s": round(stats.generate_s, 3), "env_s": round(stats.env_s, 3),
                              "wall_s": round(wall, 3), "tokens_per_s": round(stats.tokens / stats.generate_s, 1),
                              "steps_per_s": round(stats.steps / wall, 2)}
-    a, b = turns["batched"], turns["per-sequence"]
-    same = sum(x == y for x, y in zip(a, b))
+    b = turns["per-sequence"]
+    same = {name: f"{sum(x == y for x, y in zip(a, b))}/{max(len(a), len(b))}" for name, a in turns.items()
+            if name != "per-sequence"}
     report = {
         "size": args.size, "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(),
         "threads": torch.get_num_threads(), "episodes": args.episodes, "max_turns": args.max_turns,
         "max_new_tokens": new_tokens, "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
         "python": platform.python_version(), "torch": torch.__version__, **{k: v for k, v in results.items()},
-        "tokens_per_s_ratio": round(results["batched"]["tokens_per_s"] / results["per-sequence"]["tokens_per_s"], 2),
-        "steps_per_s_ratio": round(results["batched"]["steps_per_s"] / results["per-sequence"]["steps_per_s"], 2),
-        "identical_turns": f"{same}/{max(len(a), len(b))}",
+        "ratios_vs_per_sequence": {name: {
+            "tokens_per_s": round(r["tokens_per_s"] / results["per-sequence"]["tokens_per_s"], 2),
+            "steps_per_s": round(r["steps_per_s"] / results["per-sequence"]["steps_per_s"], 2)}
+            for name, r in results.items() if name != "per-sequence"},
+        "identical_turns_vs_per_sequence": same,
     }
     print(json.dumps(report, indent=2))
-    print(f"\n| arm | tokens/s | env steps/s | wall s |\n|---|---|---|---|")
+    print("\n| arm | tokens/s | env steps/s | wall s | vs per-sequence |\n|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['tokens_per_s']} | {r['steps_per_s']} | {r['wall_s']} |")
-    print(f"batched / per-sequence: tokens/s x{report['tokens_per_s_ratio']}, steps/s x{report['steps_per_s_ratio']}")
+        ratio = report["ratios_vs_per_sequence"].get(name, {}).get("steps_per_s", 1.0)
+        print(f"| {name} | {r['tokens_per_s']} | {r['steps_per_s']} | {r['wall_s']} | x{ratio} |")
     return 0
 
 

@@ -130,15 +130,17 @@ class BatchedGenerator:
     `vocab_size` cuts padded embedding rows, as the trainer's log-probs do), so the training
     log-probabilities (same temperature) describe the policy that acted. Randomness comes from
     a per-call seed applied inside `torch.random.fork_rng`, so the process-global RNG is left
-    as it was. `max_batch` splits a call into sequential batches (1 = a per-sequence loop).
+    as it was. `max_batch` splits a call into sequential batches (1 = a per-sequence loop);
+    `max_padding` groups prompts of similar length (see `_batches`).
     """
 
     def __init__(self, model: Any, tokenizer: Any, max_new_tokens: int, autocast_dtype: torch.dtype | None = None,
-                 max_batch: int | None = None) -> None:
+                 max_batch: int | None = None, max_padding: float | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens = max_new_tokens
         self.autocast_dtype = autocast_dtype
         self.max_batch = max_batch
+        self.max_padding = max_padding
         self.device = next(model.parameters()).device
         eos = model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -159,11 +161,30 @@ class BatchedGenerator:
 
     def generate(self, prompts: Sequence[Sequence[int]], temperature: float, seed: int) -> list[list[int]]:
         """Response ids per prompt, cut after the first eos (greedy when temperature == 0)."""
-        step = self.max_batch or len(prompts)
-        out: list[list[int]] = []
-        for start in range(0, len(prompts), step):
-            out.extend(self._generate_batch(prompts[start:start + step], temperature, derive_seed(seed, start)))
+        out: list[list[int]] = [[] for _ in prompts]
+        for k, part in enumerate(self._batches(prompts)):
+            for i, response in zip(part, self._generate_batch([prompts[i] for i in part], temperature,
+                                                              derive_seed(seed, k))):
+                out[i] = response
         return out
+
+    def _batches(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Prompt indices per generate call: at most `max_batch` each and, with `max_padding`,
+        longest first with a new batch whenever padding would exceed that fraction of a row
+        (on CPU, padded tokens cost as much as real ones; on GPU one wide batch is cheaper)."""
+        if self.max_padding is None:
+            order = list(range(len(prompts)))
+        else:
+            order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        batches: list[list[int]] = []
+        for i in order:
+            b = batches[-1] if batches else None
+            if b is None or len(b) == (self.max_batch or len(prompts)) or (
+                    self.max_padding is not None and len(prompts[i]) < (1 - self.max_padding) * len(prompts[b[0]])):
+                batches.append([i])
+            else:
+                b.append(i)
+        return batches
 
     @torch.no_grad()
     def _generate_batch(self, prompts: Sequence[Sequence[int]], temperature: float, seed: int) -> list[list[int]]:

@@ -10,7 +10,8 @@ directory:
    action (and played), so the warm start is imperfect and RL has room to improve it;
 2. a byte-level BPE tokenizer is trained on that text, with ChatML special tokens and template;
 3. a Qwen2-architecture causal LM is initialised from a local torch.Generator;
-4. it is fine-tuned on (prompt, reply) pairs with the loss on the reply tokens only.
+4. a short copy warm-up teaches it to repeat spans of that text (`copy_warmup`);
+5. it is fine-tuned on (prompt, reply) pairs with the loss on the reply tokens only.
 
 The build is a pure function of the config (`seed` included): two builds give identical
 safetensors bytes. `load_causal_lm` is the one loader for tiny and real model directories.
@@ -43,7 +44,7 @@ from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg
 log = logging.getLogger(__name__)
 
 # Bump when a change to this module changes what gets built, so stale caches are not reused.
-CODE_VERSION = "tiny-model-2"
+CODE_VERSION = "tiny-model-3"
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHATML_TEMPLATE = (
@@ -59,11 +60,11 @@ PLACEHOLDER = re.compile(r"\[<[^\]]*>\]$")
 MLP_RATIO = 4              # intermediate_size = MLP_RATIO * hidden_size
 INIT_STD = 0.02            # normal init of every matrix (Qwen2's initializer_range)
 SFT_LR = 3e-3              # AdamW peak LR, linear warmup then linear decay to 0
-SFT_BATCH = 16             # (prompt, reply) rows per optimizer step
+SFT_BATCH = 8              # (prompt, reply) rows per optimizer step
 SFT_WARMUP_FRACTION = 0.05
-COPY_STEPS = 600          # copy warm-up steps before SFT (see `copy_warmup`)
+COPY_SPANS_PER_ROW = 12    # copy warm-up length, in spans per demonstration row (see `copy_warmup`)
 COPY_BATCH = 32
-BUILD_THREADS = 4          # torch intra-op threads during the build (capped by the CPU count)
+MAX_BUILD_THREADS = 4      # torch intra-op threads during the build: half the CPUs, 1 to 4
 
 
 class ModelDirError(ValueError):
@@ -139,12 +140,12 @@ def build_into(out_dir: Path, tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_c
     with _build_torch_settings():
         demos = collect_demonstrations(env_cfg, rollout_cfg.history_length, tiny_cfg.sft_episodes,
                                        tiny_cfg.sft_noise, tiny_cfg.seed)
-        tokenizer = train_tokenizer(_tokenizer_corpus(demos), tiny_cfg.vocab_size)
+        tokenizer = train_tokenizer(tokenizer_corpus(demos), tiny_cfg.vocab_size)
         max_positions = rollout_cfg.max_prompt_tokens + rollout_cfg.max_response_tokens
         model = init_model(tiny_cfg, tokenizer, max_positions)
         rows = [(prompts.prompt_ids(tokenizer, d.messages, rollout_cfg.max_prompt_tokens),
                  prompts.response_ids(tokenizer, d.action)[:rollout_cfg.max_response_tokens]) for d in demos]
-        copy_warmup(model, rows, COPY_STEPS, tiny_cfg.seed)
+        copy_warmup(model, rows, math.ceil(COPY_SPANS_PER_ROW * len(rows) / COPY_BATCH), tiny_cfg.seed)
         final_loss = supervised_finetune(model, rows, tiny_cfg.sft_epochs, tiny_cfg.seed)
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
@@ -163,7 +164,8 @@ def build_into(out_dir: Path, tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_c
 def _build_torch_settings() -> Iterator[None]:
     """Deterministic CPU kernels and a bounded thread count, restored afterwards."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(max(1, min(BUILD_THREADS, os.cpu_count() or 1)))
+    # Half the CPUs: on a shared 2-core machine two spinning OpenMP threads ran 10x slower than one.
+    torch.set_num_threads(max(1, min(MAX_BUILD_THREADS, (os.cpu_count() or 1) // 2)))
     torch.use_deterministic_algorithms(True)
     try:
         yield
@@ -204,7 +206,7 @@ def collect_demonstrations(env_cfg: EnvCfg, history_length: int, episodes: int, 
     return demos
 
 
-def _tokenizer_corpus(demos: list[Demo]) -> list[str]:
+def tokenizer_corpus(demos: list[Demo]) -> list[str]:
     """The texts of the demonstrations, in a fixed order; history repeats earlier current turns,
     so each turn's last message (plus the system prompt and the reply) covers them at the right frequency."""
     texts = []
@@ -214,18 +216,30 @@ def _tokenizer_corpus(demos: list[Demo]) -> list[str]:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE on `texts`, wrapped as a transformers tokenizer with ChatML tokens and template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """Byte-level BPE on `texts`, saved and reloaded as a `Qwen2Tokenizer` with ChatML tokens.
+
+    The BPE is trained with Qwen2's own normalizer and pre-tokenizer: `AutoTokenizer` rebuilds
+    a qwen2 model's tokenizer with exactly that pipeline from vocab + merges, so any other
+    pipeline would tokenize differently after a save/load than during SFT.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, IM_START, IM_END],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     bpe.train_from_iterator(texts, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=IM_END, pad_token=PAD,
-                                        extra_special_tokens=[IM_START], model_max_length=1 << 20)
+    trained = json.loads(bpe.to_str())["model"]
+    tokenizer = Qwen2Tokenizer(vocab=trained["vocab"], merges=[tuple(m) for m in trained["merges"]],
+                               eos_token=IM_END, pad_token=PAD, extra_special_tokens=[IM_START],
+                               model_max_length=1 << 20)
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
 

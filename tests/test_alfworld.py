@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -199,7 +200,7 @@ def test_concurrent_envs_do_not_race_and_agree_on_order(alf_cache):
     check_same_task_order(envs)
 
     def episode(k: int) -> list:
-        return play_random(envs[k], 6 + k, random.Random(k), steps=12)
+        return play_random(envs[k], k, random.Random(k), steps=12)
 
     sequential = [episode(k) for k in range(3)]
     with ThreadPoolExecutor(3) as ex:
@@ -208,13 +209,10 @@ def test_concurrent_envs_do_not_race_and_agree_on_order(alf_cache):
 
 
 def transcript(params: dict) -> list:
-    """Random steps on two games, then the expert's answer: everything the agent would see."""
+    """Random steps on a game, then the expert's answer: everything the agent would see."""
     env = make_env("alfworld", **params)
-    rng, out = random.Random(7), []
-    for task in (0, 3):
-        out += play_random(env, task, rng, steps=10)
-        out.append(env.expert_action())
-    return out
+    out = play_random(env, 0, random.Random(7), steps=15)
+    return out + [env.expert_action()]
 
 
 def run_isolated(code: str, *args: str, env_over: dict | None = None) -> subprocess.CompletedProcess:
@@ -237,8 +235,9 @@ def test_fast_paths_change_no_byte(alf_cache):
 
 
 def test_engine_never_writes_to_home_or_leaks_alfworld_data(alf_cache, tmp_path):
-    """`import alfworld.info` would create ~/.cache/alfworld; our import points it at our cache
-    dir and restores the environment, so children never inherit a made-up ALFWORLD_DATA."""
+    """`import alfworld.info` would create ~/.cache/alfworld; our import points it at the temp
+    dir and restores the environment, so children never inherit a made-up ALFWORLD_DATA. With
+    an explicit cache_dir, the default cache dir is not created either."""
     code = textwrap.dedent("""
         import json, os, sys
         from envs.registry import make_env
@@ -249,8 +248,8 @@ def test_engine_never_writes_to_home_or_leaks_alfworld_data(alf_cache, tmp_path)
     """)
     home = tmp_path / "home"
     home.mkdir()
-    out = json.loads(run_isolated(code, json.dumps(small_params(alf_cache)),
-                                  env_over={"HOME": str(home), "FEDAGENT_CACHE_DIR": str(tmp_path / "c")}).stdout)
+    over = {"HOME": str(home), "FEDAGENT_CACHE_DIR": str(tmp_path / "c")}
+    out = json.loads(run_isolated(code, json.dumps(small_params(alf_cache)), env_over=over).stdout)
     assert out["env"] is None
-    assert out["module"] == str(tmp_path / "c" / "alfworld")
-    assert list(home.iterdir()) == []
+    assert out["module"] == tempfile.gettempdir()
+    assert list(home.iterdir()) == [] and not (tmp_path / "c").exists()

@@ -1,6 +1,6 @@
 """The batched multi-turn rollout: seeded task draws (invariant 8), served task identity per GRPO
 group (invariant 9), the windowed context (invariant 15), and the penalty's scope (invariant 10).
-Real env service (uvicorn subprocess), real tiny model from the real build path."""
+Real env service (uvicorn subprocess), real (random-weight) Qwen2 policy and tokenizer."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +9,10 @@ import torch
 from client_app import prompts
 from client_app.rollout import (BatchedGenerator, EpisodeSpec, RolloutSettings, check_groups, derive_seed,
                                 draw_tasks, group_specs, row_seed, run_episodes, training_rows, training_score)
-from client_app.tiny_model import build_tiny_model, load_causal_lm
+from client_app.tiny_model import load_causal_lm
 from envs.client import SyncEnvClient
 from envs.service import serve_in_subprocess
-from trainer_support import POOL_SIZE, SMALL_ENV_PARAMS, one_torch_thread, small_config  # noqa: F401
+from trainer_support import POOL_SIZE, SMALL_ENV_PARAMS, one_torch_thread, random_model_dir  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +23,7 @@ def env():
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    cfg = small_config(tmp_path_factory.mktemp("models"))
-    model, tok = load_causal_lm(build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout))
-    return model, tok
+    return load_causal_lm(random_model_dir(tmp_path_factory.mktemp("models") / "policy"))
 
 
 def test_row_seeds_pure_function():
@@ -113,7 +111,7 @@ def test_training_penalty_scope(env, policy):
     """The invalid-action penalty lowers the TRAINING score only; the episode's reward (what
     validation reports) is the env's own return."""
     model, tok = policy
-    gen = BatchedGenerator(model, tok, max_new_tokens=4)   # 4 tokens: too short for most actions
+    gen = BatchedGenerator(model, tok, max_new_tokens=4)
     settings = RolloutSettings(max_turns=3, history_length=2, max_prompt_tokens=384)
     episodes, _ = run_episodes(gen, env, group_specs([50, 51], 2), settings, 1.0, seed=3, max_sessions=POOL_SIZE)
     invalid = [e for e in episodes if e.invalid_actions]

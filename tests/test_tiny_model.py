@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DistilBertConfig
 
 from client_app import prompts
 from client_app.tiny_model import (ModelDirError, build_tiny_model, cache_key, collect_demonstrations,
-                                   load_causal_lm, sft_batch)
+                                   load_causal_lm, sft_batch, tokenizer_corpus, train_tokenizer)
 from envs.registry import make_env
 from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg, load_config
 
@@ -60,6 +60,22 @@ def test_tiny_model_loads_as_plain_hugging_face_dir(tiny_dir):
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()
+
+
+def test_saved_tokenizer_tokenizes_like_the_one_sft_trained_with(tiny_dir):
+    """Invariant 15 across a save/load: AutoTokenizer rebuilds a qwen2 tokenizer from vocab+merges
+    with its own pipeline, so the ids a rollout generates from must equal the ids SFT trained on."""
+    tiny = small_tiny(tiny_dir.parent)
+    demos = collect_demonstrations(SMALL_ENV, SMALL_ROLLOUT.history_length, tiny.sft_episodes, tiny.sft_noise, tiny.seed)
+    trained = train_tokenizer(tokenizer_corpus(demos), tiny.vocab_size)
+    loaded = AutoTokenizer.from_pretrained(tiny_dir)
+    assert type(loaded).__name__ == "Qwen2Tokenizer" and loaded.get_vocab() == trained.get_vocab()
+    for d in demos:
+        assert (prompts.prompt_ids(loaded, d.messages, SMALL_ROLLOUT.max_prompt_tokens)
+                == prompts.prompt_ids(trained, d.messages, SMALL_ROLLOUT.max_prompt_tokens))
+        assert prompts.response_ids(loaded, d.action) == prompts.response_ids(trained, d.action)
+    prices = "'$1,234.56', '$20.99 to $30.99', 'B0MO3DOXRL', 'café'"
+    assert loaded(prices)["input_ids"] == trained(prices)["input_ids"]
 
 
 def test_build_is_cached_and_says_where(tiny_dir, caplog):
@@ -154,28 +170,34 @@ def test_load_causal_lm_rejects_tokenizer_without_chat_template(tiny_dir, tmp_pa
 
 def play_episodes(model, tok, env_cfg: EnvCfg, rollout: RolloutCfg, tasks: list[int], temperature: float,
                   seed: int) -> float:
-    """Success rate of `model` sampling at `temperature` on `tasks`, one episode at a time."""
-    env = make_env(env_cfg.name, **env_cfg.params)
-    wins = 0
+    """Success rate of `model` sampling at `temperature` on `tasks`: all episodes advance together,
+    one left-padded `generate` call per turn."""
+    envs = [make_env(env_cfg.name, **env_cfg.params) for _ in tasks]
+    state = [dict(zip(("obs", "info"), env.reset(task)), history=[], done=False) for env, task in zip(envs, tasks)]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)   # generate() samples from the global RNG; fork_rng restores it
-        for task in tasks:
-            obs, info = env.reset(task)
-            history: list[tuple[str, str]] = []
-            for _ in range(env_cfg.max_turns):
-                msgs = prompts.build_messages(info["instruction"], history, obs, info["valid_actions"],
-                                              rollout.history_length)
-                ids = torch.tensor([prompts.prompt_ids(tok, msgs, rollout.max_prompt_tokens)])
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=temperature > 0,
-                                     temperature=temperature or None, top_k=0, top_p=1.0,
+        for _ in range(env_cfg.max_turns):
+            live = [i for i, s in enumerate(state) if not s["done"]]
+            if not live:
+                break
+            rows = [prompts.prompt_ids(tok, prompts.build_messages(
+                state[i]["info"]["instruction"], state[i]["history"], state[i]["obs"],
+                state[i]["info"]["valid_actions"], rollout.history_length), rollout.max_prompt_tokens) for i in live]
+            width = max(map(len, rows))
+            ids = torch.full((len(rows), width), tok.pad_token_id)
+            mask = torch.zeros_like(ids)
+            for k, row in enumerate(rows):
+                ids[k, width - len(row):], mask[k, width - len(row):] = torch.tensor(row), 1
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, do_sample=temperature > 0,
+                                     temperature=temperature or None, top_p=1.0,
                                      max_new_tokens=rollout.max_response_tokens)
-                action = prompts.parse_action(tok.decode(out[0, ids.shape[1]:]))
-                history.append((obs, action))
-                obs, _reward, done, info = env.step(action)
-                if done:
-                    break
-            wins += bool(info["won"])
-    return wins / len(tasks)
+            for k, i in enumerate(live):
+                s = state[i]
+                action = prompts.parse_action(tok.decode(out[k, width:].tolist()))
+                s["history"].append((s["obs"], action))
+                s["obs"], _reward, s["done"], s["info"] = envs[i].step(action)
+    return sum(bool(s["info"]["won"]) for s in state) / len(state)
 
 
 @pytest.mark.slow

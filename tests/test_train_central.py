@@ -8,15 +8,13 @@ import json
 import pytest
 
 from client_app.train_central import main
-from trainer_support import SMALL_ENV_PARAMS, one_torch_thread  # noqa: F401
+from trainer_support import SMALL_ENV_PARAMS, one_torch_thread, random_model_dir  # noqa: F401
 
 
-def _small_overrides(cache_dir) -> list[str]:
+def _small_overrides(model_dir) -> list[str]:
     env = [f"env.params.{k}={v}" for k, v in SMALL_ENV_PARAMS.items()]
     return env + [
-        "model.tiny.hidden_size=32", "model.tiny.layers=1", "model.tiny.heads=2", "model.tiny.vocab_size=300",
-        "model.tiny.sft_episodes=6", "model.tiny.sft_epochs=1", f"model.tiny.cache_dir={cache_dir}",
-        "env.pool_size=8", "env.max_turns=3", "rollout.max_prompt_tokens=384", "rollout.max_response_tokens=8",
+        f"model.path={model_dir}", "env.pool_size=8", "env.max_turns=3", "rollout.max_prompt_tokens=384", "rollout.max_response_tokens=8",
         "algo.tasks_per_step=2", "algo.group_size=2", "algo.mini_batch_size=4", "algo.micro_batch_size=2",
         "federation.val_tasks=8", "run.device=cpu",
     ]
@@ -25,7 +23,7 @@ def _small_overrides(cache_dir) -> list[str]:
 def test_train_central_writes_metrics_and_curve(tmp_path):
     out = tmp_path / "central"
     rc = main(["--iterations", "2", "--eval-every", "1", "--tasks", "40", "--out", str(out),
-               *_small_overrides(tmp_path / "models")])
+               *_small_overrides(random_model_dir(tmp_path / "policy"))])
     assert rc == 0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     val = [x for x in lines if "val_success" in x]

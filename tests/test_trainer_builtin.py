@@ -1,6 +1,6 @@
 """The builtin trainer: weight exchange (invariant 1), a fresh optimizer per fit (3), FedProx on
 the policy only (4), validation never penalised (10), flat memory across fits (24), and clear
-errors for unusable model directories. Real env service, real tiny model, real fits on CPU."""
+errors for unusable model directories. Real env service, real (random-weight) Qwen2 policy, real fits on CPU."""
 from __future__ import annotations
 
 import gc
@@ -15,11 +15,12 @@ from transformers import DistilBertConfig
 
 from client_app.algos import FedProxAnchor
 from client_app.rollout import group_specs, run_episodes, training_rows
-from client_app.tiny_model import ModelDirError, build_tiny_model
+from client_app.tiny_model import ModelDirError
 from client_app.trainer.base import EvalRequest, FitRequest
 from client_app.trainer.builtin import BuiltinTrainer
 from envs.service import serve_in_subprocess
-from trainer_support import POOL_SIZE, SMALL_ENV_PARAMS, one_torch_thread, small_config  # noqa: F401
+from trainer_support import (POOL_SIZE, SMALL_ENV_PARAMS, one_torch_thread, random_model_dir,  # noqa: F401
+                             small_config)
 
 TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))
 
@@ -31,13 +32,13 @@ def env_url():
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
+def model_dir(tmp_path_factory) -> Path:
+    return random_model_dir(tmp_path_factory.mktemp("models") / "policy")
 
 
 @pytest.fixture(scope="module")
-def trainer(env_url, cache_dir):
-    t = BuiltinTrainer(small_config(cache_dir), env_url)
+def trainer(env_url, model_dir):
+    t = BuiltinTrainer(small_config(model_dir), env_url)
     try:
         yield t
     finally:
@@ -202,13 +203,11 @@ def _fit_rss_series(trainer, initial, fits: int) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def wide_trainer(env_url, cache_dir):
-    """A model large enough (~9 MB of fp32 weights, ~27 MB with AdamW moments) that leaking one
+def wide_trainer(env_url, tmp_path_factory):
+    """A model large enough (~8 MB of fp32 weights, ~24 MB with AdamW moments) that leaking one
     copy of anything per fit stands far above allocator noise."""
-    cfg = small_config(cache_dir, model={"path": "tiny", "tiny": {
-        "hidden_size": 256, "layers": 2, "heads": 4, "vocab_size": 300, "sft_episodes": 2, "sft_epochs": 1,
-        "cache_dir": str(cache_dir)}}, env={"max_turns": 2}, rollout={"max_prompt_tokens": 128})
-    t = BuiltinTrainer(cfg, env_url)
+    wide = random_model_dir(tmp_path_factory.mktemp("models") / "wide", hidden_size=256, layers=2, heads=4)
+    t = BuiltinTrainer(small_config(wide, env={"max_turns": 2}, rollout={"max_prompt_tokens": 128}), env_url)
     try:
         yield t
     finally:
@@ -238,29 +237,46 @@ def test_rss_flat_across_20_fits(wide_trainer):
 
 # ---------------------------------------------------------------- unusable model directories
 
-def _cfg_for(path: Path, cache_dir: Path):
-    return small_config(cache_dir, model={"path": str(path)})
-
-
-def test_missing_model_dir_fails_clearly(tmp_path, cache_dir):
+def test_missing_model_dir_fails_clearly(tmp_path):
     with pytest.raises(ModelDirError, match="does not exist"):
-        BuiltinTrainer(_cfg_for(tmp_path / "no-such-model", cache_dir), "http://127.0.0.1:9")
+        BuiltinTrainer(small_config(tmp_path / "no-such-model"), "http://127.0.0.1:9")
 
 
-def test_non_causal_lm_dir_fails_clearly(tmp_path, cache_dir):
+def test_non_causal_lm_dir_fails_clearly(tmp_path):
     DistilBertConfig().save_pretrained(tmp_path)
     with pytest.raises(ModelDirError, match="not a causal language model"):
-        BuiltinTrainer(_cfg_for(tmp_path, cache_dir), "http://127.0.0.1:9")
+        BuiltinTrainer(small_config(tmp_path), "http://127.0.0.1:9")
 
 
-def test_tokenizer_without_chat_template_fails_clearly(tmp_path, cache_dir, trainer):
-    cfg = small_config(cache_dir)
-    src = build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout)    # cached by the trainer fixture
+def test_tokenizer_without_chat_template_fails_clearly(tmp_path, model_dir):
     dst = tmp_path / "no-template"
-    shutil.copytree(src, dst)
+    shutil.copytree(model_dir, dst)
     (dst / "chat_template.jinja").unlink(missing_ok=True)
     tok_cfg = json.loads((dst / "tokenizer_config.json").read_text())
     tok_cfg.pop("chat_template", None)
     (dst / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
     with pytest.raises(ModelDirError, match="no chat template"):
-        BuiltinTrainer(_cfg_for(dst, cache_dir), "http://127.0.0.1:9")
+        BuiltinTrainer(small_config(dst), "http://127.0.0.1:9")
+
+
+@pytest.mark.gpu
+def test_cuda_fit_keeps_fp32_master_weights(env_url, model_dir):
+    """On CUDA: bf16 autocast for compute, fp32 master weights exported bit for bit, a real fit."""
+    t = BuiltinTrainer(small_config(model_dir, run={"device": "cuda"}), env_url)
+    try:
+        assert t.device.type == "cuda" and t.amp_dtype == torch.bfloat16
+        initial = t.export_weights()
+        assert all(v.dtype == torch.float32 and v.device.type == "cpu" for v in initial.values())
+        res = t.fit(FitRequest(round=1, client_id=0, task_indices=TRAIN_TASKS, local_epochs=2, seed=0, proximal_mu=0.01))
+        assert res.num_examples == 8 and res.metrics["optimizer_steps"] >= 2 and res.metrics["skipped_steps"] == 0
+        trained = t.export_weights()
+        assert all(p.dtype == torch.float32 for p in t.params.values())
+        assert any(not torch.equal(trained[k], initial[k]) for k in initial)
+        t.load_weights(initial)
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                   for a, b in zip(t.export_weights().values(), initial.values()))
+        ev = t.evaluate(EvalRequest(task_indices=list(range(8)), seed=0))
+        assert ev.num_examples == 8 and 0.0 <= ev.metrics["success"] <= 1.0 and ev.metrics["turns"] >= 1
+        assert torch.cuda.memory_allocated() > 0
+    finally:
+        t.close()

@@ -1,5 +1,7 @@
 """Shared pieces of the rollout / builtin-trainer / central-training tests: a small shop, a small
-tiny-model build (the real build path, seconds instead of minutes) and a config sized for CPU."""
+random-weight Qwen2 policy with the tiny model's tokenizer (built from the tiny build's own
+pieces, but without its warm start, so these tests do not depend on its tuning), and a config
+sized for CPU."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,17 +10,31 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from fl_app.config import Config
+from client_app.tiny_model import collect_demonstrations, init_model, train_tokenizer
+from fl_app.config import Config, EnvCfg, TinyModelCfg
 
 SMALL_ENV_PARAMS = {"num_products": 300, "num_goals": 120, "val_size": 16, "search_return_n": 50, "seed": 0}
 POOL_SIZE = 8
 
 
-def small_config(cache_dir: Path, **sections: dict[str, Any]) -> Config:
-    """A CPU-sized config around a small tiny model built into `cache_dir`; `sections` update it."""
+def random_model_dir(out: Path, hidden_size: int = 32, layers: int = 1, heads: int = 2,
+                     vocab_size: int = 300, max_positions: int = 512) -> Path:
+    """A Hugging Face directory: BPE tokenizer trained on shop demonstrations + random Qwen2."""
+    if (out / "config.json").exists():
+        return out
+    demos = collect_demonstrations(EnvCfg(params=SMALL_ENV_PARAMS, max_turns=4), 2, 8, 0.0, 0)
+    tokenizer = train_tokenizer(sorted({m["content"] for d in demos for m in d.messages} | {d.action for d in demos}),
+                                vocab_size)
+    tiny = TinyModelCfg(hidden_size=hidden_size, layers=layers, heads=heads, vocab_size=vocab_size)
+    init_model(tiny, tokenizer, max_positions).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def small_config(model_dir: Path, **sections: dict[str, Any]) -> Config:
+    """A CPU-sized config around the policy in `model_dir`; `sections` update it."""
     data: dict[str, Any] = {
-        "model": {"path": "tiny", "tiny": {"hidden_size": 32, "layers": 1, "heads": 2, "vocab_size": 300,
-                                           "sft_episodes": 6, "sft_epochs": 1, "cache_dir": str(cache_dir)}},
+        "model": {"path": str(model_dir)},
         "env": {"name": "shop", "params": dict(SMALL_ENV_PARAMS), "pool_size": POOL_SIZE, "max_turns": 3},
         "rollout": {"history_length": 2, "max_prompt_tokens": 384, "max_response_tokens": 8,
                     "temperature": 1.0, "val_temperature": 0.4, "invalid_action_penalty": 0.1},

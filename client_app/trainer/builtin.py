@@ -39,6 +39,7 @@ from fl_app.config import Config
 log = logging.getLogger("fedagent.trainer")
 
 IterationCallback = Callable[[int, dict[str, float]], None]
+CPU_MAX_PADDING = 0.25
 # Fit metrics that add up over local epochs (with every `*_s` timing); the rest are averaged.
 _SUMMED = frozenset({"rows", "rollout_tokens", "rollout_steps", "optimizer_steps", "skipped_steps"})
 
@@ -87,15 +88,20 @@ class BuiltinTrainer:
         if cfg.algo.kl_coef > 0:
             self.ref = copy.deepcopy(self.model).requires_grad_(False).eval()
         self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+        # On CPU a padded token costs as much as a real one: group prompts of similar length.
         self.generator = BatchedGenerator(self.model, self.tokenizer, cfg.rollout.max_response_tokens,
-                                          self.amp_dtype)
+                                          self.amp_dtype, max_padding=CPU_MAX_PADDING if self.device.type == "cpu" else None)
         self.settings = RolloutSettings(cfg.env.max_turns, cfg.rollout.history_length, cfg.rollout.max_prompt_tokens)
         a = cfg.algo
         self.loss_spec = ActorLossSpec(clip_ratio_low=a.clip_ratio, clip_ratio_high=a.clip_ratio,
                                        clip_ratio_c=a.clip_ratio_c, entropy_coeff=a.entropy_coeff,
                                        kl_coef=a.kl_coef, kl_type=a.kl_type, loss_agg_mode="token-mean")
         self.env = SyncEnvClient(env_url)
-        self.max_sessions = int(self.env.info()["pool_size"])
+        try:
+            self.max_sessions = int(self.env.info()["pool_size"])   # the service blocks /create beyond it
+        except BaseException:
+            self.env.close()
+            raise
 
     # ------------------------------------------------------------------ weights
 
@@ -244,6 +250,7 @@ class BuiltinTrainer:
         norm = AggNorm(num_tokens=float(sum(len(rows[i].response_ids) for i in idx)), num_seqs=float(len(idx)))
         sums: dict[str, float] = defaultdict(float)
         micro = self.cfg.algo.micro_batch_size
+        idx = sorted(idx, key=lambda i: _row_len(rows[i]))    # similar lengths share a micro-batch: less padding
         n_micro = math.ceil(len(idx) / micro)
         for start in range(0, len(idx), micro):
             part = idx[start:start + micro]
@@ -267,13 +274,15 @@ class BuiltinTrainer:
     @torch.no_grad()
     def row_log_probs(self, model: torch.nn.Module, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
         """Log-probs of each row's response tokens under `model` (one 1-D tensor per row)."""
-        out: list[torch.Tensor] = []
+        out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        order = sorted(range(len(rows)), key=lambda i: _row_len(rows[i]))
         micro = self.cfg.algo.micro_batch_size
-        for start in range(0, len(rows), micro):
-            part = rows[start:start + micro]
-            logits, labels, _mask = self._response_logits(model, part)
+        for start in range(0, len(order), micro):
+            part = order[start:start + micro]
+            logits, labels, _mask = self._response_logits(model, [rows[i] for i in part])
             lp = token_log_probs(logits, labels)
-            out.extend(lp[k, :len(rw.response_ids)].clone() for k, rw in enumerate(part))
+            for k, i in enumerate(part):
+                out[i] = lp[k, :len(rows[i].response_ids)].clone()
         return out
 
     def _response_logits(self, model: torch.nn.Module, rows: Sequence[TrainRow]
@@ -328,6 +337,10 @@ class BuiltinTrainer:
         self.model = self.ref = None
         self.params = {}
         release_memory(self.device)
+
+
+def _row_len(row: TrainRow) -> int:
+    return len(row.prompt_ids) + len(row.response_ids)
 
 
 def _pad(seqs: Sequence[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,10 @@
 Everything that imports `alfworld` or `textworld` goes through here, for three reasons:
 
 - Home hygiene: `import alfworld.info` creates `~/.cache/alfworld` unless `ALFWORLD_DATA` is set.
-  `alfworld_module()` imports with `ALFWORLD_DATA` pointed at our cache dir for the duration of
-  the import and restores the caller's environment afterwards, so nothing lands in the home
-  directory and child processes never inherit a value we made up.
+  `alfworld_module()` imports with `ALFWORLD_DATA` pointed at the system temp dir (it exists, so
+  nothing is created; only alfworld's own download/generate scripts would read it) and restores
+  the caller's environment afterwards, so nothing lands in the home directory and child
+  processes never inherit a value we made up.
 - Process-global state: TextWorld parses every grammar rule and query with module-level tatsu
   parsers (not thread-safe), and fast-downward's PDDL translator rewrites `sys.argv`, swaps
   `sys.stdout` and flips module-level options on every call. Every engine touch (construction,
@@ -27,6 +28,7 @@ import importlib
 import os
 import pickle
 import sys
+import tempfile
 import threading
 import zlib
 from collections import OrderedDict
@@ -51,10 +53,8 @@ def alfworld_module(name: str) -> ModuleType:
     """Import `name` (an `alfworld...` or `textworld...` module) without touching the home dir."""
     with ENGINE_LOCK:
         if "alfworld.info" not in sys.modules:
-            home = default_cache_dir()
-            home.mkdir(parents=True, exist_ok=True)
             saved = os.environ.get("ALFWORLD_DATA")
-            os.environ["ALFWORLD_DATA"] = str(home)
+            os.environ["ALFWORLD_DATA"] = tempfile.gettempdir()
             try:
                 importlib.import_module("alfworld.info")
             finally:
@@ -171,13 +171,14 @@ class AlfredGame:
             self._env = alfred.AlfredInfos(alfred.AlfredDemangler(self._pddl, shuffle=False))
         self._loaded: str | None = None
 
-    def reset(self, gamefile: str | Path, reload: bool = False) -> Frame:
-        """Start `gamefile` from its initial state (`reload`: re-read a file rewritten in place)."""
+    def reset(self, game: str | Path | dict) -> Frame:
+        """Start a game (a game.tw-pddl path, or its content as a dict) from its initial state."""
         with ENGINE_LOCK:
-            if reload or self._loaded != str(gamefile):
+            key = "<data>" if isinstance(game, dict) else str(game)
+            if key == "<data>" or self._loaded != key:
                 self._loaded = None
-                self._env.load(str(gamefile))
-                self._loaded = str(gamefile)
+                self._env.load(game if key == "<data>" else key)
+                self._loaded = key
             return self._frame(self._env.reset())
 
     def step(self, command: str) -> Frame:
@@ -190,6 +191,14 @@ class AlfredGame:
     def walkthrough(self) -> list[str]:
         """The loaded game file's stored walkthrough (a winning command list from the start)."""
         return list(self._pddl.walkthrough or [])
+
+    def replan(self) -> list[str]:
+        """ALFWorld's planner on the loaded game as it is: the call `AlfredExpert(PLANNER)` makes
+        (PddlEnv's `policy_commands`). Fast on small games only (planning.py); [] if no plan."""
+        with ENGINE_LOCK:
+            if self._loaded is None:
+                raise RuntimeError("reset a game before planning")
+            return list(self._pddl._pddl_state.replan(self._pddl._entity_infos))
 
     def plan(self) -> list[str]:
         """ALFWorld's planner from the current state, on ALFRED's task-relevant projection

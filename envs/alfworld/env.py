@@ -124,7 +124,7 @@ class AlfworldEnv:
         plan from ALFWorld's planner (planning.py); "" once the episode is over."""
         if self._task < 0 or self.done:
             return ""
-        if not self._plan:
+        if not self._plan or self._plan[0] not in self._admissible:
             self._plan = self._engine.plan() or None
         return self._plan[0] if self._plan else ""
 

@@ -1,6 +1,6 @@
 """Generate ALFWorld games locally: ALFRED-domain PDDL problems on the shipped room inventories,
 compiled the way `alfworld-generate` compiles the official ones, solved by ALFWorld's planner
-(on ALFRED's task-relevant projection, see planning.py) and replayed in the engine.
+on ALFRED's task-relevant projection (planning.py).
 
 Layout (the official one, so one loader reads both):
     <set root>/json_2.1.1/<split>/<task folder>/<trial>/{traj_data.json, game.tw-pddl}
@@ -10,8 +10,10 @@ A game is a pure function of (seed, split, index): every draw comes from a local
 machine and across worker layouts (`pinned_sets.json` holds the expected digests; a test
 regenerates and compares). Game `index` of a split has task type `task_types[index % k]`, so the
 types are balanced. A candidate is discarded when the planner finds no plan, the game is won at
-step 0, the plan is longer than ALFRED's PLANNER_MAX_STEPS, or replaying the plan does not win;
-candidate `attempt + 1` of the same index is then drawn (discards are counted in generation.json).
+step 0, or the plan is longer than ALFRED's PLANNER_MAX_STEPS; candidate `attempt + 1` of the
+same index is then drawn (discards are counted in generation.json). Tests play the expert in the
+whole game (the small pinned set's validation games by default; every walkthrough of the
+default set replayed with -m slow).
 
 Run at setup:  python -m envs.alfworld.generate [--seed 0 --num-games 120 --val-size 24]
 """
@@ -35,7 +37,8 @@ from pathlib import Path
 from envs.alfworld.engine import AlfredGame, alfworld_module, default_cache_dir
 from envs.alfworld.manifest import GAME_FILE, OFFICIAL_ROOT, Manifest, cut_manifest
 from envs.alfworld.rooms import build_room, split_scenes
-from envs.alfworld.tasks import TASK_TYPES, Task, populate, problem_pddl, sample_task, task_sentence, task_valid_in
+from envs.alfworld.tasks import (TASK_TYPES, Task, populate, problem_pddl, project, sample_task,
+                                 task_sentence, task_valid_in)
 
 GENERATOR_VERSION = 1
 MAX_ATTEMPTS = 64
@@ -87,19 +90,13 @@ def _generator_engine() -> AlfredGame:
         return _engine
 
 
-def solve_and_check(gamefile: Path, max_plan: int) -> list[str] | None:
-    """The planner's walkthrough if the game is a keeper: not won at step 0, a plan of 1 to
-    `max_plan` commands, and replaying it in the whole game wins exactly at its last command."""
+def walkthrough(projected_game: dict, max_plan: int) -> list[str] | None:
+    """ALFWorld's planner expert on the game's projection, if the game is a keeper: not won at
+    step 0 and a plan of 1 to `max_plan` commands; None otherwise."""
     engine = _generator_engine()
-    frame = engine.reset(gamefile, reload=True)
-    plan = engine.plan()
-    if frame.won or not plan or len(plan) > max_plan:
-        return None
-    for command in plan:
-        if frame.won or command not in frame.admissible:
-            return None
-        frame = engine.step(command)
-    return plan if frame.won else None
+    frame = engine.reset(projected_game)
+    plan = engine.replan()
+    return None if frame.won or not plan or len(plan) > max_plan else plan
 
 
 def _ordered_types(spec: GameSetSpec) -> list[str]:
@@ -109,44 +106,41 @@ def _ordered_types(spec: GameSetSpec) -> list[str]:
 def make_game(spec: GameSetSpec, split: str, index: int, split_root: Path) -> tuple[str, int]:
     """Write game `index` of `split` under `split_root`; returns (relative game path, discards).
 
-    Each candidate is staged in a private dir and moved into place only once solved, so
-    parallel workers never remove a folder another one is filling.
+    The walkthrough is planned on the game's task-relevant projection (planning.py): every
+    object of the goal's types and every receptacle are in it, so the demangled names the plan
+    uses ("cup 2", "cabinet 7") are the ones the whole game shows.
     """
     task_type = _ordered_types(spec)[index % len(spec.task_types)]
     info = alfworld_module("alfworld.info")
     misc = alfworld_module("alfworld.agents.utils.misc")
     max_plan = alfworld_module("alfworld.gen.constants").PLANNER_MAX_STEPS
     domain = Path(info.ALFRED_PDDL_PATH).read_text()
-    grammar = Path(info.ALFRED_TWL2_PATH).read_text()
     scenes = [s for s in split_scenes(split) if task_valid_in(task_type, s)]
     trial = f"trial_G{spec.seed}_{split}_{index:05d}"
-    stage = split_root.parent / ".staging" / f"{split}-{index:05d}" / trial
     for attempt in range(MAX_ATTEMPTS):
         rng = random.Random(f"fedagent-alfworld/gen{GENERATOR_VERSION}/{spec.seed}/{split}/{index}/{attempt}")
-        scene = rng.choice(scenes)
-        room = build_room(scene, rng)
+        scene_number = rng.choice(scenes)
+        room = build_room(scene_number, rng)
         task = sample_task(task_type, room, rng)
         if task is None:
             continue
-        traj = _traj_data(task, scene, trial, task_sentence(task, rng))
-        game = {"pddl_domain": domain,
-                # the sentence goes in as the trial's one annotation, drawn with a local rng: the
-                # template path of add_task_to_grammar would draw from the global `random`
-                "grammar": misc.add_task_to_grammar(grammar, traj, goal_desc_human_anns_prob=1.0, rng=rng),
-                "pddl_problem": problem_pddl(populate(room, task, rng), task, trial),
-                "solvable": None, "walkthrough": None}
-        stage.mkdir(parents=True, exist_ok=True)
-        _write_json(stage / "traj_data.json", traj)
-        _write_json(stage / GAME_FILE, game)
-        plan = solve_and_check(stage / GAME_FILE, max_plan)
-        if plan is not None:
-            game.update(solvable=True, walkthrough=plan)
-            _write_json(stage / GAME_FILE, game)
-            final = split_root / task.folder(scene) / trial
-            final.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(stage, final)
-            stage.parent.rmdir()
-            return (final / GAME_FILE).relative_to(split_root).as_posix(), attempt
+        traj = _traj_data(task, scene_number, trial, task_sentence(task, rng))
+        # the sentence goes in as the trial's one annotation, drawn with a local rng: the
+        # template path of add_task_to_grammar would draw from the global `random`
+        grammar = misc.add_task_to_grammar(Path(info.ALFRED_TWL2_PATH).read_text(), traj,
+                                           goal_desc_human_anns_prob=1.0, rng=rng)
+        scene = populate(room, task, rng)
+        plan = walkthrough({"pddl_domain": domain, "grammar": grammar,
+                            "pddl_problem": problem_pddl(project(scene, task), task, trial)}, max_plan)
+        if plan is None:
+            continue
+        folder = split_root / task.folder(scene_number) / trial
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_json(folder / "traj_data.json", traj)
+        _write_json(folder / GAME_FILE, {"pddl_domain": domain, "grammar": grammar,
+                                         "pddl_problem": problem_pddl(scene, task, trial),
+                                         "solvable": True, "walkthrough": plan})
+        return (folder / GAME_FILE).relative_to(split_root).as_posix(), attempt
     raise RuntimeError(f"no solvable {task_type} game for {split}[{index}] in {MAX_ATTEMPTS} attempts")
 
 
@@ -169,24 +163,22 @@ def _make_games(spec: GameSetSpec, split: str, indices: list[int], split_root: s
 # ------------------------------------------------------------------------------ a set
 
 def generate_set(spec: GameSetSpec, root: Path, workers: int = 1) -> dict[str, Manifest]:
-    """Generate every game of `spec` under `root` and write the manifests. Worker processes
-    each take a strided share of the indices; the output does not depend on how many."""
+    """Generate every game of `spec` under `root` and write the manifests. With `workers` > 1,
+    worker processes take indices one at a time; the output does not depend on how many."""
     root = Path(root)
     started = time.time()
     discards = {}
     for split, count in spec.splits.items():
         split_root = root / OFFICIAL_ROOT / split
         split_root.mkdir(parents=True, exist_ok=True)
-        shares = [list(range(w, count, max(workers, 1))) for w in range(max(workers, 1))]
         if workers <= 1 or count < 2:
             results = _make_games(spec, split, list(range(count)), str(split_root))
-        else:
+        else:   # one index per task: kitchens plan ~10x slower than bathrooms, so balance live
             with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
-                parts = list(ex.map(_make_games, [spec] * workers, [split] * workers, shares,
-                                    [str(split_root)] * workers))
-            results = [r for part in parts for r in part]
+                parts = ex.map(_make_games, [spec] * count, [split] * count,
+                               [[i] for i in range(count)], [str(split_root)] * count)
+                results = [r for part in parts for r in part]
         discards[split] = sum(d for _, d in results)
-    shutil.rmtree(root / OFFICIAL_ROOT / ".staging", ignore_errors=True)
     manifests = {}
     for split, count in spec.splits.items():
         m = cut_manifest(root / OFFICIAL_ROOT / split, split)
@@ -262,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{root} ({time.time() - started:.1f} s; generated in {report['seconds']} s with "
           f"{report['workers']} workers; discarded {report['discarded']})")
     for split, digest in report["digests"].items():
-        mark = "" if pinned is None else (" pinned OK" if pinned.get(split) == digest else " DIFFERS FROM PIN")
+        mark = "" if pinned is None else (" pinned OK" if pinned.get(split) == digest
+                                          else " DIFFERS FROM PIN")
         print(f"  {split}: {spec.splits[split]} games, digest {digest[:16]}{mark}")
     return 0
 

@@ -45,14 +45,16 @@ class Room:
     def receptacle_types(self) -> frozenset[str]:
         return frozenset(r.type for r in self.receptacles)
 
-    def free_location(self, rng: random.Random, taken: set[Location]) -> Location:
-        """A seeded floor pose no receptacle (or earlier draw) uses."""
-        while True:
-            x, z = rng.choice(self.floor)
-            loc = (x, z, rng.randrange(4), HORIZON)
-            if loc not in taken:
-                taken.add(loc)
-                return loc
+
+def free_location(floor: tuple[tuple[int, int], ...], rng: random.Random,
+                  taken: set[Location]) -> Location:
+    """A seeded floor pose that no receptacle (or earlier draw) uses; added to `taken`."""
+    while True:
+        x, z = rng.choice(floor)
+        loc = (x, z, rng.randrange(4), HORIZON)
+        if loc not in taken:
+            taken.add(loc)
+            return loc
 
 
 def constants():
@@ -132,12 +134,11 @@ def build_room(scene: int, rng: random.Random) -> Room:
     for rid, (x, z, rotation, horizon) in sorted(poses.items()):
         loc = (round(x / GRID_M), round(z / GRID_M), round(rotation / 90) % 4, round(horizon))
         receptacles.append(Receptacle(rid, receptacle_type(rid), loc))
-    room = Room(scene, scene_kind(scene), types, (), floor)
     posed = {r.type for r in receptacles}
     taken_ids = set(poses)
     taken_locs = {r.location for r in receptacles}
     for t in sorted((types & static) - posed):
         for _ in range(UNPOSED_COUNTS.get(t, 1)):
             receptacles.append(Receptacle(alfred_id(t, rng, taken_ids), t,
-                                          room.free_location(rng, taken_locs)))
-    return Room(scene, room.kind, types, tuple(sorted(receptacles, key=lambda r: r.id)), floor)
+                                          free_location(floor, rng, taken_locs)))
+    return Room(scene, scene_kind(scene), types, tuple(sorted(receptacles, key=lambda r: r.id)), floor)

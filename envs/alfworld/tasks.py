@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 
 from envs.alfworld.engine import alfworld_module
-from envs.alfworld.rooms import (Location, Receptacle, Room, alfred_id, constants, scene_kind,
+from envs.alfworld.rooms import (Location, Receptacle, Room, alfred_id, constants, free_location, scene_kind,
                                  scene_object_types, scene_receptacle_types, static_receptacle_types)
 
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
@@ -144,7 +144,13 @@ def populate(room: Room, task: Task, rng: random.Random) -> Scene:
             things.append(Thing(alfred_id(lamp, rng, taken_ids), lamp, rng.choice(surfaces)))
     taken_locs = {r.location for r in room.receptacles}
     return Scene(room, tuple(sorted(things, key=lambda th: th.id)),
-                 room.free_location(rng, taken_locs))
+                 free_location(room.floor, rng, taken_locs))
+
+
+def project(scene: Scene, task: Task) -> Scene:
+    """ALFRED's planning view: only the objects of the goal's types (every receptacle stays)."""
+    keep = {task.object_target, task.toggle_target}
+    return Scene(scene.room, tuple(th for th in scene.things if th.type in keep), scene.start)
 
 
 def task_sentence(task: Task, rng: random.Random) -> str:
