@@ -123,15 +123,36 @@ class _VocabLimit(LogitsProcessor):
         return scores
 
 
+class _RowSeededSampler(LogitsProcessor):
+    """Sample every row from softmax(scores / T) with its OWN generator (Gumbel-max trick).
+
+    `model.generate(do_sample=True)` draws a whole batch from one global stream, so what an
+    episode samples would depend on which other episodes share its batch (pool size, length
+    grouping, scheduling). Here row b's noise comes only from seed b; the processor leaves just
+    the sampled token finite and greedy decoding picks it.
+    """
+
+    def __init__(self, seeds: Sequence[int], temperature: float, device: torch.device) -> None:
+        self.temperature = temperature
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        uniform = torch.stack([torch.rand(scores.shape[1], generator=g, device=scores.device)
+                               for g in self.generators])
+        gumbel = -torch.log(-torch.log(uniform.clamp_(min=1e-20)))
+        choice = (scores.float() / self.temperature + gumbel).argmax(dim=-1, keepdim=True)
+        return torch.full_like(scores, -float("inf")).scatter_(1, choice, 0.0)
+
+
 class BatchedGenerator:
     """Left-padded batched sampling with `model.generate` (KV cache).
 
-    Sampling is from the full tempered distribution over the tokenizer's ids (top-k/top-p off;
-    `vocab_size` cuts padded embedding rows, as the trainer's log-probs do), so the training
-    log-probabilities (same temperature) describe the policy that acted. Randomness comes from
-    a per-call seed applied inside `torch.random.fork_rng`, so the process-global RNG is left
-    as it was. `max_batch` splits a call into sequential batches (1 = a per-sequence loop);
-    `max_padding` groups prompts of similar length (see `_batches`).
+    Each prompt comes with its own seed, and what a row samples depends on that seed alone, never
+    on the batch it shares (`_RowSeededSampler`); the process-global RNG is never touched.
+    Sampling is from the full tempered distribution over the tokenizer's ids (no top-k/top-p;
+    padded embedding rows cut, as the trainer's log-probs do), so the training log-probabilities
+    (same temperature) describe the policy that acted. `max_batch` splits a call into sequential
+    batches (1 = a per-sequence loop); `max_padding` groups prompts of similar length (`_batches`).
     """
 
     def __init__(self, model: Any, tokenizer: Any, max_new_tokens: int, autocast_dtype: torch.dtype | None = None,
@@ -157,14 +178,17 @@ class BatchedGenerator:
         if rows < self.vocab_size:
             raise ValueError(f"the model's output layer has {rows} rows but the tokenizer has {self.vocab_size} "
                              "tokens; model and tokenizer do not belong together")
-        self._limit = LogitsProcessorList([_VocabLimit(self.vocab_size)] if rows > self.vocab_size else [])
+        self._limit = [_VocabLimit(self.vocab_size)] if rows > self.vocab_size else []
 
-    def generate(self, prompts: Sequence[Sequence[int]], temperature: float, seed: int) -> list[list[int]]:
-        """Response ids per prompt, cut after the first eos (greedy when temperature == 0)."""
+    def generate(self, prompts: Sequence[Sequence[int]], temperature: float, seeds: Sequence[int]) -> list[list[int]]:
+        """Response ids per prompt, cut after the first eos; row i samples with `seeds[i]`
+        (greedy when temperature == 0)."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one seed per prompt")
         out: list[list[int]] = [[] for _ in prompts]
-        for k, part in enumerate(self._batches(prompts)):
-            for i, response in zip(part, self._generate_batch([prompts[i] for i in part], temperature,
-                                                              derive_seed(seed, k))):
+        for part in self._batches(prompts):
+            responses = self._generate_batch([prompts[i] for i in part], temperature, [seeds[i] for i in part])
+            for i, response in zip(part, responses):
                 out[i] = response
         return out
 
@@ -187,23 +211,22 @@ class BatchedGenerator:
         return batches
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: Sequence[Sequence[int]], temperature: float, seed: int) -> list[list[int]]:
+    def _generate_batch(self, prompts: Sequence[Sequence[int]], temperature: float,
+                        seeds: Sequence[int]) -> list[list[int]]:
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
-        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
-            else dict(do_sample=False)
-        devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
-            if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), autocast(self.device, self.autocast_dtype):
-            torch.manual_seed(seed)
+        processors = list(self._limit)
+        if temperature > 0:
+            processors.append(_RowSeededSampler(seeds, temperature, self.device))
+        with autocast(self.device, self.autocast_dtype):
             seqs = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
                 max_new_tokens=self.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
-                use_cache=True, logits_processor=self._limit, **sampling)
+                use_cache=True, logits_processor=LogitsProcessorList(processors))
         return [_cut_at_eos(row, self.eos_ids) for row in seqs[:, width:].tolist()]
 
 
@@ -254,7 +277,8 @@ def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeS
     `env` is an `envs.client.SyncEnvClient`. At most `max_sessions` sessions are held (the
     service's pool blocks /create beyond its size); a session whose episode ends is reset with
     the next pending spec, so the generation batch stays full. Sessions are closed on every
-    path. Decoding seed of the c-th generate call: `derive_seed(seed, c)`.
+    path. Episode i samples turn t with `derive_seed(seed, i, t)`: what an episode does depends on
+    its own seed and the weights only, never on the pool size or on which episodes share a batch.
     """
     if max_sessions < 1:
         raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
@@ -287,15 +311,14 @@ def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeS
     try:
         with tqdm(total=len(specs), desc=desc, unit="ep", disable=None, leave=False) as bar:
             start(list(range(len(slots))))
-            calls = 0
             while busy:
                 live = sorted(busy)
                 prompts = [prompt_ids(tok, build_messages(episodes[busy[k][0]].instruction, busy[k][3], busy[k][1],
                                                           busy[k][2], settings.history_length),
                                       settings.max_prompt_tokens) for k in live]
                 t0 = time.perf_counter()
-                responses = generator.generate(prompts, temperature, derive_seed(seed, calls))
-                calls += 1
+                seeds = [derive_seed(seed, busy[k][0], len(episodes[busy[k][0]].turns)) for k in live]
+                responses = generator.generate(prompts, temperature, seeds)
                 stats.generate_s += time.perf_counter() - t0
                 stats.tokens += sum(len(r) for r in responses)
                 actions = [parse_action(text) for text in tok.batch_decode(responses, skip_special_tokens=False)]

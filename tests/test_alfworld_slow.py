@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from envs.alfworld.env import AlfworldEnv
-from envs.alfworld.generate import GameSetSpec, ensure_set, generate_set, pinned_digests
+from envs.alfworld.generate import GameSetSpec, ensure_set, pinned_digests
 from envs.alfworld.manifest import Manifest
 from envs.alfworld.validation import per_type_breakdown
 from test_alfworld import play_expert, play_random
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]    # generation alone is minutes
 DEFAULT = GameSetSpec()            # seed 0, 96 train + 24 valid_seen, all six task types
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,20 +32,18 @@ def default_cache(tmp_path_factory) -> Path:
 
 
 def test_generation_is_machine_independent(default_cache, tmp_path):
-    """The default set generated twice more in fresh directories - once in this process with
-    one worker, once in a child with another hash seed, temp dir and two workers - has the
-    pinned manifests (paths + per-file sha256) every time."""
+    """The default set generated in two fresh directories - in this process with two worker
+    processes (the fixture), and in a child with one worker, another hash seed, another temp
+    dir and another working dir - has the pinned manifests (paths + per-file sha256)."""
     pinned = pinned_digests(DEFAULT)
     assert pinned is not None
-    first = ensure_set(DEFAULT, default_cache)
-    generate_set(DEFAULT, tmp_path / "a", workers=1)
     code = ("import sys; from pathlib import Path; from envs.alfworld.generate import GameSetSpec, "
-            "generate_set; generate_set(GameSetSpec(), Path(sys.argv[1]), workers=2)")
+            "generate_set; generate_set(GameSetSpec(), Path(sys.argv[1]), workers=1)")
     (tmp_path / "tmp").mkdir()
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "b")], check=True, cwd=tmp_path,
                    env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "4321",
                         "TMPDIR": str(tmp_path / "tmp")})
-    for root in (first, tmp_path / "a", tmp_path / "b"):
+    for root in (ensure_set(DEFAULT, default_cache), tmp_path / "b"):
         for split in DEFAULT.splits:
             assert Manifest.load(root / "manifests" / f"{split}.json").digest == pinned[split], (root, split)
 

@@ -103,7 +103,7 @@ def test_windowed_context_equals_trained_context(env, policy):
     assert truncated > 0, "the test must exercise truncation"
     # greedy generation is a function of exactly the stored context
     for row in rows[::3]:
-        again = gen.generate([row.prompt_ids], temperature=0.0, seed=0)[0]
+        again = gen.generate([row.prompt_ids], 0.0, [0])[0]
         assert again == row.response_ids
 
 
@@ -123,15 +123,26 @@ def test_training_penalty_scope(env, policy):
     assert {r.score for r in rows if r.episode == episodes.index(invalid[0])} == {training_score(invalid[0], 0.25)}
 
 
-def test_sampling_is_seeded_locally(policy):
+def test_sampling_is_seeded_per_row(policy):
+    """A row's sample depends on its seed only: not on the global RNG, not on its batch."""
     model, tok = policy
     gen = BatchedGenerator(model, tok, max_new_tokens=8)
     p = prompts.prompt_ids(tok, prompts.build_messages("buy a mug", [], "Search", ["search[<your query>]"], 2), 384)
+    q = prompts.prompt_ids(tok, prompts.build_messages("buy a red lamp under 30 dollars", [], "Search",
+                                                       ["search[<your query>]"], 2), 384)
+    seeds = [derive_seed("x", i) for i in range(4)]
     torch.manual_seed(123)
     before = torch.random.get_rng_state()
-    a = gen.generate([p] * 4, 1.0, seed=derive_seed("x", 1))
+    a = gen.generate([p] * 4, 1.0, seeds)
     assert torch.equal(torch.random.get_rng_state(), before), "generation must not move the global RNG"
-    assert gen.generate([p] * 4, 1.0, seed=derive_seed("x", 1)) == a
-    assert gen.generate([p] * 4, 1.0, seed=derive_seed("x", 2)) != a
-    # batching does not change what a greedy row produces
-    assert gen.generate([p, p[:-3]], 0.0, seed=0)[0] == gen.generate([p], 0.0, seed=0)[0]
+    assert len(set(map(tuple, a))) > 1, "different seeds must sample differently"
+    assert gen.generate([p] * 4, 1.0, seeds) == a
+    # the same (prompt, seed) alone, or in another batch, in another position, samples the same
+    assert gen.generate([p], 1.0, seeds[2:3])[0] == a[2]
+    assert gen.generate([q, q[:-5], p], 1.0, [7, 8, seeds[1]])[2] == a[1]
+    grouped = BatchedGenerator(model, tok, max_new_tokens=8, max_padding=0.1)
+    assert grouped.generate([q[:40], p, q], 1.0, [5, seeds[3], 6])[1] == a[3]
+    # greedy: batching does not change a row either
+    assert gen.generate([p, p[:-3]], 0.0, [0, 0])[0] == gen.generate([p], 0.0, [0])[0]
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        gen.generate([p, p], 1.0, [1])
