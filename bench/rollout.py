@@ -27,6 +27,7 @@ import torch
 from client_app.rollout import BatchedGenerator, RolloutSettings, group_specs, run_episodes
 from client_app.trainer.builtin import resolve_device
 from envs.client import SyncEnvClient
+from envs.registry import system_prompt
 from envs.service import serve_in_subprocess
 from fl_app.config import load_config
 
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = build_policy(args.size, args.model, cfg, device)
     amp = torch.bfloat16 if device.type == "cuda" else None
     new_tokens = args.max_new_tokens or cfg.rollout.max_response_tokens
-    settings = RolloutSettings(args.max_turns, cfg.rollout.history_length, cfg.rollout.max_prompt_tokens)
+    settings = RolloutSettings(args.max_turns, cfg.rollout.history_length, cfg.rollout.max_prompt_tokens,
+                               system_prompt(cfg.env.name))
     val_size = int(cfg.env.params.get("val_size", 64))
     specs = group_specs([k % val_size for k in range(args.episodes)], 1)
     arms = {"batched": BatchedGenerator(model, tok, new_tokens, amp),

@@ -4,7 +4,7 @@ One prompt per turn (verl-agent's windowed mode, invariant 15): the task, the la
 `history_length` (observation, action) turns, the current observation and the admissible
 actions. The message layout is fixed so truncation can be structural:
 
-    [system]     SYSTEM_PROMPT
+    [system]     the env's system prompt (envs.registry.system_prompt)
     [user]       Observation: <older observation>      } one pair per history turn,
     [assistant]  <action taken there>                  } oldest first
     ...
@@ -20,20 +20,16 @@ from __future__ import annotations
 
 from typing import Any
 
-SYSTEM_PROMPT = (
-    "You are a shopping agent in a web shop. Reply with exactly one action, "
-    "chosen from the admissible actions."
-)
-
 # End-of-turn markers a decoded generation may still carry (ChatML, Qwen base, Llama 3, SentencePiece).
 END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
 
 
 def build_messages(instruction: str, history: list[tuple[str, str]], observation: str,
-                   valid_actions: list[str], history_length: int) -> list[dict[str, str]]:
-    """Chat messages for one turn; `history` is every earlier (observation, action) of the episode."""
+                   valid_actions: list[str], history_length: int, system_prompt: str) -> list[dict[str, str]]:
+    """Chat messages for one turn; `history` is every earlier (observation, action) of the episode,
+    `system_prompt` the env's (`envs.registry.system_prompt`)."""
     window = history[-history_length:] if history_length > 0 else []
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    messages = [{"role": "system", "content": system_prompt}]
     for past_obs, past_action in window:
         messages.append({"role": "user", "content": f"Observation: {past_obs}"})
         messages.append({"role": "assistant", "content": response_text(past_action)})

@@ -247,6 +247,7 @@ class RolloutSettings:
     max_turns: int
     history_length: int
     max_prompt_tokens: int
+    system_prompt: str           # the env's (envs.registry.system_prompt)
 
 
 def check_groups(episodes: Sequence[Episode]) -> None:
@@ -314,7 +315,7 @@ def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeS
             while busy:
                 live = sorted(busy)
                 prompts = [prompt_ids(tok, build_messages(episodes[busy[k][0]].instruction, busy[k][3], busy[k][1],
-                                                          busy[k][2], settings.history_length),
+                                                          busy[k][2], settings.history_length, settings.system_prompt),
                                       settings.max_prompt_tokens) for k in live]
                 t0 = time.perf_counter()
                 seeds = [derive_seed(seed, busy[k][0], len(episodes[busy[k][0]].turns)) for k in live]

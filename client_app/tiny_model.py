@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from client_app import prompts
-from envs.registry import make_env
+from envs.registry import make_env, system_prompt
 from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ def collect_demonstrations(env_cfg: EnvCfg, history_length: int, episodes: int, 
     A randomised action is also the one played, so the expert's recoveries are demonstrated too.
     Template entries such as `search[<your query>]` are never drawn as the random action.
     """
-    env = make_env(env_cfg.name, **env_cfg.params)
+    env, system = make_env(env_cfg.name, **env_cfg.params), system_prompt(env_cfg.name)
     if env.num_tasks <= env.val_size:
         raise ValueError(f"env has {env.num_tasks} tasks and val_size={env.val_size}: no training task "
                          "is left for the SFT warm start; raise the task count or lower val_size")
@@ -197,7 +197,7 @@ def collect_demonstrations(env_cfg: EnvCfg, history_length: int, episodes: int, 
             if others and rng.random() < noise:
                 action = rng.choice(others)
             messages = prompts.build_messages(info["instruction"], history, obs, info["valid_actions"],
-                                              history_length)
+                                              history_length, system)
             demos.append(Demo(task, messages, action, expert))
             history.append((obs, action))
             obs, _reward, done, info = env.step(action)

@@ -5,13 +5,15 @@ import pytest
 
 from client_app import prompts
 from client_app.tiny_model import train_tokenizer
+from envs.registry import system_prompt
 
 INSTRUCTION = "i need a red cotton shirt in size large, price lower than 30.00 dollars"
+SYSTEM = system_prompt("shop")
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    corpus = [INSTRUCTION, prompts.SYSTEM_PROMPT, "search[red cotton shirt]", "click[b0000042]",
+    corpus = [INSTRUCTION, SYSTEM, "search[red cotton shirt]", "click[b0000042]",
               "Observation: results page 1 of 5 [SEP] b0000042 [SEP] Red Cotton Shirt [SEP] $12.50"] * 3
     return train_tokenizer(corpus, vocab_size=300)
 
@@ -22,9 +24,10 @@ def _history(n: int) -> list[tuple[str, str]]:
 
 def test_windowed_prompt_keeps_last_k_turns():
     history = _history(5)
-    msgs = prompts.build_messages(INSTRUCTION, history, "current page", ["click[a]", "click[b]"], history_length=2)
+    msgs = prompts.build_messages(INSTRUCTION, history, "current page", ["click[a]", "click[b]"], history_length=2,
+                                  system_prompt=SYSTEM)
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert msgs[0]["content"] == prompts.SYSTEM_PROMPT
+    assert msgs[0]["content"] == SYSTEM
     assert msgs[1]["content"] == "Observation: page number 3 with products"
     assert msgs[2]["content"] == "click[item 3]"
     assert msgs[3]["content"] == "Observation: page number 4 with products"
@@ -35,14 +38,16 @@ def test_windowed_prompt_keeps_last_k_turns():
     text = "".join(m["content"] for m in msgs)
     assert "page number 2" not in text and "item 2" not in text
 
-    assert len(prompts.build_messages(INSTRUCTION, history, "p", ["a"], history_length=0)) == 2
-    assert len(prompts.build_messages(INSTRUCTION, _history(1), "p", ["a"], history_length=2)) == 4
+    assert len(prompts.build_messages(INSTRUCTION, history, "p", ["a"], history_length=0, system_prompt=SYSTEM)) == 2
+    assert len(prompts.build_messages(INSTRUCTION, _history(1), "p", ["a"], history_length=2,
+                                      system_prompt=SYSTEM)) == 4
     # deterministic text: the same inputs render the same bytes
-    assert msgs == prompts.build_messages(INSTRUCTION, history, "current page", ["click[a]", "click[b]"], 2)
+    assert msgs == prompts.build_messages(INSTRUCTION, history, "current page", ["click[a]", "click[b]"], 2, SYSTEM)
 
 
 def test_prompt_ids_render_the_chat_template_with_generation_prompt(tokenizer):
-    msgs = prompts.build_messages(INSTRUCTION, _history(2), "current page", ["click[a]"], history_length=2)
+    msgs = prompts.build_messages(INSTRUCTION, _history(2), "current page", ["click[a]"], history_length=2,
+                                  system_prompt=SYSTEM)
     ids = prompts.prompt_ids(tokenizer, msgs, max_prompt_tokens=10_000)
     text = tokenizer.decode(ids)
     assert text == tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -54,7 +59,7 @@ def test_prompt_truncation_is_identical_for_generation_and_training(tokenizer):
     """Over budget: oldest turns go first, then the head; rebuilding at training time gives the same ids."""
     history = _history(4)
     obs, actions = "current page", ["click[a]", "click[b]"]
-    msgs = prompts.build_messages(INSTRUCTION, history, obs, actions, history_length=3)
+    msgs = prompts.build_messages(INSTRUCTION, history, obs, actions, history_length=3, system_prompt=SYSTEM)
     full = prompts.prompt_ids(tokenizer, msgs, 10_000)
     no_oldest = prompts.prompt_ids(tokenizer, msgs[:1] + msgs[3:], 10_000)
     no_history = prompts.prompt_ids(tokenizer, msgs[:1] + msgs[-1:], 10_000)
@@ -72,7 +77,8 @@ def test_prompt_truncation_is_identical_for_generation_and_training(tokenizer):
     assert tokenizer.decode(cut).endswith("<|im_start|>assistant\n")
 
     # The trainer rebuilds the row later from the stored turn: identical ids, for every budget.
-    rebuilt = prompts.build_messages(INSTRUCTION, list(history), obs, list(actions), history_length=3)
+    rebuilt = prompts.build_messages(INSTRUCTION, list(history), obs, list(actions), history_length=3,
+                                     system_prompt=SYSTEM)
     for b in (len(full), len(no_oldest), len(no_oldest) - 1, budget, 1):
         ids = prompts.prompt_ids(tokenizer, rebuilt, b)
         assert ids == prompts.prompt_ids(tokenizer, msgs, b)

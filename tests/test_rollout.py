@@ -11,8 +11,11 @@ from client_app.rollout import (BatchedGenerator, EpisodeSpec, RolloutSettings, 
                                 draw_tasks, group_specs, row_seed, run_episodes, training_rows, training_score)
 from client_app.tiny_model import load_causal_lm
 from envs.client import SyncEnvClient
+from envs.registry import system_prompt
 from envs.service import serve_in_subprocess
 from trainer_support import POOL_SIZE, SMALL_ENV_PARAMS, one_torch_thread, random_model_dir  # noqa: F401
+
+SHOP = system_prompt("shop")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,7 @@ def test_row_seeds_pure_function():
 def test_group_task_id_verified(env, policy):
     model, tok = policy
     gen = BatchedGenerator(model, tok, max_new_tokens=4)
-    settings = RolloutSettings(max_turns=1, history_length=2, max_prompt_tokens=384)
+    settings = RolloutSettings(max_turns=1, history_length=2, max_prompt_tokens=384, system_prompt=SHOP)
     # the normal case: groups of one task each are served one task each
     episodes, _ = run_episodes(gen, env, group_specs([20, 21], 3), settings, 1.0, seed=1, max_sessions=POOL_SIZE)
     for g in (0, 1):
@@ -81,7 +84,7 @@ def test_windowed_context_equals_trained_context(env, policy):
     model, tok = policy
     gen = BatchedGenerator(model, tok, max_new_tokens=8)
     max_prompt = 160            # short enough that history and then the prompt head get cut
-    settings = RolloutSettings(max_turns=3, history_length=2, max_prompt_tokens=max_prompt)
+    settings = RolloutSettings(max_turns=3, history_length=2, max_prompt_tokens=max_prompt, system_prompt=SHOP)
     # fewer sessions than episodes: finished sessions are reset with pending episodes mid-rollout
     episodes, stats = run_episodes(gen, env, group_specs([40, 41, 42], 2), settings, 0.0, seed=0, max_sessions=4)
     assert stats.steps == sum(len(e.turns) for e in episodes) and stats.tokens > 0
@@ -95,7 +98,7 @@ def test_windowed_context_equals_trained_context(env, policy):
             row = rows[k]
             k += 1
             assert row.episode == e and row.group == ep.spec.group
-            msgs = prompts.build_messages(ep.instruction, history, turn.observation, turn.valid_actions, 2)
+            msgs = prompts.build_messages(ep.instruction, history, turn.observation, turn.valid_actions, 2, SHOP)
             assert row.prompt_ids == prompts.prompt_ids(tok, msgs, max_prompt) == turn.prompt_ids
             assert row.response_ids == turn.response_ids
             truncated += len(prompts.prompt_ids(tok, msgs, 10**6)) > max_prompt
@@ -112,7 +115,7 @@ def test_training_penalty_scope(env, policy):
     validation reports) is the env's own return."""
     model, tok = policy
     gen = BatchedGenerator(model, tok, max_new_tokens=4)
-    settings = RolloutSettings(max_turns=3, history_length=2, max_prompt_tokens=384)
+    settings = RolloutSettings(max_turns=3, history_length=2, max_prompt_tokens=384, system_prompt=SHOP)
     episodes, _ = run_episodes(gen, env, group_specs([50, 51], 2), settings, 1.0, seed=3, max_sessions=POOL_SIZE)
     invalid = [e for e in episodes if e.invalid_actions]
     assert invalid, "needs episodes with invalid actions"
@@ -127,9 +130,10 @@ def test_sampling_is_seeded_per_row(policy):
     """A row's sample depends on its seed only: not on the global RNG, not on its batch."""
     model, tok = policy
     gen = BatchedGenerator(model, tok, max_new_tokens=8)
-    p = prompts.prompt_ids(tok, prompts.build_messages("buy a mug", [], "Search", ["search[<your query>]"], 2), 384)
+    p = prompts.prompt_ids(tok, prompts.build_messages("buy a mug", [], "Search", ["search[<your query>]"], 2, SHOP),
+                           384)
     q = prompts.prompt_ids(tok, prompts.build_messages("buy a red lamp under 30 dollars", [], "Search",
-                                                       ["search[<your query>]"], 2), 384)
+                                                       ["search[<your query>]"], 2, SHOP), 384)
     seeds = [derive_seed("x", i) for i in range(4)]
     torch.manual_seed(123)
     before = torch.random.get_rng_state()

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DistilBertConfig
 from client_app import prompts
 from client_app.tiny_model import (ModelDirError, build_tiny_model, cache_key, collect_demonstrations,
                                    load_causal_lm, sft_batch, tokenizer_corpus, train_tokenizer)
-from envs.registry import make_env
+from envs.registry import make_env, system_prompt
 from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg, load_config
 
 # A reduced build: same code path as the default, seconds instead of minutes.
@@ -55,7 +55,8 @@ def test_tiny_model_loads_as_plain_hugging_face_dir(tiny_dir):
     assert model.generation_config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert len(tok) <= 300 and model.config.vocab_size == len(tok)
     # a real forward pass on a real windowed prompt
-    msgs = prompts.build_messages("buy a red mug", [], "Search", ["search[<query>]"], history_length=2)
+    msgs = prompts.build_messages("buy a red mug", [], "Search", ["search[<query>]"], history_length=2,
+                                  system_prompt=system_prompt("shop"))
     ids = torch.tensor([prompts.prompt_ids(tok, msgs, SMALL_ROLLOUT.max_prompt_tokens)])
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -182,7 +183,8 @@ def play_episodes(model, tok, env_cfg: EnvCfg, rollout: RolloutCfg, tasks: list[
                 break
             rows = [prompts.prompt_ids(tok, prompts.build_messages(
                 state[i]["info"]["instruction"], state[i]["history"], state[i]["obs"],
-                state[i]["info"]["valid_actions"], rollout.history_length), rollout.max_prompt_tokens) for i in live]
+                state[i]["info"]["valid_actions"], rollout.history_length, system_prompt(env_cfg.name)),
+                rollout.max_prompt_tokens) for i in live]
             width = max(map(len, rows))
             ids = torch.full((len(rows), width), tok.pad_token_id)
             mask = torch.zeros_like(ids)

@@ -34,6 +34,7 @@ from client_app.rollout import BatchedGenerator, Episode, RolloutSettings, Train
 from client_app.tiny_model import build_tiny_model, load_causal_lm
 from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
 from envs.client import SyncEnvClient
+from envs.registry import system_prompt
 from fl_app.config import Config
 
 log = logging.getLogger("fedagent.trainer")
@@ -91,7 +92,8 @@ class BuiltinTrainer:
         # On CPU a padded token costs as much as a real one: group prompts of similar length.
         self.generator = BatchedGenerator(self.model, self.tokenizer, cfg.rollout.max_response_tokens,
                                           self.amp_dtype, max_padding=CPU_MAX_PADDING if self.device.type == "cpu" else None)
-        self.settings = RolloutSettings(cfg.env.max_turns, cfg.rollout.history_length, cfg.rollout.max_prompt_tokens)
+        self.settings = RolloutSettings(cfg.env.max_turns, cfg.rollout.history_length, cfg.rollout.max_prompt_tokens,
+                                        system_prompt(cfg.env.name))
         a = cfg.algo
         self.loss_spec = ActorLossSpec(clip_ratio_low=a.clip_ratio, clip_ratio_high=a.clip_ratio,
                                        clip_ratio_c=a.clip_ratio_c, entropy_coeff=a.entropy_coeff,
