@@ -1,8 +1,8 @@
-"""Windowed prompts: what the policy sees each turn, and how its reply becomes an action.
+"""Prompts: what the policy sees each turn, and how its reply becomes an action.
 
-One prompt per turn (verl-agent's windowed mode, invariant 15): the task, the last
-`history_length` (observation, action) turns, the current observation and the admissible
-actions. The message layout is fixed so truncation can be structural:
+Windowed mode (verl-agent, the published runs; invariant 15): one prompt per turn with the task,
+the last `history_length` (observation, action) turns, the current observation and the
+admissible actions. The message layout is fixed so truncation can be structural:
 
     [system]     the env's system prompt (envs.registry.system_prompt)
     [user]       Observation: <older observation>      } one pair per history turn,
@@ -15,6 +15,13 @@ actions. The message layout is fixed so truncation can be structural:
 The task sits in the last message, so the oldest history can be dropped without losing it.
 `prompt_ids` is the ONE function that turns messages into token ids, for generation and for
 training alike, so the context a policy acted on is exactly the context it is trained on.
+
+Concat mode (invariant 16): the first prompt is the windowed one without history; after each
+generated reply the episode's token sequence grows by `concat_glue_ids`: the end of the
+assistant turn, the next observation as a user turn, and the generation prompt. That text is
+taken from a rendered chat-template string AFTER a placeholder reply, never by re-rendering the
+real history and slicing at the old length: templates that rewrite past assistant turns (Qwen3
+drops their `<think>` blocks) would otherwise shift or eat the turn boundary.
 """
 from __future__ import annotations
 
@@ -22,6 +29,16 @@ from typing import Any
 
 # End-of-turn markers a decoded generation may still carry (ChatML, Qwen base, Llama 3, SentencePiece).
 END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
+
+
+# A reply no chat template rewrites (no reasoning block, no whitespace to strip): concat glue is
+# read from a rendered conversation right after it.
+GLUE_PLACEHOLDER = "FEDAGENT_TURN_PLACEHOLDER"
+
+
+def _admissible(valid_actions: list[str]) -> str:
+    actions = ", ".join(f"'{a}'" for a in valid_actions)
+    return f"Your admissible actions of the current situation are: [{actions}]."
 
 
 def build_messages(instruction: str, history: list[tuple[str, str]], observation: str,
@@ -33,13 +50,46 @@ def build_messages(instruction: str, history: list[tuple[str, str]], observation
     for past_obs, past_action in window:
         messages.append({"role": "user", "content": f"Observation: {past_obs}"})
         messages.append({"role": "assistant", "content": response_text(past_action)})
-    actions = ", ".join(f"'{a}'" for a in valid_actions)
     messages.append({"role": "user", "content": (
         f"Task: {instruction}\n"
         f"Observation: {observation}\n"
-        f"Your admissible actions of the current situation are: [{actions}]."
+        f"{_admissible(valid_actions)}"
     )})
     return messages
+
+
+def observation_message(observation: str, valid_actions: list[str]) -> dict[str, str]:
+    """The user turn that carries a new observation into a concat-mode conversation."""
+    return {"role": "user", "content": f"Observation: {observation}\n{_admissible(valid_actions)}"}
+
+
+def concat_glue_ids(tokenizer: Any, conversation: list[dict[str, str]], observation: dict[str, str],
+                    reply_ended: bool) -> list[int]:
+    """Token ids that follow a generated reply in a concat-mode sequence, up to the next
+    generation prompt.
+
+    `conversation` is the episode so far, ending with the user turn the reply answered. The
+    conversation + a placeholder reply + `observation` is rendered with the generation prompt;
+    the glue is the text after the placeholder, minus the end-of-turn token the model generated
+    itself (`reply_ended`; a reply cut by the token budget gets it here, outside the loss).
+    """
+    probe = [*conversation, {"role": "assistant", "content": GLUE_PLACEHOLDER}, observation]
+    text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    at = text.rfind(GLUE_PLACEHOLDER)
+    if at < 0:
+        raise ValueError("the chat template dropped the assistant reply from a rendered conversation, so "
+                         "concat mode cannot find the turn boundary; use rollout.mode=windowed with this model")
+    tail = text[at + len(GLUE_PLACEHOLDER):]
+    eos = tokenizer.eos_token
+    if not tail.startswith(eos):
+        raise ValueError(f"the chat template ends an assistant turn with {tail[:24]!r}, not with the tokenizer's "
+                         f"eos {eos!r} that ends generation; concat mode needs them to agree (set eos_token to the "
+                         "template's end-of-turn token, or use rollout.mode=windowed)")
+    glue = tail if not reply_ended else tail[len(eos):]
+    if observation["content"] not in glue:
+        raise ValueError("the rendered observation turn is not where concat mode expects it (after the reply); "
+                         "use rollout.mode=windowed with this chat template")
+    return list(tokenizer(glue, add_special_tokens=False)["input_ids"])
 
 
 def _render_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

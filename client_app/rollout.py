@@ -9,10 +9,12 @@ Task addressing (envs/base.py): an episode is reset with the env task index as i
 served task is a pure function of that index; a GRPO group is `group_size` episodes of one task,
 and the served `task_id`s are checked per group before any token is generated (invariant 9).
 
-Training rows are windowed (verl-agent, invariant 15): one row per turn, holding exactly the
-prompt ids the policy generated from and the ids it generated, plus its episode's scalar score.
-The invalid-action penalty enters that score only (`training_rows`); validation reads the raw
-env reward (invariant 10).
+Training rows hold exactly the context the policy generated from and the ids it generated, plus
+the episode's scalar score. Windowed mode (verl-agent, invariant 15): one row per turn, its
+windowed prompt and reply. Concat mode (invariant 16): one row per episode, its first prompt and
+then every reply with the observation glue between them, the glue masked out of the loss; the
+context of every generation is a prefix of that row. The invalid-action penalty enters the
+training score only (`training_rows`); validation reads the raw env reward (invariant 10).
 """
 from __future__ import annotations
 
@@ -21,13 +23,15 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from client_app.prompts import build_messages, parse_action, prompt_ids
+from client_app.prompts import build_messages, concat_glue_ids, observation_message, parse_action, prompt_ids
+
+RolloutMode = Literal["windowed", "concat"]
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -72,7 +76,9 @@ def group_specs(tasks: Sequence[int], group_size: int) -> list[EpisodeSpec]:
 class Turn:
     observation: str             # the state the action was taken in ...
     valid_actions: list[str]     # ... and what was admissible there
-    prompt_ids: list[int]        # the exact context the response was generated from
+    prompt_ids: list[int]        # windowed: the exact context the response was generated from;
+                                 # concat: the ids added since the previous response (the first
+                                 # prompt, then the observation glue), so the context is the sum
     response_ids: list[int]      # generated ids, ending at (and including) eos when one was emitted
     action: str                  # what was sent to the env ("" when nothing parseable was generated)
     valid_action: bool           # the env accepted the action in that state
@@ -83,6 +89,7 @@ class Episode:
     spec: EpisodeSpec
     task_id: str                 # served task identity (from the env's reset info)
     instruction: str
+    mode: RolloutMode            # how `turns[*].prompt_ids` are to be read (see Turn)
     turns: list[Turn] = field(default_factory=list)
     reward: float = 0.0          # env return (sum of step rewards), never penalised
     won: bool = False
@@ -248,6 +255,20 @@ class RolloutSettings:
     history_length: int
     max_prompt_tokens: int
     system_prompt: str           # the env's (envs.registry.system_prompt)
+    mode: RolloutMode = "windowed"
+
+
+@dataclass
+class _Live:
+    """A session's episode in progress."""
+
+    episode: int                              # index into the episodes list
+    observation: str                          # the current state ...
+    valid_actions: list[str]                  # ... and its admissible actions
+    history: list[tuple[str, str]]            # windowed: every earlier (observation, action)
+    conversation: list[dict[str, str]]        # concat: the chat so far (for the glue's template render)
+    context: list[int]                        # concat: the episode's token sequence so far
+    new_ids: list[int]                        # concat: what `context` gained since the last reply
 
 
 def check_groups(episodes: Sequence[Episode]) -> None:
@@ -273,7 +294,8 @@ def _checked(results: list[dict], verb: str, sids: Sequence[str]) -> list[dict]:
 def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeSpec], settings: RolloutSettings,
                  temperature: float, seed: int, max_sessions: int, desc: str = "rollout",
                  ) -> tuple[list[Episode], RolloutStats]:
-    """Play `specs` to the end (done or `settings.max_turns`) on env-service sessions.
+    """Play `specs` to the end (done, `settings.max_turns`, or in concat mode a sequence that would
+    outgrow `settings.max_prompt_tokens`) on env-service sessions.
 
     `env` is an `envs.client.SyncEnvClient`. At most `max_sessions` sessions are held (the
     service's pool blocks /create beyond its size); a session whose episode ends is reset with
@@ -288,9 +310,9 @@ def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeS
     slots = [f"ro-{uuid.uuid4().hex[:12]}-{k}" for k in range(min(max_sessions, len(specs)))]
     episodes: list[Episode] = []
     pending = iter(range(len(specs)))
-    # per busy slot: (episode index, observation, valid actions, windowed history)
-    busy: dict[int, tuple[int, str, list[str], list[tuple[str, str]]]] = {}
+    busy: dict[int, _Live] = {}
     tok = generator.tokenizer
+    concat = settings.mode == "concat"
 
     def start(free: list[int]) -> None:
         pairs = list(zip(free, pending))
@@ -302,9 +324,38 @@ def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeS
         stats.env_s += time.perf_counter() - t0
         for (k, i), r in zip(pairs, resets):
             info = r["info"]
-            episodes.append(Episode(specs[i], str(info["task_id"]), str(info["instruction"])))
-            busy[k] = (len(episodes) - 1, r["observation"], list(info["valid_actions"]), [])
+            episodes.append(Episode(specs[i], str(info["task_id"]), str(info["instruction"]), settings.mode))
+            live = _Live(len(episodes) - 1, r["observation"], list(info["valid_actions"]), [], [], [], [])
+            if concat:
+                live.conversation = build_messages(episodes[-1].instruction, [], live.observation,
+                                                   live.valid_actions, 0, settings.system_prompt)
+                live.context = prompt_ids(tok, live.conversation, settings.max_prompt_tokens)
+                live.new_ids = list(live.context)
+            busy[k] = live
         check_groups(episodes)
+
+    def context(live: _Live) -> list[int]:
+        if concat:
+            return live.context
+        return prompt_ids(tok, build_messages(episodes[live.episode].instruction, live.history, live.observation,
+                                              live.valid_actions, settings.history_length, settings.system_prompt),
+                          settings.max_prompt_tokens)
+
+    def advance(live: _Live, response: list[int], text: str, res: dict) -> bool:
+        """Move `live` to the state `res` describes; False when the context budget is spent (concat)."""
+        live.observation, live.valid_actions = res["observation"], list(res["info"]["valid_actions"])
+        if not concat:
+            return True
+        reply = {"role": "assistant", "content": _strip_end_markers(text, tok.eos_token)}
+        user = observation_message(live.observation, live.valid_actions)
+        ended = bool(response) and response[-1] in generator.eos_ids
+        glue = concat_glue_ids(tok, live.conversation, user, ended)
+        if len(live.context) + len(response) + len(glue) > settings.max_prompt_tokens:
+            return False
+        live.conversation += [reply, user]
+        live.context = live.context + response + glue
+        live.new_ids = glue
+        return True
 
     t0 = time.perf_counter()
     env.create_many(slots)
@@ -313,36 +364,35 @@ def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeS
         with tqdm(total=len(specs), desc=desc, unit="ep", disable=None, leave=False) as bar:
             start(list(range(len(slots))))
             while busy:
-                live = sorted(busy)
-                prompts = [prompt_ids(tok, build_messages(episodes[busy[k][0]].instruction, busy[k][3], busy[k][1],
-                                                          busy[k][2], settings.history_length, settings.system_prompt),
-                                      settings.max_prompt_tokens) for k in live]
+                live_slots = sorted(busy)
+                prompts = [context(busy[k]) for k in live_slots]
                 t0 = time.perf_counter()
-                seeds = [derive_seed(seed, busy[k][0], len(episodes[busy[k][0]].turns)) for k in live]
+                seeds = [derive_seed(seed, busy[k].episode, len(episodes[busy[k].episode].turns)) for k in live_slots]
                 responses = generator.generate(prompts, temperature, seeds)
                 stats.generate_s += time.perf_counter() - t0
                 stats.tokens += sum(len(r) for r in responses)
-                actions = [parse_action(text) for text in tok.batch_decode(responses, skip_special_tokens=False)]
+                texts = tok.batch_decode(responses, skip_special_tokens=False)
+                actions = [parse_action(text) for text in texts]
                 t0 = time.perf_counter()
-                results = _checked(env.step_batch([(slots[k], a) for k, a in zip(live, actions)]), "step",
-                                   [slots[k] for k in live])
+                results = _checked(env.step_batch([(slots[k], a) for k, a in zip(live_slots, actions)]), "step",
+                                   [slots[k] for k in live_slots])
                 stats.env_s += time.perf_counter() - t0
-                stats.steps += len(live)
+                stats.steps += len(live_slots)
                 freed = []
-                for k, prompt, response, action, res in zip(live, prompts, responses, actions, results):
-                    e, obs, valid, history = busy[k]
-                    ep, info = episodes[e], res["info"]
-                    ep.turns.append(Turn(obs, valid, prompt, response, action, bool(info["valid_action"])))
+                for k, prompt, response, text, action, res in zip(live_slots, prompts, responses, texts, actions,
+                                                                   results):
+                    live = busy[k]
+                    ep, info = episodes[live.episode], res["info"]
+                    ep.turns.append(Turn(live.observation, live.valid_actions, live.new_ids if concat else prompt,
+                                         response, action, bool(info["valid_action"])))
                     ep.reward += float(res["reward"])
-                    history.append((obs, action))
+                    live.history.append((live.observation, action))
                     if res["done"]:
                         ep.done, ep.won = True, bool(info["won"])
-                    if ep.done or len(ep.turns) >= settings.max_turns:
+                    if ep.done or len(ep.turns) >= settings.max_turns or not advance(live, response, text, res):
                         del busy[k]
                         freed.append(k)
                         bar.update(1)
-                    else:
-                        busy[k] = (e, res["observation"], list(info["valid_actions"]), history)
                 start(freed)
     finally:
         t0 = time.perf_counter()
@@ -350,6 +400,11 @@ def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeS
         stats.env_s += time.perf_counter() - t0
     stats.wall_s = time.perf_counter() - t_start
     return episodes, stats            # episodes[i] plays specs[i]: `pending` is consumed in order
+
+
+def _strip_end_markers(text: str, eos: str) -> str:
+    """A decoded reply as an assistant message: everything before its end-of-turn token."""
+    return text.split(eos, 1)[0] if eos else text
 
 
 def training_score(episode: Episode, invalid_action_penalty: float) -> float:
@@ -360,21 +415,42 @@ def training_score(episode: Episode, invalid_action_penalty: float) -> float:
 
 @dataclass(frozen=True)
 class TrainRow:
-    """One windowed turn, trained on exactly the context it was generated from."""
+    """A sequence trained on exactly the context it was generated from: one windowed turn, or one
+    concat-mode episode. `mask[t]` is 1 where response token t was generated by the policy and 0
+    on observation glue (concat), which no loss, advantage or value target is computed on."""
 
     prompt_ids: list[int]
     response_ids: list[int]
+    mask: list[int]
     score: float                 # its episode's training score (same on every turn)
     group: int                   # its episode's GRPO group
     episode: int                 # index of its episode in the rollout
 
 
+def _concat_row(ep: Episode, score: float, k: int) -> TrainRow:
+    """The episode's one sequence: first prompt, then every reply with the glue between."""
+    response: list[int] = []
+    mask: list[int] = []
+    for j, t in enumerate(ep.turns):
+        if j:
+            response += t.prompt_ids
+            mask += [0] * len(t.prompt_ids)
+        response += t.response_ids
+        mask += [1] * len(t.response_ids)
+    return TrainRow(ep.turns[0].prompt_ids, response, mask, score, ep.spec.group, k)
+
+
 def training_rows(episodes: Sequence[Episode], invalid_action_penalty: float) -> list[TrainRow]:
-    """One row per turn of every episode, carrying the episode's penalised score and group."""
+    """Rows of every episode (one per turn when windowed, one per episode in concat mode),
+    carrying the episode's penalised score and group."""
     rows = []
     for k, ep in enumerate(episodes):
         score = training_score(ep, invalid_action_penalty)
-        rows.extend(TrainRow(t.prompt_ids, t.response_ids, score, ep.spec.group, k) for t in ep.turns)
+        if ep.mode == "concat":
+            rows.append(_concat_row(ep, score, k))
+        else:
+            rows.extend(TrainRow(t.prompt_ids, t.response_ids, [1] * len(t.response_ids), score, ep.spec.group, k)
+                        for t in ep.turns)
     return rows
 
 

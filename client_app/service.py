@@ -45,20 +45,20 @@ class FitBody(BaseModel):
     local_epochs: int
     seed: int
     proximal_mu: float = 0.0
-    weights_in: str           # manifest directory of the global weights
-    weights_out: str          # directory to write this client's fp32 shards into
+    weights_in: dict[str, str]    # member -> manifest directory of the global weights
+    weights_out: dict[str, str]   # member -> directory to write this client's fp32 shards into
 
 
 class EvalBody(BaseModel):
     run_id: int
     round: int
     seed: int
-    weights_in: str
+    weights_in: str               # the global actor (validation needs no critic)
 
 
 class InitBody(BaseModel):
     run_id: int
-    weights_out: str
+    weights_out: dict[str, str]   # member -> directory for the initial weights
 
 
 def rss_mb() -> float:
@@ -99,18 +99,36 @@ class TrainerService:
         return client_shard(client_id, f.clients, f.tasks_per_client,
                             range(self.val_size, self.num_tasks), self.cfg.run.seed)
 
-    def save(self, out_dir: Path) -> Any:
+    def _check_members(self, dirs: dict[str, str]) -> None:
+        """A request must name exactly the members the trainer holds: a PPO fit without its critic
+        (or a critic the trainer lacks) fails closed instead of training half a model."""
         assert self.trainer is not None
-        return save_shards(self.trainer.export_weights(), out_dir, int(self.cfg.run.shard_max_mb * 2**20))
+        if set(dirs) != set(self.trainer.members):
+            raise HTTPException(409, f"the request carries weights for {sorted(dirs)} but this trainer federates "
+                                     f"{list(self.trainer.members)}; server and client must run the same algo.name")
+
+    def save(self, out_dirs: dict[str, str]) -> int:
+        """Export every member into its dir; returns the bytes written."""
+        assert self.trainer is not None
+        self._check_members(out_dirs)
+        shard = int(self.cfg.run.shard_max_mb * 2**20)
+        return sum(save_shards(self.trainer.export_weights(m), Path(d), shard).total_bytes for m, d in out_dirs.items())
+
+    def load(self, in_dirs: dict[str, str]) -> None:
+        assert self.trainer is not None
+        self._check_members(in_dirs)
+        for member, d in in_dirs.items():
+            self.trainer.load_weights(load_shards(Path(d)), member)
 
     def init(self, body: InitBody) -> dict[str, Any]:
-        """Export the initial weights (before any load): the run's round 0."""
+        """Export the initial weights (before any load): the run's round 0, and where the critic came from."""
         self._check_run(body.run_id)
         with self.lock:
             if self.fits or self.evals:
                 raise HTTPException(409, "initial weights requested after the trainer already loaded others")
-            self.save(Path(body.weights_out))
-            return {"fits": self.fits}
+            self.save(body.weights_out)
+            start = self.trainer.critic_start
+            return {"fits": self.fits, "critic_start": start.as_dict() if start is not None else None}
 
     def close(self) -> None:
         self._stack.close()
@@ -125,20 +143,21 @@ class TrainerService:
         with self.lock:
             self.last_request = time.monotonic()
             t0 = time.perf_counter()
-            self.trainer.load_weights(load_shards(Path(body.weights_in)))
+            self.load(body.weights_in)
             t_load = time.perf_counter() - t0
             res = self.trainer.fit(FitRequest(
                 round=body.round, client_id=body.client_id, task_indices=self.shard(body.client_id),
                 local_epochs=body.local_epochs, seed=body.seed, proximal_mu=body.proximal_mu))
             t1 = time.perf_counter()
-            manifest = self.save(Path(body.weights_out))
+            bytes_out = self.save(body.weights_out)
             t_export = time.perf_counter() - t1
             self.fits += 1
             metrics = dict(res.metrics)
             metrics.update({
                 "load_s": t_load, "export_s": t_export, "fit_total_s": time.perf_counter() - t0,
                 "service_fits": float(self.fits), "service_rss_mb": rss_mb(),
-                "bytes_in": float(_dir_bytes(Path(body.weights_in))), "bytes_out": float(manifest.total_bytes),
+                "bytes_in": float(sum(_dir_bytes(Path(d)) for d in body.weights_in.values())),
+                "bytes_out": float(bytes_out),
             })
             self.last_request = time.monotonic()
             return {"num_examples": res.num_examples, "metrics": metrics}

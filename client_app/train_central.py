@@ -1,6 +1,8 @@
-"""Centralized GRPO: one client, no Flower, the builtin trainer on the whole training pool.
+"""Centralized training (GRPO or PPO): one client, no Flower, the builtin trainer on the whole
+training pool.
 
     python -m client_app.train_central --recipe tiny-shop-grpo --iterations 30 --out runs/central-x
+    python -m client_app.train_central --recipe webshop-grpo-qwen2.5-1.5b-centralized --eval-every 5 --out ...
 
 It is the single-client reference a federated run is compared against, and the quickest check
 that the trainer learns: it validates on the fixed validation set (tasks [0, val_tasks)) before
@@ -47,7 +49,9 @@ def _plot(lines: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m client_app.train_central", description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default="tiny-shop-grpo", help="recipe name in configs/ or a YAML path")
-    ap.add_argument("--iterations", type=int, required=True, help="RL iterations (rollout batch + update each)")
+    ap.add_argument("--iterations", type=int, default=0,
+                    help="RL iterations (rollout batch + update each); 0 = the recipe's rounds x local_epochs "
+                         "(210 for the *-centralized baselines)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--eval-every", type=int, default=5, help="validate every k iterations (and before training)")
     ap.add_argument("--tasks", type=int, default=0,
@@ -56,13 +60,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch intra-op threads (0 = torch's default; 1 is fastest for the tiny model on shared cores)")
     ap.add_argument("overrides", nargs="*", help="recipe overrides as a.b=c, e.g. algo.lr=1e-4")
     args = ap.parse_args(argv)
-    if args.iterations < 1 or args.eval_every < 1:
-        ap.error("--iterations and --eval-every must be >= 1")
+    if args.iterations < 0 or args.eval_every < 1:
+        ap.error("--iterations must be >= 0 and --eval-every >= 1")
     try:
         cfg = load_config(args.recipe, dotlist=args.overrides)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    args.iterations = args.iterations or cfg.federation.rounds * cfg.federation.local_epochs
 
     import torch
 

@@ -42,7 +42,8 @@ class TinyModelCfg(_Strict):
 
 
 class ModelCfg(_Strict):
-    path: str = Field("tiny", description="`tiny` builds the local default; otherwise a local Hugging Face model directory (e.g. Qwen2.5-1.5B-Instruct).")
+    path: str = Field("tiny", description="`tiny` builds the local default; otherwise a local Hugging Face model directory (e.g. Qwen2.5-1.5B-Instruct). It gives the architecture, the tokenizer and the KL reference model (the original backbone), also when `init_from` is set.")
+    init_from: str = Field("", description="Warm start: a weights dir of an earlier run (e.g. `runs/x/rounds/round-0007/actor`) loaded over `path` before round 0. For ppo its sibling `critic` dir is picked up as the critic (see `algo.critic.path`). It must be readable by the node that builds round 0.")
     tiny: TinyModelCfg = TinyModelCfg()
 
 
@@ -54,19 +55,32 @@ class EnvCfg(_Strict):
 
 
 class RolloutCfg(_Strict):
-    mode: Literal["windowed"] = Field("windowed", description="Prompt construction: task + the last `history_length` (observation, action) turns.")
-    history_length: int = Field(2, ge=0, description="Turns of history in a windowed prompt.")
-    max_prompt_tokens: int = Field(1024, gt=0, description="Prompt budget; longer prompts are left-truncated identically for generation and training.")
+    mode: Literal["windowed", "concat"] = Field("windowed", description="`windowed` (the published runs): one prompt and one training row per turn, the task + the last `history_length` (observation, action) turns. `concat`: one growing token sequence and one training row per episode (prompt + actions + observations, observation tokens masked out of the loss); the text between turns comes from diffs of rendered chat-template strings.")
+    history_length: int = Field(2, ge=0, description="Turns of history in a windowed prompt (unused in concat mode, where the whole episode is the context).")
+    max_prompt_tokens: int = Field(1024, gt=0, description="Context budget per generation. windowed: longer prompts lose their oldest history turns, then their head, identically for generation and training. concat: the growing sequence must fit; an episode that would outgrow it ends there (not done).")
     max_response_tokens: int = Field(32, gt=0, description="Generated tokens per turn.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for training rollouts.")
     val_temperature: float = Field(0.4, ge=0, description="Sampling temperature for validation (0 = greedy).")
     invalid_action_penalty: float = Field(0.1, ge=0, description="Subtracted from a training episode's reward per invalid action; never applied to validation.")
 
 
+class CriticCfg(_Strict):
+    """The PPO value model: the policy's architecture with a one-output value head (`score`)."""
+
+    path: str = Field("", description="Where the starting critic comes from. Empty: the `critic` dir beside `model.init_from` when that is a round of an earlier run; without `model.init_from`, a fresh value head on the backbone (logged); with `model.init_from` but no sibling critic, an error, so a warm-started policy never silently gets a random value baseline. `fresh`: a fresh value head on the starting policy's backbone, deliberately. Otherwise a weights dir holding a value head (e.g. `runs/x/rounds/round-0007/critic`). Resume always restores the run's own critic. summary.json records the choice.")
+    lr: float = Field(1e-5, gt=0, description="Critic learning rate (constant, AdamW).")
+    weight_decay: float = Field(0.01, ge=0, description="Critic AdamW weight decay.")
+    value_clip: float = Field(0.5, gt=0, description="Value clipping: a prediction may move at most this far from the rollout-time value before its loss is clipped (verl cliprange_value).")
+    loss_coef: float = Field(1.0, gt=0, description="Critic loss = loss_coef x the token mean, over the WHOLE mini-batch, of max((V - R)^2, (clip(V) - R)^2). Normalised by the mini-batch token count, so it does not depend on micro_batch_size (field log 2026-07-22). 1.0 is the FedAgent fork's coefficient (the executed runs); 0.5 is verl's convention.")
+    mini_batch_size: int | None = Field(None, gt=0, description="Rows per critic optimizer step; unset = algo.mini_batch_size (the published critic inherits it).")
+    micro_batch_size: int | None = Field(None, gt=0, description="Rows per critic forward/backward (gradient accumulation; does not change the loss); unset = algo.micro_batch_size.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip of the critic.")
+
+
 class AlgoCfg(_Strict):
-    name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
+    name: Literal["grpo", "ppo"] = Field("grpo", description="`grpo`: group-relative outcome advantages, no critic. `ppo`: GAE advantages from a critic that is federated beside the policy (see `critic`).")
     tasks_per_step: int = Field(8, gt=0, description="Distinct tasks per RL iteration (train_batch_size).")
-    group_size: int = Field(8, gt=0, description="Rollouts per task (GRPO group size n).")
+    group_size: int | None = Field(None, gt=0, description="Rollouts per task (n). Unset: 8 for grpo (one GRPO group per task), 1 for ppo (ungrouped, as published); PPO with n > 1 multiplies the rollout volume by n.")
     lr: float = Field(1e-6, gt=0, description="Actor learning rate (constant, AdamW).")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
     clip_ratio: float = Field(0.2, gt=0, description="PPO clip epsilon (low = high).")
@@ -78,6 +92,20 @@ class AlgoCfg(_Strict):
     mini_batch_size: int = Field(64, gt=0, description="Rows per optimizer step.")
     micro_batch_size: int = Field(16, gt=0, description="Rows per forward/backward pass (gradient accumulation; does not change the loss).")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount (ppo), per generated token; observation tokens are skipped.")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
+    critic: CriticCfg = CriticCfg()
+
+    @model_validator(mode="after")
+    def _inherited(self) -> "AlgoCfg":
+        """Fill the unset keys from the algorithm and the actor's batch sizes."""
+        if self.group_size is None:
+            self.group_size = 8 if self.name == "grpo" else 1
+        if self.critic.mini_batch_size is None:
+            self.critic.mini_batch_size = self.mini_batch_size
+        if self.critic.micro_batch_size is None:
+            self.critic.micro_batch_size = self.micro_batch_size
+        return self
 
 
 class FederationCfg(_Strict):
@@ -90,6 +118,7 @@ class FederationCfg(_Strict):
     proximal_mu: float = Field(0.01, ge=0, description="FedProx mu (only used by `fedprox`; applies to the policy only).")
     eval_every: int = Field(1, ge=0, description="Validate the global model every k rounds (and at round 0); 0 = only round 0 and the last round.")
     val_tasks: int = Field(64, gt=0, description="Size of the fixed validation set (the env's first tasks).")
+    only_clients: list[int] = Field(default_factory=list, description="Train exactly these client ids every round instead of sampling (the local-only baseline: one client, one round of T*E epochs). Its length must equal `clients_per_round`; empty = sample.")
 
 
 class RunCfg(_Strict):
@@ -103,6 +132,7 @@ class RunCfg(_Strict):
 
 
 class Config(_Strict):
+    extends: str = Field("", description="The recipe this one starts from: a name in configs/ or a .yaml path relative to this file. Its keys are merged under this file's (lists are replaced, not appended); chains are allowed, cycles are an error.")
     backend: Literal["builtin"] = Field("builtin", description="Trainer backend.")
     model: ModelCfg = ModelCfg()
     env: EnvCfg = EnvCfg()
@@ -119,7 +149,20 @@ class Config(_Strict):
                 f"federation.clients_per_round={f.clients_per_round} exceeds federation.clients={f.clients}; "
                 "lower clients-per-round or raise clients"
             )
+        if f.only_clients:
+            if len(f.only_clients) != f.clients_per_round or len(set(f.only_clients)) != len(f.only_clients):
+                raise ValueError(f"federation.only_clients={f.only_clients} must list clients_per_round="
+                                 f"{f.clients_per_round} distinct ids; fix one or the other")
+            if not all(0 <= c < f.clients for c in f.only_clients):
+                raise ValueError(f"federation.only_clients={f.only_clients} holds ids outside [0, {f.clients})")
+        if self.algo.name != "ppo" and self.algo.critic.path:
+            raise ValueError(f"algo.critic.path={self.algo.critic.path!r} is set but algo.name={self.algo.name!r} "
+                             "has no critic; remove it or set algo.name=ppo")
         return self
+
+    def weight_members(self) -> tuple[str, ...]:
+        """The weights a round federates: the policy, plus the critic for PPO (invariant 7)."""
+        return ("actor", "critic") if self.algo.name == "ppo" else ("actor",)
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run.run_dir or f"runs/{self.run.name}").expanduser().resolve()
@@ -164,10 +207,25 @@ def _format_errors(err: ValidationError) -> str:
     return "invalid config:\n" + "\n".join(lines)
 
 
+def _load_recipe(path: Path, chain: tuple[Path, ...] = ()) -> Any:
+    """A recipe file merged over the recipe it `extends` (recursively)."""
+    path = path.resolve()
+    if path in chain:
+        raise ConfigError("recipes extend each other in a cycle: " + " -> ".join(p.name for p in (*chain, path)))
+    node = OmegaConf.load(path)
+    parent = node.get("extends") if hasattr(node, "get") else None
+    if not parent:
+        return node
+    rel = path.parent / parent
+    base = rel if Path(parent).suffix in (".yaml", ".yml") and rel.exists() else recipe_path(str(parent))
+    return OmegaConf.merge(_load_recipe(base, (*chain, path)), node)
+
+
 def load_config(recipe: str = DEFAULT_RECIPE, overrides: dict[str, Any] | None = None,
                 dotlist: list[str] | None = None) -> Config:
-    """Load a recipe, apply Flower run-config overrides and `a.b=c` dotlist overrides, validate."""
-    base = OmegaConf.load(recipe_path(recipe))
+    """Load a recipe (and what it `extends`), apply Flower run-config overrides and `a.b=c`
+    dotlist overrides, validate."""
+    base = _load_recipe(recipe_path(recipe))
     merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(dotlist or [])))
     data = OmegaConf.to_container(merged, resolve=True) or {}
     for key, value in (overrides or {}).items():
@@ -197,8 +255,12 @@ def save_config(cfg: Config, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description="Validate a recipe and print what it resolves to.")
+    from fl_app.work import format_work
+
+    ap = argparse.ArgumentParser(description="Validate a recipe, print what it resolves to and the work it implies "
+                                             "per round (episodes, optimizer steps, tokens).")
     ap.add_argument("--check", default=DEFAULT_RECIPE, help="recipe name or YAML path")
+    ap.add_argument("--work-only", action="store_true", help="print only the work report, not the resolved YAML")
     ap.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. federation.rounds=5")
     args = ap.parse_args(argv)
     try:
@@ -206,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    print(OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump(mode="json"))))
+    if not args.work_only:
+        print(OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump(mode="json"))))
+    print(format_work(cfg))
     return 0
 
 

@@ -4,13 +4,14 @@
       config.yaml                      resolved config (fl_app.config.save_config)
       rounds/round-0000/actor/         round 0 = the initial model (fp32 shards + manifest)
       rounds/round-0003/actor/         the global model after round 3 = the checkpoint
+      rounds/round-0003/critic/        PPO: the aggregated critic beside it (invariant 7)
       rounds/round-0003/clients/client-0007/actor/   client uploads of round 3 (scratch)
       rounds/round-0003/COMPLETE       written last: {"round", "time", "metrics", "members"}
       metrics.jsonl                    one line per complete round
       summary.json
 
 A round is complete only when its COMPLETE marker exists and every required member (`actor`,
-later `critic` for PPO) still holds the exact weights the marker recorded. Resume (invariant 6,
+and `critic` for PPO) still holds the exact weights the marker recorded. Resume (invariant 6,
 field-log "find_resume_round", "fabricated round T", "RESUME could FedAvg a dead attempt's
 checkpoint") scans the round dirs on disk instead of counting up to the configured total,
 refuses a dir that holds rounds beyond that total, and renames every incomplete round dir
@@ -133,6 +134,13 @@ class RunDir:
             if digest != recorded[m]["manifest_sha256"]:
                 return "broken", f"member {m!r} was replaced after the round completed"
         return "complete", ""
+
+    def recorded_members(self, r: int) -> list[str] | None:
+        """The members round r's COMPLETE marker records (None: no readable marker)."""
+        try:
+            return sorted(json.loads((self.round_dir(r) / MARKER).read_text())["members"])
+        except (OSError, ValueError, KeyError):
+            return None
 
     def is_complete(self, r: int) -> bool:
         return self.round_dir(r).is_dir() and self._round_state(r)[0] == "complete"
@@ -268,3 +276,28 @@ class RunDir:
         body = {**summary, "final_round": final_round, "last_complete_round": last, "written_at": _utc_now()}
         _write_atomic(self.summary_path, json.dumps(body, default=_json_default, indent=1) + "\n")
         return self.summary_path
+
+
+def round_of(weights_dir: Path) -> tuple[RunDir, int, str] | None:
+    """(run dir, round, member) when `weights_dir` is `<run>/rounds/round-NNNN/<member>`, else None."""
+    p = Path(weights_dir).expanduser().resolve()
+    m = _ROUND_DIR.match(p.parent.name)
+    if m is None or p.parent.parent.name != "rounds":
+        return None
+    return RunDir(p.parent.parent.parent), int(m.group(1)), p.name
+
+
+def sibling_member(weights_dir: Path, member: str) -> Path | None:
+    """The `member` weights of the same complete round as `weights_dir` (e.g. the critic beside an
+    aggregated actor); None when `weights_dir` is no round member of a run dir, or its round
+    recorded no such member. A member of a round that never completed is refused: its weights
+    may be a dead attempt's."""
+    found = round_of(weights_dir)
+    if found is None:
+        return None
+    rd, r, _ = found
+    recorded = rd.recorded_members(r)
+    if recorded is None:
+        raise RunDirError(f"{weights_dir} belongs to round {r} of {rd.path}, which never completed (no readable "
+                          f"{MARKER} marker); start from a complete round (see {rd.metrics_path})")
+    return rd.member_dir(r, member) if member in recorded else None

@@ -47,6 +47,11 @@ class WeightsRef:
                                f"WeightsRef.to_config(prefix={prefix!r}) to its ConfigRecord") from None
 
 
+def arrays_key(member: str) -> str:
+    """The RecordDict key of `member`'s inline arrays (its WeightsRef entries use prefix `member`)."""
+    return f"{member}-arrays"
+
+
 def state_to_arrayrecord(state: Mapping[str, torch.Tensor]) -> ArrayRecord:
     """fp32 state -> ArrayRecord (bit-exact: Flower serializes arrays with np.save)."""
     check_fp32(state)

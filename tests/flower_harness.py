@@ -21,6 +21,12 @@ ROOT = Path(__file__).resolve().parent.parent
 FLWR = str(Path(sys.executable).with_name("flwr"))
 
 
+def run_config(recipe: Path, run_dir: Path, **extra: object) -> str:
+    """A `--run-config` string: the recipe, the run dir, and flat run-config keys."""
+    items = {"recipe": f'"{recipe}"', "run-dir": f'"{run_dir}"', **{k: str(v) for k, v in extra.items()}}
+    return " ".join(f"{k}={v}" for k, v in items.items())
+
+
 class FlowerRun:
     def __init__(self, home: Path) -> None:
         self.home = home

@@ -17,8 +17,9 @@ from tensordict import TensorDict
 from verl.trainer.ppo import core_algos
 from verl.utils import tensordict_utils as tu
 from verl.utils import torch_functional as verl_F
-from verl.workers.config import ActorConfig
+from verl.workers.config import ActorConfig, CriticConfig
 from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
+from verl.workers.utils.losses import value_loss as verl_value_loss
 
 from client_app import algos
 
@@ -319,17 +320,14 @@ def test_token_log_probs_match_verl(seed: int, vocab: int, scale: float) -> None
 # ---------------------------------------------------------------- the composed actor loss
 
 
-def verl_actor_loss(cfg: ActorConfig, d: dict, log_prob: torch.Tensor, entropy: torch.Tensor, info: dict | None):
-    """Call verl's real actor loss (`verl.workers.utils.losses.ppo_loss`).
-
-    It takes the model outputs in no-padding layout (all sequences' prompt+response tokens
-    concatenated; the log-prob of response token j sits at the position before it), so the
-    padded [B, T] tensors are scattered into that layout here, differentiably.
-    """
-    batch, horizon = log_prob.shape
+def verl_layout(resp_lens: torch.Tensor, horizon: int, fields: dict[str, torch.Tensor], info: dict | None):
+    """verl's loss input for padded [B, T] response tensors: the TensorDict (with the engine's
+    global batch info) and `flatten`, which scatters a [B, T] model output into verl's no-padding
+    layout (all sequences' prompt+response tokens concatenated; the output for response token j
+    sits at the position before it), differentiably."""
+    batch = len(resp_lens)
     g = torch.Generator().manual_seed(batch)
     prompt_lens = torch.randint(1, 5, (batch,), generator=g)
-    resp_lens = d["lengths"]
     max_prompt = int(prompt_lens.max())
     attention = torch.zeros(batch, max_prompt + horizon, dtype=torch.long)
     for i in range(batch):
@@ -349,15 +347,20 @@ def verl_actor_loss(cfg: ActorConfig, d: dict, log_prob: torch.Tensor, entropy: 
             "prompts": torch.ones(batch, max_prompt, dtype=torch.long),
             "responses": torch.ones(batch, horizon, dtype=torch.long),
             "attention_mask": attention,
-            "response_mask": d["mask"].long(),
-            "old_log_probs": d["old_log_prob"],
-            "advantages": d["advantages"],
-            "ref_log_prob": d["ref_log_prob"],
+            **fields,
         },
         batch_size=[batch],
     )
     info = info or {"batch_num_tokens": None, "global_batch_size": None}
     tu.assign_non_tensor(data, dp_size=1, **info)
+    return data, flatten
+
+
+def verl_actor_loss(cfg: ActorConfig, d: dict, log_prob: torch.Tensor, entropy: torch.Tensor, info: dict | None):
+    """Call verl's real actor loss (`verl.workers.utils.losses.ppo_loss`)."""
+    data, flatten = verl_layout(d["lengths"], log_prob.shape[1], {
+        "response_mask": d["mask"].long(), "old_log_probs": d["old_log_prob"],
+        "advantages": d["advantages"], "ref_log_prob": d["ref_log_prob"]}, info)
     return verl_ppo_loss(cfg, {"log_probs": flatten(log_prob), "entropy": flatten(entropy)}, data)
 
 
@@ -397,3 +400,40 @@ def test_actor_loss_matches_verl_ppo_loss(seed: int, mode: str, kl_type: str, gl
         ("pg_clipfrac", "actor/pg_clipfrac"), ("ppo_kl", "actor/ppo_kl"), ("pg_clipfrac_lower", "actor/pg_clipfrac_lower"),
     ]:
         assert_matches(f"actor_loss.metrics.{ours_key}", ours.metrics[ours_key], ref_metrics[ref_key].aggregate())
+
+
+# ---------------------------------------------------------------- the critic loss over micro-batches
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("micro", [1, 3, 12])
+def test_critic_loss_over_micro_batches_matches_verl_value_loss(seed: int, micro: int) -> None:
+    """The builtin critic's gradient accumulation (every micro loss normalised by the WHOLE
+    mini-batch's token count) against verl's engine path (`workers.utils.losses.value_loss` fed
+    the global batch info per micro-batch): equal per micro-batch, so equal summed, and the sum
+    is the unsplit mini-batch loss whatever the split (field log 2026-07-22)."""
+    d = make_batch(seed, 12, 20)
+    beyond = torch.arange(20).unsqueeze(0) >= d["lengths"].unsqueeze(1)
+    for key in ("values", "returns", "advantages"):
+        d[key] = d[key].masked_fill(beyond, 0.0)
+    vpreds = (d["values"] + 0.8 * d["advantages"]).masked_fill(beyond, 0.0)
+    cfg = CriticConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1, cliprange_value=0.5,
+                       loss_agg_mode="token-mean")
+    info = verl_global_info(d["mask"])
+    ours_in, ref_in = vpreds.clone().requires_grad_(True), vpreds.clone().requires_grad_(True)
+    ours_total = ref_total = 0.0
+    for start in range(0, 12, micro):
+        part = slice(start, start + micro)
+        ours, _ = algos.clipped_value_loss(ours_in[part], d["returns"][part], d["values"][part], d["mask"][part], 0.5,
+                                           "token-mean", norm=our_norm(info))
+        data, flatten = verl_layout(d["lengths"][part], 20, {
+            "response_mask": d["mask"][part].long(), "values": d["values"][part], "returns": d["returns"][part]}, info)
+        ref, _ = verl_value_loss(cfg, {"values": flatten(ref_in[part])}, data)
+        assert_matches("critic_loss.micro", ours, ref)
+        ours.backward()
+        ref.backward()
+        ours_total, ref_total = ours_total + float(ours), ref_total + float(ref)
+    whole, _ = algos.clipped_value_loss(vpreds, d["returns"], d["values"], d["mask"], 0.5, "token-mean")
+    assert_matches("critic_loss.sum_of_micros", ours_total, ref_total)
+    assert ours_total == pytest.approx(float(whole), rel=1e-6)
+    assert_matches("critic_loss.grad", ours_in.grad, ref_in.grad)

@@ -13,15 +13,14 @@ import pytest
 
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest, load_shards
-from flower_harness import FLWR, ROOT, flower
+from flower_harness import FLWR, ROOT, flower, run_config
 from server_app.local_superlink import find_superlink
 
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
 
 
 def _rc(run_dir: Path, **extra: object) -> str:
-    items = {"recipe": f'"{RECIPE}"', "run-dir": f'"{run_dir}"', **{k: str(v) for k, v in extra.items()}}
-    return " ".join(f"{k}={v}" for k, v in items.items())
+    return run_config(RECIPE, run_dir, **extra)
 
 
 def _service_pids(fr) -> list[int]:

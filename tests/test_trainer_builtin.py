@@ -170,7 +170,20 @@ def test_micro_batches_do_not_change_the_gradient(trainer, initial):
         torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-7)
 
 
-def test_validation_rows_never_penalised(trainer, initial):
+@pytest.fixture(scope="module")
+def concat_trainer(env_url, model_dir):
+    t = BuiltinTrainer(small_config(model_dir, rollout={"mode": "concat"}), env_url)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("mode", ["windowed", "concat"])
+def test_validation_rows_never_penalised(mode, request, initial):
+    """Invariant 10 in both rollout modes (field log 2026-07-28: concat mode penalised validation)."""
+    trainer = request.getfixturevalue("trainer" if mode == "windowed" else "concat_trainer")
+    assert trainer.settings.mode == mode
     trainer.load_weights(initial)
     req = EvalRequest(task_indices=list(range(8)), seed=0)
     saved = trainer.cfg.rollout.invalid_action_penalty

@@ -195,16 +195,18 @@ def clipped_value_loss(
     clip_range: float,
     loss_agg_mode: LossAggMode = "token-mean",
     norm: AggNorm | None = None,
+    coef: float = 0.5,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO value loss: 0.5 * agg(max((v - R)^2, (clip(v, v_old -+ clip_range) - R)^2)).
+    """PPO value loss: coef * agg(max((v - R)^2, (clip(v, v_old -+ clip_range) - R)^2)).
 
-    The 0.5 is verl 0.9.1's convention (the FedAgent fork had none; see the field log's
-    2026-07-22 critic-loss entry). Returns (loss, clipfrac), clipfrac detached.
+    coef 0.5 is verl 0.9.1's convention (the parity default); the FedAgent fork used 1.0 (the
+    field log's 2026-07-22 critic-loss entry; `algo.critic.loss_coef`). Returns (loss, clipfrac),
+    clipfrac detached.
     """
     vclipped = torch.clamp(vpreds, min=old_values - clip_range, max=old_values + clip_range)
     plain = (vpreds - returns).square()
     clipped = (vclipped - returns).square()
-    loss = 0.5 * agg_loss(torch.maximum(plain, clipped), response_mask, loss_agg_mode, norm)
+    loss = coef * agg_loss(torch.maximum(plain, clipped), response_mask, loss_agg_mode, norm)
     with torch.no_grad():
         clipfrac = masked_mean((clipped > plain).float(), response_mask)
     return loss, clipfrac

@@ -2,7 +2,8 @@
 
 A trainer is persistent: it is built once per GPU lane and serves many client fits in turn.
 Per fit it swaps weights in, rebuilds only the optimizer and LR schedule (a fresh AdamW per
-fit is what FedAvg assumes), trains, and exports fp32 weights.
+fit is what FedAvg assumes), trains, and exports fp32 weights. Weights come in named members:
+`actor` always, `critic` too for PPO (invariant 7: the critic is federated beside the policy).
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
 import torch
+
+from client_app.critic import CriticStart
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,19 @@ class EvalResult:
 
 
 class Trainer(Protocol):
-    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Copy fp32 weights into the live model in place (no rebuild)."""
+    critic_start: CriticStart | None   # where the starting critic came from (PPO); None without a critic
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The weights this trainer exchanges, e.g. ("actor",) or ("actor", "critic")."""
         ...
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """The fp32 master weights, detached CPU copies, names as in `load_weights`."""
+    def load_weights(self, state: Mapping[str, torch.Tensor], member: str = "actor") -> None:
+        """Copy fp32 weights into the live `member` model in place (no rebuild)."""
+        ...
+
+    def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
+        """The fp32 master weights of `member`, detached CPU copies, names as in `load_weights`."""
         ...
 
     def fit(self, req: FitRequest) -> FitResult: ...
