@@ -1,50 +1,81 @@
-"""Env service throughput and latency, side by side with the engine called in-process.
+"""Env service throughput and latency, side by side with the same engine called in-process.
 
-    python bench/env_service.py [--sessions 64,256,512] [--duration 4] [--json out.json]
+    python bench/env_service.py [--env shop|alfworld] [--sessions 64,256,512] [--duration S]
+                                [--engine-calls inline|offload] [--params JSON] [--json out.json]
 
-One run measures, on the same machine and the same workload (every session replays the
-expert trajectory of its task: reset, then ~4 steps, then the next task):
-  - in-process: the engine's own steps/s (the ceiling);
-  - engine call inline vs through a threadpool hop (why the service runs calls inline);
-  - HTTP client libraries (httpx vs aiohttp) on /step at 64 sessions (why the client is aiohttp);
+Workload, identical in every mode: session i plays the expert trajectory of task
+(i + k * sessions) % tasks: reset, its steps, then the next task. Steps are counted; resets are
+part of the work. Both processes first reset every task once (ALFWorld caches each game's
+translation per process). Rows, each printed with the in-process engine measured just before it
+(the machine is shared, so a baseline taken minutes earlier would compare different loads):
+  - in-process: `sessions` engines in this process advanced one turn at a time (the ceiling);
+  - shop: one engine step inline vs awaited through a threadpool (why the service runs calls
+    inline), and the per-session loop at 64 sessions through this project's client, aiohttp and
+    httpx (why the client is what it is);
   - per-session verbs, closed loop, at each session count: steps/s, p50/p99 step latency;
-  - batched verbs (one /step_batch per rollout turn for all sessions): steps/s, p50/p99 per batch;
-  - open loop: 512 sessions offering the issue's target of 3,000 steps/s in total (each session
-    thinks between steps, as a policy does): the latency of those steps.
-The service runs in a subprocess (uvloop + httptools), the client in this process; they share
-the machine's cores, and where the service's and client's CPU seconds per step go is printed.
+  - batched verbs: one /step_batch per turn for all sessions, finished ones reset together in one
+    /reset_batch: steps/s, p50/p99 per batch;
+  - shop: open loop, the largest session count offering `--open-loop-rate` steps/s in total
+    (each session thinks between steps, as a policy does): the latency of those steps.
+The service (`python -m envs.service`, pool = the largest session count) runs in a subprocess,
+the client in this process on uvloop; they share the machine's cores, and each row gives the CPU
+seconds per step that the service and the client spent.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, Protocol
 
+import aiohttp
 import httpx
 import psutil
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from envs.base import Env  # noqa: E402
 from envs.client import EnvClient  # noqa: E402
 from envs.registry import make_env  # noqa: E402
 from envs.service import serve_in_subprocess  # noqa: E402
 
-PARAMS = {"num_products": 300, "num_goals": 1000, "val_size": 64, "seed": 0}
-TASKS = 200
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Per-engine defaults: what a row plays and how long it is measured."""
+
+    params: dict
+    tasks: int                 # tasks played (validation tasks come first)
+    sessions: tuple[int, ...]
+    duration_s: float          # per service row
+    baseline_s: float          # in-process, before each row
+    offload: bool              # the service's recommended mode for this engine (docs/env-service.md)
 
 
-def expert_trajectories(n: int) -> list[list[str]]:
-    """The expert's actions for tasks 0..n-1 (identical work in every mode)."""
-    env, out = make_env("shop", **PARAMS), []
-    for seed in range(n):
-        env.reset(seed)
+SETUPS = {
+    "shop": Setup({"num_products": 300, "num_goals": 1000, "val_size": 64, "seed": 0},
+                  tasks=200, sessions=(64, 256, 512), duration_s=4.0, baseline_s=1.0, offload=False),
+    # ALFWorld: a step ~10 ms, a warm reset ~0.15 s of CPU; the default generated game set
+    # (generated on first use, docs/alfworld.md), its 24 validation games.
+    "alfworld": Setup({"data_dir": "generated"}, tasks=24, sessions=(64,), duration_s=20.0,
+                      baseline_s=10.0, offload=True),
+}
+
+
+def expert_trajectories(env: Env, tasks: int) -> list[list[str]]:
+    """The expert's actions for tasks 0..tasks-1 (identical work in every mode)."""
+    out = []
+    for task in range(tasks):
+        env.reset(task)
         actions, done = [], False
         while not done:
             actions.append(env.expert_action())
@@ -60,33 +91,36 @@ def pct(xs: list[float], q: float) -> float:
 
 # -------------------------------------------------------------------------- in-process
 
-def in_process(trajs: list[list[str]], duration: float) -> dict:
-    env = make_env("shop", **PARAMS)
-    steps, lat, k = 0, [], 0
-    stop = time.perf_counter() + duration
+def in_process(envs: list[Env], trajs: list[list[str]], duration: float) -> dict:
+    """`len(envs)` sessions played in this process, one turn at a time across all of them."""
+    task = [i % len(trajs) for i in range(len(envs))]
+    pos = [0] * len(envs)
+    for i, env in enumerate(envs):
+        env.reset(task[i])
+    steps, nxt, lat = 0, len(envs), []
     start, cpu0 = time.perf_counter(), time.process_time()
-    while time.perf_counter() < stop:
-        env.reset(k % TASKS)
-        for a in trajs[k % TASKS]:
+    while time.perf_counter() - start < duration:
+        for i, env in enumerate(envs):
             t = time.perf_counter()
-            env.step(a)
+            _, _, done, _ = env.step(trajs[task[i]][pos[i]])
             lat.append(time.perf_counter() - t)
-        steps += len(trajs[k % TASKS])
-        k += 1
+            steps, pos[i] = steps + 1, pos[i] + 1
+            if done:
+                task[i], pos[i], nxt = nxt % len(trajs), 0, nxt + 1
+                env.reset(task[i])
     el, cpu = time.perf_counter() - start, time.process_time() - cpu0
     return {"steps_per_s": steps / el, "p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99),
             "cpu_us_per_step": cpu / steps * 1e6}
 
 
-async def inline_vs_threadpool(trajs: list[list[str]], n: int = 3000) -> dict:
+async def inline_vs_threadpool(env: Env, trajs: list[list[str]], n: int = 3000) -> dict:
     """Cost of one engine step called inline vs awaited through the default threadpool."""
-    env, loop = make_env("shop", **PARAMS), asyncio.get_running_loop()
-    out = {}
+    loop, out = asyncio.get_running_loop(), {}
     for mode in ("inline", "threadpool"):
         total, k = 0.0, 0
         while k < n:
-            env.reset(k % TASKS)
-            for a in trajs[k % TASKS]:
+            env.reset(k % len(trajs))
+            for a in trajs[k % len(trajs)]:
                 t = time.perf_counter()
                 if mode == "inline":
                     env.step(a)
@@ -118,162 +152,208 @@ class CPU:
                 "client_cpu_us_per_step": self.used[1] / steps * 1e6}
 
 
-async def per_session(url: str, pid: int, trajs: list[list[str]], sessions: int,
-                      duration: float, think_s: float = 0.0) -> dict:
-    """Each session: reset, replay its trajectory step by step (+ optional think time)."""
+class Verbs(Protocol):
+    async def reset(self, session_id: str, seed: int) -> Any: ...
+
+    async def step(self, session_id: str, action: str) -> Any: ...
+
+
+class PlainHTTP:
+    """/reset and /step through a general-purpose HTTP library (the library comparison)."""
+
+    def __init__(self, post: Callable[[str, dict], Awaitable[Any]]):
+        self._post = post
+
+    async def reset(self, session_id: str, seed: int) -> Any:
+        return await self._post("/reset", {"session_id": session_id, "seed": seed})
+
+    async def step(self, session_id: str, action: str) -> Any:
+        return await self._post("/step", {"session_id": session_id, "action": action})
+
+
+async def per_session(c: EnvClient, pid: int, trajs: list[list[str]], sessions: int,
+                      duration: float, verbs: Verbs | None = None, think_s: float = 0.0) -> dict:
+    """Each session: reset, replay its trajectory step by step (+ optional think time), through
+    `verbs` (default: the client `c`, which also creates and closes the sessions)."""
+    verbs = verbs or c
     lat: list[float] = []
     steps = 0
-    async with EnvClient(url, max_connections=sessions + 8) as c:
-        ids = [f"ps-{sessions}-{i}" for i in range(sessions)]
-        await c.create_many(ids)
-        rng = random.Random(sessions)
+    ids = [f"ps-{sessions}-{i}" for i in range(sessions)]
+    await c.create_many(ids)
+    rng = random.Random(sessions)
 
-        async def run(i: int, sid: str, stop: float) -> None:
-            nonlocal steps
-            k = i
-            if think_s:
-                await asyncio.sleep(rng.uniform(0, think_s))
-            while time.perf_counter() < stop:
-                await c.reset(sid, k % TASKS)
-                for a in trajs[k % TASKS]:
-                    t = time.perf_counter()
-                    await c.step(sid, a)
-                    lat.append(time.perf_counter() - t)
-                    steps += 1
-                    if think_s:
-                        await asyncio.sleep(max(0.0, think_s - (time.perf_counter() - t)))
-                k += sessions
+    async def run(i: int, sid: str, stop: float) -> None:
+        nonlocal steps
+        k = i
+        if think_s:
+            await asyncio.sleep(rng.uniform(0, think_s))
+        while time.perf_counter() < stop:
+            await verbs.reset(sid, k % len(trajs))
+            for a in trajs[k % len(trajs)]:
+                t = time.perf_counter()
+                await verbs.step(sid, a)
+                lat.append(time.perf_counter() - t)
+                steps += 1
+                if think_s:
+                    await asyncio.sleep(max(0.0, think_s - (time.perf_counter() - t)))
+            k += sessions
 
-        with CPU(pid) as cpu:
-            start = time.perf_counter()
-            await asyncio.gather(*[run(i, s, start + duration) for i, s in enumerate(ids)])
-            el = time.perf_counter() - start
-        await c.close_many(ids)
+    with CPU(pid) as cpu:
+        start = time.perf_counter()
+        await asyncio.gather(*[run(i, s, start + duration) for i, s in enumerate(ids)])
+        el = time.perf_counter() - start
+    await c.close_many(ids)
     return {"steps_per_s": steps / el, "p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99),
             **cpu.per_step(steps)}
 
 
-async def batched(url: str, pid: int, trajs: list[list[str]], sessions: int,
+async def batched(c: EnvClient, pid: int, trajs: list[list[str]], sessions: int,
                   duration: float) -> dict:
     """A rollout loop: one /step_batch per turn for all sessions; finished ones are reset
     together in one /reset_batch before the next turn."""
     lat: list[float] = []
     steps = 0
-    async with EnvClient(url) as c:
-        ids = [f"b-{sessions}-{i}" for i in range(sessions)]
-        await c.create_many(ids)
-        task = {sid: i % TASKS for i, sid in enumerate(ids)}
-        pos = {sid: 0 for sid in ids}
-        await c.reset_batch([(sid, task[sid]) for sid in ids])
-        nxt = sessions
-        with CPU(pid) as cpu:
-            start = time.perf_counter()
-            while time.perf_counter() - start < duration:
-                t = time.perf_counter()
-                out = await c.step_batch([(sid, trajs[task[sid]][pos[sid]]) for sid in ids])
-                lat.append(time.perf_counter() - t)
-                steps += len(ids)
-                finished = []
-                for sid, r in zip(ids, out):
-                    assert "error" not in r, r
-                    pos[sid] += 1
-                    if r["done"]:
-                        task[sid], pos[sid], nxt = nxt % TASKS, 0, nxt + 1
-                        finished.append((sid, task[sid]))
-                if finished:
-                    await c.reset_batch(finished)
-            el = time.perf_counter() - start
-        await c.close_many(ids)
+    ids = [f"b-{sessions}-{i}" for i in range(sessions)]
+    await c.create_many(ids)
+    task = {sid: i % len(trajs) for i, sid in enumerate(ids)}
+    pos = dict.fromkeys(ids, 0)
+    await c.reset_batch([(sid, task[sid]) for sid in ids])
+    nxt = sessions
+    with CPU(pid) as cpu:
+        start = time.perf_counter()
+        while time.perf_counter() - start < duration:
+            t = time.perf_counter()
+            out = await c.step_batch([(sid, trajs[task[sid]][pos[sid]]) for sid in ids])
+            lat.append(time.perf_counter() - t)
+            steps += len(ids)
+            finished = []
+            for sid, r in zip(ids, out):
+                assert "error" not in r, r
+                pos[sid] += 1
+                if r["done"]:
+                    task[sid], pos[sid], nxt = nxt % len(trajs), 0, nxt + 1
+                    finished.append((sid, task[sid]))
+            if finished:
+                await c.reset_batch(finished)
+        el = time.perf_counter() - start
+    await c.close_many(ids)
     return {"steps_per_s": steps / el, "p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99),
-            **cpu.per_step(steps)}
+            "serial": True, **cpu.per_step(steps)}
 
 
-async def httpx_per_session(url: str, trajs: list[list[str]], sessions: int,
-                            duration: float) -> dict:
-    """The per-session loop with httpx.AsyncClient instead of aiohttp (library comparison)."""
-    lat: list[float] = []
-    steps = 0
+async def library_rows(c: EnvClient, url: str, pid: int, trajs: list[list[str]], sessions: int,
+                       duration: float, measure: Callable[..., Awaitable[None]]) -> None:
+    """The per-session loop through aiohttp and httpx, next to this project's client."""
+    await measure(f"client_ours_{sessions}", f"per-session, our client, {sessions}", sessions,
+                  per_session(c, pid, trajs, sessions, duration))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=sessions)) as a:
+        async def post_aiohttp(path: str, body: dict) -> Any:
+            async with a.post(url + path, json=body) as r:
+                r.raise_for_status()
+                return await r.json()
+
+        await measure(f"client_aiohttp_{sessions}", f"per-session, aiohttp, {sessions}",
+                      sessions,
+                      per_session(c, pid, trajs, sessions, duration, PlainHTTP(post_aiohttp)))
     limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as h:
-        ids = [f"hx-{i}" for i in range(sessions)]
-        await asyncio.gather(*[h.post("/create", json={"session_id": s}) for s in ids])
+        async def post_httpx(path: str, body: dict) -> Any:
+            return (await h.post(path, json=body)).raise_for_status().json()
 
-        async def run(i: int, sid: str, stop: float) -> None:
-            nonlocal steps
-            k = i
-            while time.perf_counter() < stop:
-                (await h.post("/reset", json={"session_id": sid, "seed": k % TASKS})).raise_for_status()
-                for a in trajs[k % TASKS]:
-                    t = time.perf_counter()
-                    (await h.post("/step", json={"session_id": sid, "action": a})).raise_for_status()
-                    lat.append(time.perf_counter() - t)
-                    steps += 1
-                k += sessions
-
-        start = time.perf_counter()
-        await asyncio.gather(*[run(i, s, start + duration) for i, s in enumerate(ids)])
-        el = time.perf_counter() - start
-        await asyncio.gather(*[h.post("/close", json={"session_id": s}) for s in ids])
-    return {"steps_per_s": steps / el, "p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99)}
+        await measure(f"client_httpx_{sessions}", f"per-session, httpx, {sessions}", sessions,
+                      per_session(c, pid, trajs, sessions, duration, PlainHTTP(post_httpx)))
 
 
 # ---------------------------------------------------------------------------------- main
 
 def row(name: str, r: dict, base: dict) -> str:
-    """One measurement, with the ratio to the in-process engine measured just before it (the
-    machine is shared, so a baseline taken minutes earlier would compare different loads)."""
+    """One measurement, with the ratio to the in-process engine measured just before it.
+
+    `cores`: CPU seconds per second the service and the client got together; `ceiling`: the
+    steps/s their CPU per step would allow with the machine to themselves: two cores where
+    many requests overlap, one for the batched loop, whose service and client take turns (on a
+    shared machine the gap to the measured steps/s is other tenants' load)."""
     cpu = ""
     if "server_cpu_us_per_step" in r:
-        cpu = (f"  cpu/step: service {r['server_cpu_us_per_step']:4.0f} us, client "
-               f"{r['client_cpu_us_per_step']:4.0f} us (engine {base['cpu_us_per_step']:3.0f})")
-    return (f"{name:<32} {r['steps_per_s']:6.0f} steps/s = x{r['steps_per_s'] / base['steps_per_s']:5.3f}"
-            f" of in-process ({base['steps_per_s']:5.0f})  p50 {r['p50_ms']:7.1f} ms"
+        per_step = r["server_cpu_us_per_step"] + r["client_cpu_us_per_step"]
+        cpu = (f"  cpu/step: service {r['server_cpu_us_per_step']:5.0f} us, client "
+               f"{r['client_cpu_us_per_step']:5.0f} us (engine {base['cpu_us_per_step']:5.0f});"
+               f" cores {r['steps_per_s'] * per_step / 1e6:4.2f}, ceiling "
+               f"{(1e6 if r.get('serial') else 2e6) / per_step:6.0f}/s")
+    return (f"{name:<34} {r['steps_per_s']:7.1f} steps/s = x{r['steps_per_s'] / base['steps_per_s']:5.3f}"
+            f" of in-process ({base['steps_per_s']:7.1f})  p50 {r['p50_ms']:7.1f} ms"
             f"  p99 {r['p99_ms']:7.1f} ms{cpu}")
 
 
-async def bench(args: argparse.Namespace, url: str, pid: int, trajs: list[list[str]]) -> dict:
+async def bench(args: argparse.Namespace, setup: Setup, url: str, pid: int, envs: list[Env],
+                trajs: list[list[str]]) -> dict:
     res: dict = {}
 
-    async def measure(key: str, name: str, coro) -> None:
-        base = in_process(trajs, 1.0)
-        res[key] = {**await coro, "in_process": base}
+    async def measure(key: str, name: str, sessions: int, coro: Awaitable[dict]) -> None:
+        base = in_process(envs[:sessions], trajs, setup.baseline_s)
+        res[key] = {**await coro, "in_process": base, "load_avg": os.getloadavg()}
         print(row(name, res[key], base), flush=True)
 
-    res["engine_call"] = await inline_vs_threadpool(trajs)
-    print(f"engine step inline {res['engine_call']['inline_us']:.0f} us vs through a threadpool "
-          f"{res['engine_call']['threadpool_us']:.0f} us", flush=True)
-    if not args.skip_httpx:
-        await measure("httpx_64", "per-session httpx, 64",
-                      httpx_per_session(url, trajs, 64, args.duration))
-    for n in args.sessions:
-        await measure(f"per_session_{n}", f"per-session aiohttp, {n}",
-                      per_session(url, pid, trajs, n, args.duration))
-    for n in args.sessions:
-        await measure(f"batched_{n}", f"batched (1 request/turn), {n}",
-                      batched(url, pid, trajs, n, args.duration))
-    n = max(args.sessions)
-    await measure(f"open_loop_{n}", f"open loop {n} @ {args.open_loop_rate:.0f}/s offered",
-                  per_session(url, pid, trajs, n, args.duration, think_s=n / args.open_loop_rate))
+    async with EnvClient(url, max_connections=max(args.sessions) + 8, timeout_s=600) as c:
+        await c.create("warm")
+        for task in range(len(trajs)):
+            await c.reset("warm", task)
+        await c.close("warm")
+        if args.env == "shop":
+            res["engine_call"] = await inline_vs_threadpool(envs[0], trajs)
+            print(f"engine step inline {res['engine_call']['inline_us']:.0f} us vs through a "
+                  f"threadpool {res['engine_call']['threadpool_us']:.0f} us", flush=True)
+            if not args.skip_libraries:
+                await library_rows(c, url, pid, trajs, 64, args.duration, measure)
+        for n in args.sessions:
+            await measure(f"per_session_{n}", f"per-session verbs, {n}", n,
+                          per_session(c, pid, trajs, n, args.duration))
+        for n in args.sessions:
+            await measure(f"batched_{n}", f"batched (1 request/turn), {n}", n,
+                          batched(c, pid, trajs, n, args.duration))
+        if args.env == "shop":
+            n = max(args.sessions)
+            await measure(f"open_loop_{n}", f"open loop {n} @ {args.open_loop_rate:.0f}/s offered",
+                          n,
+                          per_session(c, pid, trajs, n, args.duration,
+                                      think_s=n / args.open_loop_rate))
     return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sessions", default="64,256,512",
-                    type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--duration", type=float, default=4.0, help="seconds per measurement")
+    ap.add_argument("--env", choices=sorted(SETUPS), default="shop")
+    ap.add_argument("--sessions", default=None, type=lambda s: [int(x) for x in s.split(",")],
+                    help="session counts (default: shop 64,256,512; alfworld 64)")
+    ap.add_argument("--duration", type=float, default=None, help="seconds per service row")
+    ap.add_argument("--engine-calls", choices=("inline", "offload"), default=None,
+                    help="where the service runs engine calls (default: shop inline, alfworld "
+                         "offload, as docs/env-service.md recommends)")
+    ap.add_argument("--params", type=json.loads, default={},
+                    help="engine parameters over the defaults, e.g. '{\"cache_dir\": \"/x\"}'")
     ap.add_argument("--open-loop-rate", type=float, default=3000.0)
-    ap.add_argument("--skip-httpx", action="store_true")
+    ap.add_argument("--skip-libraries", action="store_true",
+                    help="shop: skip the aiohttp/httpx comparison rows")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
-    trajs = expert_trajectories(TASKS)
+    setup = SETUPS[args.env]
+    args.sessions = args.sessions or list(setup.sessions)
+    args.duration = args.duration or setup.duration_s
+    offload = setup.offload if args.engine_calls is None else args.engine_calls == "offload"
+    params = {**setup.params, **args.params}
+
+    envs = [make_env(args.env, **params) for _ in range(max(args.sessions))]
+    trajs = expert_trajectories(envs[0], setup.tasks)
     print(f"{platform.node()}: {psutil.cpu_count()} cores, load avg "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; trajectories: "
-          f"{sum(map(len, trajs)) / TASKS:.2f} steps/episode", flush=True)
-    with serve_in_subprocess("shop", max(args.sessions), PARAMS) as url:
-        pid = asyncio.run(_pid(url))
-        res = uvloop.run(bench(args, url, pid, trajs))
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {args.env}, {len(trajs)} tasks, "
+          f"{sum(map(len, trajs)) / len(trajs):.2f} steps/episode; service engine calls "
+          f"{'offloaded' if offload else 'inline'}", flush=True)
+    with serve_in_subprocess(args.env, max(args.sessions), params, offload=offload,
+                             startup_timeout_s=600) as url:
+        pid = uvloop.run(_pid(url))
+        res = uvloop.run(bench(args, setup, url, pid, envs, trajs))
     res["load_avg_after"] = os.getloadavg()
+    print(f"load avg after: {' '.join(f'{x:.2f}' for x in res['load_avg_after'])}")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
 

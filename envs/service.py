@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -32,11 +33,13 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
-from fastapi import FastAPI, HTTPException, Request
+import orjson
+from fastapi import FastAPI
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from envs.base import Env, task_order_fingerprint
 from envs.ports import PortError, bind_listener, check_port_allowed, port_is_free
@@ -50,16 +53,40 @@ class PoolMismatchError(RuntimeError):
     """Pool members serve different task orders: a task index would mean different tasks."""
 
 
-class UnknownSession(LookupError):
+class RequestError(Exception):
+    """A request the service answers with `status` and `{"detail": message}`."""
+
+    status = 400
+
+
+class UnknownSession(RequestError, LookupError):
     """No such session (HTTP 404)."""
 
+    status = 404
 
-class SessionConflict(RuntimeError):
+
+class SessionConflict(RequestError):
     """The session exists but cannot take this request now (HTTP 409)."""
 
+    status = 409
 
-class EngineRejected(RuntimeError):
+
+class EngineRejected(RequestError):
     """The engine refused the request's arguments (HTTP 422), e.g. a filtered-out task."""
+
+    status = 422
+
+
+class Malformed(RequestError):
+    """The body is not JSON or does not have the verb's fields (HTTP 422)."""
+
+    status = 422
+
+
+class TooLarge(RequestError):
+    """The body exceeds the service's limit (HTTP 413)."""
+
+    status = 413
 
 
 # ----------------------------------------------------------------------------------- the pool
@@ -186,74 +213,157 @@ def check_same_task_order(envs: list[Env]) -> str:
 
 
 # -------------------------------------------------------------------------------- the wire
+#
+# The POST verbs are bare ASGI endpoints served by a middleware of the FastAPI app (inside its
+# error middleware, ahead of its router) rather than FastAPI routes and handlers: on the
+# per-session hot path FastAPI's Request and Response objects, pydantic validation and the
+# stdlib json module cost more server CPU than the shop step itself, and the router with the
+# exception and exit-stack middlewares in front of it another ~30 us per request, a quarter of
+# the app's time per /step (profiled and measured in process, docs/benchmarks.md). Bodies are
+# decoded with orjson and checked against a `_Shape`; answers are encoded with orjson.
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """The fields of one verb's body (or batch item): `required` must be present with exactly
+    their type (JSON `true` is not an int, `"5"` is not a seed); `optional` may be absent or
+    null; any other field is an error."""
+
+    required: dict[str, type]
+    optional: dict[str, type] = dataclasses.field(default_factory=dict)
+
+    def check(self, obj: Any) -> dict:
+        if type(obj) is not dict:
+            raise Malformed(f"expected a JSON object with {self._names()}, "
+                            f"got {type(obj).__name__}")
+        for name, typ in self.required.items():
+            value = obj.get(name)
+            if type(value) is not typ:
+                if name not in obj:
+                    raise Malformed(f"missing field {name!r} (expected {self._names()})")
+                raise Malformed(f"field {name!r} must be {typ.__name__}, "
+                                f"got {type(value).__name__}")
+        if len(obj) > len(self.required):
+            for name, value in obj.items():
+                if name in self.required:
+                    continue
+                typ = self.optional.get(name)
+                if typ is None:
+                    raise Malformed(f"unexpected field {name!r} (expected {self._names()})")
+                if value is not None and type(value) is not typ:
+                    raise Malformed(f"field {name!r} must be {typ.__name__} or null, "
+                                    f"got {type(value).__name__}")
+        return obj
+
+    def _names(self) -> str:
+        return ", ".join([*self.required, *(f"{n}?" for n in self.optional)])
 
 
-class SessionReq(_Strict):
-    session_id: str
-
-
-class ResetReq(_Strict):
-    session_id: str
-    seed: int
-
-
-class StepReq(_Strict):
-    session_id: str
-    action: str
-    turn: int | None = None
-
-
-class BatchReq(_Strict):
-    items: list[Any]
+SESSION = _Shape({"session_id": str})
+RESET = _Shape({"session_id": str, "seed": int})
+STEP = _Shape({"session_id": str, "action": str}, {"turn": int})
+BATCH = _Shape({"items": list})
 
 
 def _jsonable(o: Any) -> Any:
-    """Engine info may carry dataclasses (e.g. reward terms) and numpy scalars."""
-    if dataclasses.is_dataclass(o) and not isinstance(o, type):
-        return {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}  # json recurses
-    if hasattr(o, "item") and callable(o.item):
-        return o.item()
+    """What orjson cannot encode by itself in engine results (sets, other scalar types)."""
     if isinstance(o, (set, frozenset)):
         return sorted(o)
+    if hasattr(o, "item") and callable(o.item):
+        return o.item()
     raise TypeError(f"{type(o).__name__} in an engine result is not JSON serializable")
 
 
+def _dumps(payload: Any) -> bytes:
+    # dataclasses (e.g. reward terms) and numpy scalars are native to orjson
+    return orjson.dumps(payload, default=_jsonable,
+                        option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
+
+
 def _json(payload: Any, status: int = 200) -> Response:
-    return Response(json.dumps(payload, separators=(",", ":"), default=_jsonable),
-                    status_code=status, media_type="application/json")
+    return Response(_dumps(payload), status_code=status, media_type="application/json")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, or 413 when it exceeds `limit`.
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request body, or TooLarge when it exceeds `limit`.
 
     An oversized body is still read (and discarded) up to 8x the limit before answering:
     a server that answers and closes while the client is still sending makes the client see a
     broken pipe instead of the 413. Beyond that it answers at once.
     """
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > 8 * limit:
-        raise HTTPException(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > 8 * limit:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if value.isdigit() and int(value) > 8 * limit:
+                raise TooLarge(f"request body of {value.decode()} bytes exceeds the "
+                               f"{limit}-byte limit")
             break
+    chunks: list[bytes] = []
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise Malformed("the client disconnected before sending the whole body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
         if size <= limit:
             chunks.append(chunk)
+        elif size > 8 * limit:
+            break
+        more = message.get("more_body", False)
     if size > limit:
-        raise HTTPException(413, f"request body exceeds the {limit}-byte limit")
-    return b"".join(chunks)
+        raise TooLarge(f"request body exceeds the {limit}-byte limit")
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _parse(request: Request, model: type[BaseModel], limit: int) -> Any:
-    try:
-        return model.model_validate_json(await _read_body(request, limit))
-    except ValidationError as e:
-        raise HTTPException(422, e.errors(include_url=False, include_context=False,
-                                               include_input=False)) from None
+_JSON_TYPE = (b"content-type", b"application/json")
+
+
+async def _send_json(send: Send, status: int, payload: Any,
+                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    out = _dumps(payload)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [_JSON_TYPE, (b"content-length", str(len(out)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": out})
+
+
+class _JsonVerb:
+    """One POST verb as an ASGI endpoint: JSON body -> checked dict -> `handler` -> JSON.
+
+    A `RequestError` becomes its status with `{"detail": message}`; anything else propagates
+    to the app's error middleware (HTTP 500).
+    """
+
+    def __init__(self, handler: Callable[[dict], Awaitable[Any]], shape: _Shape, limit: int):
+        self.handler, self.shape, self.limit = handler, shape, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            body = await _read_body(scope, receive, self.limit)
+            try:
+                request = orjson.loads(body)
+            except orjson.JSONDecodeError as e:
+                raise Malformed(f"the body is not valid JSON: {e}") from None
+            status, payload = 200, await self.handler(self.shape.check(request))
+        except RequestError as e:
+            status, payload = e.status, {"detail": str(e)}
+        await _send_json(send, status, payload)
+
+
+class _JsonVerbs:
+    """Middleware serving the POST verbs (path -> `_JsonVerb`); anything else goes on to the
+    app. Another method on a verb's path is answered 405."""
+
+    def __init__(self, app: ASGIApp, verbs: dict[str, _JsonVerb]):
+        self.app, self.verbs = app, verbs
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        verb = self.verbs.get(scope["path"]) if scope["type"] == "http" else None
+        if verb is None:
+            await self.app(scope, receive, send)
+        elif scope["method"] != "POST":
+            await _send_json(send, 405, {"detail": f"{scope['path']} takes POST"},
+                             ((b"allow", b"POST"),))
+        else:
+            await verb(scope, receive, send)
 
 
 def create_app(env_name: str, pool_size: int, env_params: dict,
@@ -264,8 +374,8 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
     is bound (invariant 22).
 
     `offload`: where engine calls run. Default (False) is inline on the event loop, because
-    measured on the shop (bench/env_service.py, docs/benchmarks.md) a step costs ~70 us and a
-    reset ~5 us, while a threadpool hop alone costs about as much again and buys no parallelism
+    measured on the shop (bench/env_service.py, docs/benchmarks.md) a step costs ~50-80 us,
+    while a threadpool hop alone costs several times that and buys no parallelism
     (pure-Python engine, one GIL). True runs them in worker threads, for engines whose calls take
     milliseconds (the loop then stays responsive to /create, /close and /health meanwhile); the
     per-session lock keeps one call at a time per session either way.
@@ -275,6 +385,7 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
     first = pool.envs[0]
     app = FastAPI(title=f"{env_name} env service", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pool = pool
+    ok = {"ok": True}
 
     def do_reset(s: _Session, seed: int) -> dict:
         obs, info = s.env.reset(seed)
@@ -294,7 +405,10 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
         s.last_step = (action, result)
         return result
 
-    async def locked(sid: str, fn, *args) -> dict:
+    def do_expert(s: _Session) -> dict:
+        return {"action": s.env.expert_action()}
+
+    async def locked(sid: str, fn: Callable[..., dict], *args: Any) -> dict:
         s = pool.get(sid)
         async with s.lock:
             if s.closed:
@@ -306,78 +420,56 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
             except ValueError as e:   # the engine's "bad request" (e.g. a filtered-out task)
                 raise EngineRejected(f"engine rejected the request for {sid!r}: {e}") from e
 
-    async def per_item(items: list[Any], model: type[BaseModel], call) -> list[dict]:
+    async def per_item(items: list[Any], shape: _Shape,
+                       call: Callable[[dict], Awaitable[dict]]) -> dict:
         out = []
         for item in items:
             try:
-                out.append(await call(model.model_validate(item)))
-            except ValidationError as e:
-                out.append({"error": f"malformed item: {e.errors(include_url=False)[0]['msg']}"})
-            except (UnknownSession, SessionConflict, EngineRejected) as e:
+                out.append(await call(shape.check(item)))
+            except Malformed as e:
+                out.append({"error": f"malformed item: {e}"})
+            except RequestError as e:
                 out.append({"error": str(e)})
             except Exception as e:  # an engine failure on one item must not fail its batch
                 out.append({"error": f"{type(e).__name__}: {e}"})
-        return out
+        return {"results": out}
 
-    @app.exception_handler(UnknownSession)
-    async def _unknown(_: Request, e: UnknownSession) -> Response:
-        return _json({"detail": str(e)}, 404)
+    async def create(b: dict) -> dict:
+        await pool.create(b["session_id"])
+        return ok
 
-    @app.exception_handler(SessionConflict)
-    async def _conflict(_: Request, e: SessionConflict) -> Response:
-        return _json({"detail": str(e)}, 409)
+    async def close(b: dict) -> dict:
+        await pool.close(b["session_id"])
+        return ok
 
-    @app.exception_handler(EngineRejected)
-    async def _rejected(_: Request, e: EngineRejected) -> Response:
-        return _json({"detail": str(e)}, 422)
+    async def reset(b: dict) -> dict:
+        return await locked(b["session_id"], do_reset, b["seed"])
+
+    async def step(b: dict) -> dict:
+        return await locked(b["session_id"], do_step, b["action"], b.get("turn"))
+
+    async def expert(b: dict) -> dict:
+        return await locked(b["session_id"], do_expert)
+
+    async def reset_batch(b: dict) -> dict:
+        return await per_item(b["items"], RESET, reset)
+
+    async def step_batch(b: dict) -> dict:
+        return await per_item(b["items"], STEP, step)
 
     async def health(_: Request) -> Response:
-        return _json({"ok": True})
+        return _json(ok)
 
     async def info(_: Request) -> Response:
         return _json({"env": env_name, "params": env_params, "pid": os.getpid(),
                       "fingerprint": fingerprint,
                       "num_tasks": first.num_tasks, "val_size": first.val_size, **pool.stats()})
 
-    async def create(request: Request) -> Response:
-        r = await _parse(request, SessionReq, max_body_bytes)
-        await pool.create(r.session_id)
-        return _json({"ok": True})
-
-    async def close(request: Request) -> Response:
-        r = await _parse(request, SessionReq, max_body_bytes)
-        await pool.close(r.session_id)
-        return _json({"ok": True})
-
-    async def reset(request: Request) -> Response:
-        r = await _parse(request, ResetReq, max_body_bytes)
-        return _json(await locked(r.session_id, do_reset, r.seed))
-
-    async def step(request: Request) -> Response:
-        r = await _parse(request, StepReq, max_body_bytes)
-        return _json(await locked(r.session_id, do_step, r.action, r.turn))
-
-    async def expert(request: Request) -> Response:
-        r = await _parse(request, SessionReq, max_body_bytes)
-        return _json(await locked(r.session_id, lambda s: {"action": s.env.expert_action()}))
-
-    async def reset_batch(request: Request) -> Response:
-        r = await _parse(request, BatchReq, max_body_bytes)
-        return _json({"results": await per_item(
-            r.items, ResetReq, lambda it: locked(it.session_id, do_reset, it.seed))})
-
-    async def step_batch(request: Request) -> Response:
-        r = await _parse(request, BatchReq, max_body_bytes)
-        return _json({"results": await per_item(
-            r.items, StepReq, lambda it: locked(it.session_id, do_step, it.action, it.turn))})
-
-    # Plain Starlette routes, hot verbs first: FastAPI's per-request dependency solving and
-    # route scan cost ~a third of a step's server time (profiled, docs/benchmarks.md), and the
-    # handlers validate their bodies themselves anyway.
-    for path, handler in [("/step", step), ("/step_batch", step_batch), ("/reset", reset),
-                          ("/reset_batch", reset_batch), ("/create", create), ("/close", close),
-                          ("/expert", expert)]:
-        app.add_route(path, handler, methods=["POST"])
+    verbs = [("/step", step, STEP), ("/step_batch", step_batch, BATCH), ("/reset", reset, RESET),
+             ("/reset_batch", reset_batch, BATCH), ("/create", create, SESSION),
+             ("/close", close, SESSION), ("/expert", expert, SESSION)]
+    app.add_middleware(_JsonVerbs, verbs={
+        path: _JsonVerb(handler, shape, max_body_bytes) for path, handler, shape in verbs})
     app.add_route("/info", info, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     return app
@@ -392,6 +484,14 @@ def serve(app: FastAPI, host: str, port: int | None, relocate: bool = False,
     orphaned service would hold its port and engines forever."""
     import uvicorn
 
+    # Garbage collection was 10-13% of the service's CPU at 512 sessions (profiled,
+    # docs/benchmarks.md). Everything built so far (catalog, search index, the pool's engines)
+    # lives as long as the process, so it leaves the collector's reach; and a young generation
+    # of 20,000 objects instead of 700 collects every few hundred requests, not every ~45 (a
+    # request's own objects are freed by reference counting; few form cycles).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 10, 10)
     sock = bind_listener(host, port, relocate)
     bound = sock.getsockname()[1]
     config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False,

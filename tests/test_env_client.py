@@ -10,7 +10,6 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import aiohttp
 import pytest
 
 from envs.client import EnvClient, EnvServiceError, SyncEnvClient
@@ -109,11 +108,30 @@ def test_transport_errors_are_retried_with_backoff_until_the_service_is_up():
                 assert pending.result(timeout=60)["pool_size"] == 1
 
 
+def test_a_restarted_service_is_reached_on_fresh_connections():
+    """Keep-alive connections to a service that went away are dropped, not reused: the same
+    client reaches its successor on the same port."""
+    port = choose_free_port()
+
+    async def pid(c: EnvClient) -> int:
+        return (await c.info())["pid"]
+
+    async def go():
+        async with EnvClient(f"http://127.0.0.1:{port}", backoff_s=0.1) as c:
+            pids = []
+            for _ in range(2):
+                with serve_in_subprocess("shop", 1, PARAMS, port=port):
+                    pids.append(await pid(c))
+                    await asyncio.gather(*[pid(c) for _ in range(8)])   # several pooled connections
+            assert pids[0] != pids[1]
+    asyncio.run(go())
+
+
 def test_retries_are_bounded():
     async def go():
         async with EnvClient(f"http://127.0.0.1:{choose_free_port()}", retries=2,
                              backoff_s=0.01) as c:
-            with pytest.raises(aiohttp.ClientConnectionError):
+            with pytest.raises(ConnectionRefusedError):
                 await c.info()
     asyncio.run(go())
 

@@ -1,12 +1,13 @@
 """The pooled env service against a real uvicorn server in a subprocess, real shop engines.
 
-Invariants: 20 (idempotent /create, /close always returns the env, pool conserved under storms),
-21 (pool members agree on task order; the service refuses to start otherwise), 22 (the service
-lives only inside a scope that stops it).
+Invariants: 20 (idempotent /create, /close always returns the env, pool conserved under storms,
+for the shop and for ALFWorld), 21 (pool members agree on task order; the service refuses to
+start otherwise), 22 (the service lives only inside a scope that stops it).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import re
@@ -15,6 +16,7 @@ import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from envs.client import EnvClient, EnvServiceError
 from envs.registry import make_env
 from envs.service import (PoolMismatchError, ServiceStartError, build_pool,
                           check_same_task_order, create_app, serve_in_subprocess)
+from test_alfworld import alf_cache, small_params  # noqa: F401  (alf_cache: a fixture)
 
 PARAMS = {"num_products": 300, "num_goals": 1000, "val_size": 64, "seed": 0}
 POOL = 8
@@ -104,6 +107,14 @@ def test_error_codes(url):
     assert raw_post(url, "/reset", b'{"session_id": "err", "seed":')[0] == 422      # malformed
     assert raw_post(url, "/reset", b'{"session_id": "err"}')[0] == 422              # no seed
     assert raw_post(url, "/reset", b'{"session_id": "err", "seed": "x"}')[0] == 422
+    code, body = raw_post(url, "/reset", b'{"session_id": "err", "seed": true}')
+    assert code == 422 and "'seed' must be int" in body["detail"]
+    code, body = raw_post(url, "/step", b'{"session_id": "err", "action": "x", "extra": 1}')
+    assert code == 422 and "unexpected field 'extra'" in body["detail"]
+    assert raw_post(url, "/reset", b'[1, 2]')[0] == 422                           # not an object
+    with pytest.raises(urllib.error.HTTPError) as e:                              # wrong method
+        urllib.request.urlopen(url + "/step", timeout=30)
+    assert e.value.code == 405
     code, body = raw_post(url, "/step", b'{"session_id": "err", "action": "click[x]"}')
     assert code == 409 and "/reset" in body["detail"]                             # no episode
     big = json.dumps({"session_id": "err", "seed": 1, "pad": "x" * (1 << 20)}).encode()
@@ -211,6 +222,38 @@ def test_close_of_pending_create_returns_env_to_pool(url):
     assert_pool_whole(url)
 
 
+@dataclasses.dataclass(frozen=True)
+class StormCase:
+    env: str
+    sessions: int          # episodes through the pool
+    in_flight: int         # episodes at once (the pool holds fewer: creates park)
+    tasks: int             # resets draw their seed from range(tasks)
+    invalid: str           # an action no state accepts
+    offload: bool = False  # engine calls in worker threads: /close meets in-flight steps
+
+
+STORMS = {
+    "shop": StormCase("shop", 1000, 48, 1000, "click[nonsense]"),
+    "shop-offload": StormCase("shop", 200, 48, 1000, "click[nonsense]", offload=True),
+    # ALFWorld: two games only (a cold game costs seconds to translate), offloaded as recommended
+    "alfworld": StormCase("alfworld", 100, 12, 2, "fly to the moon", offload=True),
+}
+
+
+@pytest.fixture(params=[pytest.param("shop", marks=pytest.mark.timeout(120)),
+                        pytest.param("shop-offload", marks=pytest.mark.timeout(120)),
+                        pytest.param("alfworld", marks=pytest.mark.timeout(600))])
+def storm_service(request) -> Iterator[tuple[StormCase, str, dict, int]]:
+    """(case, url, engine params, pool size) of a live service for each storm case."""
+    case = STORMS[request.param]
+    if case.env == "alfworld":
+        params = small_params(request.getfixturevalue("alf_cache"))
+        with serve_in_subprocess("alfworld", 4, params, offload=True) as base_url:
+            yield case, base_url, params, 4
+    else:
+        yield case, request.getfixturevalue("offload_url" if case.offload else "url"), PARAMS, POOL
+
+
 async def _doomed(h: aiohttp.ClientSession, url: str, path: str, body: dict, rng: random.Random):
     """A request whose connection the client drops after 0-30 ms, mid-flight or not."""
     try:
@@ -219,28 +262,32 @@ async def _doomed(h: aiohttp.ClientSession, url: str, path: str, body: dict, rng
         pass
 
 
-def _storm(url: str, sessions: int, in_flight: int = 48) -> None:
-    """`sessions` episodes through the pool: duplicated concurrent creates while the pool is
-    exhausted, requests dropped mid-flight on every verb, closes racing in-flight steps; then
-    every env is back, no session is left behind, and no env was ever held twice (checked
-    while the storm runs)."""
+def test_pool_conserved_under_storm(storm_service):
+    """Episodes through the pool with duplicated concurrent creates while it is exhausted,
+    requests dropped mid-flight on every verb and closes racing in-flight steps, plus one expert
+    episode that must win meanwhile; afterwards every env is back, no session is left behind,
+    no env was ever held twice (checked while the storm runs), and the task order is the
+    in-process engine's."""
+    case, url, params, pool = storm_service
     seen_bad: list[dict] = []
+    won: list[float] = []
 
     async def episode(c: EnvClient, h: aiohttp.ClientSession, sid: str, rng: random.Random):
         await _doomed(h, url, "/create", {"session_id": sid}, rng)
         await asyncio.gather(*[c.create(sid) for _ in range(rng.randint(2, 3))])
         try:
-            out = await c.reset(sid, rng.randrange(1000))
+            out = await c.reset(sid, rng.randrange(case.tasks))
             for turn in range(rng.randint(0, 3)):
-                action = rng.choice(out["info"]["valid_actions"] + ["click[nonsense]"])
+                action = rng.choice(out["info"]["valid_actions"] + [case.invalid])
                 if rng.random() < 0.3:     # may or may not run; the real step then replays
                     await _doomed(h, url, "/step", {"session_id": sid, "action": action,
                                                     "turn": turn}, rng)
                 out = await c.step(sid, action)
+                assert out["info"]["valid_action"] == (action != case.invalid), (action, out)
                 if out["done"]:
                     break
             if rng.random() < 0.2:         # close while a step on the same env is in flight
-                step, _ = await asyncio.gather(c.step(sid, "click[nonsense]"), c.close(sid),
+                step, _ = await asyncio.gather(c.step(sid, case.invalid), c.close(sid),
                                                return_exceptions=True)
                 assert isinstance(step, dict) or getattr(step, "status", None) == 404, step
         finally:
@@ -248,43 +295,45 @@ def _storm(url: str, sessions: int, in_flight: int = 48) -> None:
                 await _doomed(h, url, "/close", {"session_id": sid}, rng)
             await c.close(sid)
 
+    async def expert_episode(c: EnvClient) -> None:
+        await c.create("expert")
+        await c.reset("expert", 0)
+        for _ in range(40):
+            out = await c.step("expert", await c.expert("expert"))
+            if out["done"]:
+                won.append(out["reward"])
+                break
+        await c.close("expert")
+
     async def watch(c: EnvClient, stop: asyncio.Event):
         while not stop.is_set():
             i = await c.info()
-            if not i["conserved"]:
+            if not i["conserved"] or i["live_sessions"] > pool:
                 seen_bad.append(i)
             await asyncio.sleep(0.05)
 
-    async def go():
+    async def go() -> dict:
         rng = random.Random(0)
-        gate = asyncio.Semaphore(in_flight)
-        async with EnvClient(url, timeout_s=20) as c, aiohttp.ClientSession() as h:
+        gate = asyncio.Semaphore(case.in_flight)
+        async with EnvClient(url, timeout_s=120) as c, aiohttp.ClientSession() as h:
             async def one(k: int):
                 async with gate:
                     await episode(c, h, f"storm-{k}", random.Random(rng.random()))
             stop = asyncio.Event()
             watcher = asyncio.ensure_future(watch(c, stop))
             try:
-                await asyncio.gather(*[one(k) for k in range(sessions)])
+                await asyncio.gather(*[one(k) for k in range(case.sessions)], expert_episode(c))
             finally:
                 stop.set()
                 await watcher
+            return await c.info()
 
-    run(go())
+    info = run(go())
     assert not seen_bad, seen_bad[:3]
-    assert_pool_whole(url)
-
-
-@pytest.mark.timeout(120)
-def test_pool_conserved_under_storm(url):
-    _storm(url, sessions=1000)
-
-
-@pytest.mark.timeout(120)
-def test_pool_conserved_under_storm_with_offloaded_engine_calls(offload_url):
-    """Engine calls in worker threads: per-session locks are held across awaits, so /close
-    meets in-flight steps and must wait for them before the env goes back."""
-    _storm(offload_url, sessions=200)
+    assert (info["free"], info["live_sessions"], info["pending_sessions"], info["conserved"]) == \
+        (pool, 0, 0, True), info
+    assert won == [1.0]
+    assert info["fingerprint"] == task_order_fingerprint(make_env(case.env, **params))
 
 
 # -------------------------------------------------------------------- invariant 21

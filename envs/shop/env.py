@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,7 @@ from envs.shop.world import World, WorldSpec, get_world
 
 SEARCH_MARKER = "search[<your query>]"   # the valid-action entry for the search bar
 _ACTION = re.compile(r"\s*(search|click)\s*\[(.*)\]\s*", re.IGNORECASE | re.DOTALL)
+_REWARD_TERMS = tuple(f.name for f in fields(Reward))
 
 
 class ShopEnv:
@@ -59,10 +60,8 @@ class ShopEnv:
         if not 0 <= val_size <= self.num_tasks:
             raise ValueError(f"val_size={val_size} must lie in [0, num_tasks={self.num_tasks}]")
         self._val_size = val_size
-        self._return_n = search_return_n
-        self._ranking = ranking
-        self._seed = seed
         self._visible = self._visible_mask(catalog_keep, protected_tasks)
+        self._search = self._world.index.searcher(search_return_n, self._visible, ranking, seed)
         self._task = -1
         self._goal: Goal | None = None
 
@@ -118,13 +117,15 @@ class ShopEnv:
             raise ValueError(f"task {self._task} ({self._task_id(self._task)}) has its target "
                              "filtered out of this catalog; add the task to protected_tasks")
         self._goal = self._world.goals[self._task]
+        self._tid = self._task_id(self._task)
         self._state = "search"
-        self._results: list[int] = []
+        self._results: tuple[int, ...] = ()
         self._page_no = 1
         self._item: Product | None = None
         self._tab = ""
         self._chosen: dict[str, str] = {}
         self._reward: Reward | None = None
+        self._page_changed()
         return self.observation, self._info()
 
     def step(self, action: str) -> tuple[str, float, bool, dict]:
@@ -135,12 +136,12 @@ class ShopEnv:
         reward = self._reward.total if (done and valid) else 0.0
         info = self._info()
         info["valid_action"] = valid
-        if done and self._reward is not None:
-            info["reward_terms"] = asdict(self._reward)   # plain dict: JSON-safe
+        if done and self._reward is not None:   # a plain dict: JSON-safe
+            info["reward_terms"] = {name: getattr(self._reward, name) for name in _REWARD_TERMS}
         return self.observation, reward, done, info
 
     def _info(self) -> dict[str, Any]:
-        return {"task_id": self._task_id(self._task), "task_index": self._task,
+        return {"task_id": self._tid, "task_index": self._task,
                 "instruction": self._goal.instruction, "valid_actions": self.valid_actions(),
                 "won": self._reward is not None and self._reward.won}
 
@@ -163,7 +164,16 @@ class ShopEnv:
     @property
     def observation(self) -> str:
         """What the policy reads: the formatted page (see `pages.format_observation`)."""
-        return pages.format_observation(self.raw_observation, self._goal.instruction)
+        if self._obs is None:
+            self._obs = pages.format_observation(self.raw_observation, self._goal.instruction)
+        return self._obs
+
+    def _page_changed(self) -> None:
+        """Forget the current page's rendering and buttons. Both are functions of the page
+        state alone, which only a valid action changes, so they are built once per page
+        rather than on every step and every call of `valid_actions` / `_apply`."""
+        self._obs: str | None = None
+        self._clicks: dict[str, tuple[str, Any]] | None = None
 
     def _page_products(self) -> list[Product]:
         start = (self._page_no - 1) * pages.PAGE_SIZE
@@ -171,6 +181,11 @@ class ShopEnv:
 
     def _clickables(self) -> dict[str, tuple[str, Any]]:
         """Lower-cased button text -> (kind, payload) for the current page."""
+        if self._clicks is None:
+            self._clicks = self._build_clickables()
+        return self._clicks
+
+    def _build_clickables(self) -> dict[str, tuple[str, Any]]:
         if self._state == "results":
             clicks = {pages.BACK_TO_SEARCH: ("search", None)}
             if self._page_no > 1:
@@ -200,23 +215,29 @@ class ShopEnv:
 
     def _apply(self, action: str) -> bool:
         """Advance the state for a valid action; False (state untouched) otherwise."""
+        kind = self._transition(action)
+        if kind is not None and kind != "option":   # choosing an option leaves the page as is
+            self._page_changed()
+        return kind is not None
+
+    def _transition(self, action: str) -> str | None:
+        """Apply a valid action and return its kind ("query" for a search); None if invalid."""
         match = _ACTION.fullmatch(action) if isinstance(action, str) else None
         if match is None:
-            return False
+            return None
         verb, arg = match.group(1).lower(), match.group(2).strip().lower()
         if verb == "search":
             if self._state != "search" or not arg:
-                return False
-            self._results = self._world.index.search(arg, self._return_n, self._visible,
-                                                     self._ranking, self._seed)
+                return None
+            self._results = self._search(arg)
             self._state, self._page_no = "results", 1
-            return True
+            return "query"
         click = self._clickables().get(arg)
         if click is None:
-            return False
+            return None
         kind, payload = click
         if kind == "search":
-            self._state, self._results = "search", []
+            self._state, self._results = "search", ()
         elif kind == "page":
             self._page_no = payload
         elif kind == "item":
@@ -233,7 +254,7 @@ class ShopEnv:
         elif kind == "buy":
             self._reward = purchase_reward(self._item, self._goal, self._chosen)
             self._state = "done"
-        return True
+        return kind
 
     # -- oracle ------------------------------------------------------------------------------
     def expert_query(self, task: int | None = None) -> str:
@@ -252,9 +273,7 @@ class ShopEnv:
         candidates = (wish, target.title, f"{target.title} {target.description}",
                       " ".join((target.title, *target.bullets)))
         for query in candidates:
-            hits = self._world.index.search(query.lower(), self._return_n, self._visible,
-                                            self._ranking, self._seed)
-            if position in hits:
+            if position in self._search(query.lower()):
                 return query.lower()
         return target.title.lower()
 

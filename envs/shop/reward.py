@@ -10,6 +10,7 @@ the tuples through, and 6.8% of its goals could never score 1.0 (field log 2026-
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -74,7 +75,16 @@ def ratio(a: str, b: str) -> int:
 
 
 def token_set_ratio(a: str, b: str) -> int:
-    """fuzzywuzzy's token_set_ratio: compare sorted shared tokens with each side's extras."""
+    """fuzzywuzzy's token_set_ratio: compare sorted shared tokens with each side's extras.
+
+    Memoized (a pure function of two strings): every purchase compares goal attributes and
+    options drawn from one small vocabulary, and the bit-parallel LCS was most of a buy's cost.
+    """
+    return _token_set_ratio(_require_str(a, "normalize_text"), _require_str(b, "normalize_text"))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _token_set_ratio(a: str, b: str) -> int:
     ta, tb = set(normalize_text(a).split()), set(normalize_text(b).split())
     if not ta or not tb:
         return 0
@@ -116,10 +126,15 @@ waterproof breathable durable compact dark clear slim non anti multi dual double
 """.split())
 
 
-def title_nouns(title: str) -> set[str]:
+def title_nouns(title: str) -> frozenset[str]:
     """Noun proxy for a title: alphabetic tokens of 3+ letters that are not in `_NOT_NOUNS`."""
-    return {t for t in re.findall(r"[a-z]+", _require_str(title, "title_nouns").lower())
-            if len(t) > 2 and t not in _NOT_NOUNS}
+    return _title_nouns(_require_str(title, "title_nouns"))
+
+
+@functools.lru_cache(maxsize=1 << 14)   # titles repeat: one per product and goal
+def _title_nouns(title: str) -> frozenset[str]:
+    return frozenset(t for t in re.findall(r"[a-z]+", title.lower())
+                     if len(t) > 2 and t not in _NOT_NOUNS)
 
 
 def type_reward(product: Product, goal: Goal) -> float:

@@ -3,6 +3,7 @@ so search, pages, reward and the oracle never care where a product came from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 CATEGORY_SEP = "›"
 
@@ -24,7 +25,7 @@ class Product:
     price: float                             # the concrete price a purchase is scored at
     reviews: tuple[str, ...] = ()
 
-    @property
+    @cached_property   # rendered on every results and item page
     def price_tag(self) -> str:
         """Displayed price: "$x.xx" or "$lo to $hi" (WebShop's range form)."""
         if len(self.pricing) == 1:

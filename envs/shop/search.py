@@ -7,12 +7,20 @@ serves every catalog filter built over the same products.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 import random
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
-import bm25s
+# bm25s runs a JAX op at import whenever JAX is installed (bm25s/selection.py). On a GPU image
+# with jax[cuda] that makes JAX preallocate 75% of the GPU in EVERY process importing the shop
+# (env service, trainer): measured on an H200, 108 GB gone, then the trainer's CUDA OOM. The shop
+# is a CPU engine, so keep JAX on the CPU unless the user said otherwise (docs/offline-gpu.md).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import bm25s  # noqa: E402
 import numpy as np
 
 from envs.shop.schema import Product
@@ -82,6 +90,26 @@ class SearchIndex:
         self._bm25 = bm25s.BM25(k1=k1, b=b)
         self._bm25.index((corpus, vocab), show_progress=False)
         self.size = len(products)
+        self._searchers: dict[tuple, Callable[[str], tuple[int, ...]]] = {}
+        self._searchers_lock = threading.Lock()
+
+    def searcher(self, n: int, visible: np.ndarray | None = None, ranking: str = "bm25",
+                 seed: int = 0, cache_size: int = 4096) -> Callable[[str], tuple[int, ...]]:
+        """`search` with everything but the query fixed, memoized per query (LRU).
+
+        A query's results are a pure function of the index and these arguments, so one cache
+        serves every caller that fixes the same ones (all engines of a pool share it), and
+        queries repeat: n rollouts of a GRPO group search for the same task, the oracle replays
+        its query every episode. A search scores the whole catalog (~0.4 ms at 300 products).
+        """
+        key = (n, None if visible is None else visible.tobytes(), ranking, seed)
+        with self._searchers_lock:
+            memo = self._searchers.get(key)
+            if memo is None:
+                mask = None if visible is None else visible.copy()
+                memo = self._searchers[key] = functools.lru_cache(maxsize=cache_size)(
+                    lambda query: tuple(self.search(query, n, mask, ranking, seed)))
+        return memo
 
     def search(self, query: str, n: int, visible: np.ndarray | None = None,
                ranking: str = "bm25", seed: int = 0) -> list[int]:
