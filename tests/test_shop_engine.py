@@ -231,6 +231,27 @@ def test_filtered_catalog_keeps_protected_targets():
     assert all(unfiltered_default.winnable(t) for t in range(env.num_tasks))
 
 
+def test_search_memo_is_shared_by_equal_engines_and_never_across_catalogs_or_rankings():
+    """Engines of one configuration share one memo of search results (a pool's engines repeat
+    each other's queries); a different catalog filter, ranking or result count gets its own,
+    and a memoized answer equals a fresh search."""
+    keep = random.Random(1).sample(ShopEnv(**TINY).product_ids(), 60)
+    a, b = ShopEnv(**TINY), ShopEnv(**TINY)
+    others = [ShopEnv(**TINY, catalog_keep=keep, protected_tasks=range(10)),
+              ShopEnv(**TINY, ranking="inverted_topk"),
+              ShopEnv(**{**TINY, "search_return_n": 5})]
+    assert a._search is b._search
+    assert len({id(e._search) for e in [a, *others]}) == 4
+    query = "organic gluten free"
+    index = a._world.index
+    assert a._search(query) == tuple(index.search(query, 50))
+    filtered = others[0]._search(query)
+    assert filtered == tuple(index.search(query, 50, others[0]._visible))
+    assert filtered != a._search(query) and all(others[0]._visible[i] for i in filtered)
+    assert others[1]._search(query) == a._search(query)[::-1]
+    assert others[2]._search(query) == a._search(query)[:5]
+
+
 def test_unknown_catalog_ids_are_refused():
     with pytest.raises(ValueError, match="unknown product ids"):
         ShopEnv(**TINY, catalog_keep=["NOPE"])
