@@ -243,3 +243,38 @@ def test_init_from_an_incomplete_round_is_refused(env_url, model_dir, trained, t
         save_shards(state, rd.member_dir(1, member), SHARD_BYTES)
     with pytest.raises(RunDirError, match="never completed"):
         BuiltinTrainer(ppo_config(model_dir, model={"init_from": str(rd.member_dir(1))}), env_url)
+
+
+def test_fresh_optimizers_per_ppo_fit(trainer, initial):
+    """Two PPO fits from the same weights end bit-identical in both members: no optimizer state
+    (of the policy or of the critic) survives a fit (invariant 3)."""
+    req = FitRequest(round=3, client_id=4, task_indices=TRAIN_TASKS, local_epochs=2, seed=5)
+    ends = []
+    for _ in range(2):
+        _load(trainer, initial)
+        trainer.fit(req)
+        ends.append({m: trainer.export_weights(m) for m in trainer.members})
+    _load(trainer, initial)
+    assert _changed(ends[0]["critic"], initial["critic"])
+    for member in ("actor", "critic"):
+        assert not _changed(ends[0][member], ends[1][member]), member
+
+
+def test_a_ppo_fit_without_its_critic_fails_closed(model_dir, tmp_path):
+    """The trainer service refuses a PPO fit that does not carry the critic instead of training
+    half a model (invariant 28: fail closed)."""
+    from fastapi import HTTPException
+
+    from client_app.service import FitBody, TrainerService
+
+    svc = TrainerService(ppo_config(model_dir), run_id=1, lane="cpu")
+    try:
+        svc.start()
+        actor = save_shards(svc.trainer.export_weights("actor"), tmp_path / "actor", SHARD_BYTES).root
+        body = FitBody(run_id=1, round=1, client_id=0, local_epochs=1, seed=0,
+                       weights_in={"actor": str(actor)}, weights_out={"actor": str(tmp_path / "out")})
+        with pytest.raises(HTTPException, match=r"carries weights for \['actor'\] but this trainer federates"):
+            svc.fit(body)
+        assert svc.fits == 0 and not (tmp_path / "out").exists()
+    finally:
+        svc.close()

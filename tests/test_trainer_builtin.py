@@ -200,27 +200,36 @@ def test_validation_rows_never_penalised(mode, request, initial):
     assert 0.0 <= penalised.metrics["reward"] <= 1.0 and plain.num_examples == 8
 
 
-def _fit_rss_series(trainer, initial, fits: int) -> list[float]:
+def _fit_rss_series(trainer, initial: dict[str, dict[str, torch.Tensor]], fits: int) -> list[float]:
     """RSS (MB) at one phase point (after export) of consecutive fits of different clients."""
     proc = psutil.Process()
     series = []
     for i in range(fits):
-        trainer.load_weights(initial)
+        for member, state in initial.items():
+            trainer.load_weights(state, member)
         shard = TRAIN_TASKS[(7 * i) % 50:][:40]
         trainer.fit(FitRequest(round=1 + i // 2, client_id=i, task_indices=shard, local_epochs=1, seed=0,
                                proximal_mu=0.01))
-        exported = trainer.export_weights()
+        exported = [trainer.export_weights(m) for m in trainer.members]
         del exported
         series.append(proc.memory_info().rss / 2**20)
     return series
 
 
-@pytest.fixture(scope="module")
-def wide_trainer(env_url, tmp_path_factory):
+def _initial(trainer) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
+    """Every member's weights, and the policy's size in MB (a leak of one copy of it per fit)."""
+    initial = {m: trainer.export_weights(m) for m in trainer.members}
+    return initial, sum(t.numel() * 4 for t in initial["actor"].values()) / 2**20
+
+
+@pytest.fixture(scope="module", params=["grpo", "ppo"])
+def wide_trainer(request, env_url, tmp_path_factory):
     """A model large enough (~8 MB of fp32 weights, ~24 MB with AdamW moments) that leaking one
-    copy of anything per fit stands far above allocator noise."""
+    copy of anything per fit stands far above allocator noise; with PPO, a critic as large beside it."""
     wide = random_model_dir(tmp_path_factory.mktemp("models") / "wide", hidden_size=256, layers=2, heads=4)
-    t = BuiltinTrainer(small_config(wide, env={"max_turns": 2}, rollout={"max_prompt_tokens": 128}), env_url)
+    t = BuiltinTrainer(small_config(wide, env={"max_turns": 2}, rollout={"max_prompt_tokens": 128},
+                                    algo={"name": request.param, "group_size": 2 if request.param == "grpo" else 1}),
+                       env_url)
     try:
         yield t
     finally:
@@ -236,15 +245,13 @@ def _assert_flat(series: list[float], warmup: int, model_mb: float) -> float:
 
 
 def test_rss_flat_across_5_fits(wide_trainer):
-    initial = wide_trainer.export_weights()
-    model_mb = sum(t.numel() * 4 for t in initial.values()) / 2**20
+    initial, model_mb = _initial(wide_trainer)
     _assert_flat(_fit_rss_series(wide_trainer, initial, 5), warmup=2, model_mb=model_mb)
 
 
 @pytest.mark.slow
 def test_rss_flat_across_20_fits(wide_trainer):
-    initial = wide_trainer.export_weights()
-    model_mb = sum(t.numel() * 4 for t in initial.values()) / 2**20
+    initial, model_mb = _initial(wide_trainer)
     _assert_flat(_fit_rss_series(wide_trainer, initial, 20), warmup=4, model_mb=model_mb)
 
 
