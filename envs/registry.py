@@ -17,6 +17,8 @@ _ENGINES = {
 
 # The chat's system message per engine (client_app/prompts.py builds the rest of the prompt).
 # Env-specific text lives here, next to the engine, so prompt code never branches on the env.
+# Tiny models are built (and cached) with this text: changing it needs a bump of
+# CODE_VERSION in client_app/tiny_model.py, or cached builds keep the old prompt.
 _SYSTEM_PROMPTS = {
     "shop": ("You are a shopping agent in a web shop. Reply with exactly one action, "
              "chosen from the admissible actions."),

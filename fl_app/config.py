@@ -48,8 +48,8 @@ class ModelCfg(_Strict):
 
 
 class EnvCfg(_Strict):
-    name: Literal["shop"] = Field("shop", description="Environment engine (see envs/registry.py).")
-    params: dict[str, Any] = Field(default_factory=dict, description="Engine keyword arguments, e.g. shop: num_products, num_goals, val_size, search_return_n, seed.")
+    name: Literal["shop", "alfworld"] = Field("shop", description="Environment engine (see envs/registry.py): `shop` (WebShop-compatible, docs/shop.md) or `alfworld` (ALFWorld on the real engine, docs/alfworld.md).")
+    params: dict[str, Any] = Field(default_factory=dict, description="Engine keyword arguments, checked against the engine when it is built. shop: num_products, num_goals, val_size, search_return_n, seed, data_dir, human_goals, ranking, ... (envs/shop/env.py). alfworld: num_games (default 120 generated), val_size (24), seed (0), data_dir (None: $ALFWORLD_DATA if set, else generated games; `generated`: generated regardless), cache_dir, task_types (subset of the six), val_split (valid_seen | valid_unseen), max_steps, manifest_dir (docs/alfworld.md).")
     pool_size: int = Field(16, gt=0, description="Pre-warmed env instances per env service.")
     max_turns: int = Field(15, gt=0, description="Step budget per episode (WebShop 15, ALFWorld 50).")
 
