@@ -7,8 +7,11 @@ directory:
 1. expert episodes are played in-process on TRAINING tasks (never the validation tasks
    `[0, val_size)`), every turn rendered with the same windowed prompts the RL loop uses;
    a seeded fraction `sft_noise` of the demonstrated actions is replaced by a random valid
-   action (and played), so the warm start is imperfect and RL has room to improve it;
+   action (and played), and a seeded fraction `sft_shortcut` of the episodes demonstrates a
+   bad habit (buying without choosing the asked-for options), so the warm start is imperfect
+   in a way reward can correct (`collect_demonstrations`);
 2. a byte-level BPE tokenizer is trained on that text, with ChatML special tokens and template;
+   the env's opaque identifiers (shop product ids) are whole tokens (`whole_tokens`);
 3. a Qwen2-architecture causal LM is initialised from a local torch.Generator;
 4. a short copy warm-up teaches it to repeat spans of that text (`copy_warmup`);
 5. it is fine-tuned on (prompt, reply) pairs with the loss on the reply tokens only.
@@ -44,7 +47,7 @@ from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg
 log = logging.getLogger(__name__)
 
 # Bump when a change to this module changes what gets built, so stale caches are not reused.
-CODE_VERSION = "tiny-model-3"
+CODE_VERSION = "tiny-model-4"
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHATML_TEMPLATE = (
@@ -56,6 +59,9 @@ CHATML_TEMPLATE = (
 
 # An admissible entry whose argument is a <placeholder> (`search[<your query>]`) is a template.
 PLACEHOLDER = re.compile(r"\[<[^\]]*>\]$")
+# The shortcut habit: buy at once; never taken where the expert navigates (wrong item, paging).
+SHORTCUT_ACTION = "click[buy now]"
+NAVIGATION = ("click[< prev]", "click[back to search]", "click[next >]")
 
 MLP_RATIO = 4              # intermediate_size = MLP_RATIO * hidden_size
 INIT_STD = 0.02            # normal init of every matrix (Qwen2's initializer_range)
@@ -139,8 +145,9 @@ def build_into(out_dir: Path, tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_c
     """Build the model directory in `out_dir` (no caching; `build_tiny_model` wraps this)."""
     with _build_torch_settings():
         demos = collect_demonstrations(env_cfg, rollout_cfg.history_length, tiny_cfg.sft_episodes,
-                                       tiny_cfg.sft_noise, tiny_cfg.seed)
-        tokenizer = train_tokenizer(tokenizer_corpus(demos), tiny_cfg.vocab_size)
+                                       tiny_cfg.sft_noise, tiny_cfg.seed, tiny_cfg.sft_shortcut)
+        tokenizer = train_tokenizer(tokenizer_corpus(demos), tiny_cfg.vocab_size,
+                                    whole_tokens(make_env(env_cfg.name, **env_cfg.params)))
         max_positions = rollout_cfg.max_prompt_tokens + rollout_cfg.max_response_tokens
         model = init_model(tiny_cfg, tokenizer, max_positions)
         rows = [(prompts.prompt_ids(tokenizer, d.messages, rollout_cfg.max_prompt_tokens),
@@ -175,10 +182,15 @@ def _build_torch_settings() -> Iterator[None]:
 
 
 def collect_demonstrations(env_cfg: EnvCfg, history_length: int, episodes: int, noise: float,
-                           seed: int) -> list[Demo]:
-    """Windowed (prompt, action) turns of the expert on training tasks, a `noise` fraction randomised.
+                           seed: int, shortcut: float = 0.0) -> list[Demo]:
+    """Windowed (prompt, action) turns of the expert on training tasks, imperfect on purpose.
 
-    A randomised action is also the one played, so the expert's recoveries are demonstrated too.
+    Two kinds of imperfection, both played (so the expert's recoveries are demonstrated too):
+    - `noise`: each action is replaced by a random valid one with this probability. Sampling at
+      a low validation temperature mostly hides it: the mass is spread over many actions.
+    - `shortcut`: this fraction of the episodes buys as soon as the target's page is open,
+      skipping the goal's options. A coherent habit survives low-temperature decoding, costs
+      reward on every goal with options, and is the kind of defect RL fixes from reward alone.
     Template entries such as `search[<your query>]` are never drawn as the random action.
     """
     env, system = make_env(env_cfg.name, **env_cfg.params), system_prompt(env_cfg.name)
@@ -189,12 +201,15 @@ def collect_demonstrations(env_cfg: EnvCfg, history_length: int, episodes: int, 
     demos: list[Demo] = []
     for _ in range(episodes):
         task = rng.randrange(env.val_size, env.num_tasks)
+        hasty = rng.random() < shortcut
         obs, info = env.reset(task)
         history: list[tuple[str, str]] = []
         for _turn in range(env_cfg.max_turns):
             expert = action = env.expert_action()
             others = [a for a in info["valid_actions"] if a != expert and not PLACEHOLDER.search(a)]
-            if others and rng.random() < noise:
+            if hasty and SHORTCUT_ACTION in info["valid_actions"] and expert not in NAVIGATION:
+                action = SHORTCUT_ACTION
+            elif others and rng.random() < noise:
                 action = rng.choice(others)
             messages = prompts.build_messages(info["instruction"], history, obs, info["valid_actions"],
                                               history_length, system)
@@ -206,6 +221,18 @@ def collect_demonstrations(env_cfg: EnvCfg, history_length: int, episodes: int, 
     return demos
 
 
+def whole_tokens(env) -> list[str]:
+    """Strings the tokenizer keeps whole: the env's opaque ids, as shown and as typed.
+
+    A shop product id ("B0KZAN5RA2" on the page, "click[b0kzan5ra2]" in the action) would be
+    ten one-character tokens (Qwen's pre-tokenizer splits digits), and copying ten random
+    characters is what a 2-layer model does worst; as one token it is a single pointer copy.
+    Envs without such ids (no `product_ids`) get none.
+    """
+    ids = env.product_ids() if hasattr(env, "product_ids") else []
+    return sorted({form for i in ids for form in (i, i.lower())})
+
+
 def tokenizer_corpus(demos: list[Demo]) -> list[str]:
     """The texts of the demonstrations, in a fixed order; history repeats earlier current turns,
     so each turn's last message (plus the system prompt and the reply) covers them at the right frequency."""
@@ -215,8 +242,9 @@ def tokenizer_corpus(demos: list[Demo]) -> list[str]:
     return texts
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE on `texts`, saved and reloaded as a `Qwen2Tokenizer` with ChatML tokens.
+def train_tokenizer(texts: list[str], vocab_size: int, whole: list[str] = ()):
+    """Byte-level BPE on `texts`, saved and reloaded as a `Qwen2Tokenizer` with ChatML tokens;
+    each string of `whole` becomes one added token (matched before BPE, kept on save/load).
 
     The BPE is trained with Qwen2's own normalizer and pre-tokenizer: `AutoTokenizer` rebuilds
     a qwen2 model's tokenizer with exactly that pipeline from vocab + merges, so any other
@@ -241,6 +269,8 @@ def train_tokenizer(texts: list[str], vocab_size: int):
                                eos_token=IM_END, pad_token=PAD, extra_special_tokens=[IM_START],
                                model_max_length=1 << 20)
     tokenizer.chat_template = CHATML_TEMPLATE
+    if whole:
+        tokenizer.add_tokens(list(whole))
     return tokenizer
 
 

@@ -36,6 +36,7 @@ class TinyModelCfg(_Strict):
     sft_episodes: int = Field(384, ge=0, description="Expert episodes used for the SFT warm start.")
     sft_epochs: int = Field(3, ge=0, description="Passes over the SFT demonstrations.")
     sft_noise: float = Field(0.3, ge=0, le=1, description="Fraction of demonstration actions replaced by a random valid action, so the warm start is imperfect.")
+    sft_shortcut: float = Field(0.5, ge=0, le=1, description="Fraction of SFT episodes that demonstrate a bad habit (buying without choosing the goal's options), a defect RL can fix from reward.")
     seed: int = Field(0, description="Seed of tokenizer training, init and SFT (the build is a pure function of it).")
     cache_dir: str = Field(default_factory=lambda: str(Path(os.environ.get("FEDAGENT_CACHE_DIR", "~/.cache/fedagent-flower")) / "models"),
                            description="Where built tiny models are cached (keyed by a hash of this section and the env); default `$FEDAGENT_CACHE_DIR/models`, else ~/.cache/fedagent-flower/models.")

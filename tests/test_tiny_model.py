@@ -13,8 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DistilBertConfig
 
 from client_app import prompts
-from client_app.tiny_model import (ModelDirError, build_tiny_model, cache_key, collect_demonstrations,
-                                   load_causal_lm, sft_batch, tokenizer_corpus, train_tokenizer)
+from client_app.tiny_model import (SHORTCUT_ACTION, ModelDirError, build_tiny_model, cache_key,
+                                   collect_demonstrations, load_causal_lm, sft_batch, tokenizer_corpus,
+                                   train_tokenizer, whole_tokens)
 from envs.registry import make_env, system_prompt
 from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg, load_config
 
@@ -53,7 +54,13 @@ def test_tiny_model_loads_as_plain_hugging_face_dir(tiny_dir):
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert "<|im_start|>" in tok.chat_template and tok.eos_token == "<|im_end|>"
     assert model.generation_config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
-    assert len(tok) <= 300 and model.config.vocab_size == len(tok)
+    env = make_env(SMALL_ENV.name, **SMALL_ENV.params)
+    assert len(tok) <= 300 + len(whole_tokens(env)) and model.config.vocab_size == len(tok)
+    # product ids are single tokens, as shown on a page and as typed in an action
+    asin = env.product_ids()[0]
+    assert len(tok(f"'{asin}'", add_special_tokens=False)["input_ids"]) == 3
+    assert [tok.decode([i]) for i in tok(f"click[{asin.lower()}]", add_special_tokens=False)["input_ids"]][-2:] \
+        == [asin.lower(), "]"]
     # a real forward pass on a real windowed prompt
     msgs = prompts.build_messages("buy a red mug", [], "Search", ["search[<query>]"], history_length=2,
                                   system_prompt=system_prompt("shop"))
@@ -67,8 +74,10 @@ def test_saved_tokenizer_tokenizes_like_the_one_sft_trained_with(tiny_dir):
     """Invariant 15 across a save/load: AutoTokenizer rebuilds a qwen2 tokenizer from vocab+merges
     with its own pipeline, so the ids a rollout generates from must equal the ids SFT trained on."""
     tiny = small_tiny(tiny_dir.parent)
-    demos = collect_demonstrations(SMALL_ENV, SMALL_ROLLOUT.history_length, tiny.sft_episodes, tiny.sft_noise, tiny.seed)
-    trained = train_tokenizer(tokenizer_corpus(demos), tiny.vocab_size)
+    demos = collect_demonstrations(SMALL_ENV, SMALL_ROLLOUT.history_length, tiny.sft_episodes, tiny.sft_noise,
+                                   tiny.seed, tiny.sft_shortcut)
+    trained = train_tokenizer(tokenizer_corpus(demos), tiny.vocab_size,
+                              whole_tokens(make_env(SMALL_ENV.name, **SMALL_ENV.params)))
     loaded = AutoTokenizer.from_pretrained(tiny_dir)
     assert type(loaded).__name__ == "Qwen2Tokenizer" and loaded.get_vocab() == trained.get_vocab()
     for d in demos:
@@ -124,6 +133,25 @@ def test_demonstrations_use_training_tasks_and_noise_the_given_fraction():
     assert all(d.task >= env.val_size for d in noisy)
     # the last message always shows the admissible actions of the state the action was taken in
     assert all("Your admissible actions of the current situation are: [" in d.messages[-1]["content"] for d in noisy)
+
+
+def test_shortcut_episodes_buy_without_choosing_the_goal_options():
+    env = make_env(SMALL_ENV.name, **SMALL_ENV.params)
+    hasty = collect_demonstrations(SMALL_ENV, 2, episodes=20, noise=0.0, seed=0, shortcut=1.0)
+    option_turns = [d for d in hasty if d.expert not in (SHORTCUT_ACTION, "click[< prev]")
+                    and "Buy Now" in d.messages[-1]["content"]]
+    assert option_turns, "no demonstrated turn where the expert would have chosen an option"
+    assert all(d.action == SHORTCUT_ACTION for d in option_turns)
+    assert all(d.action == d.expert for d in hasty if d not in option_turns)   # the rest is the expert
+    # a shortcut costs reward on a goal with options: replay one such episode (turn 0 has no history)
+    starts = [i for i, d in enumerate(hasty) if len(d.messages) == 2] + [len(hasty)]
+    episode = next(hasty[a:b] for a, b in zip(starts, starts[1:]) if option_turns[0] in hasty[a:b])
+    env.reset(episode[0].task)
+    for d in episode:
+        _obs, reward, done, _info = env.step(d.action)
+    assert done and reward < 1.0
+    assert collect_demonstrations(SMALL_ENV, 2, episodes=20, noise=0.0, seed=0, shortcut=0.0) == \
+        collect_demonstrations(SMALL_ENV, 2, episodes=20, noise=0.0, seed=0)
 
 
 def test_sft_loss_targets_only_reply_tokens():
