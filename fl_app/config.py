@@ -133,7 +133,7 @@ class RunCfg(_Strict):
 
 
 class Config(_Strict):
-    extends: str = Field("", description="The recipe this one starts from: a name in configs/ or a .yaml path relative to this file. Its keys are merged under this file's (lists are replaced, not appended); chains are allowed, cycles are an error.")
+    extends: str = Field("", description="The recipe this one starts from: a name in configs/ or a .yaml path relative to this file. Its keys are merged under this file's (lists are replaced, not appended); chains are allowed, cycles are an error. A saved (resolved) config has it empty.")
     backend: Literal["builtin"] = Field("builtin", description="Trainer backend.")
     model: ModelCfg = ModelCfg()
     env: EnvCfg = EnvCfg()
@@ -248,9 +248,10 @@ def load_config(recipe: str = DEFAULT_RECIPE, overrides: dict[str, Any] | None =
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    """Write the resolved config as YAML (what the run actually used)."""
+    """Write the resolved config as YAML (what the run actually used). It is complete on its own,
+    so `extends` is written empty: the file loads as a recipe from anywhere."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump(mode="json"))))
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump(mode="json") | {"extends": ""})))
 
 
 def main(argv: list[str] | None = None) -> int:

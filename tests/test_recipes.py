@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from envs.registry import _engine_class
-from fl_app.config import CONFIGS_DIR, ConfigError, load_config, main
+from fl_app.config import CONFIGS_DIR, ConfigError, load_config, main, save_config
 from fl_app.work import round_work
 from server_app.strategy import make_strategy
 
 RECIPES = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
-PAPER = [f"{env}-{algo}-qwen2.5-1.5b" for env in ("webshop",) for algo in ("grpo", "ppo")]
+PAPER = [f"{env}-{algo}-qwen2.5-1.5b" for env in ("webshop", "alfworld") for algo in ("grpo", "ppo")]
 PAPER_FILES = [f"{r}{s}.yaml" for r in PAPER for s in ("", "-centralized", "-local")] + ["base/fedagent-qwen2.5-1.5b.yaml"]
 
 
@@ -135,6 +135,13 @@ def test_extends_merges_over_the_base_and_refuses_cycles(tmp_path: Path):
     (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
     with pytest.raises(ConfigError, match="cycle: a.yaml -> b.yaml -> a.yaml"):
         load_config(str(tmp_path / "a.yaml"))
+
+
+def test_a_saved_config_of_an_extending_recipe_loads_anywhere(tmp_path: Path):
+    cfg = load_config("webshop-ppo-qwen2.5-1.5b")
+    save_config(cfg, tmp_path / "run" / "config.yaml")
+    again = load_config(str(tmp_path / "run" / "config.yaml"))
+    assert again.extends == "" and again.model_dump() == cfg.model_dump() | {"extends": ""}
 
 
 def test_work_counts_rows_per_turn_windowed_and_per_episode_concat():
