@@ -40,7 +40,9 @@ class FlowerRun:
                     "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
                     "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
                     "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
-                    "RAY_TMPDIR": str(self.short / "ray"), "FEDAGENT_RUNTIME_DIR": str(self.short / "rt")}
+                    "RAY_TMPDIR": str(self.short / "ray"), "FEDAGENT_RUNTIME_DIR": str(self.short / "rt"),
+                    # flwr starts `flower-superlink` from PATH: this interpreter's, also without an activated venv
+                    "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
 
     def run(self, run_config: str, timeout_s: float, federation_config: str = "num-supernodes=2"
             ) -> subprocess.CompletedProcess:

@@ -18,6 +18,11 @@ def test_default_recipe_is_the_published_federation_shape():
     assert (cfg.algo.tasks_per_step, cfg.algo.group_size) == (8, 8)
 
 
+def test_alfworld_recipe_keeps_the_paper_step_budget():
+    cfg = load_config("tiny-alfworld-grpo")
+    assert cfg.env.name == "alfworld" and cfg.env.max_turns == 50 and cfg.model.path == "tiny"
+
+
 def test_run_config_overrides_map_onto_recipe_keys():
     cfg = load_config(overrides={"rounds": 70, "seed": 5, "clients-per-round": 3, "run-dir": "/tmp/x",
                                  "strategy": "fedprox", "proximal-mu": 0.02})
