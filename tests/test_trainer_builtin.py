@@ -170,6 +170,25 @@ def test_micro_batches_do_not_change_the_gradient(trainer, initial):
         torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-7)
 
 
+def test_right_padded_batch_scores_each_row_as_if_alone(trainer, initial):
+    """`_response_hidden` runs without an attention mask (rows are right-padded): a row's
+    log-probs in a batch of longer and shorter rows must equal the row scored on its own."""
+    trainer.load_weights(initial)
+    episodes, _ = run_episodes(trainer.generator, trainer.env, group_specs([40, 41], 2), trainer.settings, 1.0,
+                               seed=9, max_sessions=trainer.max_sessions)
+    rows = training_rows(episodes, 0.1)
+    assert len({len(r.prompt_ids) + len(r.response_ids) for r in rows}) > 1, "need rows of different lengths"
+    batched = trainer.row_log_probs(trainer.model, rows)
+    saved = trainer.cfg.algo.micro_batch_size
+    try:
+        trainer.cfg.algo.micro_batch_size = 1
+        alone = trainer.row_log_probs(trainer.model, rows)
+    finally:
+        trainer.cfg.algo.micro_batch_size = saved
+    for b, a in zip(batched, alone):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def concat_trainer(env_url, model_dir):
     t = BuiltinTrainer(small_config(model_dir, rollout={"mode": "concat"}), env_url)
