@@ -1,4 +1,4 @@
-"""The embedded default model: a tiny Qwen2 policy built locally and warm-started on the shop.
+"""The embedded default model: a tiny Qwen2 policy built locally and warm-started on an env's expert.
 
 No model hub is reachable, yet `flwr run .` must train something real on a fresh machine. So
 `model.path: tiny` builds, once per config and cached on disk, an ordinary Hugging Face model
