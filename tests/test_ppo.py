@@ -14,27 +14,15 @@ from client_app.critic import VALUE_HEAD, build_critic
 from client_app.rollout import derive_seed, group_specs, run_episodes, training_rows
 from client_app.trainer.base import FitRequest
 from client_app.trainer.builtin import BuiltinTrainer, _pad_rows
-from envs.service import serve_in_subprocess
 from fl_app.aggregate import fedavg_manifests
 from fl_app.rundir import RunDir, RunDirError
 from fl_app.transport import WeightsRef, fedavg_received, state_to_arrayrecord
 from fl_app.weights import load_shards, save_shards, state_nbytes
-from trainer_support import (POOL_SIZE, SMALL_ENV_PARAMS, one_torch_thread, random_model_dir,  # noqa: F401
+from trainer_support import (SMALL_ENV_PARAMS, env_url, model_dir, one_torch_thread,  # noqa: F401
                              small_config)
 
 TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))
 SHARD_BYTES = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def env_url():
-    with serve_in_subprocess("shop", POOL_SIZE, SMALL_ENV_PARAMS) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return random_model_dir(tmp_path_factory.mktemp("models") / "policy")
 
 
 def ppo_config(model_dir: Path, **sections):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import json
 import shutil
-from pathlib import Path
 
 import psutil
 import pytest
@@ -18,22 +17,10 @@ from client_app.rollout import group_specs, run_episodes, training_rows
 from client_app.tiny_model import ModelDirError
 from client_app.trainer.base import EvalRequest, FitRequest
 from client_app.trainer.builtin import BuiltinTrainer
-from envs.service import serve_in_subprocess
-from trainer_support import (POOL_SIZE, SMALL_ENV_PARAMS, one_torch_thread, random_model_dir,  # noqa: F401
-                             small_config)
+from trainer_support import (SMALL_ENV_PARAMS, env_url, model_dir, one_torch_thread,  # noqa: F401
+                             random_model_dir, small_config)
 
 TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))
-
-
-@pytest.fixture(scope="module")
-def env_url():
-    with serve_in_subprocess("shop", POOL_SIZE, SMALL_ENV_PARAMS) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return random_model_dir(tmp_path_factory.mktemp("models") / "policy")
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,24 @@ import pytest
 import torch
 
 from client_app.tiny_model import collect_demonstrations, init_model, train_tokenizer
+from envs.service import serve_in_subprocess
 from fl_app.config import Config, EnvCfg, TinyModelCfg
 
 SMALL_ENV_PARAMS = {"num_products": 300, "num_goals": 120, "val_size": 16, "search_return_n": 50, "seed": 0}
 POOL_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def env_url() -> Iterator[str]:
+    """A real shop env service for the module, stopped at its end."""
+    with serve_in_subprocess("shop", POOL_SIZE, SMALL_ENV_PARAMS) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A random-weight policy directory shared by the module's trainers."""
+    return random_model_dir(tmp_path_factory.mktemp("models") / "policy")
 
 
 def random_model_dir(out: Path, hidden_size: int = 32, layers: int = 1, heads: int = 2,
