@@ -124,6 +124,9 @@ def status_kb(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":"))
 
 inputs = [(Manifest.from_dir(Path(p)), w) for p, w in zip(sys.argv[3:], (5, 2, 9))]
+# Warm up once (the reader thread's malloc arena, torch's kernels and thread pool, lazy imports):
+# one-time costs that vary by machine and venv (a fresh CI venv showed +8 MiB), not memory per model.
+fedavg_manifests(inputs, Path(sys.argv[1] + "-warm-up"), int(sys.argv[2]))
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
 before = status_kb("VmRSS")
 fedavg_manifests(inputs, Path(sys.argv[1]), int(sys.argv[2]))
