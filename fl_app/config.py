@@ -156,6 +156,11 @@ class Config(_Strict):
                                  f"{f.clients_per_round} distinct ids; fix one or the other")
             if not all(0 <= c < f.clients for c in f.only_clients):
                 raise ValueError(f"federation.only_clients={f.only_clients} holds ids outside [0, {f.clients})")
+        tiny = self.model.tiny
+        if self.model.path == "tiny" and tiny.sft_shortcut > 0 and self.env.name != "shop":
+            # Fail closed: the habit is the shop's buy-now action; elsewhere it would silently do nothing.
+            raise ValueError(f"model.tiny.sft_shortcut={tiny.sft_shortcut} demonstrates the shop's buy-now habit, "
+                             f"and env {self.env.name!r} has no such action; set model.tiny.sft_shortcut: 0")
         if self.algo.name != "ppo" and self.algo.critic.path:
             raise ValueError(f"algo.critic.path={self.algo.critic.path!r} is set but algo.name={self.algo.name!r} "
                              "has no critic; remove it or set algo.name=ppo")

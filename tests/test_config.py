@@ -23,6 +23,14 @@ def test_alfworld_recipe_keeps_the_paper_step_budget():
     assert cfg.env.name == "alfworld" and cfg.env.max_turns == 50 and cfg.model.path == "tiny"
 
 
+def test_shop_only_shortcut_habit_is_refused_for_other_envs():
+    """Invariant 28: a requested SFT habit that the env cannot demonstrate is an error, not a no-op."""
+    with pytest.raises(ConfigError, match=r"model\.tiny\.sft_shortcut"):
+        load_config("tiny-alfworld-grpo", dotlist=["model.tiny.sft_shortcut=0.5"])
+    assert load_config("tiny-alfworld-grpo").model.tiny.sft_shortcut == 0
+    load_config("tiny-alfworld-grpo", dotlist=["model.tiny.sft_shortcut=0.5", "model.path=/models/any"])
+
+
 def test_run_config_overrides_map_onto_recipe_keys():
     cfg = load_config(overrides={"rounds": 70, "seed": 5, "clients-per-round": 3, "run-dir": "/tmp/x",
                                  "strategy": "fedprox", "proximal-mu": 0.02})
