@@ -139,9 +139,9 @@ class _RowSeededSampler(LogitsProcessor):
     the sampled token finite and greedy decoding picks it.
     """
 
-    def __init__(self, seeds: Sequence[int], temperature: float, device: torch.device) -> None:
+    def __init__(self, generators: Sequence[torch.Generator], temperature: float) -> None:
         self.temperature = temperature
-        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.generators = generators          # one per row, already seeded
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         uniform = torch.stack([torch.rand(scores.shape[1], generator=g, device=scores.device)
@@ -170,6 +170,7 @@ class BatchedGenerator:
         self.max_batch = max_batch
         self.max_padding = max_padding
         self.device = next(model.parameters()).device
+        self._generators: list[torch.Generator] = []     # reused and reseeded per call (see _seeded_generators)
         eos = model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if tokenizer.eos_token_id is not None:
@@ -217,6 +218,13 @@ class BatchedGenerator:
                 b.append(i)
         return batches
 
+    def _seeded_generators(self, seeds: Sequence[int]) -> list[torch.Generator]:
+        """One generator per row, reseeded: the same streams as fresh generators, without
+        creating B device generators on every turn of every rollout."""
+        while len(self._generators) < len(seeds):
+            self._generators.append(torch.Generator(device=self.device))
+        return [g.manual_seed(s) for g, s in zip(self._generators, seeds)]
+
     @torch.no_grad()
     def _generate_batch(self, prompts: Sequence[Sequence[int]], temperature: float,
                         seeds: Sequence[int]) -> list[list[int]]:
@@ -228,7 +236,7 @@ class BatchedGenerator:
             mask[i, width - len(p):] = 1
         processors = list(self._limit)
         if temperature > 0:
-            processors.append(_RowSeededSampler(seeds, temperature, self.device))
+            processors.append(_RowSeededSampler(self._seeded_generators(seeds), temperature))
         with autocast(self.device, self.autocast_dtype):
             seqs = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,

@@ -495,9 +495,9 @@ def _per_row(rows: Sequence[TrainRow], micro: int,
     order = sorted(range(len(rows)), key=lambda i: _row_len(rows[i]))
     for start in range(0, len(order), micro):
         part = order[start:start + micro]
-        batch = compute([rows[i] for i in part])
+        batch = compute([rows[i] for i in part]).detach().float().cpu()   # one device sync per micro-batch
         for k, i in enumerate(part):
-            out[i] = batch[k, :len(rows[i].response_ids)].detach().float().cpu().clone()
+            out[i] = batch[k, :len(rows[i].response_ids)].clone()
     return out
 
 
