@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from fl_app.hashing import sha256_file
+
 FORMAT = "fedagent-weights"
 VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -156,15 +158,6 @@ class Manifest:
         return cls.from_json(mf.read_text(), path)
 
 
-def _hash_file(path: Path) -> str:
-    h = hashlib.sha256()
-    chunk = memoryview(bytearray(1 << 20))  # small and reused: hashing adds no shard-sized copy
-    with open(path, "rb") as f:
-        while n := f.readinto(chunk):
-            h.update(chunk[:n])
-    return h.hexdigest()
-
-
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -223,7 +216,7 @@ class ShardWriter:
         path = self.out_dir / file
         save_file(self._pending, str(path), metadata={"format": "pt"})
         infos = tuple(TensorInfo(k, tuple(v.shape), dtype_name(v.dtype)) for k, v in self._pending.items())
-        self._shards.append(ShardInfo(file, _hash_file(path), path.stat().st_size, infos))
+        self._shards.append(ShardInfo(file, sha256_file(path), path.stat().st_size, infos))
         self._pending, self._pending_bytes, self._pending_ptrs = {}, 0, set()
 
     def finish(self) -> Manifest:

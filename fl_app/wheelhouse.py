@@ -27,7 +27,6 @@ Standard library + `packaging` only (pip vendors it; every image with pip has it
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import subprocess
@@ -42,6 +41,8 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
+
+from fl_app.hashing import sha256_file
 
 MANIFEST = "manifest.json"
 PARTS_MANIFEST = "parts.json"
@@ -122,14 +123,6 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(w.size for w in self.wheels)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(MiB):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _write_json(path: Path, data: dict) -> None:
