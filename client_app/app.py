@@ -22,7 +22,7 @@ from client_app.lane import LaneService
 from fl_app.config import Config, load_config
 from fl_app.rundir import RunDir
 from fl_app.store import DirStore
-from fl_app.transport import WeightsRef, arrays_key, receive_manifest, receive_weights, send_stored
+from fl_app.transport import WeightsRef, arrays_key, receive_manifest, receive_weights, send_members
 from fl_app.weights import save_shards
 
 app = ClientApp()
@@ -66,13 +66,12 @@ def _weights_dir(node: _Node, msg: Message, member: str, scratch: Path) -> Path:
 
 def _reply(msg: Message, node: _Node, outs: dict[str, Path], metrics: dict[str, Any],
            config: dict[str, Any]) -> Message:
-    content = RecordDict()
-    refs: dict[str, Any] = {}
-    for member, out in outs.items():
-        ref, content[arrays_key(member)] = send_stored(node.store, node.rd.store_key(out), node.inline_bytes)
-        if ref.inline:
-            shutil.rmtree(out, ignore_errors=True)
-        refs.update(ref.to_config(prefix=member))
+    arrays, refs, sent = send_members(node.store, {m: node.rd.store_key(out) for m, out in outs.items()},
+                                      node.inline_bytes)
+    for member, ref in sent.items():
+        if ref.inline:                        # travels in the message: the upload dir is not needed
+            shutil.rmtree(outs[member], ignore_errors=True)
+    content = RecordDict(arrays)
     content["config"] = ConfigRecord({**refs, **config})
     if metrics:
         content["metrics"] = MetricRecord(metrics)

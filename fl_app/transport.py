@@ -81,6 +81,19 @@ def send_stored(store: WeightStore, key: str, inline_max_bytes: int) -> tuple[We
                       manifest_sha256=manifest.sha256), ArrayRecord()
 
 
+def send_members(store: WeightStore, keys: Mapping[str, str], inline_max_bytes: int
+                 ) -> tuple[dict[str, ArrayRecord], dict[str, Any], dict[str, WeightsRef]]:
+    """Ship several store entries in one message (policy, critic): per member its ArrayRecord
+    under `arrays_key(member)`, its WeightsRef config entries prefixed by the member, and the refs."""
+    arrays: dict[str, ArrayRecord] = {}
+    config: dict[str, Any] = {}
+    refs: dict[str, WeightsRef] = {}
+    for member, key in keys.items():
+        refs[member], arrays[arrays_key(member)] = send_stored(store, key, inline_max_bytes)
+        config.update(refs[member].to_config(prefix=member))
+    return arrays, config, refs
+
+
 def receive_manifest(ref: WeightsRef, store: WeightStore) -> Manifest:
     """The store entry a by-reference `ref` points at, checked against the pinned manifest digest."""
     if ref.inline:

@@ -17,7 +17,6 @@ on its own (rounds/round-r/<member>), and a round is complete only when all of t
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
@@ -27,7 +26,7 @@ from fl_app.config import Config, load_config, save_config
 from fl_app.plots import plot_validation
 from fl_app.rundir import RunDir
 from fl_app.store import DirStore
-from fl_app.transport import WeightsRef, arrays_key, receive_weights, send_stored
+from fl_app.transport import WeightsRef, arrays_key, receive_weights, send_members
 from fl_app.weights import save_shards
 from server_app.strategy import RoundError, make_strategy
 
@@ -62,12 +61,8 @@ class Weights:
     def payload(self, r: int, members: tuple[str, ...]) -> tuple[dict[str, ArrayRecord], dict[str, Any]]:
         """What a message carries to name the global `members` of round r: per member its
         ArrayRecord (RecordDict key `arrays_key(member)`) and its WeightsRef config entries."""
-        arrays: dict[str, ArrayRecord] = {}
-        config: dict[str, Any] = {}
-        for member in members:
-            ref, arrays[arrays_key(member)] = send_stored(self.store, self.rd.store_key(self.rd.member_dir(r, member)),
-                                                          self.inline_bytes)
-            config.update(ref.to_config(prefix=member))
+        keys = {m: self.rd.store_key(self.rd.member_dir(r, m)) for m in members}
+        arrays, config, _refs = send_members(self.store, keys, self.inline_bytes)
         return arrays, config
 
 
