@@ -148,3 +148,38 @@ def test_sigkill_mid_round_then_rerun_resumes_cleanly(tmp_path):
         assert RunDir(run_dir, total_rounds=4).last_complete_round() == 4
         assert [r["round"] for r in rd.read_metrics()] == [0, 1, 2, 3, 4]   # one line per round
         assert set(_service_pids(fr)) - set(first_services)   # the rerun got a service of its own
+
+
+def test_stopping_the_local_superlink_mid_run_stops_the_runtime_too(tmp_path):
+    """`python -m server_app.local_superlink stop` during a run: the detached simulation runtime
+    (its own process group) and the lane's trainer service must not keep training."""
+    run_dir = tmp_path / "stopped"
+    with flower(tmp_path / "flwr") as fr:
+        log = open(tmp_path / "run.log", "w")
+        proc = subprocess.Popen([FLWR, "run", str(ROOT), "--run-config", _rc(run_dir, rounds=50),
+                                 "--federation-config", "num-supernodes=1", "--stream"],
+                                env=fr.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and not _service_pids(fr) and proc.poll() is None:
+                time.sleep(1)
+            services = _service_pids(fr)
+            assert services, (tmp_path / "run.log").read_text()[-4000:]
+            superlink = find_superlink(fr.port)
+            ports = {c.laddr.port for c in superlink.net_connections() if c.status == psutil.CONN_LISTEN}
+            runtime = [psutil.Process(c.pid) for c in psutil.net_connections(kind="tcp")
+                       if c.pid and c.pid not in (superlink.pid, proc.pid) and c.raddr and c.raddr.port in ports]
+            assert runtime, "no process of the run is connected to the SuperLink"
+            fr.stop()
+            gone = lambda pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            # stop returns after its targets exited; a runtime left to notice the lost SuperLink by
+            # itself lingers for many seconds, so allow only a moment for zombies to be reaped
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline and not all(gone(p) for p in services + [r.pid for r in runtime]):
+                time.sleep(0.5)
+            assert all(gone(r.pid) for r in runtime), "the simulation runtime outlived the stopped SuperLink"
+            assert all(gone(p) for p in services), "a trainer service outlived the stopped SuperLink"
+        finally:
+            proc.kill()
+            proc.wait()
+            log.close()
