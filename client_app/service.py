@@ -90,7 +90,11 @@ class TrainerService:
         if self.cfg.federation.val_tasks > self.val_size:
             raise ValueError(f"federation.val_tasks={self.cfg.federation.val_tasks} exceeds the env's validation "
                              f"split ({self.val_size} tasks); lower val_tasks or raise env.params.val_size")
-        self.trainer = BuiltinTrainer(self.cfg, self.env_url)
+        if self.cfg.backend == "verl":
+            from client_app.trainer.verl_backend import VerlTrainer
+            self.trainer = VerlTrainer(self.cfg, self.env_url, run_dir=self.cfg.resolved_run_dir())
+        else:
+            self.trainer = BuiltinTrainer(self.cfg, self.env_url)
         self._stack.callback(self.trainer.close)
 
     def shard(self, client_id: int) -> list[int]:

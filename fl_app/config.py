@@ -132,9 +132,21 @@ class RunCfg(_Strict):
     service_idle_timeout_s: float = Field(900.0, gt=0, description="A trainer service with no request for this long exits.")
 
 
+class VerlCfg(_Strict):
+    """Settings only the verl backend reads (`backend: verl`; docs/verl.md). Setting any of them
+    with another backend is an error. Every other verl setting is derived from the recipe keys
+    (client_app/trainer/verl_config.py holds the mapping); a recipe key verl cannot honour fails
+    the config instead of silently training something else."""
+
+    rollout_engine: Literal["hf", "vllm"] = Field("hf", description="Who generates the rollouts. `hf`: batched Hugging Face `generate` on the verl engine's own live module (CPU and small GPUs; the same rollout loop as the builtin backend). `vllm`: verl's vLLM replicas with our agent loop (GPU only, needs vllm installed; not wired yet, so it fails at trainer start).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, lt=1, description="Fraction of GPU memory vLLM may take (verl `actor_rollout_ref.rollout.gpu_memory_utilization`); `rollout_engine: vllm` only.")
+    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size (verl `actor_rollout_ref.rollout.tensor_model_parallel_size`); `rollout_engine: vllm` only.")
+
+
 class Config(_Strict):
     extends: str = Field("", description="The recipe this one starts from: a name in configs/ or a .yaml path relative to this file. Its keys are merged under this file's (lists are replaced, not appended); chains are allowed, cycles are an error. A saved (resolved) config has it empty.")
-    backend: Literal["builtin"] = Field("builtin", description="Trainer backend.")
+    backend: Literal["builtin", "verl"] = Field("builtin", description="Trainer backend: `builtin` (torch + transformers, CPU or one GPU) or `verl` (verl 0.9.1's FSDP2 training engine behind the same trainer interface; `pip install -e .[verl]`; docs/verl.md). verl refuses recipe keys it cannot honour (see `verl`).")
+    verl: VerlCfg = VerlCfg()
     model: ModelCfg = ModelCfg()
     env: EnvCfg = EnvCfg()
     rollout: RolloutCfg = RolloutCfg()
@@ -161,10 +173,32 @@ class Config(_Strict):
             # Fail closed: the habit is the shop's buy-now action; elsewhere it would silently do nothing.
             raise ValueError(f"model.tiny.sft_shortcut={tiny.sft_shortcut} demonstrates the shop's buy-now habit, "
                              f"and env {self.env.name!r} has no such action; set model.tiny.sft_shortcut: 0")
+        self._check_backend()
         if self.algo.name != "ppo" and self.algo.critic.path:
             raise ValueError(f"algo.critic.path={self.algo.critic.path!r} is set but algo.name={self.algo.name!r} "
                              "has no critic; remove it or set algo.name=ppo")
         return self
+
+    def _check_backend(self) -> None:
+        """Fail closed on what the chosen backend cannot honour (docs/verl.md)."""
+        if self.backend != "verl":
+            changed = [k for k, v in self.verl.model_dump().items() if v != VerlCfg.model_fields[k].default]
+            if changed:   # compared with the defaults: a saved (complete) config still loads
+                raise ValueError(f"verl.{changed[0]} is set but backend={self.backend!r}; "
+                                 "remove the `verl` section or set backend: verl")
+            return
+        refused = []
+        if self.algo.name == "ppo":
+            refused.append("algo.name=ppo: the verl backend has no federated critic yet (issue #7); use backend: builtin")
+        vllm_only = ("gpu_memory_utilization", "tensor_parallel_size")
+        if self.verl.rollout_engine != "vllm" and any(getattr(self.verl, k) != VerlCfg.model_fields[k].default
+                                                       for k in vllm_only):
+            refused.append("verl.gpu_memory_utilization / verl.tensor_parallel_size only apply to "
+                           "verl.rollout_engine=vllm; remove them")
+        if self.verl.rollout_engine == "vllm" and self.run.device == "cpu":
+            refused.append("verl.rollout_engine=vllm needs a GPU but run.device=cpu; use rollout_engine: hf")
+        if refused:
+            raise ValueError("backend=verl cannot honour: " + "; ".join(refused))
 
     def weight_members(self) -> tuple[str, ...]:
         """The weights a round federates: the policy, plus the critic for PPO (invariant 7)."""
@@ -187,6 +221,7 @@ RUN_CONFIG_KEYS: dict[str, str] = {
     "proximal-mu": "federation.proximal_mu",
     "model": "model.path",
     "device": "run.device",
+    "backend": "backend",
 }
 
 

@@ -1,0 +1,643 @@
+"""The verl backend: verl 0.9.1's FSDP2 training engine behind our `Trainer` interface.
+
+Built once per lane, in the lane service's own process (no Ray: verl's `TrainingWorker` is
+constructed in-process over a process group this module starts, world size 1):
+
+  * the actor: `verl.workers.engine_workers.TrainingWorker` over verl's `FSDPEngineWithLMHead`
+    (strategy fsdp2, fp32 master weights), its loss `verl.workers.utils.losses.ppo_loss` with
+    the `ActorConfig` composed from our recipe (`verl_config.py`);
+  * the reference (kl_coef > 0): a second, forward-only `TrainingWorker` on the original
+    backbone (`ref_anchor: base`), or overwritten with the loaded weights per fit (`round`).
+
+Per client fit: `load_weights` injects our fp32 state dict into the live FSDP2 module in place
+(`torch.distributed.checkpoint.state_dict.set_model_state_dict`, full state dict); the AdamW
+state is dropped and the LR schedule rebuilt (invariant 3); E RL iterations run (rollout with
+our loop, advantages with `client_app.algos`, the update on verl's engine); `export_weights`
+reads fp32 full tensors straight from the engine (`engine.get_per_tensor_param()`), never
+through verl's model merger (it casts to bf16: field log 2026-07-23).
+
+The update drives verl's engine one optimizer step per mini-batch, exactly as verl's
+`BaseEngine.train_batch` does (zero_grad, `forward_backward_batch`, `optimizer_step`), with our
+FedProx gradient (policy only, invariant 4) added between the backward and the step. Rows are
+ordered and cut into mini-batches by the same seeded permutation as the builtin trainer, so
+the two backends take the same optimizer steps (tests/test_verl_backend.py holds them to 1e-5).
+
+CPU: verl 0.9.1 ships no CPU platform. `CpuPlatform` is one, registered through verl's own
+platform plugin registry (`verl.plugin.platform.PlatformRegistry` + `set_platform`), and verl's
+FSDP engine classes are registered for device "cpu" through `EngineRegistry.register`; the
+process group is gloo. Rollouts: `verl.rollout_engine: hf` generates with batched Hugging Face
+`generate` on the engine's own FSDP2 module (the builtin's rollout loop, so the context a
+policy acted on is exactly the row it trains on); `vllm` (verl's replicas + our agent loop) is
+the GPU path and not wired yet.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from client_app.algos import FedProxAnchor
+from client_app.critic import CriticStart
+from client_app.rollout import BatchedGenerator, RolloutSettings, TrainRow, derive_seed, draw_tasks, \
+    episode_metrics, group_specs, run_episodes, training_rows
+from client_app.tiny_model import build_tiny_model
+from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
+from client_app.trainer.builtin import CPU_MAX_PADDING, BuiltinTrainer, release_memory, resolve_device
+from client_app.trainer import verl_config
+from envs.client import SyncEnvClient
+from envs.registry import system_prompt
+from fl_app.config import Config
+from fl_app.weights import load_shards
+
+log = logging.getLogger("fedagent.trainer.verl")
+
+_SUMMED = frozenset({"rows", "rollout_tokens", "rollout_steps", "optimizer_steps", "skipped_steps"})
+# verl's per-micro-batch actor metrics -> ours (shares of the mini-batch loss are summed over
+# micro-batches, fractions and ppo_kl averaged, as builtin reports them)
+_METRICS = {"actor/pg_loss": ("pg_loss", "sum"), "actor/entropy_loss": ("entropy", "sum"),
+            "kl_loss": ("kl_loss", "sum"), "actor/pg_clipfrac": ("pg_clipfrac", "mean"),
+            "actor/ppo_kl": ("ppo_kl", "mean"), "actor/pg_clipfrac_lower": ("pg_clipfrac_lower", "mean")}
+
+
+# ---------------------------------------------------------------------------------- CPU seams
+
+def _platform_base() -> type:
+    from verl.plugin.platform import PlatformBase
+    return PlatformBase
+
+
+class _CpuDeviceModule(ModuleType):
+    """`torch.cpu` plus the allocator statistics verl's workers log after every step (the CPU
+    has no caching allocator: they read 0; host memory is measured as RSS instead)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def _zero(*args: Any, **kwargs: Any) -> int:
+        return 0
+
+    max_memory_allocated = max_memory_reserved = memory_allocated = memory_reserved = _zero
+
+    @staticmethod
+    def reset_peak_memory_stats(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    @staticmethod
+    def mem_get_info(*args: Any, **kwargs: Any) -> tuple[int, int]:
+        return 0, 0
+
+
+_CPU_DEVICE_MODULE = _CpuDeviceModule("fedagent_verl_cpu_device")
+
+
+def make_cpu_platform() -> Any:
+    """A verl platform for the host CPU (verl 0.9.1 registers nvidia, huawei and amd only)."""
+    base = _platform_base()
+
+    class CpuPlatform(base):  # type: ignore[misc, valid-type]
+        """Device "cpu", collectives over gloo, no IPC, no profiler, no Ray accelerator."""
+
+        device_name = "cpu"
+        vendor_name = "cpu"
+
+        @property
+        def device_module(self) -> ModuleType:
+            return _CPU_DEVICE_MODULE
+
+        def is_available(self) -> bool:
+            return True
+
+        def current_device(self) -> str:         # used as `tensor.to(get_device_id())`
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            pass
+
+        def synchronize(self, device_index: int | None = None) -> None:
+            pass
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            pass
+
+        def empty_cache(self) -> None:
+            pass
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"
+
+        @contextlib.contextmanager
+        def nvtx_range(self, msg: str):
+            yield
+
+        def profiler_start(self) -> None:
+            pass
+
+        def profiler_stop(self) -> None:
+            pass
+
+        def ray_resource_name(self) -> str:
+            return "CPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self) -> None:
+            return None
+
+    return CpuPlatform
+
+
+def arm_cpu() -> None:
+    """Make verl run on the CPU in this process: the CPU platform is the current one and
+    verl's FSDP engines are registered for device "cpu". Idempotent. verl resolves its platform
+    once per process, falling back to nvidia when it finds no accelerator; that fallback (no
+    CUDA device behind it) is replaced, a platform with a real device behind it is not: fail
+    closed."""
+    from verl.plugin.platform import PlatformRegistry, platform_manager, set_platform
+
+    if PlatformRegistry.get("cpu") is None:
+        PlatformRegistry.register(platform="cpu")(make_cpu_platform())
+    current = platform_manager._current_platform
+    if current is None or (current.device_name == "cuda" and not torch.cuda.is_available()):
+        set_platform(PlatformRegistry.get("cpu")())
+    elif current.device_name != "cpu":
+        raise RuntimeError(f"verl already runs on {current.device_name!r} in this process; run.device=cpu "
+                           "needs a process of its own")
+    # imported only now: verl's engine modules read the platform when they are imported
+    from verl.utils.device import get_device_name
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    registry = EngineRegistry._engines["language_model"]["fsdp2"]
+    if "cpu" not in registry:
+        EngineRegistry.register(model_type="language_model", backend=["fsdp2"], device="cpu")(FSDPEngineWithLMHead)
+    if get_device_name() != "cpu":
+        raise RuntimeError(f"verl's platform is {get_device_name()!r} after arming the CPU platform")
+
+
+def ensure_process_group(device: str) -> None:
+    """A world-size-1 process group for verl's FSDP2 engine (gloo on CPU; gloo + nccl on CUDA),
+    rendezvous through a private file (no port). verl's Worker reads the rank env vars: they
+    are set to this single rank. An existing group of world size 1 is reused."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError(f"a process group of world size {dist.get_world_size()} already exists; the verl "
+                               "backend runs one rank per lane service")
+    else:
+        backend = "cpu:gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
+        fd, store = tempfile.mkstemp(prefix=f"fedagent-verl-pg-{os.getpid()}-")
+        os.close(fd)
+        os.unlink(store)   # the file store creates it; a leftover file would hold a stale rendezvous
+        dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=0, world_size=1)
+    for key, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "0")):
+        os.environ[key] = value
+
+
+def isolate_from_outer_ray() -> None:
+    """The verl backend never joins a Ray cluster it did not start (Flower's simulation runs
+    on one): an inherited RAY_ADDRESS is dropped before verl is imported."""
+    os.environ.pop("RAY_ADDRESS", None)
+
+
+# ---------------------------------------------------------------------------------- the trainer
+
+class VerlTrainer:
+    """`client_app.trainer.base.Trainer` on verl's FSDP2 training engine (GRPO)."""
+
+    critic_start: CriticStart | None = None    # the verl backend has no critic (config refuses ppo)
+
+    def __init__(self, cfg: Config, env_url: str | None, run_dir: Path | str | None = None) -> None:
+        if cfg.backend != "verl":
+            raise ValueError(f"VerlTrainer needs backend=verl, got backend={cfg.backend!r}")
+        self.cfg = cfg
+        self.device = resolve_device(cfg.run.device)
+        if cfg.verl.rollout_engine == "vllm":
+            raise NotImplementedError("verl.rollout_engine=vllm (verl's vLLM replicas + our agent loop) is the GPU "
+                                      "path of issue #7 and is not wired yet; use verl.rollout_engine: hf")
+        isolate_from_outer_ray()
+        path = build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout) if cfg.model.path == "tiny" \
+            else Path(cfg.model.path)
+        self.model_path = Path(path)
+        # 1. the verl config: composed and validated before anything is built, then recorded
+        self.verl_cfg = verl_config.compose(cfg, self.model_path, self.device.type)
+        verl_config.check_resolved(cfg, self.verl_cfg)
+        self.resolved_config_path = verl_config.write_resolved(self.verl_cfg, Path(run_dir)) if run_dir else None
+        # 2. verl's runtime on this device, one rank
+        if self.device.type == "cpu":
+            arm_cpu()
+        ensure_process_group(self.device.type)
+        # 3. the workers
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.utils.losses import ppo_loss
+
+        model_config = omega_conf_to_dataclass(self.verl_cfg.actor_rollout_ref.model)
+        self.actor_config = omega_conf_to_dataclass(self.verl_cfg.actor_rollout_ref.actor)
+        self.actor_config.model_config = model_config
+        self.actor = self._worker(self.actor_config, model_config, forward_only=False)
+        self.loss_fn = partial(ppo_loss, config=self.actor_config)
+        self.actor.set_loss_fn(self.loss_fn)
+        self.engine = self.actor.engine
+        self.ref = None
+        if cfg.algo.kl_coef > 0:
+            self.ref = self._worker(self.actor_config, model_config, forward_only=True)
+        self._tokenizer = load_causal_lm_tokenizer(self.model_path)
+        rows = self.engine.module.get_output_embeddings().weight.shape[0]
+        if rows != len(self._tokenizer):
+            # builtin samples and scores over the tokenizer's ids only; verl's engine normalises
+            # its log-probs over every output row, so the hf rollout (which masks padded rows)
+            # would train on a distribution it did not sample from
+            raise ValueError(f"the model has {rows} output rows and its tokenizer {len(self._tokenizer)} tokens; "
+                             "verl.rollout_engine=hf needs them equal (verl scores over every row). Use "
+                             "backend: builtin for this model, or the vllm rollout engine on a GPU")
+        self._param_names = [n for n, _ in self.engine.module.named_parameters()]
+        self._members = ("actor",)
+        if cfg.model.init_from:
+            self._load_start(cfg.model.init_from)
+        self.pad_id = self._tokenizer.pad_token_id
+        self.generator = BatchedGenerator(self.engine.module, self._tokenizer, cfg.rollout.max_response_tokens,
+                                          None if self.device.type == "cpu" else torch.bfloat16,
+                                          max_padding=CPU_MAX_PADDING if self.device.type == "cpu" else None)
+        self.settings = RolloutSettings(cfg.env.max_turns, cfg.rollout.history_length, cfg.rollout.max_prompt_tokens,
+                                        system_prompt(cfg.env.name), mode=cfg.rollout.mode)
+        self.env = SyncEnvClient(env_url) if env_url else None
+        self.max_sessions = 0
+        if self.env is not None:
+            try:
+                self.max_sessions = int(self.env.info()["pool_size"])
+            except BaseException:
+                self.env.close()
+                raise
+
+    def _worker(self, actor_config: Any, model_config: Any, forward_only: bool) -> Any:
+        """One in-process verl TrainingWorker (fsdp2), built as verl's ActorRolloutRefWorker does."""
+        import copy
+
+        from verl.workers.config import TrainingWorkerConfig
+        from verl.workers.engine_workers import TrainingWorker
+
+        engine_config = copy.deepcopy(actor_config.engine)
+        micro = self.cfg.algo.micro_batch_size
+        # verl keeps a forward-only FSDP2 module under a pinned-memory CPU offload policy, and
+        # pinning needs CUDA: on CPU the reference is a training engine that never steps (its
+        # AdamW creates state lazily, at a step, so it holds none)
+        engine_config.forward_only = forward_only and self.device.type != "cpu"
+        engine_config.micro_batch_size_per_gpu = micro
+        engine_config.infer_micro_batch_size_per_gpu = micro
+        engine_config.use_dynamic_bsz = False
+        engine_config.use_remove_padding = bool(model_config.get("use_remove_padding", False))
+        config = TrainingWorkerConfig(model_type="language_model", model_config=copy.deepcopy(model_config),
+                                      engine_config=engine_config, optimizer_config=actor_config.optim,
+                                      checkpoint_config=actor_config.checkpoint)
+        worker = TrainingWorker(config=config)
+        worker.reset()       # builds model (from model.path), optimizer, LR schedule once
+        return worker
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self._members
+
+    def _check_member(self, member: str) -> None:
+        if member not in self._members:
+            raise KeyError(f"this trainer has no {member!r} weights; its members are {list(self._members)}")
+
+    def _load_start(self, weights_dir: str) -> None:
+        try:
+            self.load_weights(load_shards(Path(weights_dir).expanduser()), "actor")
+        except (KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"model.init_from ({weights_dir}) does not fit model.path={self.cfg.model.path!r}: {e}") \
+                from None
+
+    @torch.no_grad()
+    def load_weights(self, state: Mapping[str, torch.Tensor], member: str = "actor") -> None:
+        """Inject fp32 weights into the live FSDP2 module in place (names as `export_weights`)."""
+        self._check_member(member)
+        _inject(self.engine.module, self._param_names, state)
+
+    def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
+        """fp32 full tensors straight from the engine (`get_per_tensor_param`), detached CPU
+        copies, one per parameter (a tied LM head is exported once, as its embedding)."""
+        self._check_member(member)
+        return _export(self.engine, self._param_names)
+
+    # ------------------------------------------------------------------ optimizer
+
+    def reset_optimizer(self) -> None:
+        """A fresh AdamW and LR schedule for the next fit (invariant 3), without a new
+        optimizer object: the engine's checkpoint manager holds the old one, so replacing it
+        would keep the retired state alive (field log 2026-07-22). Clearing the state is
+        exactly a fresh torch AdamW (its state is created lazily at the first step)."""
+        from verl.utils.torch_functional import get_constant_schedule_with_warmup
+
+        optimizer = self.engine.optimizer
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.state.clear()
+        for group in optimizer.param_groups:
+            group["lr"] = self.cfg.algo.lr
+            group["initial_lr"] = self.cfg.algo.lr
+        self.engine.lr_scheduler = get_constant_schedule_with_warmup(optimizer=optimizer, num_warmup_steps=0)
+        self.engine.checkpoint_manager.lr_scheduler = self.engine.lr_scheduler
+
+    # ------------------------------------------------------------------ fit
+
+    def fit(self, req: FitRequest) -> FitResult:
+        """E RL iterations from the loaded weights with a fresh optimizer (GRPO)."""
+        if req.local_epochs < 1:
+            raise ValueError(f"local_epochs must be >= 1, got {req.local_epochs}")
+        self._need_env()
+        self.reset_optimizer()
+        if self.ref is not None and self.cfg.algo.ref_anchor == "round":
+            _inject(self.ref.engine.module, self._param_names, self.export_weights())
+        anchor = FedProxAnchor.snapshot(self.engine.module.named_parameters()) if req.proximal_mu > 0 else None
+        per_epoch: list[dict[str, float]] = []
+        episodes_trained = 0
+        try:
+            for epoch in range(req.local_epochs):
+                metrics, n = self._iteration(req, epoch, anchor)
+                per_epoch.append(metrics)
+                episodes_trained += n
+        finally:
+            self.engine.optimizer.zero_grad(set_to_none=True)
+            self.engine.optimizer.state.clear()
+            if anchor is not None:
+                anchor.release()
+            release_memory(self.device)
+        metrics = {k: (sum if k in _SUMMED or k.endswith("_s") else _mean)([m[k] for m in per_epoch])
+                   for k in per_epoch[0]}
+        metrics["tokens_per_s"] = metrics["rollout_tokens"] / max(metrics["rollout_generate_s"], 1e-9)
+        return FitResult(num_examples=episodes_trained, metrics=metrics)
+
+    def _iteration(self, req: FitRequest, epoch: int, anchor: FedProxAnchor | None) -> tuple[dict[str, float], int]:
+        a, r = self.cfg.algo, self.cfg.rollout
+        tasks = draw_tasks(req.task_indices, a.tasks_per_step, req.seed, req.round, req.client_id, epoch)
+        t0 = time.perf_counter()
+        self.engine.module.eval()
+        episodes, stats = run_episodes(
+            self.generator, self.env, group_specs(tasks, int(a.group_size)), self.settings, r.temperature,
+            derive_seed("sample", req.seed, req.round, req.client_id, epoch), self.max_sessions,
+            desc=f"verl r{req.round} c{req.client_id} e{epoch}")
+        rollout_s = time.perf_counter() - t0
+        rows = training_rows(episodes, r.invalid_action_penalty)
+        t0 = time.perf_counter()
+        advantages = BuiltinTrainer.episode_advantages(episodes, rows)
+        update = self.update(rows, advantages, anchor, req.proximal_mu,
+                             derive_seed("minibatch", req.seed, req.round, req.client_id, epoch))
+        update_s = time.perf_counter() - t0
+        metrics = {**episode_metrics(episodes, "train_"),
+                   "train_score": sum(rw.score for rw in rows) / max(len(rows), 1), "rows": float(len(rows)),
+                   "rollout_s": rollout_s, "update_s": update_s, **stats.as_metrics("rollout_"), **update}
+        return metrics, a.tasks_per_step * int(a.group_size)
+
+    # ------------------------------------------------------------------ update (verl's engine)
+
+    def row_log_probs(self, rows: Sequence[TrainRow], worker: Any = None) -> list[torch.Tensor]:
+        """Log-probs of each row's response tokens under the actor (or `worker`), from verl's
+        `TrainingWorker.infer_batch` at the rollout temperature (one 1-D tensor per row)."""
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        from verl.utils import tensordict_utils as tu
+
+        worker = worker or self.actor
+        out: list[torch.Tensor] = []
+        micro = self.cfg.algo.micro_batch_size
+        for start in range(0, len(rows), micro):
+            part = rows[start:start + micro]
+            td = self._batch(part, micro_batch=len(part))
+            tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+            result = worker.infer_batch(td)
+            padded = no_padding_2_padding(tu.get(result, "log_probs"), td).float()
+            out.extend(padded[b, :len(rw.response_ids)].clone() for b, rw in enumerate(part))
+        return out
+
+    def update(self, rows: Sequence[TrainRow], advantages: Sequence[torch.Tensor], anchor: FedProxAnchor | None,
+               mu: float, seed: int) -> dict[str, float]:
+        """One PPO pass of the policy over `rows` on verl's engine: old (and reference)
+        log-probs from verl, then per mini-batch (the builtin's seeded order and sizes) one
+        optimizer step: verl's forward_backward_batch with verl's ppo_loss, our FedProx
+        gradient, verl's clip + AdamW step."""
+        a = self.cfg.algo
+        old = self.row_log_probs(rows)
+        ref = self.row_log_probs(rows, self.ref) if self.ref is not None else None
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+        sums: dict[str, float] = defaultdict(float)
+        steps = skipped = 0
+        engine = self.engine
+        for start in range(0, len(rows), a.mini_batch_size):
+            idx = order[start:start + a.mini_batch_size]
+            micro = _largest_divisor_at_most(len(idx), a.micro_batch_size)
+            td = self._batch([rows[i] for i in idx], micro_batch=micro,
+                             old=[old[i] for i in idx], advantages=[advantages[i] for i in idx],
+                             ref=[ref[i] for i in idx] if ref is not None else None)
+            with engine.train_mode():
+                engine.optimizer_zero_grad()
+                output = engine.forward_backward_batch(td, self.loss_fn, forward_only=False)
+                if anchor is not None:
+                    anchor.add_grad_(engine.module.named_parameters(), mu)
+                grad_norm = engine.optimizer_step()
+            if not math.isfinite(grad_norm):
+                skipped += 1
+                log.warning("non-finite gradient norm; optimizer step skipped")
+            for k, v in _metrics(output["metrics"]).items():
+                sums[k] += v
+            sums["grad_norm"] += float(grad_norm)
+            steps += 1
+        engine.lr_scheduler_step()     # once per update pass, as verl's train_mini_batch does (constant LR)
+        engine.optimizer_zero_grad()
+        out = {k: v / max(steps, 1) for k, v in sums.items()}
+        out["optimizer_steps"] = float(steps)
+        out["skipped_steps"] = float(skipped)
+        return out
+
+    def _batch(self, rows: Sequence[TrainRow], micro_batch: int, old: Sequence[torch.Tensor] | None = None,
+               advantages: Sequence[torch.Tensor] | None = None,
+               ref: Sequence[torch.Tensor] | None = None) -> Any:
+        """Rows in verl's layout: left-padded prompts + right-padded responses, converted to
+        verl's no-padding (nested) TensorDict with the engine keys train_batch would inject."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import left_right_2_no_padding
+
+        n, p_max, r_max = len(rows), max(len(rw.prompt_ids) for rw in rows), max(len(rw.response_ids) for rw in rows)
+        prompts = torch.full((n, p_max), self.pad_id, dtype=torch.long)
+        responses = torch.full((n, r_max), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((n, p_max + r_max), dtype=torch.long)
+        response_mask = torch.zeros((n, r_max), dtype=torch.long)
+        for b, rw in enumerate(rows):
+            lp, lr = len(rw.prompt_ids), len(rw.response_ids)
+            prompts[b, p_max - lp:] = torch.tensor(rw.prompt_ids)
+            responses[b, :lr] = torch.tensor(rw.response_ids)
+            attention[b, p_max - lp:p_max + lr] = 1
+            response_mask[b, :lr] = torch.tensor(rw.mask)
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+        tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+                   "attention_mask": attention, "position_ids": position_ids, "response_mask": response_mask}
+        for key, values in (("old_log_probs", old), ("advantages", advantages), ("ref_log_prob", ref)):
+            if values is not None:
+                tensors[key] = _pad_rows(values, r_max)
+        td = tu.get_tensordict(tensors)
+        td = left_right_2_no_padding(td)
+        tu.assign_non_tensor(
+            td, temperature=float(self.cfg.rollout.temperature), calculate_entropy=True,
+            global_batch_size=n, use_remove_padding=bool(self.engine.model_config.use_remove_padding),
+            use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch, use_fused_kernels=False,
+            max_token_len_per_gpu=None, pad_token_id=self.pad_id)
+        return td
+
+    # ------------------------------------------------------------------ evaluate / close
+
+    def evaluate(self, req: EvalRequest) -> EvalResult:
+        """One episode per validation task at rollout.val_temperature, raw env rewards
+        (the invalid-action penalty never applies, invariant 10)."""
+        if not req.task_indices:
+            raise ValueError("EvalRequest.task_indices is empty; pass the fixed validation tasks")
+        self._need_env()
+        self.engine.module.eval()
+        episodes, stats = run_episodes(self.generator, self.env, group_specs(req.task_indices, 1), self.settings,
+                                       self.cfg.rollout.val_temperature, derive_seed("eval", req.seed),
+                                       self.max_sessions, desc="verl validate")
+        return EvalResult(num_examples=len(episodes),
+                          metrics={**episode_metrics(episodes, ""), "eval_s": stats.wall_s,
+                                   **stats.as_metrics("rollout_")})
+
+    def _need_env(self) -> None:
+        if self.env is None:
+            raise RuntimeError("this VerlTrainer was built without an env service URL; fit and evaluate need one")
+
+    def close(self) -> None:
+        """Close the env client and drop the engines (the process group stays: it is the process's)."""
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+        self.actor = self.ref = self.engine = self.generator = None
+        release_memory(self.device)
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+def load_causal_lm_tokenizer(path: Path) -> Any:
+    """The model directory's tokenizer, checked as the builtin backend checks it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "chat_template", None) or tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer in {path} needs a chat template and an eos token (see load_causal_lm)")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _inject(module: torch.nn.Module, names: Sequence[str], state: Mapping[str, torch.Tensor]) -> None:
+    """Copy a full fp32 state dict into an FSDP2 module in place (set_model_state_dict; a tied
+    LM head follows its embedding)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    missing = sorted(set(names) - set(state))
+    unexpected = sorted(set(state) - set(names))
+    if missing or unexpected:
+        raise KeyError(f"weights do not match the verl actor: missing {missing[:5]} ({len(missing)}), unexpected "
+                       f"{unexpected[:5]} ({len(unexpected)}); they must come from export_weights() of the same "
+                       "architecture")
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    for name, t in state.items():
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model {shapes[name]}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"weight {name} is {t.dtype}; weights travel as fp32 (invariant 1), never cast them")
+    full = dict(state)
+    for key, alias in _tied_aliases(module).items():
+        full[key] = full[alias]
+    set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+def _tied_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """state_dict keys that are not parameter names, mapped to the parameter they share (a tied LM head)."""
+    params = {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
+    aliases: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if params.get(id(p), name) != name:
+            aliases[name] = params[id(p)]
+    return aliases
+
+
+def _export(engine: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    wanted = set(names)
+    out: dict[str, torch.Tensor] = {}
+    generator, _peft = engine.get_per_tensor_param()
+    for name, tensor in generator:
+        if name not in wanted:
+            continue      # a tied alias: exported once under the parameter's own name
+        if tensor.dtype != torch.float32:
+            raise TypeError(f"verl engine returned {name} as {tensor.dtype}; the export must be fp32 (invariant 1)")
+        out[name] = tensor.detach().to("cpu", copy=True)
+    missing = wanted - set(out)
+    if missing:
+        raise RuntimeError(f"verl engine did not export {sorted(missing)[:5]}")
+    return {n: out[n] for n in names}
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    """verl's fixed-size micro-batching needs a micro size dividing the mini-batch; the split
+    only bounds memory (the loss is normalised by the whole mini-batch's token count)."""
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def _pad_rows(values: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros((len(values), width), dtype=torch.float32)
+    for b, v in enumerate(values):
+        out[b, :len(v)] = v
+    return out
+
+
+def _metrics(raw: Mapping[str, Any]) -> dict[str, float]:
+    """verl's metrics of one mini-batch, in builtin's names. A verl `Metric` aggregates its
+    micro-batch values itself (SUM for the loss shares, MEAN for fractions: verl's ppo_loss
+    declares which), which is builtin's convention; plain lists follow `_METRICS`."""
+    out: dict[str, float] = {}
+    for key, (name, how) in _METRICS.items():
+        if key not in raw:
+            continue
+        value = raw[key]
+        if hasattr(value, "aggregate"):
+            out[name] = float(value.aggregate())
+            continue
+        values = [float(getattr(v, "item", lambda v=v: v)()) for v in (value if isinstance(value, list) else [value])]
+        out[name] = sum(values) if how == "sum" else sum(values) / len(values)
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+

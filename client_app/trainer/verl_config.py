@@ -1,0 +1,176 @@
+"""Our recipe -> verl 0.9.1's trainer config: a Hydra compose of verl's own `ppo_trainer`
+config with overrides derived from the recipe keys, validated before anything is built.
+
+The mapping is one table (`recipe_overrides`): every recipe key the verl backend reads becomes
+one or more verl keys, and nothing else is changed from verl's defaults except the engineering
+settings the backend needs (FSDP2, fp32 master weights and fp32 compute on CPU, a constant LR
+with no warmup, our own mini-batch loop). What verl cannot honour is refused by the config
+itself (`fl_app.config.Config._check_backend`) or here (`check_resolved`), never defaulted.
+docs/verl.md prints the table.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from fl_app.config import Config, ConfigError
+
+VERL_VERSION = "0.9.1"
+# Recipe kl_type -> verl actor.kl_loss_type (verl's kl_penalty accepts both spellings).
+KL_TYPES = {"k1": "k1", "k3": "k3", "low_var_kl": "low_var_kl"}
+RESOLVED_NAME = "verl_config.yaml"
+
+
+def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
+    """Hydra overrides of verl's `ppo_trainer` config that carry the recipe (docs/verl.md)."""
+    a, r = cfg.algo, cfg.rollout
+    on_cpu = device == "cpu"
+    actor = "actor_rollout_ref.actor"
+    out = [
+        # model
+        f"actor_rollout_ref.model.path={model_path}",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        # packed (rmpad) sequences need flash-attn varlen kernels: GPU only
+        f"actor_rollout_ref.model.use_remove_padding={not on_cpu}",
+        f"+actor_rollout_ref.model.override_config.attn_implementation={'sdpa' if on_cpu else 'flash_attention_2'}",
+        # engine: FSDP2, fp32 master weights; fp32 compute on CPU (bf16 params on GPU, verl's default)
+        f"{actor}.strategy=fsdp2",
+        f"{actor}.fsdp_config.model_dtype=fp32",
+        f"{actor}.use_torch_compile={not on_cpu}",
+        f"{actor}.fsdp_config.use_torch_compile={not on_cpu}",
+        # optimizer: AdamW, constant LR, no warmup, rebuilt per fit by the backend (invariant 3)
+        f"{actor}.optim.lr={a.lr}",
+        f"{actor}.optim.weight_decay={a.weight_decay}",
+        f"{actor}.optim.clip_grad={a.grad_clip}",
+        f"{actor}.grad_clip={a.grad_clip}",
+        f"{actor}.optim.lr_scheduler_type=constant",
+        f"{actor}.optim.lr_warmup_steps=0",
+        f"{actor}.optim.lr_warmup_steps_ratio=0.0",
+        # objective
+        f"{actor}.policy_loss.loss_mode=vanilla",
+        f"{actor}.loss_agg_mode=token-mean",
+        f"{actor}.clip_ratio={a.clip_ratio}",
+        f"{actor}.clip_ratio_low={a.clip_ratio}",
+        f"{actor}.clip_ratio_high={a.clip_ratio}",
+        f"{actor}.clip_ratio_c={a.clip_ratio_c}",
+        f"{actor}.entropy_coeff={a.entropy_coeff}",
+        # builtin reports entropy always; verl computes it only when asked
+        f"{actor}.calculate_entropy=True",
+        f"{actor}.use_kl_loss={a.kl_coef > 0}",
+        f"{actor}.kl_loss_coef={a.kl_coef}",
+        f"{actor}.kl_loss_type={KL_TYPES[a.kl_type]}",
+        # batches, in ROWS (a windowed turn or a concat episode); the backend drives one
+        # optimizer step per mini-batch itself, one pass (ppo_epochs 1), seeded order
+        f"{actor}.ppo_mini_batch_size={a.mini_batch_size}",
+        f"{actor}.ppo_micro_batch_size_per_gpu={a.micro_batch_size}",
+        f"{actor}.ppo_epochs=1",
+        f"{actor}.use_dynamic_bsz=False",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={a.micro_batch_size}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={a.micro_batch_size}",
+        # rollout: the trained log-probs use the sampling temperature, as verl's actor does
+        f"actor_rollout_ref.rollout.temperature={r.temperature}",
+        f"actor_rollout_ref.rollout.val_kwargs.temperature={r.val_temperature}",
+        f"actor_rollout_ref.rollout.prompt_length={r.max_prompt_tokens}",
+        f"actor_rollout_ref.rollout.response_length={r.max_response_tokens}",
+        "actor_rollout_ref.rollout.top_p=1.0",
+        "actor_rollout_ref.rollout.top_k=-1",
+        f"actor_rollout_ref.rollout.n={int(a.group_size)}",
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={cfg.verl.gpu_memory_utilization}",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={cfg.verl.tensor_parallel_size}",
+        # advantages are ours (client_app.algos, verl parity tested); recorded for the reader
+        f"algorithm.adv_estimator={'grpo' if a.name == 'grpo' else 'gae'}",
+        f"algorithm.gamma={a.gamma}",
+        f"algorithm.lam={a.lam}",
+        "algorithm.norm_adv_by_std_in_grpo=True",
+        "algorithm.use_kl_in_reward=False",
+        f"data.train_batch_size={a.tasks_per_step}",
+        f"data.max_prompt_length={r.max_prompt_tokens}",
+        f"data.max_response_length={r.max_response_tokens}",
+        f"trainer.device={'cpu' if on_cpu else 'cuda'}",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        "trainer.resume_mode=disable",
+        "trainer.save_freq=-1",
+        "trainer.val_before_train=False",
+        "trainer.logger=[console]",
+        f"trainer.project_name=fedagent",
+        f"trainer.experiment_name={cfg.run.name}",
+    ]
+    if on_cpu:
+        # fp32 compute: verl's MixedPrecisionPolicy defaults to bf16 params
+        out.append(f"+{actor}.fsdp_config.mixed_precision={{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}}")
+    return out
+
+
+def compose(cfg: Config, model_path: Path, device: str) -> Any:
+    """verl's `ppo_trainer` config (an OmegaConf DictConfig) with the recipe's overrides,
+    composed from the installed verl's config directory; Hydra's global state is restored."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import verl
+    import verl.trainer.config as verl_config_pkg
+
+    if verl.__version__ != VERL_VERSION:
+        raise ConfigError(f"backend=verl is built and tested on verl=={VERL_VERSION}, found verl=={verl.__version__}; "
+                          f"pip install 'verl=={VERL_VERSION}' (or `pip install -e .[verl]`)")
+    config_dir = os.path.dirname(verl_config_pkg.__file__)
+    was_initialized = GlobalHydra.instance().is_initialized()
+    if was_initialized:
+        raise RuntimeError("Hydra is already initialised in this process; the verl backend composes its own config")
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            return hydra_compose(config_name="ppo_trainer", overrides=recipe_overrides(cfg, model_path, device))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def check_resolved(cfg: Config, verl_cfg: Any) -> None:
+    """Validate the composed config before anything is built: verl's own dataclass checks
+    (ActorConfig, HFModelConfig, ...) and ours: the composed values must be the recipe's."""
+    from hydra.errors import InstantiationException
+    from verl.utils.config import omega_conf_to_dataclass
+
+    try:
+        actor = omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.actor)
+        omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.model)     # reads the model dir's config
+    except (ValueError, AssertionError, TypeError, OSError, InstantiationException) as e:
+        raise ConfigError(f"verl rejects the config derived from this recipe: {e}") from None
+    a = cfg.algo
+    expect = {
+        "optim.lr": (actor.optim.lr, a.lr),
+        "optim.weight_decay": (actor.optim.weight_decay, a.weight_decay),
+        "optim.clip_grad": (actor.optim.clip_grad, a.grad_clip),
+        "optim.lr_scheduler_type": (actor.optim.lr_scheduler_type, "constant"),
+        "optim.optimizer": (actor.optim.optimizer, "AdamW"),
+        "clip_ratio_low": (actor.clip_ratio_low, a.clip_ratio),
+        "clip_ratio_high": (actor.clip_ratio_high, a.clip_ratio),
+        "clip_ratio_c": (actor.clip_ratio_c, a.clip_ratio_c),
+        "entropy_coeff": (actor.entropy_coeff, a.entropy_coeff),
+        "use_kl_loss": (actor.use_kl_loss, a.kl_coef > 0),
+        "kl_loss_coef": (actor.kl_loss_coef, a.kl_coef),
+        "loss_agg_mode": (actor.loss_agg_mode, "token-mean"),
+        "policy_loss.loss_mode": (actor.policy_loss.loss_mode, "vanilla"),
+        "engine.strategy": (actor.engine.strategy, "fsdp2"),
+        "engine.model_dtype": (actor.engine.model_dtype, "fp32"),
+    }
+    wrong = {k: v for k, (v, want) in expect.items() if v != want}
+    if wrong:
+        raise ConfigError(f"the composed verl config does not carry the recipe: {wrong}")
+    if actor.optim.lr_warmup_steps > 0 or actor.optim.lr_warmup_steps_ratio > 0:
+        raise ConfigError("the verl backend keeps a constant LR with no warmup (the builtin's schedule)")
+
+
+def write_resolved(verl_cfg: Any, run_dir: Path) -> Path:
+    """The resolved verl config as YAML in the run dir (what this lane's trainer was built from)."""
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / "verl" / RESOLVED_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(OmegaConf.to_yaml(verl_cfg, resolve=True))
+    tmp.replace(path)
+    return path
