@@ -62,21 +62,26 @@ def verl_trainer(env_url, model_dir, cfg_args, tmp_path_factory):  # noqa: F811
     trainer.close()
 
 
-@pytest.fixture(scope="module")
-def batch(builtin):
+def _rows(builtin, mode: str):
     """Real trajectories: 2 tasks x 2 episodes played by the builtin policy, as training rows
     and GRPO advantages (the same inputs for both backends)."""
     specs = group_specs([0, 1], 2)
-    episodes, _ = run_episodes(builtin.generator, builtin.env, specs, builtin.settings, 0.7, 123,
-                               builtin.max_sessions)
+    settings = dataclasses.replace(builtin.settings, mode=mode)
+    episodes, _ = run_episodes(builtin.generator, builtin.env, specs, settings, 0.7, 123, builtin.max_sessions)
     # a random policy scores every episode alike (all-zero GRPO advantages, an entropy-only
     # gradient); seeded scores per episode give every group a real spread
     gen = torch.Generator().manual_seed(3)
     scores = torch.rand(len(episodes), generator=gen).tolist()
     rows = [dataclasses.replace(rw, score=scores[rw.episode]) for rw in training_rows(episodes, 0.1)]
     advantages = BuiltinTrainer.episode_advantages(episodes, rows)
-    assert len(rows) >= 5 and len(rows) % 5, "want several mini-batches and a ragged last one"
     assert all(float(a.abs().max()) > 0.1 for a in advantages)
+    return rows, advantages
+
+
+@pytest.fixture(scope="module")
+def batch(builtin):
+    rows, advantages = _rows(builtin, "windowed")
+    assert len(rows) >= 5 and len(rows) % 5, "want several mini-batches and a ragged last one"
     return rows, advantages
 
 
@@ -165,6 +170,22 @@ def test_update_matches_builtin(verl_trainer, builtin, batch, mu):
 
 
 _RESULTS: dict[float, dict[str, torch.Tensor]] = {}
+
+
+def test_concat_rows_update_matches_builtin(verl_trainer, builtin):
+    """Concat rows: one per episode, observation glue inside the response masked out of every
+    loss (response_mask 0 mid-sequence in verl's layout)."""
+    rows, advantages = _rows(builtin, "concat")
+    assert any(0 in rw.mask for rw in rows)
+    start = builtin.export_weights()
+    w_builtin, _ = _builtin_update(builtin, start, rows, advantages, 11)
+    w_verl, _ = _verl_update(verl_trainer, start, rows, advantages, 11)
+    print(f"\nconcat: rows={len(rows)} max|dw|={_max_diff(w_builtin, start):.3e} "
+          f"max|w_builtin - w_verl|={_max_diff(w_builtin, w_verl):.3e}")
+    assert _max_diff(w_builtin, start) > 100 * TOL
+    assert _max_diff(w_builtin, w_verl) < TOL
+    builtin.load_weights(start)
+    verl_trainer.load_weights(start)
 
 
 def test_optimizer_is_fresh_for_every_fit(verl_trainer, builtin, batch):
