@@ -399,6 +399,8 @@ class VerlTrainer:
         metrics = {k: (sum if k in _SUMMED or k.endswith("_s") else _mean)([m[k] for m in per_epoch])
                    for k in per_epoch[0]}
         metrics["tokens_per_s"] = metrics["rollout_tokens"] / max(metrics["rollout_generate_s"], 1e-9)
+        metrics["rollout_tokens_per_s"] = metrics["tokens_per_s"]
+        metrics["rollout_steps_per_s"] = metrics["rollout_steps"] / max(metrics["rollout_s"], 1e-9)
         return FitResult(num_examples=episodes_trained, metrics=metrics)
 
     def _iteration(self, req: FitRequest, epoch: int, anchor: FedProxAnchor | None) -> tuple[dict[str, float], int]:

@@ -95,7 +95,7 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         "trainer.save_freq=-1",
         "trainer.val_before_train=False",
         "trainer.logger=[console]",
-        f"trainer.project_name=fedagent",
+        "trainer.project_name=fedagent",
         f"trainer.experiment_name={cfg.run.name}",
     ]
     if on_cpu:
