@@ -16,8 +16,10 @@ on its own (rounds/round-r/<member>), and a round is complete only when all of t
 """
 from __future__ import annotations
 
+import threading
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
@@ -32,10 +34,30 @@ from server_app.strategy import RoundError, make_strategy
 
 app = ServerApp()
 NODE_WAIT_S = 120.0
+HEARTBEAT_S = 30.0
 
 
 def log(msg: str) -> None:
     print(f"[fedagent] {msg}", flush=True)
+
+
+@contextmanager
+def _heartbeat(what: str, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """Log `what` with the elapsed time every `every_s` while the block waits on clients, so a
+    streamed run never sits silent through a tiny-model build or a long round."""
+    done, t0 = threading.Event(), time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            log(f"{what} ({time.monotonic() - t0:.0f} s)")
+
+    thread = threading.Thread(target=beat, name="fedagent-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _wait_for_nodes(grid: Grid) -> list[int]:
@@ -150,8 +172,12 @@ def _rounds(grid: Grid, cfg: Config, rd: RunDir, w: Weights, nodes: list[int], s
     resumed_after = start
     if start is None:
         t0 = time.perf_counter()
-        nbytes, lane_critic = _initial_model(grid, eval_node, w, members)
-        val = _evaluate(grid, eval_node, cfg, w, 0)
+        log("round 0: starting the trainer lane; its first start on a machine builds the tiny model "
+            "(minutes on 2 CPU cores, cached afterwards; the lane's log says where)")
+        with _heartbeat("round 0: waiting for the trainer lane to start and export the initial model"):
+            nbytes, lane_critic = _initial_model(grid, eval_node, w, members)
+        with _heartbeat("round 0: validating the initial model"):
+            val = _evaluate(grid, eval_node, cfg, w, 0)
         extra = {"critic_start": lane_critic} if lane_critic else {}
         rd.complete_round(0, {**val, **extra, "wall_s": time.perf_counter() - t0})
         log(f"round 0: initial {'+'.join(members)} ({nbytes / 2**20:.1f} MiB), "
@@ -170,13 +196,15 @@ def _rounds(grid: Grid, cfg: Config, rd: RunDir, w: Weights, nodes: list[int], s
         arrays, ref = w.payload(rnd - 1, members)
         config = ConfigRecord({**ref, "local-epochs": fed.local_epochs, "seed": cfg.run.seed})
         messages = strategy.configure_train(rnd, arrays, config, grid)
-        replies = grid.send_and_receive(messages)
+        with _heartbeat(f"round {rnd}/{fed.rounds}: clients {list(strategy.last_sampled)} training"):
+            replies = grid.send_and_receive(messages)
         manifests, train = strategy.aggregate_train(rnd, replies, w.store,
                                                     {m: rd.member_dir(rnd, m) for m in members})
         row: dict[str, Any] = {"clients": list(strategy.last_sampled)}
         row.update({k if k.startswith("train_") else f"train_{k}": float(v) for k, v in train.items()})
         if _due_for_eval(cfg, rnd):
-            row.update(_evaluate(grid, eval_node, cfg, w, rnd))
+            with _heartbeat(f"round {rnd}/{fed.rounds}: validating"):
+                row.update(_evaluate(grid, eval_node, cfg, w, rnd))
         row["wall_s"] = time.perf_counter() - t0
         row["bytes_moved"] = 2 * fed.clients_per_round * sum(m.tensor_bytes for m in manifests.values())
         rd.complete_round(rnd, row)
