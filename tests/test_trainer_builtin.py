@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import shutil
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -16,7 +17,7 @@ from client_app.algos import FedProxAnchor
 from client_app.rollout import group_specs, run_episodes, training_rows
 from client_app.tiny_model import ModelDirError
 from client_app.trainer.base import EvalRequest, FitRequest
-from client_app.trainer.builtin import BuiltinTrainer
+from client_app.trainer.builtin import BuiltinTrainer, avoid_cudnn_attention
 from trainer_support import (SMALL_ENV_PARAMS, env_url, model_dir, one_torch_thread,  # noqa: F401
                              random_model_dir, small_config)
 
@@ -206,8 +207,10 @@ def test_validation_rows_never_penalised(mode, request, initial):
     assert 0.0 <= penalised.metrics["reward"] <= 1.0 and plain.num_examples == 8
 
 
-def _fit_rss_series(trainer, initial: dict[str, dict[str, torch.Tensor]], fits: int) -> list[float]:
-    """RSS (MB) at one phase point (after export) of consecutive fits of different clients."""
+def _fit_rss_series(trainer, initial: dict[str, dict[str, torch.Tensor]], fits: int,
+                    also: Callable[[], None] = lambda: None) -> list[float]:
+    """RSS (MB) at one phase point (after export) of consecutive fits of different clients; `also`
+    records anything else at that point."""
     proc = psutil.Process()
     series = []
     for i in range(fits):
@@ -219,6 +222,7 @@ def _fit_rss_series(trainer, initial: dict[str, dict[str, torch.Tensor]], fits: 
         exported = [trainer.export_weights(m) for m in trainer.members]
         del exported
         series.append(proc.memory_info().rss / 2**20)
+        also()
     return series
 
 
@@ -304,5 +308,38 @@ def test_cuda_fit_keeps_fp32_master_weights(env_url, model_dir):
         ev = t.evaluate(EvalRequest(task_indices=list(range(8)), seed=0))
         assert ev.num_examples == 8 and 0.0 <= ev.metrics["success"] <= 1.0 and ev.metrics["turns"] >= 1
         assert torch.cuda.memory_allocated() > 0
+    finally:
+        t.close()
+
+
+def test_cuda_lanes_take_cudnn_out_of_attention():
+    """Invariant 24 on CUDA: cuDNN attention caches a plan per new shape in host memory (RSS grew
+    ~120 MB per fit on an H200), so a CUDA trainer switches it off; a CPU trainer leaves torch alone."""
+    saved = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        avoid_cudnn_attention(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        avoid_cudnn_attention(torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(saved)
+
+
+@pytest.mark.gpu
+def test_cuda_rss_and_allocated_memory_flat_across_12_fits(env_url, model_dir):
+    """Invariant 24 on CUDA, at the phase point after export: host RSS (where cuDNN's per-shape
+    attention plans piled up) and current allocated device memory."""
+    t = BuiltinTrainer(small_config(model_dir, run={"device": "cuda"}), env_url)
+    try:
+        initial, _ = _initial(t)
+        allocated: list[float] = []
+        series = _fit_rss_series(t, initial, 12,
+                                 also=lambda: allocated.append(torch.cuda.memory_allocated() / 2**20))
+        steady = series[3:]
+        per_fit = (steady[-1] - steady[0]) / (len(steady) - 1)
+        print(f"CUDA lane RSS per fit (MB): {[round(x, 1) for x in series]}; allocated {allocated}")
+        assert per_fit < 10.0, f"host RSS grows {per_fit:.1f} MB per fit on CUDA"
+        assert max(allocated[3:]) - min(allocated[3:]) < 1.0, f"allocated device memory moves: {allocated}"
     finally:
         t.close()

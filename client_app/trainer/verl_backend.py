@@ -53,7 +53,8 @@ from client_app.rollout import BatchedGenerator, RolloutSettings, TrainRow, deri
     episode_metrics, group_specs, run_episodes, training_rows
 from client_app.tiny_model import build_tiny_model
 from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
-from client_app.trainer.builtin import CPU_MAX_PADDING, BuiltinTrainer, release_memory, resolve_device
+from client_app.trainer.builtin import CPU_MAX_PADDING, BuiltinTrainer, avoid_cudnn_attention, release_memory, \
+    resolve_device
 from client_app.trainer import verl_config
 from envs.client import SyncEnvClient
 from envs.registry import system_prompt
@@ -244,6 +245,7 @@ class VerlTrainer:
             raise ValueError(f"VerlTrainer needs backend=verl, got backend={cfg.backend!r}")
         self.cfg = cfg
         self.device = resolve_device(cfg.run.device)
+        avoid_cudnn_attention(self.device)
         if cfg.verl.rollout_engine == "vllm":
             raise NotImplementedError("verl.rollout_engine=vllm (verl's vLLM replicas + our agent loop) is the GPU "
                                       "path of issue #7 and is not wired yet; use verl.rollout_engine: hf")
