@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import psutil
 import torch
 import torch.nn.functional as F
 
@@ -70,7 +71,7 @@ SFT_BATCH = 8              # (prompt, reply) rows per optimizer step
 SFT_WARMUP_FRACTION = 0.05
 COPY_SPANS_PER_ROW = 12    # copy warm-up length, in spans per demonstration row (see `copy_warmup`)
 COPY_BATCH = 32
-MAX_BUILD_THREADS = 4      # torch intra-op threads during the build: half the CPUs, 1 to 4
+MAX_BUILD_THREADS = 4      # torch intra-op threads during the build: the idle CPUs, 1 to 4
 
 
 class ModelDirError(ValueError):
@@ -167,12 +168,22 @@ def build_into(out_dir: Path, tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_c
         }, indent=2, sort_keys=True) + "\n")
 
 
+def build_threads() -> int:
+    """Torch threads for the build: the CPUs other processes leave idle (sampled over 0.5 s while
+    this one sleeps), 1 to MAX_BUILD_THREADS. On an idle 2-core machine two threads build 1.56x
+    faster than one, while on a busy one two spinning OpenMP threads ran 10x slower than one.
+    The weights do not depend on the count (tests/test_tiny_model.py)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    idle = cpus * (1.0 - psutil.cpu_percent(interval=0.5) / 100.0)
+    return max(1, min(MAX_BUILD_THREADS, int(idle + 0.5)))
+
+
 @contextlib.contextmanager
 def _build_torch_settings() -> Iterator[None]:
     """Deterministic CPU kernels and a bounded thread count, restored afterwards."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    # Half the CPUs: on a shared 2-core machine two spinning OpenMP threads ran 10x slower than one.
-    torch.set_num_threads(max(1, min(MAX_BUILD_THREADS, (os.cpu_count() or 1) // 2)))
+    torch.set_num_threads(build_threads())
+    log.info("tiny model: building with %d torch thread(s)", torch.get_num_threads())
     torch.use_deterministic_algorithms(True)
     try:
         yield

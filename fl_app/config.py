@@ -33,9 +33,9 @@ class TinyModelCfg(_Strict):
     layers: int = Field(2, gt=0, description="Decoder layers of the tiny model.")
     heads: int = Field(4, gt=0, description="Attention heads (KV heads = heads / 2).")
     vocab_size: int = Field(4096, ge=300, description="BPE vocabulary trained on env text.")
-    sft_episodes: int = Field(384, ge=0, description="Expert episodes used for the SFT warm start.")
+    sft_episodes: int = Field(768, ge=0, description="Expert episodes used for the SFT warm start.")
     sft_epochs: int = Field(3, ge=0, description="Passes over the SFT demonstrations.")
-    sft_noise: float = Field(0.3, ge=0, le=1, description="Fraction of demonstration actions replaced by a random valid action, so the warm start is imperfect.")
+    sft_noise: float = Field(0.1, ge=0, le=1, description="Fraction of demonstration actions replaced by a random valid action, so the warm start is imperfect.")
     sft_shortcut: float = Field(0.5, ge=0, le=1, description="Fraction of SFT episodes that demonstrate a bad habit (buying without choosing the goal's options), a defect RL can fix from reward.")
     seed: int = Field(0, description="Seed of tokenizer training, init and SFT (the build is a pure function of it).")
     cache_dir: str = Field(default_factory=lambda: str(Path(os.environ.get("FEDAGENT_CACHE_DIR", "~/.cache/fedagent-flower")) / "models"),

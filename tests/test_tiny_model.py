@@ -46,6 +46,17 @@ def test_tiny_model_build_is_deterministic(tiny_dir, tmp_path):
     assert (reseeded / "model.safetensors").read_bytes() != (tiny_dir / "model.safetensors").read_bytes()
 
 
+def test_tiny_model_bits_do_not_depend_on_build_threads(tiny_dir, tmp_path, monkeypatch):
+    """The build uses the machine's idle CPUs (tiny_model.build_threads), which the cache key does
+    not cover: one thread and two must give the same weights."""
+    import client_app.tiny_model as tm
+
+    for threads in (1, 2):
+        monkeypatch.setattr(tm, "build_threads", lambda n=threads: n)
+        other = build_tiny_model(small_tiny(tmp_path / f"threads-{threads}"), SMALL_ENV, SMALL_ROLLOUT)
+        assert (other / "model.safetensors").read_bytes() == (tiny_dir / "model.safetensors").read_bytes(), threads
+
+
 def test_tiny_model_loads_as_plain_hugging_face_dir(tiny_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
@@ -102,7 +113,7 @@ def test_cache_key_follows_what_the_weights_depend_on(tmp_path):
     assert key == cache_key(small_tiny(tmp_path / "elsewhere"), SMALL_ENV, SMALL_ROLLOUT)   # not the location
     assert key == cache_key(tiny, SMALL_ENV, SMALL_ROLLOUT.model_copy(update={"temperature": 0.5}))
     assert key != cache_key(tiny, SMALL_ENV, SMALL_ROLLOUT.model_copy(update={"history_length": 1}))
-    assert key != cache_key(small_tiny(tmp_path, sft_noise=0.1), SMALL_ENV, SMALL_ROLLOUT)
+    assert key != cache_key(small_tiny(tmp_path, sft_noise=0.2), SMALL_ENV, SMALL_ROLLOUT)
     env2 = SMALL_ENV.model_copy(update={"params": SMALL_ENV.params | {"seed": 1}})
     assert key != cache_key(tiny, env2, SMALL_ROLLOUT)
 
