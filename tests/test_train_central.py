@@ -45,11 +45,13 @@ def test_train_central_rejects_bad_overrides(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_central_grpo_on_the_default_recipe_gains_10_points(tmp_path):
-    """The must-show: from the default warm start, 12 GRPO iterations on the default recipe raise
-    validation success by >= 10 points (measured 0.219 -> 0.328 in 385 s on one thread,
-    docs/trainer.md). Builds the default tiny model first if it is not cached (~9 min)."""
+    """The must-show: from the default warm start, 12 GRPO iterations on the default recipe (at the
+    rollout temperature 1.0 it was measured with) raise validation success by >= 10 points
+    (measured 0.219 -> 0.328 in 385 s on one thread, docs/trainer.md). Builds the default tiny
+    model first if it is not cached (~5 min)."""
     out = tmp_path / "central"
-    assert main(["--iterations", "12", "--eval-every", "4", "--threads", "1", "--out", str(out)]) == 0
+    assert main(["--iterations", "12", "--eval-every", "4", "--threads", "1", "--out", str(out),
+                 "rollout.temperature=1.0"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     gain = summary["val_success_after"] - summary["val_success_before"]
     assert gain >= 0.10, summary["val_curve"]
