@@ -1,4 +1,4 @@
-"""Consecutive BuiltinTrainer fits of different clients on ONE trainer, as a lane service runs them.
+"""Consecutive fits of different clients on ONE trainer (either backend), as a lane service runs them.
 
     python -m bench.trainer_fits --size tiny --fits 12 --json /tmp/fits-tiny.json
     python -m bench.trainer_fits --size qwen0.5b --fits 12 --device cuda --json /tmp/fits-05b.json \\
@@ -18,7 +18,11 @@ what `nvidia-smi` shows) and process RSS; then the growth per fit over the fits 
 24 layers, width 896, 14/2 heads, 151,936-row tied embedding) and the tiny model's tokenizer
 (its 4,585 ids fit the embedding; ids beyond the tokenizer are masked in sampling) to
 `--model-dir`, then trains it like any local Hugging Face directory (`model.path`).
-Trailing `a.b=c` arguments override the tiny-shop-grpo recipe.
+`--recipe` picks the recipe (default tiny-shop-grpo; `tiny-shop-grpo-verl-vllm` runs the verl
+backend with vLLM rollouts, whose weight-sync seconds are reported per fit); trailing `a.b=c`
+arguments override it.
+
+    python -m bench.trainer_fits --recipe tiny-shop-grpo-verl-vllm --size qwen0.5b --fits 10 --device cuda
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ import torch
 from bench.rollout import QWEN05B
 from client_app.tiny_model import build_tiny_model
 from client_app.trainer.base import FitRequest
-from client_app.trainer.builtin import BuiltinTrainer, resolve_device
+from client_app.trainer import make_trainer
+from client_app.trainer.builtin import resolve_device
 from envs.service import serve_in_subprocess
 from fl_app.config import Config, load_config
 
@@ -94,7 +99,7 @@ def run_fits(cfg: Config, fits: int, warmup: int) -> dict:
     records = []
     with serve_in_subprocess(cfg.env.name, cfg.env.pool_size, cfg.env.params) as url:
         t0 = time.perf_counter()
-        trainer = BuiltinTrainer(cfg, url)
+        trainer = make_trainer(cfg, url, run_dir=Path(tempfile.mkdtemp(prefix="trainer-fits-")))
         build_s = time.perf_counter() - t0
         try:
             global_w = trainer.export_weights()
@@ -127,7 +132,8 @@ def run_fits(cfg: Config, fits: int, warmup: int) -> dict:
                     "fit": i, "client": i, "round": req.round, "episodes": res.num_examples,
                     "load_s": t1 - t0, "fit_s": t2 - t1, "export_s": t3 - t2,
                     "rollout_s": m["rollout_s"], "rollout_generate_s": m["rollout_generate_s"],
-                    "rollout_env_s": m["rollout_env_s"], "update_s": m["update_s"],
+                    "rollout_env_s": m["rollout_env_s"], "rollout_sync_s": m.get("rollout_sync_s", 0.0),
+                    "update_s": m["update_s"],
                     "rollout_tokens": m["rollout_tokens"], "rollout_steps": m["rollout_steps"],
                     "tokens_per_s": m["tokens_per_s"], "rows": m["rows"], "optimizer_steps": m["optimizer_steps"],
                     "train_success": m["train_success"], **_memory(device)})
@@ -150,6 +156,7 @@ def run_fits(cfg: Config, fits: int, warmup: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.trainer_fits", description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", default="tiny-shop-grpo")
     ap.add_argument("--size", choices=("tiny", "qwen0.5b"), default="tiny")
     ap.add_argument("--model", default="", help="use this model directory as the policy (overrides --size)")
     ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen05b-random",
@@ -160,25 +167,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the report here")
     ap.add_argument("overrides", nargs="*", help="recipe overrides, a.b=c")
     args = ap.parse_args(argv)
-    cfg = load_config("tiny-shop-grpo", dotlist=[*args.overrides, f"run.device={args.device}"])
+    cfg = load_config(args.recipe, dotlist=[*args.overrides, f"run.device={args.device}"])
     if args.model:
         cfg.model.path = args.model
     elif args.size == "qwen0.5b":
         tiny = build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout)
         cfg.model.path = str(qwen05b_dir(args.model_dir, tiny, resolve_device(args.device)))
-    report = {"size": args.size, "model": cfg.model.path, "overrides": args.overrides,
+    report = {"recipe": args.recipe, "size": args.size, "model": cfg.model.path, "overrides": args.overrides,
               **run_fits(cfg, args.fits, args.warmup)}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     fits = report["fits"]
     print(f"\n{report['device']}, {report['params_m']} M params, {len(fits)} fits, growth per fit after "
           f"{args.warmup} warm-up fits: {report['growth_mb_per_fit']}")
-    print("| fit | load s | rollout s (generate / env) | update s | export s | tokens/s | allocated MB | max allocated MB | RSS MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| fit | load s | rollout s (sync / generate / env) | update s | export s | tokens/s | allocated MB | "
+          "max allocated MB | device used MB | RSS MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in fits:
-        print(f"| {r['fit']} | {r['load_s']:.2f} | {r['rollout_s']:.1f} ({r['rollout_generate_s']:.1f} / "
-              f"{r['rollout_env_s']:.1f}) | {r['update_s']:.1f} | {r['export_s']:.2f} | {r['tokens_per_s']:.0f} | "
-              f"{r.get('allocated_mb', 0):.1f} | {r.get('max_allocated_mb', 0):.1f} | {r['rss_mb']:.0f} |")
+        print(f"| {r['fit']} | {r['load_s']:.2f} | {r['rollout_s']:.1f} ({r['rollout_sync_s']:.1f} / "
+              f"{r['rollout_generate_s']:.1f} / {r['rollout_env_s']:.1f}) | {r['update_s']:.1f} | {r['export_s']:.2f} | "
+              f"{r['tokens_per_s']:.0f} | {r.get('allocated_mb', 0):.1f} | {r.get('max_allocated_mb', 0):.1f} | "
+              f"{r.get('device_used_mb', 0):.0f} | {r['rss_mb']:.0f} |")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Per-fit overhead of the persistent verl trainer next to a fresh verl process per client.
 
     python -m bench.verl_overhead --fits 4 --json /tmp/verl-overhead.json
-    python -m bench.verl_overhead --fits 4 --device cuda federation.local_epochs=2
+    python -m bench.verl_overhead --fits 2 --device cuda model.path=/tmp/qwen05b-random \
+        verl.rollout_engine=vllm verl.gpu_memory_utilization=0.4      # GPU with vLLM (docs/benchmarks.md)
 
 One run, two arms on the same config (the tiny-shop-grpo recipe with `backend: verl`, trailing
 `a.b=c` arguments override it):
@@ -10,7 +11,8 @@ One run, two arms on the same config (the tiny-shop-grpo recipe with `backend: v
   fit: load, optimizer reset, export and the whole fit; overhead = load + reset + export.
 - *fresh process* (what a trainer started per client would pay before its first rollout):
   a subprocess that starts Python, imports torch / transformers / verl, builds the trainer
-  (FSDP2 engines for actor and reference) and loads the global weights, then exits; measured
+  (FSDP2 engines for actor and reference, and the vLLM engine with `verl.rollout_engine=vllm`)
+  and loads the global weights, then exits; measured
   once, from spawn to exit.
 The ratio printed last is the fresh process's start-up over the persistent trainer's mean
 per-fit overhead.
@@ -124,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         from client_app.trainer.builtin import BuiltinTrainer
 
         # the global weights both arms load: the recipe's initial model, as fp32 shards
-        seed_trainer = BuiltinTrainer(load_config("tiny-shop-grpo", dotlist=[f"run.device={args.device}", *args.overrides]), url)
+        builtin_overrides = [o for o in args.overrides if not o.startswith("verl.")]   # verl.* is verl-only
+        seed_trainer = BuiltinTrainer(load_config("tiny-shop-grpo", dotlist=[f"run.device={args.device}",
+                                                                             *builtin_overrides]), url)
         try:
             save_shards(seed_trainer.export_weights(), Path(tmp) / "global", 64 * 2**20)
         finally:

@@ -242,10 +242,11 @@ class BatchedGenerator:
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
                 max_new_tokens=self.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
                 use_cache=True, logits_processor=LogitsProcessorList(processors))
-        return [_cut_at_eos(row, self.eos_ids) for row in seqs[:, width:].tolist()]
+        return [cut_at_eos(row, self.eos_ids) for row in seqs[:, width:].tolist()]
 
 
-def _cut_at_eos(ids: list[int], eos_ids: Sequence[int]) -> list[int]:
+def cut_at_eos(ids: list[int], eos_ids: Sequence[int]) -> list[int]:
+    """`ids` up to and including the first eos (all of them when none ends the turn)."""
     for k, t in enumerate(ids):
         if t in eos_ids:
             return ids[:k + 1]

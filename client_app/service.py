@@ -29,6 +29,7 @@ import uvicorn
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
+from client_app import memory_debug
 from client_app.trainer.base import EvalRequest, FitRequest, Trainer
 from fl_app.config import Config, load_config
 from envs.registry import make_env
@@ -65,6 +66,20 @@ def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def cuda_memory_mb() -> dict[str, float]:
+    """This process's current allocated CUDA memory and the device's used memory (every
+    process, vLLM's own pool included), read at the fit's fixed phase point (after export;
+    invariant 24). Empty on a CPU lane (CUDA is never initialised just to read this)."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return {}
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return {"service_cuda_allocated_mb": torch.cuda.memory_allocated() / 2**20,
+            "service_device_used_mb": (total - free) / 2**20}
+
+
 class TrainerService:
     """Owns the trainer and the node's env service; serialises every request."""
 
@@ -77,10 +92,12 @@ class TrainerService:
         self._stack = contextlib.ExitStack()
         self.trainer: Trainer | None = None
         self.env_url = ""
+        # FEDAGENT_MEMORY_DEBUG=1: after each fit, log which tensors grew and who holds them
+        self.memory_report = memory_debug.MemoryGrowthReport() if memory_debug.enabled() else None
 
     def start(self) -> None:
         """Start the env service and build the trainer (the slow, once-per-lane part)."""
-        from client_app.trainer.builtin import BuiltinTrainer
+        from client_app.trainer import make_trainer
         from envs.service import serve_in_subprocess
 
         env = self.cfg.env
@@ -90,11 +107,7 @@ class TrainerService:
         if self.cfg.federation.val_tasks > self.val_size:
             raise ValueError(f"federation.val_tasks={self.cfg.federation.val_tasks} exceeds the env's validation "
                              f"split ({self.val_size} tasks); lower val_tasks or raise env.params.val_size")
-        if self.cfg.backend == "verl":
-            from client_app.trainer.verl_backend import VerlTrainer
-            self.trainer = VerlTrainer(self.cfg, self.env_url, run_dir=self.cfg.resolved_run_dir())
-        else:
-            self.trainer = BuiltinTrainer(self.cfg, self.env_url)
+        self.trainer = make_trainer(self.cfg, self.env_url, run_dir=self.cfg.resolved_run_dir())
         self._stack.callback(self.trainer.close)
 
     def shard(self, client_id: int) -> list[int]:
@@ -159,11 +172,19 @@ class TrainerService:
             metrics = dict(res.metrics)
             metrics.update({
                 "load_s": t_load, "export_s": t_export, "fit_total_s": time.perf_counter() - t0,
-                "service_fits": float(self.fits), "service_rss_mb": rss_mb(),
+                "service_fits": float(self.fits), "service_rss_mb": rss_mb(), **cuda_memory_mb(),
                 "bytes_in": float(sum(_dir_bytes(Path(d)) for d in body.weights_in.values())),
                 "bytes_out": float(bytes_out),
             })
             self.last_request = time.monotonic()
+            if self.memory_report is not None:
+                memory_debug.log_growth(self.memory_report, log, f"fit {self.fits}")
+            log.info("fit %d (round %d, client %d): load %.2f s, rollout %.1f s (weight sync %.2f s), update %.1f s, "
+                     "export %.2f s; after export: RSS %.0f MB, CUDA allocated %.0f MB, device used %.0f MB",
+                     self.fits, body.round, body.client_id, t_load, metrics.get("rollout_s", 0.0),
+                     metrics.get("rollout_sync_s", 0.0), metrics.get("update_s", 0.0), t_export,
+                     metrics["service_rss_mb"], metrics.get("service_cuda_allocated_mb", 0.0),
+                     metrics.get("service_device_used_mb", 0.0))
             return {"num_examples": res.num_examples, "metrics": metrics}
 
     def evaluate(self, body: EvalBody) -> dict[str, Any]:

@@ -138,7 +138,7 @@ class VerlCfg(_Strict):
     (client_app/trainer/verl_config.py holds the mapping); a recipe key verl cannot honour fails
     the config instead of silently training something else."""
 
-    rollout_engine: Literal["hf", "vllm"] = Field("hf", description="Who generates the rollouts. `hf`: batched Hugging Face `generate` on the verl engine's own live module (CPU and small GPUs; the same rollout loop as the builtin backend). `vllm`: verl's vLLM replicas with our agent loop (GPU only, needs vllm installed; not wired yet, so it fails at trainer start).")
+    rollout_engine: Literal["hf", "vllm"] = Field("hf", description="Who generates the rollouts. `hf`: batched Hugging Face `generate` on the verl engine's own live module (CPU and small GPUs; the same rollout loop as the builtin backend). `vllm`: vLLM 0.24 inside the lane service, woken with the actor's weights before each rollout and asleep otherwise (GPU only, needs vllm installed: docs/offline-gpu.md).")
     gpu_memory_utilization: float = Field(0.5, gt=0, lt=1, description="Fraction of GPU memory vLLM may take (verl `actor_rollout_ref.rollout.gpu_memory_utilization`); `rollout_engine: vllm` only.")
     tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size (verl `actor_rollout_ref.rollout.tensor_model_parallel_size`); `rollout_engine: vllm` only.")
 
@@ -195,6 +195,9 @@ class Config(_Strict):
                                                        for k in vllm_only):
             refused.append("verl.gpu_memory_utilization / verl.tensor_parallel_size only apply to "
                            "verl.rollout_engine=vllm; remove them")
+        if self.verl.tensor_parallel_size != 1:
+            refused.append(f"verl.tensor_parallel_size={self.verl.tensor_parallel_size}: a lane service is one rank "
+                           "on one GPU (multi-rank lanes are not built, docs/verl.md); use tensor_parallel_size: 1")
         if self.verl.rollout_engine == "vllm" and self.run.device == "cpu":
             refused.append("verl.rollout_engine=vllm needs a GPU but run.device=cpu; use rollout_engine: hf")
         if refused:

@@ -27,6 +27,7 @@ def test_default_backend_is_builtin_and_verl_is_selectable():
     (["verl.rollout_engine=vllm"], "backend='builtin'"),                  # a verl key under builtin
     (["backend=verl", "verl.gpu_memory_utilization=0.8"], "only apply to verl.rollout_engine=vllm"),
     (["backend=verl", "verl.rollout_engine=vllm", "run.device=cpu"], "needs a GPU"),
+    (["backend=verl", "verl.rollout_engine=vllm", "run.device=cuda", "verl.tensor_parallel_size=2"], "one rank"),
     (["backend=verl", "verl.unknown=1"], "unknown key"),
 ])
 def test_what_verl_cannot_honour_is_a_config_error(dotlist, message):
@@ -76,7 +77,10 @@ def test_recipe_keys_land_in_the_composed_verl_config(model_dir):  # noqa: F811
 
 def test_gpu_composition_keeps_verl_defaults_for_compute(model_dir):  # noqa: F811
     _cfg, c = _composed(model_dir, device="cuda")
-    assert c.actor_rollout_ref.model.use_remove_padding is True
+    # packed sequences only where flash-attn's varlen kernels exist (not on the H200 image)
+    assert c.actor_rollout_ref.model.use_remove_padding is verl_config.has_flash_attn("cuda")
+    assert c.actor_rollout_ref.model.override_config.attn_implementation == \
+        ("flash_attention_2" if verl_config.has_flash_attn("cuda") else "sdpa")
     assert "mixed_precision" not in c.actor_rollout_ref.actor.fsdp_config   # verl's bf16 compute, fp32 master
     assert c.actor_rollout_ref.actor.fsdp_config.model_dtype == "fp32"
 

@@ -25,10 +25,11 @@ the two backends take the same optimizer steps (tests/test_verl_backend.py holds
 CPU: verl 0.9.1 ships no CPU platform. `CpuPlatform` is one, registered through verl's own
 platform plugin registry (`verl.plugin.platform.PlatformRegistry` + `set_platform`), and verl's
 FSDP engine classes are registered for device "cpu" through `EngineRegistry.register`; the
-process group is gloo. Rollouts: `verl.rollout_engine: hf` generates with batched Hugging Face
-`generate` on the engine's own FSDP2 module (the builtin's rollout loop, so the context a
-policy acted on is exactly the row it trains on); `vllm` (verl's replicas + our agent loop) is
-the GPU path and not wired yet.
+process group is gloo. Rollouts run the builtin's episode loop (so the context a policy acted
+on is exactly the row it trains on) with one of two generators: `verl.rollout_engine: hf`,
+batched Hugging Face `generate` on the engine's own FSDP2 module; `vllm` (GPU), an in-process
+vLLM engine woken with the engine's full tensors before each rollout and asleep otherwise
+(`vllm_rollout.py`).
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResu
 from client_app.trainer.builtin import CPU_MAX_PADDING, BuiltinTrainer, avoid_cudnn_attention, release_memory, \
     resolve_device
 from client_app.trainer import verl_config
+from client_app.trainer.vllm_rollout import VllmGenerator
 from envs.client import SyncEnvClient
 from envs.registry import system_prompt
 from fl_app.config import Config
@@ -246,9 +248,6 @@ class VerlTrainer:
         self.cfg = cfg
         self.device = resolve_device(cfg.run.device)
         avoid_cudnn_attention(self.device)
-        if cfg.verl.rollout_engine == "vllm":
-            raise NotImplementedError("verl.rollout_engine=vllm (verl's vLLM replicas + our agent loop) is the GPU "
-                                      "path of issue #7 and is not wired yet; use verl.rollout_engine: hf")
         isolate_from_outer_ray()
         path = build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout) if cfg.model.path == "tiny" \
             else Path(cfg.model.path)
@@ -277,7 +276,7 @@ class VerlTrainer:
             self.ref = self._worker(self.actor_config, model_config, forward_only=True)
         self._tokenizer = load_causal_lm_tokenizer(self.model_path)
         rows = self.engine.module.get_output_embeddings().weight.shape[0]
-        if rows != len(self._tokenizer):
+        if cfg.verl.rollout_engine == "hf" and rows != len(self._tokenizer):
             # builtin samples and scores over the tokenizer's ids only; verl's engine normalises
             # its log-probs over every output row, so the hf rollout (which masks padded rows)
             # would train on a distribution it did not sample from
@@ -289,9 +288,17 @@ class VerlTrainer:
         if cfg.model.init_from:
             self._load_start(cfg.model.init_from)
         self.pad_id = self._tokenizer.pad_token_id
-        self.generator = BatchedGenerator(self.engine.module, self._tokenizer, cfg.rollout.max_response_tokens,
-                                          None if self.device.type == "cpu" else torch.bfloat16,
-                                          max_padding=CPU_MAX_PADDING if self.device.type == "cpu" else None)
+        self.generator: BatchedGenerator | VllmGenerator
+        if cfg.verl.rollout_engine == "vllm":
+            # built last: vLLM sizes its KV cache from the GPU memory the engines left free
+            self.generator = VllmGenerator(
+                self.model_path, self._tokenizer, cfg.rollout.max_response_tokens,
+                max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
+                gpu_memory_utilization=cfg.verl.gpu_memory_utilization, seed=cfg.run.seed)
+        else:
+            self.generator = BatchedGenerator(self.engine.module, self._tokenizer, cfg.rollout.max_response_tokens,
+                                              None if self.device.type == "cpu" else torch.bfloat16,
+                                              max_padding=CPU_MAX_PADDING if self.device.type == "cpu" else None)
         self.settings = RolloutSettings(cfg.env.max_turns, cfg.rollout.history_length, cfg.rollout.max_prompt_tokens,
                                         system_prompt(cfg.env.name), mode=cfg.rollout.mode)
         self.env = SyncEnvClient(env_url) if env_url else None
@@ -409,11 +416,9 @@ class VerlTrainer:
         a, r = self.cfg.algo, self.cfg.rollout
         tasks = draw_tasks(req.task_indices, a.tasks_per_step, req.seed, req.round, req.client_id, epoch)
         t0 = time.perf_counter()
-        self.engine.module.eval()
-        episodes, stats = run_episodes(
-            self.generator, self.env, group_specs(tasks, int(a.group_size)), self.settings, r.temperature,
-            derive_seed("sample", req.seed, req.round, req.client_id, epoch), self.max_sessions,
-            desc=f"verl r{req.round} c{req.client_id} e{epoch}")
+        episodes, stats, sync_s = self._rollout(group_specs(tasks, int(a.group_size)), r.temperature,
+                                                derive_seed("sample", req.seed, req.round, req.client_id, epoch),
+                                                f"verl r{req.round} c{req.client_id} e{epoch}")
         rollout_s = time.perf_counter() - t0
         rows = training_rows(episodes, r.invalid_action_penalty)
         t0 = time.perf_counter()
@@ -423,7 +428,8 @@ class VerlTrainer:
         update_s = time.perf_counter() - t0
         metrics = {**episode_metrics(episodes, "train_"),
                    "train_score": sum(rw.score for rw in rows) / max(len(rows), 1), "rows": float(len(rows)),
-                   "rollout_s": rollout_s, "update_s": update_s, **stats.as_metrics("rollout_"), **update}
+                   "rollout_s": rollout_s, "rollout_sync_s": sync_s, "update_s": update_s,
+                   **stats.as_metrics("rollout_"), **update}
         return metrics, a.tasks_per_step * int(a.group_size)
 
     # ------------------------------------------------------------------ update (verl's engine)
@@ -528,13 +534,29 @@ class VerlTrainer:
         if not req.task_indices:
             raise ValueError("EvalRequest.task_indices is empty; pass the fixed validation tasks")
         self._need_env()
-        self.engine.module.eval()
-        episodes, stats = run_episodes(self.generator, self.env, group_specs(req.task_indices, 1), self.settings,
-                                       self.cfg.rollout.val_temperature, derive_seed("eval", req.seed),
-                                       self.max_sessions, desc="verl validate")
+        episodes, stats, sync_s = self._rollout(group_specs(req.task_indices, 1), self.cfg.rollout.val_temperature,
+                                                derive_seed("eval", req.seed), "verl validate")
         return EvalResult(num_examples=len(episodes),
-                          metrics={**episode_metrics(episodes, ""), "eval_s": stats.wall_s,
+                          metrics={**episode_metrics(episodes, ""), "eval_s": stats.wall_s, "rollout_sync_s": sync_s,
                                    **stats.as_metrics("rollout_")})
+
+    def _rollout(self, specs: Sequence[Any], temperature: float, seed: int, desc: str) -> tuple[list, Any, float]:
+        """Play `specs` with the current actor weights: (episodes, stats, weight-sync seconds).
+        vLLM is woken with the engine's weights first and put back to sleep after, on every
+        path (invariant 25); the hf engine generates on the live module itself."""
+        self.engine.module.eval()
+        if not isinstance(self.generator, VllmGenerator):
+            episodes, stats = run_episodes(self.generator, self.env, specs, self.settings, temperature, seed,
+                                           self.max_sessions, desc=desc)
+            return episodes, stats, 0.0
+        generator, _peft = self.engine.get_per_tensor_param()
+        try:
+            sync_s = self.generator.load_weights(generator)
+            episodes, stats = run_episodes(self.generator, self.env, specs, self.settings, temperature, seed,
+                                           self.max_sessions, desc=desc)
+        finally:
+            self.generator.sleep()
+        return episodes, stats, sync_s
 
     def _need_env(self) -> None:
         if self.env is None:
@@ -545,6 +567,8 @@ class VerlTrainer:
         if self.env is not None:
             self.env.close()
             self.env = None
+        if isinstance(self.generator, VllmGenerator):
+            self.generator.close()
         self.actor = self.ref = self.engine = self.generator = None
         release_memory(self.device)
 

@@ -22,18 +22,27 @@ KL_TYPES = {"k1": "k1", "k3": "k3", "low_var_kl": "low_var_kl"}
 RESOLVED_NAME = "verl_config.yaml"
 
 
+def has_flash_attn(device: str) -> bool:
+    """verl's packed-sequence path (flash-attn varlen kernels) is available."""
+    import importlib.util
+
+    return device != "cpu" and importlib.util.find_spec("flash_attn") is not None
+
+
 def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
     """Hydra overrides of verl's `ppo_trainer` config that carry the recipe (docs/verl.md)."""
     a, r = cfg.algo, cfg.rollout
     on_cpu = device == "cpu"
+    packed = has_flash_attn(device)
     actor = "actor_rollout_ref.actor"
     out = [
         # model
         f"actor_rollout_ref.model.path={model_path}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
-        # packed (rmpad) sequences need flash-attn varlen kernels: GPU only
-        f"actor_rollout_ref.model.use_remove_padding={not on_cpu}",
-        f"+actor_rollout_ref.model.override_config.attn_implementation={'sdpa' if on_cpu else 'flash_attention_2'}",
+        # packed (rmpad) sequences need flash-attn's varlen kernels: only on a GPU that has them
+        # (the flash-attn package; not on the H200 image, where SDPA on padded rows runs instead)
+        f"actor_rollout_ref.model.use_remove_padding={packed}",
+        f"+actor_rollout_ref.model.override_config.attn_implementation={'flash_attention_2' if packed else 'sdpa'}",
         # engine: FSDP2, fp32 master weights; fp32 compute on CPU (bf16 params on GPU, verl's default)
         f"{actor}.strategy=fsdp2",
         f"{actor}.fsdp_config.model_dtype=fp32",

@@ -1,0 +1,123 @@
+"""What holds memory when a persistent trainer grows (invariant 24's debug aid).
+
+`FEDAGENT_MEMORY_DEBUG=1` in a lane service's environment makes it take a census of every live
+torch tensor after each fit, at the same phase point as its memory readings (after export), and
+log what grew since the previous fit: tensors grouped by (device, dtype, shape), how many more
+there are and how many bytes they hold, and who holds one of them (the types of its referrers,
+and for a dict or object referrer the attribute or key that holds it). The field log's reload
+leaks were each one retired weight copy, optimizer state or anchor kept alive by a reference:
+exactly what a group of +N tensors shaped like the model's parameters, held by a named owner,
+shows. Off by default: the census walks every object the garbage collector tracks.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import types
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+ENV_VAR = "FEDAGENT_MEMORY_DEBUG"
+Key = tuple[str, str, tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class Group:
+    """One (device, dtype, shape) group of a census: tensor ids, and bytes of distinct storages."""
+    ids: set[int]
+    bytes: int
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_VAR, "0") not in ("", "0")
+
+
+def tensor_census() -> dict[Key, list[torch.Tensor]]:
+    """Every live tensor the garbage collector tracks (parameters included), grouped."""
+    groups: dict[Key, list[torch.Tensor]] = {}
+    with warnings.catch_warnings():        # isinstance() on torch's deprecated lazy aliases warns
+        warnings.simplefilter("ignore", FutureWarning)
+        objects = [obj for obj in gc.get_objects() if _is_tensor(obj)]
+    for obj in objects:
+        groups.setdefault((str(obj.device), str(obj.dtype).removeprefix("torch."), tuple(obj.shape)), []).append(obj)
+    return groups
+
+
+def _is_tensor(obj: object) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor) and not obj.is_meta
+    except ReferenceError:              # a dead weakref proxy
+        return False
+
+
+def _summary(members: list[torch.Tensor]) -> Group:
+    storages = {}
+    for t in members:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):    # no real storage (sparse, functional wrappers)
+            continue
+        if storage.data_ptr():
+            storages[storage.data_ptr()] = storage.nbytes()
+    return Group({id(t) for t in members}, sum(storages.values()))
+
+
+def holders(tensor: torch.Tensor, limit: int = 3) -> list[str]:
+    """Who refers to `tensor`: referrer types, with the key where a dict holds it."""
+    out = []
+    for ref in gc.get_referrers(tensor):
+        if isinstance(ref, types.FrameType) or (isinstance(ref, list) and len(ref) > 1
+                                                and all(isinstance(x, torch.Tensor) for x in ref[:2])):
+            continue              # this lookup's own frames and the census lists
+        label = type(ref).__qualname__
+        if isinstance(ref, dict):
+            names = [str(k) for k, v in ref.items() if v is tensor][:1]
+            label += f"[{names[0]!r}]" if names else ""
+        out.append(label)
+        if len(out) == limit:
+            break
+    return out
+
+
+class MemoryGrowthReport:
+    """Census after each fit; `report` names the groups that grew since the previous one."""
+
+    def __init__(self, top: int = 8) -> None:
+        self.top = top
+        self.previous: dict[Key, Group] | None = None
+
+    def report(self) -> list[str] | None:
+        """Lines for the groups that grew (most bytes first); None on the first call (the baseline)."""
+        gc.collect()
+        now = tensor_census()
+        summaries = {k: _summary(v) for k, v in now.items()}
+        previous, self.previous = self.previous, summaries
+        if previous is None:
+            return None
+        grown = []
+        for key, g in summaries.items():
+            before = previous.get(key, Group(set(), 0))
+            if len(g.ids) > len(before.ids) or g.bytes > before.bytes:
+                grown.append((g.bytes - before.bytes, len(g.ids) - len(before.ids), key, g, before))
+        grown.sort(key=lambda x: (-x[0], -x[1]))
+        lines = []
+        for dbytes, dcount, key, g, before in grown[:self.top]:
+            new = next((t for t in now[key] if id(t) not in before.ids), now[key][-1])
+            held = ", ".join(holders(new)) or "no tracked referrer"
+            device, dtype, shape = key
+            lines.append(f"+{dcount} x {dtype} {list(shape)} on {device} (+{dbytes / 2**20:.1f} MB; now "
+                         f"{len(g.ids)} tensors, {g.bytes / 2**20:.1f} MB), a new one held by: {held}")
+        return lines
+
+
+def log_growth(reporter: MemoryGrowthReport, log: logging.Logger, label: str) -> None:
+    lines = reporter.report()
+    if lines is None:
+        log.info("memory debug (%s): tensor census taken; growth is reported from the next fit on", label)
+    elif lines:
+        log.warning("memory debug (%s): tensors that grew since the previous fit:\n  %s", label, "\n  ".join(lines))
+    else:
+        log.info("memory debug (%s): no tensor group grew since the previous fit", label)

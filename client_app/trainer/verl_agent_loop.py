@@ -1,0 +1,128 @@
+"""Our env episodes as a verl agent loop, for verl's own trainer (`verl.trainer.main_ppo`).
+
+verl 0.9 plays rollouts through agent loops: `AgentLoopBase.run(sampling_params, **row)` plays
+one trajectory against `server_manager` (verl's async client of its vLLM / SGLang replicas) and
+returns an `AgentLoopOutput`. `FedAgentEnvLoop` is registered as `fedagent_env` with verl's
+`@register`, and this module is a `verl.plugins` entry point (pyproject.toml), so `import verl`
+registers it in every process that has this project installed. A verl run selects it with
+`actor_rollout_ref.rollout.agent.default_agent_loop=fedagent_env`; its settings come from an
+agent-loop config file (`actor_rollout_ref.rollout.agent.agent_loop_config_path`), whose entry
+keys are this class's keyword arguments:
+
+    - name: fedagent_env
+      _target_: client_app.trainer.verl_agent_loop.FedAgentEnvLoop
+      recipe: tiny-shop-grpo            # env, rollout and penalty settings (our recipe) ...
+      overrides: [rollout.mode=concat]  # ... with dotted overrides
+      env_url: http://127.0.0.1:8000    # a running env service (`python -m envs.service`)
+
+One `run` is one episode of the dataset row's `task_index`, played by the same
+`client_app.rollout.run_episodes` as our backends (prompt construction, action parsing, env
+sessions), on a worker thread whose generator hands each turn to `server_manager.generate` on
+verl's event loop: many episodes run at once and the replicas batch their turns. verl gives the
+n rollouts of a task no field that tells them apart, so sampling uses the replicas' own RNG
+(our backends seed every turn instead). The episode comes back as concat mode's one sequence
+(the first prompt; every reply, with the observation glue between them masked 0) scored with
+the training score (env return minus the invalid-action penalty). A windowed episode is several
+sequences, which one `AgentLoopOutput` cannot carry: `rollout.mode: windowed` is refused.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from uuid import uuid4
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+
+from client_app.rollout import RolloutSettings, cut_at_eos, episode_metrics, group_specs, run_episodes, training_rows
+from envs.client import SyncEnvClient
+from envs.registry import system_prompt
+from fl_app.config import load_config
+
+# episodes block on their turns in threads (the env client and the episode loop are synchronous);
+# verl runs hundreds of trajectories per worker at once, more than the default executor's threads
+_EPISODE_THREADS = ThreadPoolExecutor(max_workers=int(os.environ.get("FEDAGENT_AGENT_LOOP_THREADS", "256")),
+                                      thread_name_prefix="fedagent-episode")
+
+
+class _ServerGenerator:
+    """`BatchedGenerator`'s contract over verl's async server manager, for one episode's
+    worker thread: every prompt is one request on verl's event loop."""
+
+    def __init__(self, server_manager: Any, loop: asyncio.AbstractEventLoop, tokenizer: Any,
+                 eos_ids: Sequence[int], sampling_params: dict[str, Any], max_new_tokens: int) -> None:
+        self.server, self.loop, self.tokenizer = server_manager, loop, tokenizer
+        self.eos_ids = list(eos_ids)
+        self.sampling_params = {**sampling_params, "max_tokens": max_new_tokens}
+        self.requests = 0
+
+    def generate(self, prompts: Sequence[Sequence[int]], temperature: float, seeds: Sequence[int]) -> list[list[int]]:
+        futures = [asyncio.run_coroutine_threadsafe(
+            self.server.generate(request_id=uuid4().hex, prompt_ids=list(p), sampling_params=dict(self.sampling_params)),
+            self.loop) for p in prompts]
+        self.requests += len(futures)
+        return [cut_at_eos(list(f.result().token_ids), self.eos_ids) for f in futures]
+
+
+@register("fedagent_env")
+class FedAgentEnvLoop(AgentLoopBase):
+    """One multi-turn env episode per trajectory (concat mode), scored for training."""
+
+    def __init__(self, *args: Any, recipe: str = "", overrides: Sequence[str] = (), env_url: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not recipe:
+            raise ValueError("fedagent_env needs `recipe` (a name in configs/ or a .yaml path) in its agent-loop "
+                             "config, e.g. recipe: tiny-shop-grpo with overrides: [rollout.mode=concat]")
+        cfg = load_config(recipe, dotlist=[str(o) for o in overrides])
+        if cfg.rollout.mode != "concat":
+            raise ValueError(f"recipe {recipe!r} has rollout.mode={cfg.rollout.mode!r}; verl's AgentLoopOutput carries "
+                             "one sequence per episode, which is concat mode: set rollout.mode: concat in the recipe")
+        self.env_url = env_url or os.environ.get("FEDAGENT_ENV_URL")
+        if not self.env_url:
+            raise ValueError("fedagent_env needs an env service: set `env_url` in its agent-loop config (or "
+                             "FEDAGENT_ENV_URL); start one with `python -m envs.service`")
+        self.settings = RolloutSettings(cfg.env.max_turns, cfg.rollout.history_length, cfg.rollout.max_prompt_tokens,
+                                        system_prompt(cfg.env.name), mode="concat")
+        self.max_new_tokens = cfg.rollout.max_response_tokens
+        self.penalty = cfg.rollout.invalid_action_penalty
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            raise ValueError("the tokenizer has no eos token; generated turns could not end")
+        self.eos_ids = [eos]
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        if "task_index" not in kwargs:
+            raise KeyError("fedagent_env rows need a `task_index` column (the env task to play)")
+        task = int(kwargs["task_index"])
+        generator = _ServerGenerator(self.server_manager, asyncio.get_running_loop(), self.tokenizer, self.eos_ids,
+                                     sampling_params, self.max_new_tokens)
+        temperature = float(sampling_params.get("temperature", 1.0))
+        episodes, stats = await asyncio.get_running_loop().run_in_executor(
+            _EPISODE_THREADS, self._play, generator, task, temperature)
+        ep = episodes[0]
+        row = training_rows([ep], self.penalty)[0]
+        limit = self.rollout_config.response_length
+        if len(row.response_ids) > limit:
+            # cutting the sequence would keep the episode's reward on turns it no longer shows
+            raise ValueError(f"a {len(ep.turns)}-turn episode of task {task} needs {len(row.response_ids)} response "
+                             f"tokens but actor_rollout_ref.rollout.response_length is {limit}; raise it to the "
+                             f"recipe's rollout.max_prompt_tokens ({self.settings.max_prompt_tokens}), which bounds "
+                             "a whole concat episode")
+        return AgentLoopOutput(
+            prompt_ids=row.prompt_ids, response_ids=row.response_ids, response_mask=row.mask,
+            reward_score=row.score, num_turns=2 * len(ep.turns) + 1,
+            metrics=AgentLoopMetrics(generate_sequences=stats.generate_s),
+            extra_fields={"task_id": ep.task_id, "won": ep.won, "env_reward": ep.reward,
+                          **{f"episode_{k}": v for k, v in episode_metrics([ep], "").items()},
+                          "turn_scores": [], "tool_rewards": []})
+
+    def _play(self, generator: _ServerGenerator, task: int, temperature: float) -> tuple[list, Any]:
+        env = SyncEnvClient(self.env_url)
+        try:
+            return run_episodes(generator, env, group_specs([task], 1), self.settings, temperature, seed=0,
+                                max_sessions=1, desc=f"fedagent_env task {task}")
+        finally:
+            env.close()

@@ -1,0 +1,129 @@
+"""The verl backend with vLLM rollouts (`verl.rollout_engine: vllm`, client_app/trainer/vllm_rollout.py).
+
+The GPU tests (`pytest -m gpu`, vLLM 0.24 + verl 0.9.1 on a CUDA machine: docs/offline-gpu.md)
+build a real VerlTrainer with its in-process vLLM engine on a random-weight Qwen2 policy and
+check invariant 25 (asleep before every weight sync, refused otherwise), that a sync puts the
+FSDP2 engine's current weights into vLLM (bf16 of the fp32 masters, bit for bit), and
+invariant 24 across fits. The CPU tests check what fails before any engine exists."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from fl_app.config import Config
+from trainer_support import env_url, random_model_dir, small_config  # noqa: F401
+
+pytest.importorskip("verl")
+
+
+def test_vllm_engine_without_vllm_installed_names_the_fix(tmp_path, monkeypatch):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    from client_app.trainer.vllm_rollout import VllmGenerator
+
+    with pytest.raises(RuntimeError, match="needs vLLM .*rollout_engine: hf"):
+        VllmGenerator(tmp_path, None, 8, 64, 0.4, 0)
+
+
+def test_multiprocess_vllm_engine_is_refused(monkeypatch):
+    """The sync hands vLLM's model the engine's tensors by reference: a vLLM engine core in
+    another process cannot take them, so an environment asking for one fails closed."""
+    from client_app.trainer.vllm_rollout import arm_vllm_env
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING"):
+        arm_vllm_env()
+
+
+def _gpu_config(model_dir) -> Config:
+    data = small_config(model_dir, run={"device": "cuda"}, rollout={"max_response_tokens": 16}).model_dump()
+    data["backend"] = "verl"
+    data["verl"] = {"rollout_engine": "vllm", "gpu_memory_utilization": 0.3}
+    return Config.model_validate(data)
+
+
+@pytest.fixture(scope="module")
+def gpu_trainer(env_url, tmp_path_factory):  # noqa: F811
+    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs a CUDA device and vLLM")
+    from client_app.trainer.verl_backend import VerlTrainer
+
+    # head_dim 64: a size every vLLM attention backend takes
+    model = random_model_dir(tmp_path_factory.mktemp("models") / "wide", hidden_size=256, layers=2, heads=4)
+    trainer = VerlTrainer(_gpu_config(model), env_url, run_dir=tmp_path_factory.mktemp("run"))
+    yield trainer
+    trainer.close()
+
+
+@pytest.mark.gpu
+def test_engine_is_asleep_outside_rollouts_and_a_sync_into_an_awake_engine_fails(gpu_trainer):
+    """Invariant 25."""
+    gen = gpu_trainer.generator
+    assert not gen.awake, "the vLLM engine must be built asleep"
+    with pytest.raises(RuntimeError, match="sleeping"):
+        gen.generate([[1, 2, 3]], 0.0, [0])
+    gen.load_weights(gpu_trainer.engine.get_per_tensor_param()[0])
+    try:
+        assert gen.awake and len(gen.generate([[1, 2, 3]], 1.0, [7])[0]) >= 1
+        with pytest.raises(RuntimeError, match="invariant 25"):
+            gen.load_weights(iter(()))
+    finally:
+        gen.sleep()
+    assert not gen.awake
+
+
+@pytest.mark.gpu
+def test_sync_puts_the_engines_current_weights_into_vllm(gpu_trainer):
+    """After new global weights are injected into the FSDP2 engine, a sync makes vLLM's
+    weights the bf16 rounding of exactly those fp32 values (fused qkv / gate_up included)."""
+    t, gen = gpu_trainer, gpu_trainer.generator
+    base = t.export_weights()
+    g = torch.Generator().manual_seed(3)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    t.load_weights(new)
+    gen.load_weights(t.engine.get_per_tensor_param()[0])
+    try:
+        ours = gen.named_parameters()
+    finally:
+        gen.sleep()
+        t.load_weights(base)
+    bf16 = {k: v.to(torch.bfloat16).float() for k, v in new.items()}
+    vocab = bf16["model.embed_tokens.weight"].shape[0]        # vLLM pads its embedding to a multiple of 64 rows
+    assert torch.equal(ours["model.embed_tokens.weight"][:vocab], bf16["model.embed_tokens.weight"])
+    assert torch.equal(ours["model.layers.1.mlp.down_proj.weight"], bf16["model.layers.1.mlp.down_proj.weight"])
+    qkv = torch.cat([bf16[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(ours["model.layers.0.self_attn.qkv_proj.weight"], qkv)
+    gate_up = torch.cat([bf16[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    assert torch.equal(ours["model.layers.0.mlp.gate_up_proj.weight"], gate_up)
+
+
+@pytest.mark.gpu
+def test_fits_with_vllm_rollouts_keep_memory_flat(gpu_trainer):
+    """Invariant 24 with vLLM: allocated device memory and RSS at the phase point after export
+    over 6 fits of different clients from different weights; vLLM asleep at that point."""
+    import psutil
+
+    from client_app.trainer.base import FitRequest
+
+    t = gpu_trainer
+    initial = t.export_weights()
+    model_mb = sum(v.numel() * 4 for v in initial.values()) / 2**20
+    allocated, rss = [], []
+    for i in range(6):
+        g = torch.Generator().manual_seed(i)
+        t.load_weights({k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in initial.items()})
+        res = t.fit(FitRequest(round=1 + i // 2, client_id=i, task_indices=list(range(16 + 3 * i, 56)),
+                               local_epochs=1, seed=0, proximal_mu=0.01))
+        assert res.metrics["rollout_sync_s"] > 0 and res.metrics["rollout_tokens"] > 0
+        del res
+        t.export_weights()
+        assert not t.generator.awake
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated() / 2**20)
+        rss.append(psutil.Process().memory_info().rss / 2**20)
+    print(f"\nverl+vLLM after export: allocated MB {[round(x, 1) for x in allocated]}, RSS MB "
+          f"{[round(x) for x in rss]}, model {model_mb:.1f} MB")
+    assert max(allocated[2:]) - min(allocated[2:]) < 0.25 * model_mb, f"allocated memory moves: {allocated}"
+    assert (rss[-1] - rss[2]) / 3 < 10.0, f"host RSS grows: {rss}"
