@@ -65,17 +65,21 @@ def _summary(members: list[torch.Tensor]) -> Group:
     return Group({id(t) for t in members}, sum(storages.values()))
 
 
-def holders(tensor: torch.Tensor, limit: int = 3) -> list[str]:
-    """Who refers to `tensor`: referrer types, with the key where a dict holds it."""
+def holders(tensor: torch.Tensor, census: dict[Key, list[torch.Tensor]], limit: int = 3) -> list[str]:
+    """Who refers to `tensor` (the census's own lists and this lookup's frames left out): the
+    referrer's type, with the key of a dict or the attribute of an object that holds it."""
+    skip = {id(members) for members in census.values()}
     out = []
     for ref in gc.get_referrers(tensor):
-        if isinstance(ref, types.FrameType) or (isinstance(ref, list) and len(ref) > 1
-                                                and all(isinstance(x, torch.Tensor) for x in ref[:2])):
-            continue              # this lookup's own frames and the census lists
-        label = type(ref).__qualname__
-        if isinstance(ref, dict):
-            names = [str(k) for k, v in ref.items() if v is tensor][:1]
-            label += f"[{names[0]!r}]" if names else ""
+        if isinstance(ref, types.FrameType) or id(ref) in skip:
+            continue
+        # plain loops: a comprehension over `tensor` would make it a closure cell, a referrer itself
+        items = ref.items() if isinstance(ref, dict) else vars(ref).items() if hasattr(ref, "__dict__") else ()
+        label = type(ref).__name__
+        for k, v in items:
+            if v is tensor:
+                label += f"[{str(k)!r}]" if isinstance(ref, dict) else f".{k}"
+                break
         out.append(label)
         if len(out) == limit:
             break
@@ -105,8 +109,12 @@ class MemoryGrowthReport:
         grown.sort(key=lambda x: (-x[0], -x[1]))
         lines = []
         for dbytes, dcount, key, g, before in grown[:self.top]:
-            new = next((t for t in now[key] if id(t) not in before.ids), now[key][-1])
-            held = ", ".join(holders(new)) or "no tracked referrer"
+            new = now[key][-1]
+            for t in now[key]:
+                if id(t) not in before.ids:
+                    new = t
+                    break
+            held = ", ".join(holders(new, now)) or "no tracked referrer"
             device, dtype, shape = key
             lines.append(f"+{dcount} x {dtype} {list(shape)} on {device} (+{dbytes / 2**20:.1f} MB; now "
                          f"{len(g.ids)} tensors, {g.bytes / 2**20:.1f} MB), a new one held by: {held}")

@@ -20,9 +20,19 @@ def test_report_names_a_retired_weight_copy_and_its_holder():
     lines = reporter.report()
     assert lines, "a retained copy of every weight must show as growth"
     line = next(x for x in lines if "float32 [48, 32]" in x)
-    assert line.startswith("+1 x float32 [48, 32] on cpu") and "dict['0.weight']" in line
+    assert line.startswith("+1 x float32 [48, 32] on cpu") and line.endswith("held by: dict['0.weight']"), line
     del retired
     assert reporter.report() == []
+
+    class Trainer:
+        pass
+
+    trainer, kept = Trainer(), [torch.zeros(7, 5)]
+    trainer.anchor = torch.ones(3, 11)                          # an attribute and a list that hold tensors
+    lines = reporter.report()
+    assert any(x.endswith("held by: Trainer.anchor") and "[3, 11]" in x for x in lines), lines
+    assert any(x.endswith("held by: list") and "[7, 5]" in x for x in lines), lines
+    del kept
 
 
 def test_service_logs_what_grew_between_fits(env_url, model_dir, tmp_path, monkeypatch, caplog):  # noqa: F811
@@ -54,4 +64,4 @@ def test_service_logs_what_grew_between_fits(env_url, model_dir, tmp_path, monke
     print("\n" + "\n".join(grown))
     assert grown and "tensors that grew" in grown[0], caplog.text[-3000:]
     shape = list(embed.shape)
-    assert f"+1 x float32 {shape} on cpu" in grown[0] and "dict['retired_embedding']" in grown[0], grown[0]
+    assert f"+1 x float32 {shape} on cpu" in grown[0] and "held by: dict['retired_embedding']" in grown[0], grown[0]

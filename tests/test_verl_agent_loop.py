@@ -105,7 +105,8 @@ def test_episodes_play_against_a_real_env_service(env_url, model_dir, tmp_path):
                for _, sp, _ in server.requests)
 
 
-def test_windowed_recipe_and_missing_env_are_refused(model_dir, tmp_path):  # noqa: F811
+def test_windowed_recipe_and_missing_env_are_refused(model_dir, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("FEDAGENT_ENV_URL", raising=False)
     server = StandInServer(model_dir)
     save_config(small_config(model_dir), tmp_path / "windowed.yaml")
     save_config(small_config(model_dir, rollout={"mode": "concat"}), tmp_path / "concat.yaml")

@@ -37,6 +37,36 @@ def test_multiprocess_vllm_engine_is_refused(monkeypatch):
         arm_vllm_env()
 
 
+class RecordingLLM:
+    """Stands in for `vllm.LLM` (vLLM needs a GPU) to record the order of sleep-mode calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def apply_model(self, fn):
+        self.calls.append(("apply_model",))
+        raise KeyError("model.layers.0.foo.weight")        # a weight the model does not have
+
+
+def test_a_failed_weight_sync_puts_the_engine_back_to_sleep():
+    """vLLM only sleeps a fully awake engine: a sync that fails half-way wakes the KV cache and
+    drops everything again, so the update never runs beside stale vLLM weights (invariant 25)."""
+    from client_app.trainer.vllm_rollout import VllmGenerator
+
+    gen = VllmGenerator.__new__(VllmGenerator)
+    gen.llm, gen.awake = RecordingLLM(), False
+    with pytest.raises(KeyError, match="foo"):
+        gen.load_weights(iter(()))
+    assert gen.llm.calls == [("wake_up", ("weights",)), ("apply_model",), ("wake_up", ("kv_cache",)), ("sleep", 2)]
+    assert not gen.awake
+
+
 def _gpu_config(model_dir) -> Config:
     data = small_config(model_dir, run={"device": "cuda"}, rollout={"max_response_tokens": 16}).model_dump()
     data["backend"] = "verl"
@@ -61,17 +91,27 @@ def gpu_trainer(env_url, tmp_path_factory):  # noqa: F811
 def test_engine_is_asleep_outside_rollouts_and_a_sync_into_an_awake_engine_fails(gpu_trainer):
     """Invariant 25."""
     gen = gpu_trainer.generator
-    assert not gen.awake, "the vLLM engine must be built asleep"
+
+    def used_mb() -> float:
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**20
+
+    assert not gen.awake and gen.llm.llm_engine.is_sleeping(), "the vLLM engine must be built asleep"
     with pytest.raises(RuntimeError, match="sleeping"):
         gen.generate([[1, 2, 3]], 0.0, [0])
+    asleep = used_mb()
     gen.load_weights(gpu_trainer.engine.get_per_tensor_param()[0])
     try:
-        assert gen.awake and len(gen.generate([[1, 2, 3]], 1.0, [7])[0]) >= 1
+        assert gen.awake and not gen.llm.llm_engine.is_sleeping()
+        awake = used_mb()
+        assert len(gen.generate([[1, 2, 3]], 1.0, [7])[0]) >= 1
         with pytest.raises(RuntimeError, match="invariant 25"):
             gen.load_weights(iter(()))
     finally:
         gen.sleep()
-    assert not gen.awake
+    assert not gen.awake and gen.llm.llm_engine.is_sleeping()
+    # asleep, vLLM's weights and KV cache (gpu_memory_utilization 0.3 of the GPU) are released
+    assert awake - asleep > 1024 and used_mb() < awake - 1024, (asleep, awake, used_mb())
 
 
 @pytest.mark.gpu
@@ -110,7 +150,7 @@ def test_fits_with_vllm_rollouts_keep_memory_flat(gpu_trainer):
     t = gpu_trainer
     initial = t.export_weights()
     model_mb = sum(v.numel() * 4 for v in initial.values()) / 2**20
-    allocated, rss = [], []
+    allocated, used, rss = [], [], []
     for i in range(6):
         g = torch.Generator().manual_seed(i)
         t.load_weights({k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in initial.items()})
@@ -121,9 +161,12 @@ def test_fits_with_vllm_rollouts_keep_memory_flat(gpu_trainer):
         t.export_weights()
         assert not t.generator.awake
         torch.cuda.synchronize()
-        allocated.append(torch.cuda.memory_allocated() / 2**20)
+        allocated.append(torch.cuda.memory_allocated() / 2**20)    # counts vLLM's sleeping pool too
+        free, total = torch.cuda.mem_get_info()
+        used.append((total - free) / 2**20)                        # what is physically held
         rss.append(psutil.Process().memory_info().rss / 2**20)
-    print(f"\nverl+vLLM after export: allocated MB {[round(x, 1) for x in allocated]}, RSS MB "
-          f"{[round(x) for x in rss]}, model {model_mb:.1f} MB")
+    print(f"\nverl+vLLM after export: allocated MB {[round(x, 1) for x in allocated]}, device used MB "
+          f"{[round(x) for x in used]}, RSS MB {[round(x) for x in rss]}, model {model_mb:.1f} MB")
     assert max(allocated[2:]) - min(allocated[2:]) < 0.25 * model_mb, f"allocated memory moves: {allocated}"
+    assert max(used[2:]) - min(used[2:]) < 64, f"device memory moves: {used}"
     assert (rss[-1] - rss[2]) / 3 < 10.0, f"host RSS grows: {rss}"

@@ -24,22 +24,27 @@ n rollouts of a task no field that tells them apart, so sampling uses the replic
 (the first prompt; every reply, with the observation glue between them masked 0) scored with
 the training score (env return minus the invalid-action penalty). A windowed episode is several
 sequences, which one `AgentLoopOutput` cannot carry: `rollout.mode: windowed` is refused.
+verl gives `run` no sign of a validation pass, so its validation scores carry the penalty too;
+the unpenalised return and the outcome are in `extra_fields` (`env_reward`, `won`).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
 from client_app.rollout import RolloutSettings, cut_at_eos, episode_metrics, group_specs, run_episodes, training_rows
+from client_app.trainer.vllm_rollout import eos_ids_of
 from envs.client import SyncEnvClient
 from envs.registry import system_prompt
-from fl_app.config import load_config
+from fl_app.config import Config, load_config
 
 # episodes block on their turns in threads (the env client and the episode loop are synchronous);
 # verl runs hundreds of trajectories per worker at once, more than the default executor's threads
@@ -49,21 +54,28 @@ _EPISODE_THREADS = ThreadPoolExecutor(max_workers=int(os.environ.get("FEDAGENT_A
 
 class _ServerGenerator:
     """`BatchedGenerator`'s contract over verl's async server manager, for one episode's
-    worker thread: every prompt is one request on verl's event loop."""
+    worker thread: every prompt is one request on verl's event loop, all under the episode's
+    request id (verl routes one id to one replica: its prefix cache keeps the episode). The
+    sampling settings are verl's (`sampling_params`), so `temperature` and `seeds` are unused."""
 
     def __init__(self, server_manager: Any, loop: asyncio.AbstractEventLoop, tokenizer: Any,
                  eos_ids: Sequence[int], sampling_params: dict[str, Any], max_new_tokens: int) -> None:
         self.server, self.loop, self.tokenizer = server_manager, loop, tokenizer
         self.eos_ids = list(eos_ids)
         self.sampling_params = {**sampling_params, "max_tokens": max_new_tokens}
-        self.requests = 0
+        self.request_id = uuid4().hex
 
     def generate(self, prompts: Sequence[Sequence[int]], temperature: float, seeds: Sequence[int]) -> list[list[int]]:
         futures = [asyncio.run_coroutine_threadsafe(
-            self.server.generate(request_id=uuid4().hex, prompt_ids=list(p), sampling_params=dict(self.sampling_params)),
-            self.loop) for p in prompts]
-        self.requests += len(futures)
+            self.server.generate(request_id=self.request_id, prompt_ids=list(p),
+                                 sampling_params=dict(self.sampling_params)), self.loop) for p in prompts]
         return [cut_at_eos(list(f.result().token_ids), self.eos_ids) for f in futures]
+
+
+@functools.lru_cache(maxsize=8)
+def _recipe(recipe: str, overrides: tuple[str, ...]) -> Config:
+    """verl builds an agent loop per trajectory: the recipe is read once per process."""
+    return load_config(recipe, dotlist=list(overrides))
 
 
 @register("fedagent_env")
@@ -76,7 +88,7 @@ class FedAgentEnvLoop(AgentLoopBase):
         if not recipe:
             raise ValueError("fedagent_env needs `recipe` (a name in configs/ or a .yaml path) in its agent-loop "
                              "config, e.g. recipe: tiny-shop-grpo with overrides: [rollout.mode=concat]")
-        cfg = load_config(recipe, dotlist=[str(o) for o in overrides])
+        cfg = _recipe(str(recipe), tuple(str(o) for o in overrides))
         if cfg.rollout.mode != "concat":
             raise ValueError(f"recipe {recipe!r} has rollout.mode={cfg.rollout.mode!r}; verl's AgentLoopOutput carries "
                              "one sequence per episode, which is concat mode: set rollout.mode: concat in the recipe")
@@ -88,10 +100,8 @@ class FedAgentEnvLoop(AgentLoopBase):
                                         system_prompt(cfg.env.name), mode="concat")
         self.max_new_tokens = cfg.rollout.max_response_tokens
         self.penalty = cfg.rollout.invalid_action_penalty
-        eos = self.tokenizer.eos_token_id
-        if eos is None:
-            raise ValueError("the tokenizer has no eos token; generated turns could not end")
-        self.eos_ids = [eos]
+        # the replicas stop on the generation config's eos ids too (Qwen: <|im_end|>, <|endoftext|>)
+        self.eos_ids = eos_ids_of(self.tokenizer, Path(self.config.actor_rollout_ref.model.path))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         if "task_index" not in kwargs:
@@ -104,20 +114,20 @@ class FedAgentEnvLoop(AgentLoopBase):
             _EPISODE_THREADS, self._play, generator, task, temperature)
         ep = episodes[0]
         row = training_rows([ep], self.penalty)[0]
-        limit = self.rollout_config.response_length
-        if len(row.response_ids) > limit:
-            # cutting the sequence would keep the episode's reward on turns it no longer shows
-            raise ValueError(f"a {len(ep.turns)}-turn episode of task {task} needs {len(row.response_ids)} response "
-                             f"tokens but actor_rollout_ref.rollout.response_length is {limit}; raise it to the "
-                             f"recipe's rollout.max_prompt_tokens ({self.settings.max_prompt_tokens}), which bounds "
-                             "a whole concat episode")
+        # cutting either part would keep the episode's reward on turns the sequence no longer shows
+        bound = self.settings.max_prompt_tokens + self.max_new_tokens     # a whole concat episode, at most
+        for part, ids, limit in (("prompt", row.prompt_ids, self.rollout_config.prompt_length),
+                                 ("response", row.response_ids, self.rollout_config.response_length)):
+            if len(ids) > limit:
+                raise ValueError(f"a {len(ep.turns)}-turn episode of task {task} has {len(ids)} {part} tokens but "
+                                 f"actor_rollout_ref.rollout.{part}_length is {limit}; raise it to {bound} (the "
+                                 "recipe's rollout.max_prompt_tokens + max_response_tokens bound a concat episode)")
         return AgentLoopOutput(
             prompt_ids=row.prompt_ids, response_ids=row.response_ids, response_mask=row.mask,
             reward_score=row.score, num_turns=2 * len(ep.turns) + 1,
             metrics=AgentLoopMetrics(generate_sequences=stats.generate_s),
             extra_fields={"task_id": ep.task_id, "won": ep.won, "env_reward": ep.reward,
-                          **{f"episode_{k}": v for k, v in episode_metrics([ep], "").items()},
-                          "turn_scores": [], "tool_rewards": []})
+                          **{f"episode_{k}": v for k, v in episode_metrics([ep], "").items()}})
 
     def _play(self, generator: _ServerGenerator, task: int, temperature: float) -> tuple[list, Any]:
         env = SyncEnvClient(self.env_url)

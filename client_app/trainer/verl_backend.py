@@ -290,7 +290,8 @@ class VerlTrainer:
         self.pad_id = self._tokenizer.pad_token_id
         self.generator: BatchedGenerator | VllmGenerator
         if cfg.verl.rollout_engine == "vllm":
-            # built last: vLLM sizes its KV cache from the GPU memory the engines left free
+            # built last: vLLM takes gpu_memory_utilization x the GPU's memory for its weights and
+            # KV cache and refuses to start when less than that is free beside the engines
             self.generator = VllmGenerator(
                 self.model_path, self._tokenizer, cfg.rollout.max_response_tokens,
                 max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
@@ -544,14 +545,14 @@ class VerlTrainer:
         """Play `specs` with the current actor weights: (episodes, stats, weight-sync seconds).
         vLLM is woken with the engine's weights first and put back to sleep after, on every
         path (invariant 25); the hf engine generates on the live module itself."""
-        self.engine.module.eval()
         if not isinstance(self.generator, VllmGenerator):
+            self.engine.module.eval()
             episodes, stats = run_episodes(self.generator, self.env, specs, self.settings, temperature, seed,
                                            self.max_sessions, desc=desc)
             return episodes, stats, 0.0
-        generator, _peft = self.engine.get_per_tensor_param()
+        weights, _ = self.engine.get_per_tensor_param()     # (name, fp32 full tensor) pairs, lazily
         try:
-            sync_s = self.generator.load_weights(generator)
+            sync_s = self.generator.load_weights(weights)
             episodes, stats = run_episodes(self.generator, self.env, specs, self.settings, temperature, seed,
                                            self.max_sessions, desc=desc)
         finally:

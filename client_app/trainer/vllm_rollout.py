@@ -107,10 +107,16 @@ class VllmGenerator:
             raise RuntimeError("weight sync into an awake vLLM engine; call sleep() first (invariant 25)")
         t0 = time.perf_counter()
         self.llm.wake_up(tags=["weights"])
-        self.llm.apply_model(lambda model: model.load_weights(named_tensors))
+        try:
+            self.llm.apply_model(lambda model: model.load_weights(named_tensors))
+        except BaseException:
+            # vLLM only puts a fully awake engine to sleep: wake the rest, then drop it all again
+            self.llm.wake_up(tags=["kv_cache"])
+            self.llm.sleep(level=2)
+            raise
         self.llm.wake_up(tags=["kv_cache"])
-        self.llm.reset_prefix_cache()       # cached prefixes were computed with the old weights
         self.awake = True
+        self.llm.reset_prefix_cache()       # cached prefixes were computed with the old weights
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -146,3 +152,4 @@ class VllmGenerator:
             del llm
             gc.collect()
             torch.cuda.empty_cache()
+        self.awake = False
