@@ -90,9 +90,15 @@ def build_critic(policy: Any, seed: int) -> Any:
     config.num_labels = 1
     critic = AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
     critic.base_model.load_state_dict(policy.base_model.state_dict())
-    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        critic.score.weight.copy_(torch.randn(critic.score.weight.shape, generator=gen)
-                                  * getattr(config, "initializer_range", 0.02))
-        critic.score.bias.zero_()
+        for name, value in seeded_value_head(critic.score.weight.shape, config, seed).items():
+            critic.get_parameter(name).copy_(value)
     return critic.to(next(policy.parameters()).device).eval()
+
+
+def seeded_value_head(shape: torch.Size | tuple[int, ...], config: Any, seed: int) -> dict[str, torch.Tensor]:
+    """A fresh value head (`score.weight` ~ normal(0, initializer_range) from `seed`, `score.bias`
+    0), fp32: the same head on every backend for the same seed."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(tuple(shape), generator=gen) * getattr(config, "initializer_range", 0.02)
+    return {"score.weight": weight, "score.bias": torch.zeros(shape[0])}

@@ -188,8 +188,6 @@ class Config(_Strict):
                                  "remove the `verl` section or set backend: verl")
             return
         refused = []
-        if self.algo.name == "ppo":
-            refused.append("algo.name=ppo: the verl backend has no federated critic yet (issue #7); use backend: builtin")
         vllm_only = ("gpu_memory_utilization", "tensor_parallel_size")
         if self.verl.rollout_engine != "vllm" and any(getattr(self.verl, k) != VerlCfg.model_fields[k].default
                                                        for k in vllm_only):

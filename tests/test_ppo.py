@@ -13,7 +13,7 @@ from client_app.algos import masked_mean
 from client_app.critic import VALUE_HEAD, build_critic
 from client_app.rollout import derive_seed, group_specs, run_episodes, training_rows
 from client_app.trainer.base import FitRequest
-from client_app.trainer.builtin import BuiltinTrainer, _pad_rows
+from client_app.trainer.builtin import BuiltinTrainer, _pad_rows, gae_targets
 from fl_app.aggregate import fedavg_manifests
 from fl_app.rundir import RunDir, RunDirError
 from fl_app.transport import WeightsRef, fedavg_received, state_to_arrayrecord
@@ -89,7 +89,7 @@ def test_critic_loss_is_a_micro_batch_invariant_token_mean(trainer, initial):
     _load(trainer, initial)
     rows = _rows(trainer, [30, 31, 32], seed=4)
     values = trainer.row_values(rows)
-    _, returns = trainer.gae_targets(rows, values)
+    _, returns = gae_targets(rows, values, trainer.cfg.algo.gamma, trainer.cfg.algo.lam)
     old = [v + 1.2 * torch.linspace(-1, 1, len(v)) for v in values]             # clip binds on some tokens
     c = trainer.cfg.algo.critic
     mask = _pad_rows([torch.tensor(r.mask, dtype=torch.float32) for r in rows])

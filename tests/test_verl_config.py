@@ -23,7 +23,6 @@ def test_default_backend_is_builtin_and_verl_is_selectable():
 
 
 @pytest.mark.parametrize("dotlist, message", [
-    (["backend=verl", "algo.name=ppo"], "algo.name=ppo"),
     (["verl.rollout_engine=vllm"], "backend='builtin'"),                  # a verl key under builtin
     (["backend=verl", "verl.gpu_memory_utilization=0.8"], "only apply to verl.rollout_engine=vllm"),
     (["backend=verl", "verl.rollout_engine=vllm", "run.device=cpu"], "needs a GPU"),
@@ -73,6 +72,20 @@ def test_recipe_keys_land_in_the_composed_verl_config(model_dir):  # noqa: F811
     assert (c.algorithm.adv_estimator, c.algorithm.gamma, c.algorithm.lam) == ("grpo", 0.99, 0.95)
     assert c.data.train_batch_size == 6
     assert c.actor_rollout_ref.model.use_remove_padding is False            # no varlen kernels on CPU
+
+
+def test_ppo_critic_keys_land_in_the_composed_verl_config(model_dir):  # noqa: F811
+    cfg, c = _composed(model_dir, RECIPE + ["algo.name=ppo", "algo.critic.lr=2e-4", "algo.critic.value_clip=0.3",
+                                            "algo.critic.mini_batch_size=12", "algo.critic.micro_batch_size=3",
+                                            "algo.critic.grad_clip=0.9", "algo.critic.weight_decay=0.02"])
+    verl_config.check_resolved(cfg, c)
+    critic = c.critic
+    assert (critic.optim.lr, critic.optim.weight_decay, critic.optim.clip_grad) == (2e-4, 0.02, 0.9)
+    assert critic.optim.lr_scheduler_type == "constant" and critic.cliprange_value == 0.3
+    assert (critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu, critic.ppo_epochs) == (12, 3, 1)
+    assert critic.strategy == "fsdp2" and critic.fsdp.model_dtype == "fp32" and critic.loss_agg_mode == "token-mean"
+    assert critic.model.path == str(model_dir) and c.algorithm.adv_estimator == "gae"
+    assert critic.fsdp.mixed_precision.param_dtype == "fp32"                 # fp32 compute on CPU
 
 
 def test_gpu_composition_keeps_verl_defaults_for_compute(model_dir):  # noqa: F811

@@ -42,7 +42,7 @@ from client_app.tiny_model import build_tiny_model, load_causal_lm
 from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
 from envs.client import SyncEnvClient
 from envs.registry import system_prompt
-from fl_app.config import Config
+from fl_app.config import AlgoCfg, Config
 from fl_app.weights import load_shards
 
 log = logging.getLogger("fedagent.trainer")
@@ -243,17 +243,10 @@ class BuiltinTrainer:
         rollout_s = time.perf_counter() - t0
         rows = training_rows(episodes, r.invalid_action_penalty)
         t0 = time.perf_counter()
-        critic_metrics: dict[str, float] = {}
-        if self.critic is None:
-            advantages = self.episode_advantages(episodes, rows)
-        else:
-            values = self.row_values(rows)
-            advantages, returns = self.gae_targets(rows, values)
-            critic_metrics = self.update_critic(
-                rows, returns, values, optimizers["critic"],
-                derive_seed("critic-minibatch", req.seed, req.round, req.client_id, epoch))
-            critic_metrics["critic_value_mean"] = _token_mean(values, rows)
-            critic_metrics["critic_return_mean"] = _token_mean(returns, rows)
+        critic_seed = derive_seed("critic-minibatch", req.seed, req.round, req.client_id, epoch)
+        advantages, critic_metrics = advantages_and_critic_pass(
+            episodes, rows, a, self.row_values if self.critic is not None else None,
+            lambda returns, values: self.update_critic(rows, returns, values, optimizers["critic"], critic_seed))
         update = self.update(rows, advantages, optimizers["actor"], anchor, req.proximal_mu,
                              derive_seed("minibatch", req.seed, req.round, req.client_id, epoch))
         update_s = time.perf_counter() - t0
@@ -280,26 +273,6 @@ class BuiltinTrainer:
             groups[rw.episode] = rw.group
         adv, _ = grpo_outcome_advantage(scores, torch.ones_like(scores), groups)
         return [torch.full((len(rw.response_ids),), float(adv[rw.episode, 0])) for rw in rows]
-
-    def gae_targets(self, rows: Sequence[TrainRow], values: Sequence[torch.Tensor]
-                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """PPO advantages and value targets per row (1-D tensors over its response tokens).
-
-        The row's score is the reward of its last generated token (every windowed turn of an
-        episode carries the episode score, as verl-agent does); GAE runs over the padded batch
-        with observation tokens skipped (values and advantages carried across them), and the
-        advantages are whitened over every generated token of the batch.
-        """
-        a = self.cfg.algo
-        mask = _pad_rows([torch.tensor(rw.mask, dtype=torch.float32) for rw in rows])
-        rewards = torch.zeros_like(mask)
-        for b, rw in enumerate(rows):
-            generated = [t for t, m in enumerate(rw.mask) if m]
-            if generated:
-                rewards[b, generated[-1]] = rw.score
-        adv, ret = gae_advantage_return(rewards, _pad_rows(values, mask.shape[1]), mask, a.gamma, a.lam)
-        n = [len(rw.response_ids) for rw in rows]
-        return [adv[b, :n[b]].clone() for b in range(len(rows))], [ret[b, :n[b]].clone() for b in range(len(rows))]
 
     # ------------------------------------------------------------------ update
 
@@ -528,7 +501,45 @@ def _pad(seqs: Sequence[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     return _pad_rows(seqs, mask.shape[1], mask.device)
 
 
-def _token_mean(per_row: Sequence[torch.Tensor], rows: Sequence[TrainRow]) -> float:
+def advantages_and_critic_pass(episodes: Sequence[Episode], rows: Sequence[TrainRow], algo: AlgoCfg,
+                               row_values: Callable[[Sequence[TrainRow]], list[torch.Tensor]] | None,
+                               update_critic: Callable[[list[torch.Tensor], list[torch.Tensor]], dict[str, float]],
+                               ) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """The advantages an iteration trains the policy on, for either backend. GRPO (no critic,
+    `row_values` None): group-relative episode scores. PPO: the critic's values at rollout time,
+    GAE advantages and returns, then one critic pass, `update_critic(returns, values)`, before
+    the policy update; its metrics come back with the value and return means."""
+    if row_values is None:
+        return BuiltinTrainer.episode_advantages(episodes, rows), {}
+    values = row_values(rows)
+    advantages, returns = gae_targets(rows, values, algo.gamma, algo.lam)
+    metrics = update_critic(returns, values)
+    metrics["critic_value_mean"] = token_mean(values, rows)
+    metrics["critic_return_mean"] = token_mean(returns, rows)
+    return advantages, metrics
+
+
+def gae_targets(rows: Sequence[TrainRow], values: Sequence[torch.Tensor], gamma: float, lam: float
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """PPO advantages and value targets per row (1-D tensors over its response tokens).
+
+    The row's score is the reward of its last generated token (every windowed turn of an
+    episode carries the episode score, as verl-agent does); GAE runs over the padded batch
+    with observation tokens skipped (values and advantages carried across them), and the
+    advantages are whitened over every generated token of the batch. Both backends use it.
+    """
+    mask = _pad_rows([torch.tensor(rw.mask, dtype=torch.float32) for rw in rows])
+    rewards = torch.zeros_like(mask)
+    for b, rw in enumerate(rows):
+        generated = [t for t, m in enumerate(rw.mask) if m]
+        if generated:
+            rewards[b, generated[-1]] = rw.score
+    adv, ret = gae_advantage_return(rewards, _pad_rows(values, mask.shape[1]), mask, gamma, lam)
+    n = [len(rw.response_ids) for rw in rows]
+    return [adv[b, :n[b]].clone() for b in range(len(rows))], [ret[b, :n[b]].clone() for b in range(len(rows))]
+
+
+def token_mean(per_row: Sequence[torch.Tensor], rows: Sequence[TrainRow]) -> float:
     """Mean of per-token values over the generated tokens of all rows."""
     mask = _pad_rows([torch.tensor(rw.mask, dtype=torch.float32) for rw in rows])
     return float(masked_mean(_pad_rows(per_row, mask.shape[1]), mask))

@@ -7,7 +7,11 @@ constructed in-process over a process group this module starts, world size 1):
     (strategy fsdp2, fp32 master weights), its loss `verl.workers.utils.losses.ppo_loss` with
     the `ActorConfig` composed from our recipe (`verl_config.py`);
   * the reference (kl_coef > 0): a second, forward-only `TrainingWorker` on the original
-    backbone (`ref_anchor: base`), or overwritten with the loaded weights per fit (`round`).
+    backbone (`ref_anchor: base`), or overwritten with the loaded weights per fit (`round`);
+  * the critic (ppo): a `TrainingWorker` over verl's `FSDPEngineWithValueHead` (the policy's
+    architecture + a one-output head, as builtin's critic, so the `critic` member's weight
+    names match), its loss verl's `value_loss` scaled to `algo.critic.loss_coef`; federated
+    as the `critic` member, never touched by FedProx.
 
 Per client fit: `load_weights` injects our fp32 state dict into the live FSDP2 module in place
 (`torch.distributed.checkpoint.state_dict.set_model_state_dict`, full state dict); the AdamW
@@ -49,13 +53,13 @@ from typing import Any
 import torch
 
 from client_app.algos import FedProxAnchor
-from client_app.critic import CriticStart
+from client_app.critic import CriticStart, resolve_start_critic, seeded_value_head
 from client_app.rollout import BatchedGenerator, RolloutSettings, TrainRow, derive_seed, draw_tasks, \
     episode_metrics, group_specs, run_episodes, training_rows
 from client_app.tiny_model import build_tiny_model
 from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
-from client_app.trainer.builtin import CPU_MAX_PADDING, BuiltinTrainer, avoid_cudnn_attention, release_memory, \
-    resolve_device
+from client_app.trainer.builtin import CPU_MAX_PADDING, advantages_and_critic_pass, avoid_cudnn_attention, \
+    release_memory, resolve_device
 from client_app.trainer import verl_config
 from client_app.trainer.vllm_rollout import VllmGenerator
 from envs.client import SyncEnvClient
@@ -199,11 +203,11 @@ def arm_cpu() -> None:
     # imported only now: verl's engine modules read the platform when they are imported
     from verl.utils.device import get_device_name
     from verl.workers.engine import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
-    registry = EngineRegistry._engines["language_model"]["fsdp2"]
-    if "cpu" not in registry:
-        EngineRegistry.register(model_type="language_model", backend=["fsdp2"], device="cpu")(FSDPEngineWithLMHead)
+    for model_type, engine_cls in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+        if "cpu" not in EngineRegistry._engines[model_type]["fsdp2"]:
+            EngineRegistry.register(model_type=model_type, backend=["fsdp2"], device="cpu")(engine_cls)
     if get_device_name() != "cpu":
         raise RuntimeError(f"verl's platform is {get_device_name()!r} after arming the CPU platform")
 
@@ -229,6 +233,47 @@ def ensure_process_group(device: str) -> None:
         os.environ[key] = value
 
 
+@contextlib.contextmanager
+def value_model_attention(flash: bool):
+    """verl 0.9.1 loads every value model with flash_attention_2 (`verl.utils.model.
+    load_valuehead_model`), which needs the flash-attn package (absent on CPU and on the H200
+    image): while the critic is built without it, that loader is swapped for one that loads the
+    same class (AutoModelForTokenClassification) with SDPA; restored on exit.
+    `_check_value_model` then verifies what was built (fail closed)."""
+    import verl.utils.model as verl_model
+
+    if flash:
+        yield
+        return
+    original = verl_model.load_valuehead_model
+
+    def load_with_sdpa(local_path: str, torch_dtype: Any, model_config: Any, trust_remote_code: bool) -> Any:
+        from transformers import AutoModelForTokenClassification
+
+        return AutoModelForTokenClassification.from_pretrained(
+            local_path, torch_dtype=torch_dtype, config=model_config, attn_implementation="sdpa",
+            trust_remote_code=trust_remote_code)
+
+    verl_model.load_valuehead_model = load_with_sdpa
+    try:
+        yield
+    finally:
+        verl_model.load_valuehead_model = original
+
+
+def _check_value_model(module: torch.nn.Module, flash: bool) -> None:
+    """The critic verl built is a token-classification model with one output and the attention
+    it was asked for; anything else would federate weights builtin cannot read."""
+    inner = getattr(module, "_fsdp_wrapped_module", module)
+    config = inner.config
+    wanted = "flash_attention_2" if flash else "sdpa"
+    if not type(inner).__name__.endswith("ForTokenClassification") or config.num_labels != 1 \
+            or config._attn_implementation != wanted:
+        raise RuntimeError(f"verl built the critic as {type(inner).__name__} (num_labels={config.num_labels}, "
+                           f"attention {config._attn_implementation!r}); expected a one-output "
+                           f"*ForTokenClassification with {wanted!r}")
+
+
 def isolate_from_outer_ray() -> None:
     """The verl backend never joins a Ray cluster it did not start (Flower's simulation runs
     on one): an inherited RAY_ADDRESS is dropped before verl is imported."""
@@ -238,9 +283,9 @@ def isolate_from_outer_ray() -> None:
 # ---------------------------------------------------------------------------------- the trainer
 
 class VerlTrainer:
-    """`client_app.trainer.base.Trainer` on verl's FSDP2 training engine (GRPO)."""
+    """`client_app.trainer.base.Trainer` on verl's FSDP2 training engines (GRPO, or PPO with a critic)."""
 
-    critic_start: CriticStart | None = None    # the verl backend has no critic (config refuses ppo)
+    critic_start: CriticStart | None = None    # set for ppo (client_app.critic.resolve_start_critic)
 
     def __init__(self, cfg: Config, env_url: str | None, run_dir: Path | str | None = None) -> None:
         if cfg.backend != "verl":
@@ -274,6 +319,19 @@ class VerlTrainer:
         self.ref = None
         if cfg.algo.kl_coef > 0:
             self.ref = self._worker(self.actor_config, model_config, forward_only=True)
+        # the critic (ppo): verl's value-model engine (AutoModelForTokenClassification, as builtin's)
+        self.critic = None
+        if cfg.algo.name == "ppo":
+            self.critic_start = resolve_start_critic(cfg.model.init_from, cfg.algo.critic.path)
+            critic_config = omega_conf_to_dataclass(self.verl_cfg.critic)
+            with value_model_attention(verl_config.has_flash_attn(self.device.type)):
+                self.critic = self._worker(critic_config, critic_config.model, forward_only=False,
+                                           model_type="value_model", micro=int(cfg.algo.critic.micro_batch_size))
+            _check_value_model(self.critic.engine.module, verl_config.has_flash_attn(self.device.type))
+            # verl's value loss carries a fixed 0.5; ours is critic.loss_coef x the same token mean
+            self.critic_loss_fn = partial(scaled_value_loss, config=critic_config,
+                                          scale=cfg.algo.critic.loss_coef / VERL_VALUE_LOSS_COEF)
+            self.critic.set_loss_fn(self.critic_loss_fn)
         self._tokenizer = load_causal_lm_tokenizer(self.model_path)
         rows = self.engine.module.get_output_embeddings().weight.shape[0]
         if cfg.verl.rollout_engine == "hf" and rows != len(self._tokenizer):
@@ -283,10 +341,17 @@ class VerlTrainer:
             raise ValueError(f"the model has {rows} output rows and its tokenizer {len(self._tokenizer)} tokens; "
                              "verl.rollout_engine=hf needs them equal (verl scores over every row). Use "
                              "backend: builtin for this model, or the vllm rollout engine on a GPU")
-        self._param_names = [n for n, _ in self.engine.module.named_parameters()]
-        self._members = ("actor",)
+        self._names = {"actor": [n for n, _ in self.engine.module.named_parameters()]}
         if cfg.model.init_from:
-            self._load_start(cfg.model.init_from)
+            self._load_start(cfg.model.init_from, "actor")
+        if self.critic is not None:
+            self._names["critic"] = [n for n, _ in self.critic.engine.module.named_parameters()]
+            if self.critic_start.path:
+                self._load_start(self.critic_start.path, "critic")
+            else:
+                self.load_weights(self._fresh_critic(), "critic")
+            log.info("critic: %s (%s)%s", self.critic_start.mode, self.critic_start.reason,
+                     f" from {self.critic_start.path}" if self.critic_start.path else "")
         self.pad_id = self._tokenizer.pad_token_id
         self.generator: BatchedGenerator | VllmGenerator
         if cfg.verl.rollout_engine == "vllm":
@@ -311,15 +376,17 @@ class VerlTrainer:
                 self.env.close()
                 raise
 
-    def _worker(self, actor_config: Any, model_config: Any, forward_only: bool) -> Any:
-        """One in-process verl TrainingWorker (fsdp2), built as verl's ActorRolloutRefWorker does."""
+    def _worker(self, role_config: Any, model_config: Any, forward_only: bool, model_type: str = "language_model",
+                micro: int | None = None) -> Any:
+        """One in-process verl TrainingWorker (fsdp2), built as verl's trainer builds its actor,
+        reference and critic workers."""
         import copy
 
         from verl.workers.config import TrainingWorkerConfig
         from verl.workers.engine_workers import TrainingWorker
 
-        engine_config = copy.deepcopy(actor_config.engine)
-        micro = self.cfg.algo.micro_batch_size
+        engine_config = copy.deepcopy(role_config.engine)
+        micro = micro or self.cfg.algo.micro_batch_size
         # verl keeps a forward-only FSDP2 module under a pinned-memory CPU offload policy, and
         # pinning needs CUDA: on CPU the reference is a training engine that never steps (its
         # AdamW creates state lazily, at a step, so it holds none)
@@ -328,9 +395,9 @@ class VerlTrainer:
         engine_config.infer_micro_batch_size_per_gpu = micro
         engine_config.use_dynamic_bsz = False
         engine_config.use_remove_padding = bool(model_config.get("use_remove_padding", False))
-        config = TrainingWorkerConfig(model_type="language_model", model_config=copy.deepcopy(model_config),
-                                      engine_config=engine_config, optimizer_config=actor_config.optim,
-                                      checkpoint_config=actor_config.checkpoint)
+        config = TrainingWorkerConfig(model_type=model_type, model_config=copy.deepcopy(model_config),
+                                      engine_config=engine_config, optimizer_config=role_config.optim,
+                                      checkpoint_config=role_config.checkpoint)
         worker = TrainingWorker(config=config)
         worker.reset()       # builds model (from model.path), optimizer, LR schedule once
         return worker
@@ -339,48 +406,63 @@ class VerlTrainer:
 
     @property
     def members(self) -> tuple[str, ...]:
-        return self._members
+        """The weights this trainer exchanges: ("actor",), or ("actor", "critic") for PPO."""
+        return tuple(self._names)
 
-    def _check_member(self, member: str) -> None:
-        if member not in self._members:
-            raise KeyError(f"this trainer has no {member!r} weights; its members are {list(self._members)}")
+    def _engine(self, member: str) -> Any:
+        if member not in self._names:
+            raise KeyError(f"this trainer has no {member!r} weights; its members are {list(self._names)}")
+        return self.engine if member == "actor" else self.critic.engine
 
-    def _load_start(self, weights_dir: str) -> None:
+    def _load_start(self, weights_dir: str, member: str) -> None:
         try:
-            self.load_weights(load_shards(Path(weights_dir).expanduser()), "actor")
+            self.load_weights(load_shards(Path(weights_dir).expanduser()), member)
         except (KeyError, ValueError, TypeError) as e:
-            raise ValueError(f"model.init_from ({weights_dir}) does not fit model.path={self.cfg.model.path!r}: {e}") \
-                from None
+            what = "model.init_from" if member == "actor" else "the starting critic"
+            raise ValueError(f"{what} ({weights_dir}) does not fit model.path={self.cfg.model.path!r}: {e}") from None
+
+    def _fresh_critic(self) -> dict[str, torch.Tensor]:
+        """The policy's current backbone under a value head seeded as builtin seeds it
+        (`client_app.critic.seeded_value_head`): the same fresh critic on both backends."""
+        from transformers import AutoConfig
+
+        actor = self.export_weights("actor")
+        shape = tuple(dict(self.critic.engine.module.named_parameters())["score.weight"].shape)
+        head = seeded_value_head(shape, AutoConfig.from_pretrained(self.model_path),
+                                 derive_seed("value-head", self.cfg.run.seed))
+        return {n: head[n] if n in head else actor[n] for n in self._names["critic"]}
 
     @torch.no_grad()
     def load_weights(self, state: Mapping[str, torch.Tensor], member: str = "actor") -> None:
-        """Inject fp32 weights into the live FSDP2 module in place (names as `export_weights`)."""
-        self._check_member(member)
-        _inject(self.engine.module, self._param_names, state)
+        """Inject fp32 weights into the member's live FSDP2 module in place (names as `export_weights`)."""
+        _inject(self._engine(member).module, self._names[member], state)
 
     def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
         """fp32 full tensors straight from the engine (`get_per_tensor_param`), detached CPU
         copies, one per parameter (a tied LM head is exported once, as its embedding)."""
-        self._check_member(member)
-        return _export(self.engine, self._param_names)
+        return _export(self._engine(member), self._names[member])
 
     # ------------------------------------------------------------------ optimizer
 
     def reset_optimizer(self) -> None:
-        """A fresh AdamW and LR schedule for the next fit (invariant 3), without a new
-        optimizer object: the engine's checkpoint manager holds the old one, so replacing it
-        would keep the retired state alive (field log 2026-07-22). Clearing the state is
-        exactly a fresh torch AdamW (its state is created lazily at the first step)."""
+        """A fresh AdamW and LR schedule for the next fit (invariant 3), for the policy and the
+        critic, without a new optimizer object: the engine's checkpoint manager holds the old
+        one, so replacing it would keep the retired state alive (field log 2026-07-22). Clearing
+        the state is exactly a fresh torch AdamW (its state is created lazily at the first step)."""
         from verl.utils.torch_functional import get_constant_schedule_with_warmup
 
-        optimizer = self.engine.optimizer
-        optimizer.zero_grad(set_to_none=True)
-        optimizer.state.clear()
-        for group in optimizer.param_groups:
-            group["lr"] = self.cfg.algo.lr
-            group["initial_lr"] = self.cfg.algo.lr
-        self.engine.lr_scheduler = get_constant_schedule_with_warmup(optimizer=optimizer, num_warmup_steps=0)
-        self.engine.checkpoint_manager.lr_scheduler = self.engine.lr_scheduler
+        engines = [(self.engine, self.cfg.algo.lr)]
+        if self.critic is not None:
+            engines.append((self.critic.engine, self.cfg.algo.critic.lr))
+        for engine, lr in engines:
+            optimizer = engine.optimizer
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.state.clear()
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+                group["initial_lr"] = lr
+            engine.lr_scheduler = get_constant_schedule_with_warmup(optimizer=optimizer, num_warmup_steps=0)
+            engine.checkpoint_manager.lr_scheduler = engine.lr_scheduler
 
     # ------------------------------------------------------------------ fit
 
@@ -391,7 +473,7 @@ class VerlTrainer:
         self._need_env()
         self.reset_optimizer()
         if self.ref is not None and self.cfg.algo.ref_anchor == "round":
-            _inject(self.ref.engine.module, self._param_names, self.export_weights())
+            _inject(self.ref.engine.module, self._names["actor"], self.export_weights())
         anchor = FedProxAnchor.snapshot(self.engine.module.named_parameters()) if req.proximal_mu > 0 else None
         per_epoch: list[dict[str, float]] = []
         episodes_trained = 0
@@ -401,8 +483,9 @@ class VerlTrainer:
                 per_epoch.append(metrics)
                 episodes_trained += n
         finally:
-            self.engine.optimizer.zero_grad(set_to_none=True)
-            self.engine.optimizer.state.clear()
+            for engine in [self.engine] + ([self.critic.engine] if self.critic is not None else []):
+                engine.optimizer.zero_grad(set_to_none=True)
+                engine.optimizer.state.clear()
             if anchor is not None:
                 anchor.release()
             release_memory(self.device)
@@ -423,14 +506,17 @@ class VerlTrainer:
         rollout_s = time.perf_counter() - t0
         rows = training_rows(episodes, r.invalid_action_penalty)
         t0 = time.perf_counter()
-        advantages = BuiltinTrainer.episode_advantages(episodes, rows)
+        critic_seed = derive_seed("critic-minibatch", req.seed, req.round, req.client_id, epoch)
+        advantages, critic_metrics = advantages_and_critic_pass(
+            episodes, rows, a, self.row_values if self.critic is not None else None,
+            lambda returns, values: self.update_critic(rows, returns, values, critic_seed))
         update = self.update(rows, advantages, anchor, req.proximal_mu,
                              derive_seed("minibatch", req.seed, req.round, req.client_id, epoch))
         update_s = time.perf_counter() - t0
         metrics = {**episode_metrics(episodes, "train_"),
                    "train_score": sum(rw.score for rw in rows) / max(len(rows), 1), "rows": float(len(rows)),
                    "rollout_s": rollout_s, "rollout_sync_s": sync_s, "update_s": update_s,
-                   **stats.as_metrics("rollout_"), **update}
+                   **stats.as_metrics("rollout_"), **update, **critic_metrics}
         return metrics, a.tasks_per_step * int(a.group_size)
 
     # ------------------------------------------------------------------ update (verl's engine)
@@ -438,20 +524,60 @@ class VerlTrainer:
     def row_log_probs(self, rows: Sequence[TrainRow], worker: Any = None) -> list[torch.Tensor]:
         """Log-probs of each row's response tokens under the actor (or `worker`), from verl's
         `TrainingWorker.infer_batch` at the rollout temperature (one 1-D tensor per row)."""
+        return self._row_outputs(rows, worker or self.actor, "log_probs", self.cfg.algo.micro_batch_size)
+
+    def row_values(self, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
+        """The critic's value at each response token of each row (one 1-D tensor per row)."""
+        if self.critic is None:
+            raise RuntimeError(f"row_values needs a critic, and algo.name={self.cfg.algo.name!r} has none")
+        return self._row_outputs(rows, self.critic, "values", int(self.cfg.algo.critic.micro_batch_size))
+
+    def _row_outputs(self, rows: Sequence[TrainRow], worker: Any, key: str, micro: int) -> list[torch.Tensor]:
         from verl.workers.utils.padding import no_padding_2_padding
 
         from verl.utils import tensordict_utils as tu
 
-        worker = worker or self.actor
         out: list[torch.Tensor] = []
-        micro = self.cfg.algo.micro_batch_size
         for start in range(0, len(rows), micro):
             part = rows[start:start + micro]
             td = self._batch(part, micro_batch=len(part))
             tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
             result = worker.infer_batch(td)
-            padded = no_padding_2_padding(tu.get(result, "log_probs"), td).float()
+            padded = no_padding_2_padding(tu.get(result, key), td).float()
             out.extend(padded[b, :len(rw.response_ids)].clone() for b, rw in enumerate(part))
+        return out
+
+    def update_critic(self, rows: Sequence[TrainRow], returns: Sequence[torch.Tensor],
+                      old_values: Sequence[torch.Tensor], seed: int) -> dict[str, float]:
+        """One pass of verl's clipped value loss over `rows` in critic mini-batches (builtin's
+        seeded order and sizes), one optimizer step each. FedProx never touches the critic
+        (invariant 4)."""
+        c = self.cfg.algo.critic
+        engine = self.critic.engine
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+        sums: dict[str, float] = defaultdict(float)
+        steps = skipped = 0
+        for start in range(0, len(rows), int(c.mini_batch_size)):
+            idx = order[start:start + int(c.mini_batch_size)]
+            td = self._batch([rows[i] for i in idx], micro_batch=_largest_divisor_at_most(len(idx), int(c.micro_batch_size)),
+                             values=[old_values[i] for i in idx], returns=[returns[i] for i in idx])
+            with engine.train_mode():
+                engine.optimizer_zero_grad()
+                output = engine.forward_backward_batch(td, self.critic_loss_fn, forward_only=False)
+                grad_norm = engine.optimizer_step()
+            if not math.isfinite(grad_norm):
+                skipped += 1
+                log.warning("non-finite critic gradient norm; optimizer step skipped")
+            raw = output["metrics"]
+            sums["loss"] += _aggregate(raw["critic/vf_loss"], "sum")
+            sums["clipfrac"] += _aggregate(raw["critic/vf_clipfrac"], "mean")
+            sums["grad_norm"] += float(grad_norm)
+            steps += 1
+        engine.lr_scheduler_step()
+        engine.optimizer_zero_grad()
+        out = {f"critic_{k}": v / max(steps, 1) for k, v in sums.items()}
+        out["critic_optimizer_steps"] = float(steps)
+        out["critic_skipped_steps"] = float(skipped)
         return out
 
     def update(self, rows: Sequence[TrainRow], advantages: Sequence[torch.Tensor], anchor: FedProxAnchor | None,
@@ -494,8 +620,8 @@ class VerlTrainer:
         return out
 
     def _batch(self, rows: Sequence[TrainRow], micro_batch: int, old: Sequence[torch.Tensor] | None = None,
-               advantages: Sequence[torch.Tensor] | None = None,
-               ref: Sequence[torch.Tensor] | None = None) -> Any:
+               advantages: Sequence[torch.Tensor] | None = None, ref: Sequence[torch.Tensor] | None = None,
+               values: Sequence[torch.Tensor] | None = None, returns: Sequence[torch.Tensor] | None = None) -> Any:
         """Rows in verl's layout: left-padded prompts + right-padded responses, converted to
         verl's no-padding (nested) TensorDict with the engine keys train_batch would inject."""
         from verl.utils import tensordict_utils as tu
@@ -515,9 +641,10 @@ class VerlTrainer:
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
         tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
                    "attention_mask": attention, "position_ids": position_ids, "response_mask": response_mask}
-        for key, values in (("old_log_probs", old), ("advantages", advantages), ("ref_log_prob", ref)):
-            if values is not None:
-                tensors[key] = _pad_rows(values, r_max)
+        for key, per_row in (("old_log_probs", old), ("advantages", advantages), ("ref_log_prob", ref),
+                             ("values", values), ("returns", returns)):
+            if per_row is not None:
+                tensors[key] = _pad_rows(per_row, r_max)
         td = tu.get_tensordict(tensors)
         td = left_right_2_no_padding(td)
         tu.assign_non_tensor(
@@ -570,7 +697,7 @@ class VerlTrainer:
             self.env = None
         if isinstance(self.generator, VllmGenerator):
             self.generator.close()
-        self.actor = self.ref = self.engine = self.generator = None
+        self.actor = self.ref = self.critic = self.engine = self.generator = None
         release_memory(self.device)
 
 
@@ -654,17 +781,31 @@ def _metrics(raw: Mapping[str, Any]) -> dict[str, float]:
     """verl's metrics of one mini-batch, in builtin's names. A verl `Metric` aggregates its
     micro-batch values itself (SUM for the loss shares, MEAN for fractions: verl's ppo_loss
     declares which), which is builtin's convention; plain lists follow `_METRICS`."""
-    out: dict[str, float] = {}
-    for key, (name, how) in _METRICS.items():
-        if key not in raw:
-            continue
-        value = raw[key]
-        if hasattr(value, "aggregate"):
-            out[name] = float(value.aggregate())
-            continue
-        values = [float(getattr(v, "item", lambda v=v: v)()) for v in (value if isinstance(value, list) else [value])]
-        out[name] = sum(values) if how == "sum" else sum(values) / len(values)
-    return out
+    return {name: _aggregate(raw[key], how) for key, (name, how) in _METRICS.items() if key in raw}
+
+
+def _aggregate(value: Any, how: str) -> float:
+    """One verl metric over a mini-batch's micro-batches: a `Metric` aggregates itself, a list
+    is summed ("sum") or averaged ("mean")."""
+    if hasattr(value, "aggregate"):
+        return float(value.aggregate())
+    values = [float(getattr(v, "item", lambda v=v: v)()) for v in (value if isinstance(value, list) else [value])]
+    return sum(values) if how == "sum" else sum(values) / len(values)
+
+
+VERL_VALUE_LOSS_COEF = 0.5      # verl 0.9.1's compute_value_loss: 0.5 * agg(max(...))
+
+
+def scaled_value_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None, *,
+                      scale: float) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's `value_loss` times `scale`, its loss metric scaled with it (our critic loss is
+    critic.loss_coef x the token mean; verl's is 0.5 x it)."""
+    from verl.workers.utils.losses import value_loss
+
+    loss, metrics = value_loss(config, model_output, data, dp_group)
+    metric = metrics["critic/vf_loss"]
+    metric.values = [v * scale for v in metric.values]      # a verl Metric holds its micro-batch values
+    return loss * scale, metrics
 
 
 def _mean(values: list[float]) -> float:

@@ -107,9 +107,38 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         "trainer.project_name=fedagent",
         f"trainer.experiment_name={cfg.run.name}",
     ]
+    fp32_compute = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
     if on_cpu:
         # fp32 compute: verl's MixedPrecisionPolicy defaults to bf16 params
-        out.append(f"+{actor}.fsdp_config.mixed_precision={{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}}")
+        out.append(f"+{actor}.fsdp_config.mixed_precision={fp32_compute}")
+    if a.name == "ppo":
+        c = a.critic
+        out += [
+            # the value model: the policy's architecture + a one-output head (verl's
+            # FSDPEngineWithValueHead, AutoModelForTokenClassification, as builtin's critic)
+            "critic.strategy=fsdp2",
+            f"critic.model.path={model_path}",
+            "critic.model.enable_gradient_checkpointing=False",
+            f"critic.model.use_remove_padding={packed}",
+            f"+critic.model.override_config.attn_implementation={'flash_attention_2' if packed else 'sdpa'}",
+            "critic.fsdp.model_dtype=fp32",
+            f"critic.fsdp.use_torch_compile={not on_cpu}",
+            f"critic.optim.lr={c.lr}",
+            f"critic.optim.weight_decay={c.weight_decay}",
+            f"critic.optim.clip_grad={c.grad_clip}",
+            f"critic.grad_clip={c.grad_clip}",
+            "critic.optim.lr_scheduler_type=constant",
+            "critic.optim.lr_warmup_steps=0",
+            "critic.optim.lr_warmup_steps_ratio=0.0",
+            f"critic.cliprange_value={c.value_clip}",
+            "critic.loss_agg_mode=token-mean",
+            f"critic.ppo_mini_batch_size={c.mini_batch_size}",
+            f"critic.ppo_micro_batch_size_per_gpu={c.micro_batch_size}",
+            "critic.ppo_epochs=1",
+            "critic.use_dynamic_bsz=False",
+        ]
+        if on_cpu:
+            out.append(f"+critic.fsdp.mixed_precision={fp32_compute}")
     return out
 
 
@@ -143,12 +172,13 @@ def check_resolved(cfg: Config, verl_cfg: Any) -> None:
     from hydra.errors import InstantiationException
     from verl.utils.config import omega_conf_to_dataclass
 
+    a = cfg.algo
     try:
         actor = omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.actor)
         omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.model)     # reads the model dir's config
+        critic = omega_conf_to_dataclass(verl_cfg.critic) if a.name == "ppo" else None
     except (ValueError, AssertionError, TypeError, OSError, InstantiationException) as e:
         raise ConfigError(f"verl rejects the config derived from this recipe: {e}") from None
-    a = cfg.algo
     expect = {
         "optim.lr": (actor.optim.lr, a.lr),
         "optim.weight_decay": (actor.optim.weight_decay, a.weight_decay),
@@ -166,6 +196,18 @@ def check_resolved(cfg: Config, verl_cfg: Any) -> None:
         "engine.strategy": (actor.engine.strategy, "fsdp2"),
         "engine.model_dtype": (actor.engine.model_dtype, "fp32"),
     }
+    if critic is not None:
+        c = a.critic
+        expect |= {
+            "critic.optim.lr": (critic.optim.lr, c.lr),
+            "critic.optim.weight_decay": (critic.optim.weight_decay, c.weight_decay),
+            "critic.optim.clip_grad": (critic.optim.clip_grad, c.grad_clip),
+            "critic.optim.lr_scheduler_type": (critic.optim.lr_scheduler_type, "constant"),
+            "critic.cliprange_value": (critic.cliprange_value, c.value_clip),
+            "critic.loss_agg_mode": (critic.loss_agg_mode, "token-mean"),
+            "critic.engine.strategy": (critic.engine.strategy, "fsdp2"),
+            "critic.engine.model_dtype": (critic.engine.model_dtype, "fp32"),
+        }
     wrong = {k: v for k, (v, want) in expect.items() if v != want}
     if wrong:
         raise ConfigError(f"the composed verl config does not carry the recipe: {wrong}")
