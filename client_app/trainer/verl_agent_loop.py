@@ -34,7 +34,6 @@ import functools
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
@@ -101,7 +100,7 @@ class FedAgentEnvLoop(AgentLoopBase):
         self.max_new_tokens = cfg.rollout.max_response_tokens
         self.penalty = cfg.rollout.invalid_action_penalty
         # the replicas stop on the generation config's eos ids too (Qwen: <|im_end|>, <|endoftext|>)
-        self.eos_ids = eos_ids_of(self.tokenizer, Path(self.config.actor_rollout_ref.model.path))
+        self.eos_ids = list(eos_ids_of(self.tokenizer.eos_token_id, str(self.config.actor_rollout_ref.model.path)))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         if "task_index" not in kwargs:

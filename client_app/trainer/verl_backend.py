@@ -44,7 +44,7 @@ import os
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from types import ModuleType
@@ -324,10 +324,11 @@ class VerlTrainer:
         if cfg.algo.name == "ppo":
             self.critic_start = resolve_start_critic(cfg.model.init_from, cfg.algo.critic.path)
             critic_config = omega_conf_to_dataclass(self.verl_cfg.critic)
-            with value_model_attention(verl_config.has_flash_attn(self.device.type)):
+            flash = verl_config.has_flash_attn(self.device.type)
+            with value_model_attention(flash):
                 self.critic = self._worker(critic_config, critic_config.model, forward_only=False,
                                            model_type="value_model", micro=int(cfg.algo.critic.micro_batch_size))
-            _check_value_model(self.critic.engine.module, verl_config.has_flash_attn(self.device.type))
+            _check_value_model(self.critic.engine.module, flash)
             # verl's value loss carries a fixed 0.5; ours is critic.loss_coef x the same token mean
             self.critic_loss_fn = partial(scaled_value_loss, config=critic_config,
                                           scale=cfg.algo.critic.loss_coef / VERL_VALUE_LOSS_COEF)
@@ -424,11 +425,9 @@ class VerlTrainer:
     def _fresh_critic(self) -> dict[str, torch.Tensor]:
         """The policy's current backbone under a value head seeded as builtin seeds it
         (`client_app.critic.seeded_value_head`): the same fresh critic on both backends."""
-        from transformers import AutoConfig
-
         actor = self.export_weights("actor")
         shape = tuple(dict(self.critic.engine.module.named_parameters())["score.weight"].shape)
-        head = seeded_value_head(shape, AutoConfig.from_pretrained(self.model_path),
+        head = seeded_value_head(shape, self.critic.engine.model_config.hf_config,
                                  derive_seed("value-head", self.cfg.run.seed))
         return {n: head[n] if n in head else actor[n] for n in self._names["critic"]}
 
@@ -553,32 +552,18 @@ class VerlTrainer:
         seeded order and sizes), one optimizer step each. FedProx never touches the critic
         (invariant 4)."""
         c = self.cfg.algo.critic
-        engine = self.critic.engine
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-        sums: dict[str, float] = defaultdict(float)
-        steps = skipped = 0
-        for start in range(0, len(rows), int(c.mini_batch_size)):
-            idx = order[start:start + int(c.mini_batch_size)]
-            td = self._batch([rows[i] for i in idx], micro_batch=_largest_divisor_at_most(len(idx), int(c.micro_batch_size)),
-                             values=[old_values[i] for i in idx], returns=[returns[i] for i in idx])
-            with engine.train_mode():
-                engine.optimizer_zero_grad()
-                output = engine.forward_backward_batch(td, self.critic_loss_fn, forward_only=False)
-                grad_norm = engine.optimizer_step()
-            if not math.isfinite(grad_norm):
-                skipped += 1
-                log.warning("non-finite critic gradient norm; optimizer step skipped")
-            raw = output["metrics"]
-            sums["loss"] += _aggregate(raw["critic/vf_loss"], "sum")
-            sums["clipfrac"] += _aggregate(raw["critic/vf_clipfrac"], "mean")
-            sums["grad_norm"] += float(grad_norm)
-            steps += 1
-        engine.lr_scheduler_step()
-        engine.optimizer_zero_grad()
-        out = {f"critic_{k}": v / max(steps, 1) for k, v in sums.items()}
-        out["critic_optimizer_steps"] = float(steps)
-        out["critic_skipped_steps"] = float(skipped)
-        return out
+
+        def batch(idx: list[int], micro: int) -> Any:
+            return self._batch([rows[i] for i in idx], micro_batch=micro, values=[old_values[i] for i in idx],
+                               returns=[returns[i] for i in idx])
+
+        def metrics(raw: Mapping[str, Any]) -> dict[str, float]:
+            return {"loss": _aggregate(raw["critic/vf_loss"], "sum"),
+                    "clipfrac": _aggregate(raw["critic/vf_clipfrac"], "mean")}
+
+        out = _train_pass(self.critic.engine, self.critic_loss_fn, len(rows), int(c.mini_batch_size),
+                         int(c.micro_batch_size), seed, batch, metrics)
+        return {f"critic_{k}": v for k, v in out.items()}
 
     def update(self, rows: Sequence[TrainRow], advantages: Sequence[torch.Tensor], anchor: FedProxAnchor | None,
                mu: float, seed: int) -> dict[str, float]:
@@ -589,35 +574,15 @@ class VerlTrainer:
         a = self.cfg.algo
         old = self.row_log_probs(rows)
         ref = self.row_log_probs(rows, self.ref) if self.ref is not None else None
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-        sums: dict[str, float] = defaultdict(float)
-        steps = skipped = 0
-        engine = self.engine
-        for start in range(0, len(rows), a.mini_batch_size):
-            idx = order[start:start + a.mini_batch_size]
-            micro = _largest_divisor_at_most(len(idx), a.micro_batch_size)
-            td = self._batch([rows[i] for i in idx], micro_batch=micro,
-                             old=[old[i] for i in idx], advantages=[advantages[i] for i in idx],
-                             ref=[ref[i] for i in idx] if ref is not None else None)
-            with engine.train_mode():
-                engine.optimizer_zero_grad()
-                output = engine.forward_backward_batch(td, self.loss_fn, forward_only=False)
-                if anchor is not None:
-                    anchor.add_grad_(engine.module.named_parameters(), mu)
-                grad_norm = engine.optimizer_step()
-            if not math.isfinite(grad_norm):
-                skipped += 1
-                log.warning("non-finite gradient norm; optimizer step skipped")
-            for k, v in _metrics(output["metrics"]).items():
-                sums[k] += v
-            sums["grad_norm"] += float(grad_norm)
-            steps += 1
-        engine.lr_scheduler_step()     # once per update pass, as verl's train_mini_batch does (constant LR)
-        engine.optimizer_zero_grad()
-        out = {k: v / max(steps, 1) for k, v in sums.items()}
-        out["optimizer_steps"] = float(steps)
-        out["skipped_steps"] = float(skipped)
-        return out
+
+        def batch(idx: list[int], micro: int) -> Any:
+            return self._batch([rows[i] for i in idx], micro_batch=micro, old=[old[i] for i in idx],
+                               advantages=[advantages[i] for i in idx],
+                               ref=[ref[i] for i in idx] if ref is not None else None)
+
+        fedprox = (lambda: anchor.add_grad_(self.engine.module.named_parameters(), mu)) if anchor is not None else None
+        return _train_pass(self.engine, self.loss_fn, len(rows), a.mini_batch_size, a.micro_batch_size, seed, batch,
+                          _metrics, after_backward=fedprox)
 
     def _batch(self, rows: Sequence[TrainRow], micro_batch: int, old: Sequence[torch.Tensor] | None = None,
                advantages: Sequence[torch.Tensor] | None = None, ref: Sequence[torch.Tensor] | None = None,
@@ -762,6 +727,41 @@ def _export(engine: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
     if missing:
         raise RuntimeError(f"verl engine did not export {sorted(missing)[:5]}")
     return {n: out[n] for n in names}
+
+
+def _train_pass(engine: Any, loss_fn: Any, n_rows: int, mini: int, micro: int, seed: int,
+                batch: Callable[[list[int], int], Any], metrics: Callable[[Mapping[str, Any]], dict[str, float]],
+                after_backward: Callable[[], None] | None = None) -> dict[str, float]:
+    """One pass over `n_rows` rows in the builtin's seeded order, `mini` rows per optimizer
+    step: per mini-batch exactly what verl's `BaseEngine.train_batch` does (zero_grad,
+    `forward_backward_batch`, clip + AdamW, non-finite norm skipped), with `after_backward`
+    (FedProx) between the backward and the step; the LR scheduler steps once per pass, as
+    verl's `train_mini_batch` does (constant LR)."""
+    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed)).tolist()
+    sums: dict[str, float] = defaultdict(float)
+    steps = skipped = 0
+    for start in range(0, n_rows, mini):
+        idx = order[start:start + mini]
+        td = batch(idx, _largest_divisor_at_most(len(idx), micro))
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            output = engine.forward_backward_batch(td, loss_fn, forward_only=False)
+            if after_backward is not None:
+                 after_backward()
+            grad_norm = engine.optimizer_step()
+        if not math.isfinite(grad_norm):
+            skipped += 1
+            log.warning("non-finite gradient norm; optimizer step skipped")
+        for k, v in metrics(output["metrics"]).items():
+            sums[k] += v
+        sums["grad_norm"] += float(grad_norm)
+        steps += 1
+    engine.lr_scheduler_step()
+    engine.optimizer_zero_grad()
+    out = {k: v / max(steps, 1) for k, v in sums.items()}
+    out["optimizer_steps"] = float(steps)
+    out["skipped_steps"] = float(skipped)
+    return out
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:

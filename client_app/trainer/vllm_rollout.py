@@ -24,6 +24,7 @@ with the rollout loop's `derive_seed`), so what an episode does does not depend 
 """
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import logging
@@ -40,11 +41,13 @@ from client_app.rollout import cut_at_eos
 log = logging.getLogger("fedagent.trainer.vllm")
 
 
-def eos_ids_of(tokenizer: Any, model_path: Path) -> list[int]:
-    """Every id that ends a turn: the tokenizer's eos and the model's generation_config eos."""
+@functools.lru_cache(maxsize=16)
+def eos_ids_of(tokenizer_eos: int | None, model_path: str) -> tuple[int, ...]:
+    """Every id that ends a turn: the tokenizer's eos and the model's generation_config eos
+    (read once per model: verl builds an agent loop per trajectory)."""
     from transformers import GenerationConfig
 
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    ids = {tokenizer_eos} if tokenizer_eos is not None else set()
     try:
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:        # no generation_config.json: the tokenizer's eos is the only one
@@ -53,7 +56,7 @@ def eos_ids_of(tokenizer: Any, model_path: Path) -> list[int]:
     if not ids:
         raise ValueError(f"neither the tokenizer nor the generation config in {model_path} defines an eos token; "
                          "set tokenizer.eos_token so generated turns can end")
-    return sorted(ids)
+    return tuple(sorted(ids))
 
 
 def arm_vllm_env() -> None:
@@ -82,7 +85,7 @@ class VllmGenerator:
 
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
-        self.eos_ids = eos_ids_of(tokenizer, model_path)
+        self.eos_ids = list(eos_ids_of(tokenizer.eos_token_id, str(model_path)))
         t0 = time.perf_counter()
         self.llm = LLM(model=str(model_path), skip_tokenizer_init=True, dtype="bfloat16", seed=seed,
                        enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization,
