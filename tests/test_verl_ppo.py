@@ -112,6 +112,27 @@ def test_ppo_fit_trains_actor_and_critic(verl_trainer):
         verl_trainer.load_weights(state, member)
 
 
+def test_fedprox_moves_the_policy_never_the_critic(verl_trainer):
+    """Invariants 4 and 3 on verl: two fits of the same client from the same weights, FedProx
+    off and mu = 20. One local epoch, so both play the same episodes and the critic pass (which
+    runs before the policy update) sees the same rows: the critics come out bit-identical (no
+    proximal term on the critic, and no optimizer state carried between the fits), while the
+    policies differ (FedProx acts on the policy)."""
+    start = {m: verl_trainer.export_weights(m) for m in verl_trainer.members}
+    ends = []
+    for mu in (0.0, 20.0):
+        for member, state in start.items():
+            verl_trainer.load_weights(state, member)
+        verl_trainer.fit(FitRequest(round=2, client_id=5, task_indices=list(range(16, 56)), local_epochs=1, seed=0,
+                                    proximal_mu=mu))
+        ends.append({m: verl_trainer.export_weights(m) for m in verl_trainer.members})
+    assert _max_diff(ends[0]["critic"], start["critic"]) > TOL             # the critic trained ...
+    assert all(torch.equal(ends[0]["critic"][k], ends[1]["critic"][k]) for k in start["critic"])   # ... alike
+    assert _max_diff(ends[0]["actor"], ends[1]["actor"]) > TOL             # FedProx changed the policy
+    for member, state in start.items():
+        verl_trainer.load_weights(state, member)
+
+
 def test_lane_service_federates_the_verl_critic(model_dir, tmp_path):  # noqa: F811
     """Through the trainer service, as a round uses it: round 0 exports both members (and says
     where the critic came from), a fit loads and returns both."""
