@@ -7,8 +7,9 @@ and rollout engine must outlive both, so they live here; the ClientApp is a thin
 
 Lifecycle: started by the first ClientApp message on its lane; serves requests one at a time;
 exits on `POST /shutdown` (sent when the run ends), after `run.service_idle_timeout_s` without a
-request, or as soon as its owner process (the simulation actor that started it) is gone. It
-belongs to exactly one Flower run: requests naming another run are refused.
+request, or as soon as its owner process (the simulation actor that started it) is gone, then
+abandoning a request or start-up in progress, since nobody would read its answer. It belongs to
+exactly one Flower run: requests naming another run are refused.
 """
 from __future__ import annotations
 
@@ -109,6 +110,7 @@ class TrainerService:
                              f"split ({self.val_size} tasks); lower val_tasks or raise env.params.val_size")
         self.trainer = make_trainer(self.cfg, self.env_url, run_dir=self.cfg.resolved_run_dir())
         self._stack.callback(self.trainer.close)
+        self.last_request = time.monotonic()   # the idle clock starts when the service can serve
 
     def shard(self, client_id: int) -> list[int]:
         """This client's training tasks: every lane recomputes the same global assignment."""
@@ -231,21 +233,52 @@ def create_app(svc: TrainerService, stop: threading.Event) -> FastAPI:
     return app
 
 
-def _watchdog(svc: TrainerService, server: uvicorn.Server, stop: threading.Event,
-              owner_pid: int, idle_timeout_s: float) -> None:
-    """Stop the server when asked, when idle too long, or when the owner process is gone."""
+def _owner_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _watchdog(svc: TrainerService, server: uvicorn.Server, stop: threading.Event, terminated: threading.Event,
+              owner_pid: int, idle_timeout_s: float, sock: Path) -> None:
+    """Stop the server when asked, when idle too long, when the owner process is gone, or on SIGTERM.
+
+    Runs from the first moment (start-up can take minutes). When the owner is gone or SIGTERM came,
+    nobody will read the answer of the request or start-up in progress, so the service exits at
+    once instead of finishing it: a stopped run must not keep a lane training.
+    """
     while not server.should_exit:
-        if stop.wait(1.0):
+        if stop.wait(0.5):
             log.info("shutdown requested")
             break
-        if owner_pid and not psutil.pid_exists(owner_pid):
-            log.info("owner process %d is gone; exiting", owner_pid)
+        reason = ("SIGTERM" if terminated.is_set() else
+                  f"owner process {owner_pid} is gone" if owner_pid and not _owner_alive(owner_pid) else "")
+        if reason:
+            if svc.lock.locked():
+                _exit_now(reason, sock)
+            log.info("%s; exiting", reason)
             break
         idle = time.monotonic() - svc.last_request
         if idle > idle_timeout_s and not svc.lock.locked():
             log.info("idle for %.0f s; exiting", idle)
             break
     server.should_exit = True
+
+
+def _exit_now(reason: str, sock: Path) -> None:
+    """Abandon the work in progress: stop the children this process started (by PID), then exit."""
+    log.warning("%s during a request or start-up; exiting without finishing it", reason)
+    children = psutil.Process().children()
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.terminate()
+    for child in psutil.wait_procs(children, timeout=5)[1]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    sock.unlink(missing_ok=True)
+    logging.shutdown()
+    os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,16 +294,17 @@ def main(argv: list[str] | None = None) -> int:
     run_config = json.loads(args.run_config)
     cfg = load_config(run_config.get("recipe") or "tiny-shop-grpo", overrides=run_config)
     svc = TrainerService(cfg, args.run_id, args.lane)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop, terminated = threading.Event(), threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: terminated.set())   # uvicorn's own handler takes over while serving
     sock = Path(args.socket)
+    server = uvicorn.Server(uvicorn.Config(create_app(svc, stop), uds=str(sock), log_level="warning",
+                                           timeout_keep_alive=600))
+    threading.Thread(target=_watchdog, daemon=True, args=(svc, server, stop, terminated, args.owner_pid,
+                                                          cfg.run.service_idle_timeout_s, sock)).start()
     try:
-        svc.start()
+        with svc.lock:
+            svc.start()
         sock.unlink(missing_ok=True)
-        server = uvicorn.Server(uvicorn.Config(create_app(svc, stop), uds=str(sock), log_level="warning",
-                                               timeout_keep_alive=600))
-        threading.Thread(target=_watchdog, daemon=True,
-                         args=(svc, server, stop, args.owner_pid, cfg.run.service_idle_timeout_s)).start()
         log.info("serving run %d lane %s on %s", args.run_id, args.lane, sock)
         server.run()
     finally:

@@ -1,0 +1,110 @@
+"""The lane's trainer service as a real process (`client_app.service` behind `LaneService`): once
+its owner (the simulation actor that started it) is gone, it exits within seconds, even in the
+middle of its start-up or of a fit, since nobody would read the answer, and it stops the env
+service it started (invariant 22). A stopped run must not keep a lane training."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from client_app.lane import LaneService, ServiceError
+from fl_app.config import save_config
+from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F401
+
+EXIT_WITHIN_S = 5.0
+
+
+@pytest.fixture
+def owner() -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _lane_service(tmp_path: Path, model_dir: Path, owner_pid: int) -> LaneService:  # noqa: F811
+    recipe = tmp_path / "recipe.yaml"
+    save_config(small_config(model_dir, run={"run_dir": str(tmp_path / "run")}), recipe)
+    # a lane name of this test's own, so the socket never meets another run's service
+    return LaneService(run_id=7, run_config={"recipe": str(recipe)}, log_dir=tmp_path / "logs",
+                       lane=f"test{os.getpid()}-{tmp_path.name[-12:]}", owner_pid=owner_pid)
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _kill_owner_and_time_exit(owner: subprocess.Popen, service: psutil.Process) -> float:
+    children = service.children(recursive=True)
+    owner.kill()
+    owner.wait()
+    t0 = time.monotonic()
+    gone, alive = psutil.wait_procs([service], timeout=30)
+    waited = time.monotonic() - t0
+    for p in alive:
+        p.kill()
+    assert not alive, "the trainer service outlived its owner by 30 s"
+    _, orphans = psutil.wait_procs(children, timeout=10)
+    assert not orphans, f"the service left children running: {[p.pid for p in orphans]}"
+    return waited
+
+
+def _in_background(fn) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, errors
+
+
+def test_service_whose_owner_dies_during_start_up_exits_at_once(tmp_path, model_dir, owner):  # noqa: F811
+    lane = _lane_service(tmp_path, model_dir, owner.pid)
+    starter, errors = _in_background(lane.ensure_started)
+    _wait_for(lambda: lane._pid() is not None, 30, "the service was not spawned")
+    service = psutil.Process(lane._pid())
+    # its env service child exists once start-up is under way (the trainer is not built yet)
+    _wait_for(lambda: service.children(), 120, "the service never started its env service")
+    waited = _kill_owner_and_time_exit(owner, service)
+    starter.join(30)
+    log = lane.log_path.read_text()
+    assert "serving run" not in log, "start-up finished before the owner died; the test did not test start-up"
+    assert "exiting without finishing it" in log, log[-2000:]
+    assert waited < EXIT_WITHIN_S, f"the service took {waited:.1f} s to notice its owner was gone"
+    assert errors and isinstance(errors[0], ServiceError)     # the caller hears that start-up failed
+    assert not lane.socket.exists()
+
+
+def test_service_whose_owner_dies_mid_fit_abandons_the_fit(tmp_path, model_dir, owner):  # noqa: F811
+    lane = _lane_service(tmp_path, model_dir, owner.pid)
+    health = lane.ensure_started()
+    init_dir = tmp_path / "w0" / "actor"
+    lane.request("/init", {"run_id": 7, "weights_out": {"actor": str(init_dir)}})
+    out_dir = tmp_path / "w1" / "actor"
+    body = {"run_id": 7, "round": 1, "client_id": 0, "local_epochs": 200, "seed": 0,   # minutes of work
+            "weights_in": {"actor": str(init_dir)}, "weights_out": {"actor": str(out_dir)}}
+    fitter, errors = _in_background(lambda: lane.request("/fit", body))
+    time.sleep(2.0)                                        # well inside the fit
+    assert fitter.is_alive(), "the 200-epoch fit ended within 2 s; the test did not test a fit in progress"
+    waited = _kill_owner_and_time_exit(owner, psutil.Process(health["pid"]))
+    fitter.join(30)
+    log = lane.log_path.read_text()
+    assert "exiting without finishing it" in log, log[-2000:]
+    assert "fit 1 (" not in log and not out_dir.exists()    # abandoned, not finished
+    assert waited < EXIT_WITHIN_S, f"the service took {waited:.1f} s to abandon its fit"
+    assert errors and isinstance(errors[0], ServiceError)
