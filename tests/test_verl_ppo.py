@@ -139,7 +139,7 @@ def test_lane_service_federates_the_verl_critic(model_dir, tmp_path):  # noqa: F
     from client_app.service import FitBody, InitBody, TrainerService
     from fl_app.weights import load_shards
 
-    data = small_config(model_dir, **SECTIONS).model_dump()
+    data = small_config(model_dir, run={"run_dir": str(tmp_path / "run")}, **SECTIONS).model_dump()
     data["backend"] = "verl"
     svc = TrainerService(Config.model_validate(data), run_id=1, lane="cpu")
     try:
@@ -152,5 +152,6 @@ def test_lane_service_federates_the_verl_critic(model_dir, tmp_path):  # noqa: F
         assert reply["metrics"]["critic_optimizer_steps"] >= 1
         before, after = load_shards(tmp_path / "r0" / "critic"), load_shards(tmp_path / "r1" / "critic")
         assert "score.weight" in after and _max_diff(after, before) > TOL
+        assert (tmp_path / "run" / "verl" / "verl_config.yaml").exists()     # into the run dir, nowhere else
     finally:
         svc.close()
