@@ -18,6 +18,7 @@ training score only (`training_rows`); validation reads the raw env reward (inva
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 import uuid
@@ -171,14 +172,7 @@ class BatchedGenerator:
         self.max_padding = max_padding
         self.device = next(model.parameters()).device
         self._generators: list[torch.Generator] = []     # reused and reseeded per call (see _seeded_generators)
-        eos = model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if tokenizer.eos_token_id is not None:
-            eos_ids.add(tokenizer.eos_token_id)
-        if not eos_ids:
-            raise ValueError("neither the model's generation_config nor the tokenizer defines an eos token; "
-                             "set tokenizer.eos_token so generated turns can end")
-        self.eos_ids = sorted(eos_ids)
+        self.eos_ids = list(turn_end_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id))
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
         self.vocab_size = len(tokenizer)
@@ -243,6 +237,32 @@ class BatchedGenerator:
                 max_new_tokens=self.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
                 use_cache=True, logits_processor=LogitsProcessorList(processors))
         return [cut_at_eos(row, self.eos_ids) for row in seqs[:, width:].tolist()]
+
+
+def turn_end_ids(tokenizer_eos: int | None, generation_eos: int | list[int] | None) -> tuple[int, ...]:
+    """Every id that ends a turn: the tokenizer's eos and the generation config's (Qwen: both
+    <|im_end|> and <|endoftext|>), for every generator alike."""
+    ids = set(generation_eos if isinstance(generation_eos, list) else [generation_eos] if generation_eos is not None
+              else [])
+    if tokenizer_eos is not None:
+        ids.add(tokenizer_eos)
+    if not ids:
+        raise ValueError("neither the model's generation_config nor the tokenizer defines an eos token; "
+                         "set tokenizer.eos_token so generated turns can end")
+    return tuple(sorted(ids))
+
+
+@functools.lru_cache(maxsize=16)
+def turn_end_ids_of(tokenizer_eos: int | None, model_path: str) -> tuple[int, ...]:
+    """`turn_end_ids` for a model directory, its generation config read once per model (verl
+    builds an agent loop per trajectory)."""
+    from transformers import GenerationConfig
+
+    try:
+        generation_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:        # no generation_config.json: the tokenizer's eos is the only one
+        generation_eos = None
+    return turn_end_ids(tokenizer_eos, generation_eos)
 
 
 def cut_at_eos(ids: list[int], eos_ids: Sequence[int]) -> list[int]:

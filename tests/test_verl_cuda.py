@@ -19,13 +19,12 @@ import torch
 from client_app.rollout import derive_seed
 from client_app.trainer.base import FitRequest
 from client_app.trainer.builtin import BuiltinTrainer
-from fl_app.config import Config
 from trainer_support import env_url, model_dir, small_config  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("verl")
 
-from test_verl_backend import _builtin_update, _rows, _verl_update  # noqa: E402
+from test_verl_backend import _builtin_update, _rows, _verl_cfg, _verl_update  # noqa: E402
 
 CUDA = {"run": {"device": "cuda"}}
 ARGS = {"rollout": {"temperature": 0.7}, "algo": {"lr": 1e-3, "kl_coef": 0.05, "entropy_coeff": 0.01,
@@ -41,9 +40,7 @@ def needs_cuda() -> None:
 def _verl(model_dir, env_url, tmp_path, **sections):  # noqa: F811
     from client_app.trainer.verl_backend import VerlTrainer
 
-    data = small_config(model_dir, **sections).model_dump()
-    data["backend"] = "verl"
-    return VerlTrainer(Config.model_validate(data), env_url, run_dir=tmp_path)
+    return VerlTrainer(_verl_cfg(model_dir, **sections), env_url, run_dir=tmp_path)
 
 
 def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

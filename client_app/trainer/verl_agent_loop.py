@@ -39,8 +39,8 @@ from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
-from client_app.rollout import RolloutSettings, cut_at_eos, episode_metrics, group_specs, run_episodes, training_rows
-from client_app.trainer.vllm_rollout import eos_ids_of
+from client_app.rollout import RolloutSettings, cut_at_eos, episode_metrics, group_specs, run_episodes, \
+    training_rows, turn_end_ids_of
 from envs.client import SyncEnvClient
 from envs.registry import system_prompt
 from fl_app.config import Config, load_config
@@ -100,7 +100,7 @@ class FedAgentEnvLoop(AgentLoopBase):
         self.max_new_tokens = cfg.rollout.max_response_tokens
         self.penalty = cfg.rollout.invalid_action_penalty
         # the replicas stop on the generation config's eos ids too (Qwen: <|im_end|>, <|endoftext|>)
-        self.eos_ids = list(eos_ids_of(self.tokenizer.eos_token_id, str(self.config.actor_rollout_ref.model.path)))
+        self.eos_ids = list(turn_end_ids_of(self.tokenizer.eos_token_id, str(self.config.actor_rollout_ref.model.path)))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         if "task_index" not in kwargs:

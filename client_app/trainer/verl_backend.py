@@ -443,6 +443,13 @@ class VerlTrainer:
 
     # ------------------------------------------------------------------ optimizer
 
+    def _trained_engines(self) -> list[tuple[Any, float]]:
+        """(engine, learning rate) of every member that trains: the policy, and the critic for ppo."""
+        engines = [(self.engine, self.cfg.algo.lr)]
+        if self.critic is not None:
+            engines.append((self.critic.engine, self.cfg.algo.critic.lr))
+        return engines
+
     def reset_optimizer(self) -> None:
         """A fresh AdamW and LR schedule for the next fit (invariant 3), for the policy and the
         critic, without a new optimizer object: the engine's checkpoint manager holds the old
@@ -450,10 +457,7 @@ class VerlTrainer:
         the state is exactly a fresh torch AdamW (its state is created lazily at the first step)."""
         from verl.utils.torch_functional import get_constant_schedule_with_warmup
 
-        engines = [(self.engine, self.cfg.algo.lr)]
-        if self.critic is not None:
-            engines.append((self.critic.engine, self.cfg.algo.critic.lr))
-        for engine, lr in engines:
+        for engine, lr in self._trained_engines():
             optimizer = engine.optimizer
             optimizer.zero_grad(set_to_none=True)
             optimizer.state.clear()
@@ -482,7 +486,7 @@ class VerlTrainer:
                 per_epoch.append(metrics)
                 episodes_trained += n
         finally:
-            for engine in [self.engine] + ([self.critic.engine] if self.critic is not None else []):
+            for engine, _ in self._trained_engines():
                 engine.optimizer.zero_grad(set_to_none=True)
                 engine.optimizer.state.clear()
             if anchor is not None:
@@ -747,7 +751,7 @@ def _train_pass(engine: Any, loss_fn: Any, n_rows: int, mini: int, micro: int, s
             engine.optimizer_zero_grad()
             output = engine.forward_backward_batch(td, loss_fn, forward_only=False)
             if after_backward is not None:
-                 after_backward()
+                after_backward()
             grad_norm = engine.optimizer_step()
         if not math.isfinite(grad_norm):
             skipped += 1

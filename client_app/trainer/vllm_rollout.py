@@ -24,7 +24,6 @@ with the rollout loop's `derive_seed`), so what an episode does does not depend 
 """
 from __future__ import annotations
 
-import functools
 import gc
 import importlib.util
 import logging
@@ -36,27 +35,9 @@ from typing import Any
 
 import torch
 
-from client_app.rollout import cut_at_eos
+from client_app.rollout import cut_at_eos, turn_end_ids_of
 
 log = logging.getLogger("fedagent.trainer.vllm")
-
-
-@functools.lru_cache(maxsize=16)
-def eos_ids_of(tokenizer_eos: int | None, model_path: str) -> tuple[int, ...]:
-    """Every id that ends a turn: the tokenizer's eos and the model's generation_config eos
-    (read once per model: verl builds an agent loop per trajectory)."""
-    from transformers import GenerationConfig
-
-    ids = {tokenizer_eos} if tokenizer_eos is not None else set()
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:        # no generation_config.json: the tokenizer's eos is the only one
-        eos = None
-    ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if not ids:
-        raise ValueError(f"neither the tokenizer nor the generation config in {model_path} defines an eos token; "
-                         "set tokenizer.eos_token so generated turns can end")
-    return tuple(sorted(ids))
 
 
 def arm_vllm_env() -> None:
@@ -85,7 +66,7 @@ class VllmGenerator:
 
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
-        self.eos_ids = list(eos_ids_of(tokenizer.eos_token_id, str(model_path)))
+        self.eos_ids = list(turn_end_ids_of(tokenizer.eos_token_id, str(model_path)))
         t0 = time.perf_counter()
         self.llm = LLM(model=str(model_path), skip_tokenizer_init=True, dtype="bfloat16", seed=seed,
                        enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization,
