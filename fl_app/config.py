@@ -3,16 +3,28 @@
 Every config key is documented here, in the field descriptions; `docs/config.md` is generated
 from this module (`python -m fl_app.config --doc`). Unknown keys and bad values fail with a
 message that names the key and the fix, before any process or service starts.
+
+Every recipe key is also a Flower run-config key, dotted (`--run-config 'algo.lr=2e-4
+federation.rounds=3'`): Flower accepts only keys declared in pyproject's `[tool.flwr.app.config]`,
+and that section is generated from this module (`python -m fl_app.config --run-config-keys`).
+A handful of flat aliases (`rounds`, `clients-per-round`, ...) are kept for the common knobs.
 """
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from omegaconf import OmegaConf
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, \
+    model_validator
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_RECIPE = "tiny-shop-grpo"
@@ -23,7 +35,19 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Unknown keys, inf/nan and booleans where a number belongs are errors (YAML and TOML both
+    turn `true` into a value pydantic would otherwise read as 1)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if bool not in _scalar_types(annotation) and _scalar_types(annotation) & {int, float}:
+                raise ValueError(f"expects a number, got the boolean {value}")
+        return value
 
 
 class TinyModelCfg(_Strict):
@@ -131,6 +155,19 @@ class RunCfg(_Strict):
     shard_max_mb: float = Field(512.0, gt=0, description="Upper bound on one safetensors shard.")
     service_idle_timeout_s: float = Field(900.0, gt=0, description="A trainer service with no request for this long exits.")
 
+    @field_validator("run_dir")
+    @classmethod
+    def _sane_run_dir(cls, value: str) -> str:
+        """A run dir holds checkpoints that resume renames aside: never `/`, a top-level system
+        dir, or the home dir (or an ancestor of it) itself."""
+        if value:
+            p = Path(value).expanduser().resolve()
+            home = Path.home().resolve()
+            if len(p.parts) < 3 or p == home or p in home.parents:
+                raise ValueError(f"run.run_dir={value!r} resolves to {p}, which is not a dedicated directory; "
+                                 "use one of its own, e.g. runs/<name> or ~/fedagent-runs/<name>")
+        return value
+
 
 class VerlCfg(_Strict):
     """Settings only the verl backend reads (`backend: verl`; docs/verl.md). Setting any of them
@@ -209,8 +246,9 @@ class Config(_Strict):
         return Path(self.run.run_dir or f"runs/{self.run.name}").expanduser().resolve()
 
 
-# Flower run-config keys (kebab-case, flat) -> recipe paths.
-RUN_CONFIG_KEYS: dict[str, str] = {
+# Flat Flower run-config aliases for the common knobs -> recipe paths. Every recipe key is also
+# reachable under its own dotted name (`run_config_keys()`).
+RUN_CONFIG_ALIASES: dict[str, str] = {
     "rounds": "federation.rounds",
     "seed": "run.seed",
     "run-dir": "run.run_dir",
@@ -220,10 +258,63 @@ RUN_CONFIG_KEYS: dict[str, str] = {
     "eval-every": "federation.eval_every",
     "strategy": "federation.strategy",
     "proximal-mu": "federation.proximal_mu",
-    "model": "model.path",
     "device": "run.device",
-    "backend": "backend",
 }
+
+
+def _scalar_types(annotation: Any) -> set[Any]:
+    """The plain types an annotation admits (`int | None` -> {int, NoneType}; Literal -> its values' types)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_scalar_types(a) for a in typing.get_args(annotation)))
+    if origin is Literal:
+        return {type(v) for v in typing.get_args(annotation)}
+    return {origin or annotation}
+
+
+def _leaves(model: type[BaseModel], prefix: str = "") -> dict[str, Any]:
+    """Dotted recipe key -> annotation, for every leaf (a sub-section recurses, anything else is a leaf)."""
+    out: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.update(_leaves(ann, f"{prefix}{name}."))
+        elif name != "extends":       # a run config is already one recipe: nothing to extend
+            out[f"{prefix}{name}"] = ann
+    return out
+
+
+def run_config_keys() -> dict[str, Any]:
+    """Every dotted recipe key a `--run-config` may set, with its annotation."""
+    return _leaves(Config)
+
+
+def _run_config_value(key: str, value: Any, annotation: Any) -> Any:
+    """A run-config value for `key`: a string given for a key that is not a string (a list, a
+    mapping) is read as YAML, e.g. `federation.only_clients="[21]"`, `env.params="{val_size: 32}"`."""
+    if isinstance(value, str) and str not in _scalar_types(annotation):
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"run-config {key}={value!r}: not valid YAML for a {annotation} value ({e})") from None
+    return value
+
+
+_RESOLVER = re.compile(r"\$\{\s*[\w.\-]+\s*:")
+
+
+def _refuse_resolvers(node: Any, where: str) -> None:
+    """Plain `${a.b}` interpolations are fine; resolvers (`${oc.env:HOME}`, ...) are refused: they
+    would read the environment of whichever process loads the recipe into the saved config."""
+    if isinstance(node, dict):
+        for v in node.values():
+            _refuse_resolvers(v, where)
+    elif isinstance(node, list):
+        for v in node:
+            _refuse_resolvers(v, where)
+    elif isinstance(node, str) and _RESOLVER.search(node):
+        raise ConfigError(f"{where}: {node!r} uses an OmegaConf resolver; recipes may only interpolate other keys "
+                          "(`${section.key}`): write the value itself")
 
 
 def recipe_path(recipe: str) -> Path:
@@ -241,11 +332,13 @@ def recipe_path(recipe: str) -> Path:
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(x) for x in e["loc"]) or "<root>"
+        key = ".".join(str(x) for x in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key; remove it or check the spelling (keys are documented in fl_app/config.py)")
+            lines.append(f"  {key}: unknown key; remove it or check the spelling (keys are documented in docs/config.md)")
+        elif not key:      # a whole-config rule: its message names the keys (the input is the whole config)
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"  {key}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
     return "invalid config:\n" + "\n".join(lines)
 
 
@@ -254,8 +347,14 @@ def _load_recipe(path: Path, chain: tuple[Path, ...] = ()) -> Any:
     path = path.resolve()
     if path in chain:
         raise ConfigError("recipes extend each other in a cycle: " + " -> ".join(p.name for p in (*chain, path)))
-    node = OmegaConf.load(path)
-    parent = node.get("extends") if hasattr(node, "get") else None
+    try:
+        node = OmegaConf.load(path)
+    except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as e:
+        raise ConfigError(f"recipe {path} is not valid YAML: {str(e).strip()}") from None
+    if not hasattr(node, "get") or not node:
+        raise ConfigError(f"recipe {path} is empty or not a mapping of config sections; see configs/tiny-shop-grpo.yaml")
+    _refuse_resolvers(OmegaConf.to_container(node, resolve=False), str(path))
+    parent = node.get("extends")
     if not parent:
         return node
     rel = path.parent / parent
@@ -268,19 +367,29 @@ def load_config(recipe: str = DEFAULT_RECIPE, overrides: dict[str, Any] | None =
     """Load a recipe (and what it `extends`), apply Flower run-config overrides and `a.b=c`
     dotlist overrides, validate."""
     base = _load_recipe(recipe_path(recipe))
-    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(dotlist or [])))
-    data = OmegaConf.to_container(merged, resolve=True) or {}
+    extra = list(dotlist or [])
+    _refuse_resolvers(extra, "a dotlist override")
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(extra))
+        data = OmegaConf.to_container(merged, resolve=True) or {}
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"recipe {recipe!r}: {str(e).strip()}") from None
+    known = run_config_keys()
     for key, value in (overrides or {}).items():
-        if key == "recipe":
-            continue
-        if key not in RUN_CONFIG_KEYS:
-            raise ConfigError(f"run-config key {key!r} is not known; known keys: {', '.join(sorted(RUN_CONFIG_KEYS))}")
-        if isinstance(value, str) and value == "":
-            continue  # empty string in pyproject = "keep the recipe's value"
+        if key == "recipe" or (isinstance(value, str) and value == ""):
+            continue   # an empty string (pyproject's default) keeps the recipe's value
+        path = RUN_CONFIG_ALIASES.get(key, key)
+        if path not in known:
+            near = difflib.get_close_matches(key, [*known, *RUN_CONFIG_ALIASES], n=3)
+            raise ConfigError(f"run-config key {key!r} is not a recipe key" + (f"; did you mean {near}?" if near else "")
+                              + " (every key is listed in docs/config.md)")
+        value = _run_config_value(key, value, known[path])
         node = data
-        *parents, leaf = RUN_CONFIG_KEYS[key].split(".")
+        *parents, leaf = path.split(".")
         for part in parents:
             node = node.setdefault(part, {})
+        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+            value = {**node[leaf], **value}      # a mapping (env.params) updates the recipe's
         node[leaf] = value
     try:
         return Config.model_validate(data)
@@ -295,6 +404,51 @@ def save_config(cfg: Config, path: Path) -> None:
     path.write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump(mode="json") | {"extends": ""})))
 
 
+def run_config_toml() -> str:
+    """pyproject's `[tool.flwr.app.config]`: the recipe, the flat aliases and every recipe key
+    (nested tables, which Flower flattens to the dotted keys), each "" = keep the recipe's value."""
+    lines = ["[tool.flwr.app.config]",
+             "# Generated by `python -m fl_app.config --run-config-keys` (tests check it is current).",
+             "# \"\" keeps the recipe's value; `--run-config 'algo.lr=2e-4 rounds=3'` overrides it.",
+             f'recipe = "{DEFAULT_RECIPE}"']
+    lines += [f'{alias} = ""' for alias in RUN_CONFIG_ALIASES]
+    tables: dict[str, list[str]] = {}
+    for key in run_config_keys():
+        section, _, leaf = key.rpartition(".")
+        tables.setdefault(section, []).append(f'{leaf} = ""')
+    for section, entries in tables.items():
+        lines += ([""] + [f"[tool.flwr.app.config.{section}]"] if section else []) + entries
+    return "\n".join(lines) + "\n"
+
+
+def _describe(model: type[BaseModel], prefix: str = "") -> list[str]:
+    rows = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows += _describe(ann, f"{prefix}{name}.")
+            continue
+        default = field.get_default(call_default_factory=True)
+        if name == "cache_dir":
+            default = "$FEDAGENT_CACHE_DIR/models"      # not this machine's expansion
+        kind = re.sub(r"typing\.|<class '([^']+)'>", r"\1", str(ann)).replace("|", "or")
+        rows.append(f"| `{prefix}{name}` | {kind} | `{default!r}` | {(field.description or '').replace('|', '/')} |")
+    return rows
+
+
+def config_doc() -> str:
+    """docs/config.md: every recipe key with its type, default and description (from this module)."""
+    aliases = ", ".join(f"`{a}` = `{p}`" for a, p in RUN_CONFIG_ALIASES.items())
+    return ("# Configuration keys\n\n"
+            "Generated from `fl_app/config.py` by `python -m fl_app.config --doc > docs/config.md` (a test "
+            "checks it is current). A recipe (`configs/*.yaml`) sets these keys; every key can also be set "
+            "from Flower as a dotted run-config key, e.g. `flwr run . --run-config 'algo.lr=2e-4 "
+            "env.params=\"{val_size: 32}\"'` (strings need TOML quotes; a string given for a list or mapping "
+            "key is read as YAML; a mapping updates the recipe's). Flat aliases: " + aliases + ".\n\n"
+            "| key | type | default | description |\n| --- | --- | --- | --- |\n"
+            + "\n".join(_describe(Config)) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -304,8 +458,14 @@ def main(argv: list[str] | None = None) -> int:
                                              "per round (episodes, optimizer steps, tokens).")
     ap.add_argument("--check", default=DEFAULT_RECIPE, help="recipe name or YAML path")
     ap.add_argument("--work-only", action="store_true", help="print only the work report, not the resolved YAML")
+    ap.add_argument("--doc", action="store_true", help="print docs/config.md (every key, documented)")
+    ap.add_argument("--run-config-keys", action="store_true",
+                    help="print pyproject's [tool.flwr.app.config] section (every key as a run-config key)")
     ap.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. federation.rounds=5")
     args = ap.parse_args(argv)
+    if args.doc or args.run_config_keys:
+        print(config_doc() if args.doc else run_config_toml(), end="")
+        return 0
     try:
         cfg = load_config(args.check, dotlist=args.overrides)
     except ConfigError as e:
