@@ -12,7 +12,9 @@ timings, rollout tokens/s, and memory at one fixed phase (after export, before t
 `torch.cuda.memory_allocated`, the fit's `max_memory_allocated` (peak stats reset before each
 load), reserved memory, the device's used memory (all processes, non-PyTorch allocations too:
 what `nvidia-smi` shows) and process RSS; then the growth per fit over the fits after warm-up
-(least-squares slope), which a leak of one weight copy per fit would show as +model size.
+(least-squares slope), which a leak of one weight copy per fit would show as +model size. The
+bench's own copies (the global weights and the round's running sum) are two buffers allocated
+once and written in place, so they weigh the same at every phase point and never show as growth.
 
 `qwen0.5b` writes a random-weight model with Qwen2.5-0.5B's shape (bench.rollout.QWEN05B:
 24 layers, width 896, 14/2 heads, 151,936-row tied embedding) and the tiny model's tokenizer
@@ -41,7 +43,7 @@ from bench.rollout import QWEN05B
 from client_app.tiny_model import build_tiny_model
 from client_app.trainer.base import FitRequest
 from client_app.trainer import make_trainer
-from client_app.trainer.builtin import resolve_device
+from client_app.trainer.device import resolve_device
 from envs.service import serve_in_subprocess
 from fl_app.config import Config, load_config
 
@@ -104,7 +106,7 @@ def run_fits(cfg: Config, fits: int, warmup: int) -> dict:
         try:
             global_w = trainer.export_weights()
             model_mb = sum(t.numel() * t.element_size() for t in global_w.values()) / MB
-            total: dict[str, torch.Tensor] | None = None    # running sum of this round's exports
+            total = {k: torch.zeros_like(t) for k, t in global_w.items()}    # this round's running sum
             in_round = 0
             for i in range(fits):
                 start = (i * TASKS_PER_CLIENT) % max(n_train - TASKS_PER_CLIENT, 1)
@@ -120,11 +122,8 @@ def run_fits(cfg: Config, fits: int, warmup: int) -> dict:
                 t2 = time.perf_counter()
                 export = trainer.export_weights()
                 t3 = time.perf_counter()
-                if total is None:
-                    total = export
-                else:
-                    for k, t in total.items():
-                        t.add_(export[k])
+                for k, t in total.items():
+                    t.add_(export[k])
                 del export                              # the phase point holds global + sum, every fit
                 in_round += 1
                 m = res.metrics
@@ -139,9 +138,11 @@ def run_fits(cfg: Config, fits: int, warmup: int) -> dict:
                     "train_success": m["train_success"], **_memory(device)})
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in records[-1].items()}),
                       flush=True)
-                if in_round == per_round:           # FedAvg (equal weights) -> next round's global
-                    global_w = {k: t.div_(in_round) for k, t in total.items()}
-                    total, in_round = None, 0
+                if in_round == per_round:           # FedAvg (equal weights) -> next round's global, in place
+                    for k, t in global_w.items():
+                        torch.div(total[k], in_round, out=t)
+                        total[k].zero_()
+                    in_round = 0
         finally:
             trainer.close()
     steady = records[warmup:]

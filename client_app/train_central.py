@@ -1,5 +1,5 @@
-"""Centralized training (GRPO or PPO): one client, no Flower, the builtin trainer on the whole
-training pool.
+"""Centralized training (GRPO or PPO): one client, no Flower, the lane's trainer (either
+training engine, either rollout engine) on the whole training pool.
 
     python -m client_app.train_central --recipe tiny-shop-grpo --iterations 30 --out runs/central-x
     python -m client_app.train_central --recipe webshop-grpo-qwen2.5-1.5b-centralized --eval-every 5 --out ...
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from client_app.trainer.builtin import BuiltinTrainer
+    from client_app.trainer import make_trainer
     from envs.service import serve_in_subprocess
 
     if args.threads:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     with serve_in_subprocess(cfg.env.name, cfg.env.pool_size, cfg.env.params) as url, \
             open(out / "metrics.jsonl", "w") as sink:
-        trainer = BuiltinTrainer(cfg, url)
+        trainer = make_trainer(cfg, url, run_dir=out)
         try:
             info = trainer.env.info()
             val_size, num_tasks = int(info["val_size"]), int(info["num_tasks"])

@@ -17,6 +17,7 @@ import re
 import sys
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +29,24 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_RECIPE = "tiny-shop-grpo"
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What an `algo.name` means, in one table instead of checks scattered over the code."""
+
+    members: tuple[str, ...]      # the weights a round federates (invariant 7)
+    critic: bool                  # trains a value model beside the policy
+    default_group_size: int       # rollouts per task when algo.group_size is unset
+    advantage: str                # the advantage estimator (client_app.trainer.advantages.ADVANTAGES)
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "grpo": Algorithm(members=("actor",), critic=False, default_group_size=8, advantage="group_relative"),
+    "ppo": Algorithm(members=("actor", "critic"), critic=True, default_group_size=1, advantage="gae"),
+}
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "abs+", "k3+", "low_var_kl+"]
 
 
 class ConfigError(ValueError):
@@ -87,6 +106,8 @@ class RolloutCfg(_Strict):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for training rollouts.")
     val_temperature: float = Field(0.4, ge=0, description="Sampling temperature for validation (0 = greedy).")
     invalid_action_penalty: float = Field(0.1, ge=0, description="Subtracted from a training episode's reward per invalid action; never applied to validation.")
+    engine: Literal["hf", "vllm"] = Field("hf", description="Who generates the rollouts, whichever training engine (`backend`) trains. `hf`: batched Hugging Face `generate` on the training engine's own live policy (CPU and GPU). `vllm`: vLLM 0.24 inside the lane service, woken with the policy's current weights before each rollout (synced in place from the training engine) and asleep otherwise (GPU only; docs/offline-gpu.md installs it).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, lt=1, description="Fraction of the GPU's memory vLLM may take for its weights and KV cache while awake (`engine: vllm` only).")
 
 
 class CriticCfg(_Strict):
@@ -103,7 +124,7 @@ class CriticCfg(_Strict):
 
 
 class AlgoCfg(_Strict):
-    name: Literal["grpo", "ppo"] = Field("grpo", description="`grpo`: group-relative outcome advantages, no critic. `ppo`: GAE advantages from a critic that is federated beside the policy (see `critic`).")
+    name: Literal["grpo", "ppo"] = Field("grpo", description="`grpo`: group-relative outcome advantages, no critic. `ppo`: GAE advantages from a critic that is federated beside the policy (see `critic`). What each name implies (members, critic, default group size, advantage) is the `ALGORITHMS` table in fl_app/config.py.")
     tasks_per_step: int = Field(8, gt=0, description="Distinct tasks per RL iteration (train_batch_size).")
     group_size: int | None = Field(None, gt=0, description="Rollouts per task (n). Unset: 8 for grpo (one GRPO group per task), 1 for ppo (ungrouped, as published); PPO with n > 1 multiplies the rollout volume by n.")
     lr: float = Field(1e-6, gt=0, description="Actor learning rate (constant, AdamW).")
@@ -112,7 +133,9 @@ class AlgoCfg(_Strict):
     clip_ratio_c: float = Field(3.0, gt=1, description="Dual-clip constant c.")
     entropy_coeff: float = Field(0.001, ge=0, description="Entropy bonus coefficient.")
     kl_coef: float = Field(0.01, ge=0, description="KL loss coefficient against the reference model (0 disables the reference).")
-    kl_type: Literal["k1", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator.")
+    kl_type: KlType = Field("low_var_kl", description="Per-token estimator of KL(policy || reference) in the KL loss: `k1`/`kl` (log-ratio), `abs`, `k2`/`mse` (half squared log-ratio), `k3`/`low_var_kl` (clamped, non-negative, the published runs'). A `+` suffix keeps the estimator's value but takes the k2 gradient (straight-through, unbiased for the KL's gradient).")
+    loss_agg_mode: LossAggMode = Field("token-mean", description="How per-token losses are reduced over a mini-batch, for the policy loss, its entropy and KL terms and the critic's value loss: `token-mean` (the published runs: every generated token weighs the same), `token-sum`, `seq-mean-token-sum`, `seq-mean-token-mean` (every row weighs the same), `seq-mean-token-sum-norm` (Dr.GRPO: token sums over a constant horizon, the per-turn generation budget `rollout.max_response_tokens`, or `rollout.max_prompt_tokens` in concat mode).")
+    grpo_norm_by_std: bool = Field(True, description="GRPO advantages divide each group's centred scores by the group's std (the published runs); false = Dr.GRPO's mean-centred, unscaled advantages. grpo only.")
     ref_anchor: Literal["base", "round"] = Field("base", description="Reference model: `base` = the original backbone (published runs), `round` = the round-start global weights.")
     mini_batch_size: int = Field(64, gt=0, description="Rows per optimizer step.")
     micro_batch_size: int = Field(16, gt=0, description="Rows per forward/backward pass (gradient accumulation; does not change the loss).")
@@ -121,11 +144,16 @@ class AlgoCfg(_Strict):
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
     critic: CriticCfg = CriticCfg()
 
+    @property
+    def spec(self) -> Algorithm:
+        """What `name` means (the ALGORITHMS table)."""
+        return ALGORITHMS[self.name]
+
     @model_validator(mode="after")
     def _inherited(self) -> "AlgoCfg":
         """Fill the unset keys from the algorithm and the actor's batch sizes."""
         if self.group_size is None:
-            self.group_size = 8 if self.name == "grpo" else 1
+            self.group_size = self.spec.default_group_size
         if self.critic.mini_batch_size is None:
             self.critic.mini_batch_size = self.mini_batch_size
         if self.critic.micro_batch_size is None:
@@ -169,27 +197,24 @@ class RunCfg(_Strict):
         return value
 
 
-class VerlCfg(_Strict):
-    """Settings only the verl backend reads (`backend: verl`; docs/verl.md). Setting any of them
-    with another backend is an error. Every other verl setting is derived from the recipe keys
-    (client_app/trainer/verl_config.py holds the mapping); a recipe key verl cannot honour fails
-    the config instead of silently training something else."""
-
-    rollout_engine: Literal["hf", "vllm"] = Field("hf", description="Who generates the rollouts. `hf`: batched Hugging Face `generate` on the verl engine's own live module (CPU and small GPUs; the same rollout loop as the builtin backend). `vllm`: vLLM 0.24 inside the lane service, woken with the actor's weights before each rollout and asleep otherwise (GPU only, needs vllm installed: docs/offline-gpu.md).")
-    gpu_memory_utilization: float = Field(0.5, gt=0, lt=1, description="Fraction of GPU memory vLLM may take (verl `actor_rollout_ref.rollout.gpu_memory_utilization`); `rollout_engine: vllm` only.")
-    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size (verl `actor_rollout_ref.rollout.tensor_model_parallel_size`); `rollout_engine: vllm` only.")
-
-
 class Config(_Strict):
     extends: str = Field("", description="The recipe this one starts from: a name in configs/ or a .yaml path relative to this file. Its keys are merged under this file's (lists are replaced, not appended); chains are allowed, cycles are an error. A saved (resolved) config has it empty.")
-    backend: Literal["builtin", "verl"] = Field("builtin", description="Trainer backend: `builtin` (torch + transformers, CPU or one GPU) or `verl` (verl 0.9.1's FSDP2 training engine behind the same trainer interface; `pip install -e .[verl]`; docs/verl.md). verl refuses recipe keys it cannot honour (see `verl`).")
-    verl: VerlCfg = VerlCfg()
+    backend: Literal["builtin", "verl"] = Field("builtin", description="Training engine: `builtin` (torch + transformers, CPU or one GPU) or `verl` (verl 0.9.1's FSDP2 training engine; `pip install -e .[verl]`; docs/verl.md). Both run the same fit loop (client_app/trainer/loop.py) and either can roll out with `rollout.engine`.")
     model: ModelCfg = ModelCfg()
     env: EnvCfg = EnvCfg()
     rollout: RolloutCfg = RolloutCfg()
     algo: AlgoCfg = AlgoCfg()
     federation: FederationCfg = FederationCfg()
     run: RunCfg = RunCfg()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "verl" in data:
+            raise ValueError("the `verl` section is gone: the rollout engine is chosen for either backend now; "
+                             "write verl.rollout_engine as rollout.engine and verl.gpu_memory_utilization as "
+                             "rollout.gpu_memory_utilization (tensor_parallel_size was always 1)")
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
@@ -210,37 +235,27 @@ class Config(_Strict):
             # Fail closed: the habit is the shop's buy-now action; elsewhere it would silently do nothing.
             raise ValueError(f"model.tiny.sft_shortcut={tiny.sft_shortcut} demonstrates the shop's buy-now habit, "
                              f"and env {self.env.name!r} has no such action; set model.tiny.sft_shortcut: 0")
-        self._check_backend()
-        if self.algo.name != "ppo" and self.algo.critic.path:
-            raise ValueError(f"algo.critic.path={self.algo.critic.path!r} is set but algo.name={self.algo.name!r} "
+        self._check_rollout_engine()
+        algo = self.algo
+        if not algo.spec.critic and algo.critic.path:
+            raise ValueError(f"algo.critic.path={algo.critic.path!r} is set but algo.name={algo.name!r} "
                              "has no critic; remove it or set algo.name=ppo")
+        if algo.spec.advantage != "group_relative" and not algo.grpo_norm_by_std:
+            raise ValueError(f"algo.grpo_norm_by_std=false changes GRPO's advantages, and algo.name={algo.name!r} "
+                             "does not use them; remove it")
         return self
 
-    def _check_backend(self) -> None:
-        """Fail closed on what the chosen backend cannot honour (docs/verl.md)."""
-        if self.backend != "verl":
-            changed = [k for k, v in self.verl.model_dump().items() if v != VerlCfg.model_fields[k].default]
-            if changed:   # compared with the defaults: a saved (complete) config still loads
-                raise ValueError(f"verl.{changed[0]} is set but backend={self.backend!r}; "
-                                 "remove the `verl` section or set backend: verl")
-            return
-        refused = []
-        vllm_only = ("gpu_memory_utilization", "tensor_parallel_size")
-        if self.verl.rollout_engine != "vllm" and any(getattr(self.verl, k) != VerlCfg.model_fields[k].default
-                                                       for k in vllm_only):
-            refused.append("verl.gpu_memory_utilization / verl.tensor_parallel_size only apply to "
-                           "verl.rollout_engine=vllm; remove them")
-        if self.verl.tensor_parallel_size != 1:
-            refused.append(f"verl.tensor_parallel_size={self.verl.tensor_parallel_size}: a lane service is one rank "
-                           "on one GPU (multi-rank lanes are not built, docs/verl.md); use tensor_parallel_size: 1")
-        if self.verl.rollout_engine == "vllm" and self.run.device == "cpu":
-            refused.append("verl.rollout_engine=vllm needs a GPU but run.device=cpu; use rollout_engine: hf")
-        if refused:
-            raise ValueError("backend=verl cannot honour: " + "; ".join(refused))
+    def _check_rollout_engine(self) -> None:
+        """Fail closed on a rollout engine that cannot run here, or a vLLM knob it would ignore."""
+        r = self.rollout
+        if r.engine == "vllm" and self.run.device == "cpu":
+            raise ValueError("rollout.engine=vllm needs a GPU but run.device=cpu; use rollout.engine: hf")
+        if r.engine != "vllm" and r.gpu_memory_utilization != RolloutCfg.model_fields["gpu_memory_utilization"].default:
+            raise ValueError("rollout.gpu_memory_utilization only applies to rollout.engine=vllm; remove it")
 
     def weight_members(self) -> tuple[str, ...]:
         """The weights a round federates: the policy, plus the critic for PPO (invariant 7)."""
-        return ("actor", "critic") if self.algo.name == "ppo" else ("actor",)
+        return self.algo.spec.members
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run.run_dir or f"runs/{self.run.name}").expanduser().resolve()

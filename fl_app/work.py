@@ -93,7 +93,7 @@ def format_work(cfg: Config) -> str:
     ]
     if f.only_clients:
         lines.append(f"clients fixed to {f.only_clients} every round (no sampling)")
-    if a.name == "ppo" and w.rollouts > 1:
+    if a.spec.critic and w.rollouts > 1:
         lines.append(f"note: ppo with {w.rollouts} rollouts per task: {w.rollouts}x the rollout volume of "
                      "ungrouped PPO (the published recipe uses 1)")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from client_app import prompts
 from client_app.rollout import BatchedGenerator, RolloutSettings, group_specs, run_episodes, training_rows
 from client_app.tiny_model import load_causal_lm
 from client_app.trainer.base import FitRequest
-from client_app.trainer.builtin import BuiltinTrainer
+from client_app.trainer import make_trainer
 from envs.client import SyncEnvClient
 from envs.registry import system_prompt
 from envs.service import serve_in_subprocess
@@ -167,7 +167,7 @@ def test_both_rollout_modes_train_the_tiny_model(mode, algo, tmp_path_factory):
                        algo={"name": algo, "tasks_per_step": 2 if algo == "grpo" else 4,
                              "group_size": 2 if algo == "grpo" else 1, "lr": 1e-4})
     with serve_in_subprocess("shop", POOL_SIZE, E2E_ENV) as url:
-        t = BuiltinTrainer(cfg, url)
+        t = make_trainer(cfg, url)
         try:
             before = {m: t.export_weights(m) for m in t.members}
             res = t.fit(FitRequest(round=1, client_id=0, task_indices=list(range(16, 200)), local_epochs=2, seed=0))

@@ -1,10 +1,12 @@
-"""The verl backend with vLLM rollouts (`verl.rollout_engine: vllm`, client_app/trainer/vllm_rollout.py).
+"""vLLM as the rollout engine of either training engine (`rollout.engine: vllm`,
+client_app/trainer/rollouts.py and vllm_rollout.py).
 
-The GPU tests (`pytest -m gpu`, vLLM 0.24 + verl 0.9.1 on a CUDA machine: docs/offline-gpu.md)
-build a real VerlTrainer with its in-process vLLM engine on a random-weight Qwen2 policy and
-check invariant 25 (asleep before every weight sync, refused otherwise), that a sync puts the
-FSDP2 engine's current weights into vLLM (bf16 of the fp32 masters, bit for bit), and
-invariant 24 across fits. The CPU tests check what fails before any engine exists."""
+The GPU tests (`pytest -m gpu`, vLLM 0.24 on a CUDA machine, verl 0.9.1 for the verl engine:
+docs/offline-gpu.md) build a real trainer with its in-process vLLM engine on a random-weight
+Qwen2 policy, for the builtin and the verl training engine, and check invariant 25 (asleep
+before every weight sync, refused otherwise), that a sync puts the training engine's current
+weights into vLLM (bf16 of the fp32 masters, bit for bit), and invariant 24 across fits. The CPU
+tests check what fails before any engine exists."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,10 +14,16 @@ import importlib.util
 import pytest
 import torch
 
-from fl_app.config import Config
-from trainer_support import env_url, random_model_dir, small_config  # noqa: F401
+from fl_app.config import ConfigError, load_config
+from test_engine_contract import build
+from trainer_support import env_url, random_model_dir  # noqa: F401
 
-pytest.importorskip("verl")
+
+def test_vllm_rollouts_need_a_gpu():
+    with pytest.raises(ConfigError, match="rollout.engine=vllm needs a GPU"):
+        load_config(dotlist=["rollout.engine=vllm", "run.device=cpu"])
+    with pytest.raises(ConfigError, match="only applies to rollout.engine=vllm"):
+        load_config(dotlist=["rollout.gpu_memory_utilization=0.3"])
 
 
 def test_vllm_engine_without_vllm_installed_names_the_fix(tmp_path, monkeypatch):
@@ -23,7 +31,7 @@ def test_vllm_engine_without_vllm_installed_names_the_fix(tmp_path, monkeypatch)
         pytest.skip("vLLM is installed here")
     from client_app.trainer.vllm_rollout import VllmGenerator
 
-    with pytest.raises(RuntimeError, match="needs vLLM .*rollout_engine: hf"):
+    with pytest.raises(RuntimeError, match="needs vLLM .*rollout.engine: hf"):
         VllmGenerator(tmp_path, None, 8, 64, 0.4, 0)
 
 
@@ -67,22 +75,16 @@ def test_a_failed_weight_sync_puts_the_engine_back_to_sleep():
     assert not gen.awake
 
 
-def _gpu_config(model_dir) -> Config:
-    data = small_config(model_dir, run={"device": "cuda"}, rollout={"max_response_tokens": 16}).model_dump()
-    data["backend"] = "verl"
-    data["verl"] = {"rollout_engine": "vllm", "gpu_memory_utilization": 0.3}
-    return Config.model_validate(data)
-
-
-@pytest.fixture(scope="module")
-def gpu_trainer(env_url, tmp_path_factory):  # noqa: F811
+@pytest.fixture(scope="module", params=["builtin", "verl"])
+def gpu_trainer(request, env_url, tmp_path_factory):  # noqa: F811
     if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
         pytest.skip("needs a CUDA device and vLLM")
-    from client_app.trainer.verl_backend import VerlTrainer
-
+    if request.param == "verl" and importlib.util.find_spec("verl") is None:
+        pytest.skip("needs verl")
     # head_dim 64: a size every vLLM attention backend takes
     model = random_model_dir(tmp_path_factory.mktemp("models") / "wide", hidden_size=256, layers=2, heads=4)
-    trainer = VerlTrainer(_gpu_config(model), env_url, run_dir=tmp_path_factory.mktemp("run"))
+    trainer = build(f"{request.param}-cuda", model, env_url, tmp_path_factory.mktemp("run"),
+                    rollout={"max_response_tokens": 16, "engine": "vllm", "gpu_memory_utilization": 0.3})
     yield trainer
     trainer.close()
 
@@ -90,7 +92,7 @@ def gpu_trainer(env_url, tmp_path_factory):  # noqa: F811
 @pytest.mark.gpu
 def test_engine_is_asleep_outside_rollouts_and_a_sync_into_an_awake_engine_fails(gpu_trainer):
     """Invariant 25."""
-    gen = gpu_trainer.generator
+    gen = gpu_trainer.rollouts.generator
 
     def used_mb() -> float:
         free, total = torch.cuda.mem_get_info()
@@ -100,7 +102,7 @@ def test_engine_is_asleep_outside_rollouts_and_a_sync_into_an_awake_engine_fails
     with pytest.raises(RuntimeError, match="sleeping"):
         gen.generate([[1, 2, 3]], 0.0, [0])
     asleep = used_mb()
-    gen.load_weights(gpu_trainer.engine.get_per_tensor_param()[0])
+    gen.load_weights(gpu_trainer.engine.policy_tensors())
     try:
         assert gen.awake and not gen.llm.llm_engine.is_sleeping()
         awake = used_mb()
@@ -116,14 +118,14 @@ def test_engine_is_asleep_outside_rollouts_and_a_sync_into_an_awake_engine_fails
 
 @pytest.mark.gpu
 def test_sync_puts_the_engines_current_weights_into_vllm(gpu_trainer):
-    """After new global weights are injected into the FSDP2 engine, a sync makes vLLM's
+    """After new global weights are loaded into the training engine, a sync makes vLLM's
     weights the bf16 rounding of exactly those fp32 values (fused qkv / gate_up included)."""
-    t, gen = gpu_trainer, gpu_trainer.generator
+    t, gen = gpu_trainer, gpu_trainer.rollouts.generator
     base = t.export_weights()
     g = torch.Generator().manual_seed(3)
     new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
     t.load_weights(new)
-    gen.load_weights(t.engine.get_per_tensor_param()[0])
+    gen.load_weights(t.engine.policy_tensors())
     try:
         ours = gen.named_parameters()
     finally:
@@ -159,13 +161,13 @@ def test_fits_with_vllm_rollouts_keep_memory_flat(gpu_trainer):
         assert res.metrics["rollout_sync_s"] > 0 and res.metrics["rollout_tokens"] > 0
         del res
         t.export_weights()
-        assert not t.generator.awake
+        assert not t.rollouts.generator.awake
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated() / 2**20)    # counts vLLM's sleeping pool too
         free, total = torch.cuda.mem_get_info()
         used.append((total - free) / 2**20)                        # what is physically held
         rss.append(psutil.Process().memory_info().rss / 2**20)
-    print(f"\nverl+vLLM after export: allocated MB {[round(x, 1) for x in allocated]}, device used MB "
+    print(f"\n{t.cfg.backend}+vLLM after export: allocated MB {[round(x, 1) for x in allocated]}, device used MB "
           f"{[round(x) for x in used]}, RSS MB {[round(x) for x in rss]}, model {model_mb:.1f} MB")
     assert max(allocated[2:]) - min(allocated[2:]) < 0.25 * model_mb, f"allocated memory moves: {allocated}"
     assert max(used[2:]) - min(used[2:]) < 64, f"device memory moves: {used}"

@@ -5,12 +5,15 @@ sized for CPU."""
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Iterator
 
+import psutil
 import pytest
 import torch
 
 from client_app.tiny_model import collect_demonstrations, init_model, train_tokenizer
+from client_app.trainer.base import FitRequest
 from envs.service import serve_in_subprocess
 from fl_app.config import Config, EnvCfg, TinyModelCfg
 
@@ -72,3 +75,35 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def fit_rss_series(trainer: Any, initial: dict[str, dict[str, torch.Tensor]], fits: int,
+                    also: Callable[[], None] = lambda: None) -> list[float]:
+    """RSS (MB) at one phase point (after export) of consecutive fits of different clients; `also`
+    records anything else at that point."""
+    proc = psutil.Process()
+    series = []
+    for i in range(fits):
+        for member, weights in initial.items():
+            trainer.load_weights(weights, member)
+        shard = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))[(7 * i) % 50:][:40]
+        trainer.fit(FitRequest(round=1 + i // 2, client_id=i, task_indices=shard, local_epochs=1, seed=0,
+                               proximal_mu=0.01))
+        exported = {m: trainer.export_weights(m) for m in trainer.members}
+        del exported
+        series.append(proc.memory_info().rss / 2**20)
+        also()
+    return series
+
+
+def assert_flat(series: list[float], warmup: int, model_mb: float) -> float:
+    steady = series[warmup:]
+    per_fit = (steady[-1] - steady[0]) / (len(steady) - 1)
+    print(f"RSS after export per fit (MB): {[round(x, 1) for x in series]}; slope {per_fit:.2f} MB/fit")
+    assert per_fit < 0.25 * model_mb, f"RSS grows {per_fit:.1f} MB per fit (model is {model_mb:.1f} MB)"
+    return per_fit
+
+
+def initial_and_size(trainer: Any) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
+    state = {m: trainer.export_weights(m) for m in trainer.members}
+    return state, sum(t.numel() * 4 for t in state["actor"].values()) / 2**20

@@ -36,10 +36,13 @@ class AggNorm:
     num_tokens: valid tokens in the mini-batch (token-mean).
     num_seqs: rows with at least one valid token (seq-mean-* modes). verl's engines pass the row
         count here instead; the two differ only when a row is fully masked.
+    horizon: the constant seq-mean-token-sum-norm divides by (None: the padded width, which
+        depends on the micro-batch; a trainer passes the generation budget).
     """
 
     num_tokens: float
     num_seqs: float
+    horizon: float | None = None
 
     @classmethod
     def of(cls, response_mask: torch.Tensor) -> AggNorm:
@@ -81,7 +84,9 @@ def agg_loss(
     denominator = norm.num_seqs if norm is not None else nonempty.sum()
     loss = _divide_counts(masked_sum(per_row, nonempty), denominator)
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        loss = loss / (horizon if horizon is not None else loss_mask.shape[-1])
+        if horizon is None:
+            horizon = norm.horizon if norm is not None and norm.horizon is not None else loss_mask.shape[-1]
+        loss = loss / horizon
     return loss
 
 
@@ -223,12 +228,29 @@ class ActorLossSpec:
     kl_coef: float = 0.0
     kl_type: str = "low_var_kl"
     loss_agg_mode: LossAggMode = "token-mean"
+    horizon: int | None = None          # seq-mean-token-sum-norm's constant (see AggNorm)
 
     def __post_init__(self) -> None:
         check_clip_ratios(self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c)
         if self.entropy_coeff < 0 or self.kl_coef < 0:
             raise ValueError(f"entropy_coeff and kl_coef must be >= 0, got {self.entropy_coeff}, {self.kl_coef}")
         kl_estimator_base(self.kl_type)
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; choose one of {LOSS_AGG_MODES}")
+
+
+@dataclass(frozen=True)
+class ValueLossSpec:
+    """Hyper-parameters of the critic objective (see `clipped_value_loss`)."""
+
+    value_clip: float
+    coef: float
+    loss_agg_mode: LossAggMode = "token-mean"
+    horizon: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.value_clip <= 0 or self.coef <= 0:
+            raise ValueError(f"value_clip and coef must be > 0, got {self.value_clip}, {self.coef}")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; choose one of {LOSS_AGG_MODES}")
 

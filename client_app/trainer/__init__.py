@@ -1,16 +1,38 @@
-"""Trainer backends behind one interface (`base.Trainer`)."""
+"""The lane's trainer: one fit loop (`loop.RLTrainer`) over a training engine (`backend`:
+builtin or verl, `engine.TrainingEngine`) and a rollout engine (`rollout.engine`: hf or vllm)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from client_app.trainer.base import Trainer
+from typing import TYPE_CHECKING
+
+from client_app.trainer.engine import TrainingEngine
 from fl_app.config import Config
 
+if TYPE_CHECKING:
+    from client_app.trainer.loop import RLTrainer
 
-def make_trainer(cfg: Config, env_url: str | None, run_dir: Path | None = None) -> Trainer:
-    """The trainer `cfg.backend` names (imported only when chosen: verl is an optional extra)."""
+
+def resolve_model_path(cfg: Config) -> Path:
+    """The model directory the lane trains: the locally built tiny model, or `model.path`."""
+    from client_app.tiny_model import build_tiny_model
+
+    return build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout) if cfg.model.path == "tiny" else Path(cfg.model.path)
+
+
+def make_engine(cfg: Config, model_path: Path, run_dir: Path | None = None) -> TrainingEngine:
+    """The training engine `cfg.backend` names (verl is imported only when chosen: an optional extra)."""
     if cfg.backend == "verl":
-        from client_app.trainer.verl_backend import VerlTrainer
-        return VerlTrainer(cfg, env_url, run_dir=run_dir)
-    from client_app.trainer.builtin import BuiltinTrainer
-    return BuiltinTrainer(cfg, env_url)
+        from client_app.trainer.verl_backend import VerlEngine
+        return VerlEngine(cfg, model_path, run_dir=run_dir)
+    from client_app.trainer.builtin import BuiltinEngine
+    return BuiltinEngine(cfg, model_path)
+
+
+def make_trainer(cfg: Config, env_url: str | None, run_dir: Path | None = None) -> RLTrainer:
+    """The lane's persistent trainer: the fit loop over the configured engines."""
+    from client_app.trainer.loop import RLTrainer
+
+    model_path = resolve_model_path(cfg)
+    engine = make_engine(cfg, model_path, run_dir)
+    return RLTrainer(cfg, engine, model_path, env_url)

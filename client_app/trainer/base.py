@@ -1,4 +1,4 @@
-"""The contract between the trainer service and every trainer backend (builtin, verl).
+"""The contract between the trainer service and the lane's trainer (`loop.RLTrainer`).
 
 A trainer is persistent: it is built once per GPU lane and serves many client fits in turn.
 Per fit it swaps weights in, rebuilds only the optimizer and LR schedule (a fresh AdamW per
@@ -46,7 +46,10 @@ class EvalResult:
 
 
 class Trainer(Protocol):
-    critic_start: CriticStart | None   # where the starting critic came from (PPO); None without a critic
+    @property
+    def critic_start(self) -> CriticStart | None:
+        """Where the starting critic came from; None for an algorithm without a critic."""
+        ...
 
     @property
     def members(self) -> tuple[str, ...]:

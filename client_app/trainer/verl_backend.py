@@ -1,4 +1,4 @@
-"""The verl backend: verl 0.9.1's FSDP2 training engine behind our `Trainer` interface.
+"""The verl training engine: verl 0.9.1's FSDP2 engine behind `engine.TrainingEngine`.
 
 Built once per lane, in the lane service's own process (no Ray: verl's `TrainingWorker` is
 constructed in-process over a process group this module starts, world size 1):
@@ -13,18 +13,18 @@ constructed in-process over a process group this module starts, world size 1):
     names match), its loss verl's `value_loss` scaled to `algo.critic.loss_coef`; federated
     as the `critic` member, never touched by FedProx.
 
-Per client fit: `load_weights` injects our fp32 state dict into the live FSDP2 module in place
-(`torch.distributed.checkpoint.state_dict.set_model_state_dict`, full state dict); the AdamW
-state is dropped and the LR schedule rebuilt (invariant 3); E RL iterations run (rollout with
-our loop, advantages with `client_app.algos`, the update on verl's engine); `export_weights`
-reads fp32 full tensors straight from the engine (`engine.get_per_tensor_param()`), never
-through verl's model merger (it casts to bf16: field log 2026-07-23).
+The fit loop is the project's own (`loop.py`, shared with the builtin engine); this engine
+only scores and trains rows. `load_weights` injects our fp32 state dict into the live FSDP2
+module in place (`torch.distributed.checkpoint.state_dict.set_model_state_dict`, full state
+dict); `begin_fit` drops the AdamW state and rebuilds the LR schedule (invariant 3);
+`export_weights` reads fp32 full tensors straight from the engine
+(`engine.get_per_tensor_param()`), never through verl's model merger (it casts to bf16: field
+log 2026-07-23).
 
-The update drives verl's engine one optimizer step per mini-batch, exactly as verl's
-`BaseEngine.train_batch` does (zero_grad, `forward_backward_batch`, `optimizer_step`), with our
-FedProx gradient (policy only, invariant 4) added between the backward and the step. Rows are
-ordered and cut into mini-batches by the same seeded permutation as the builtin trainer, so
-the two backends take the same optimizer steps (tests/test_verl_backend.py holds them to 1e-5).
+A train step is what verl's `BaseEngine.train_batch` does for one mini-batch (zero_grad,
+`forward_backward_batch` with verl's `ppo_loss` / `value_loss`, clip + AdamW), with the loop's
+FedProx gradient (policy only, invariant 4) added between the backward and the step.
+tests/test_engine_contract.py holds it to the builtin engine's updates within 1e-5.
 
 CPU: verl 0.9.1 ships no CPU platform. `CpuPlatform` is one, registered through verl's own
 platform plugin registry (`verl.plugin.platform.PlatformRegistry` + `set_platform`), and verl's
@@ -42,9 +42,7 @@ import logging
 import math
 import os
 import tempfile
-import time
-from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from types import ModuleType
@@ -52,24 +50,18 @@ from typing import Any
 
 import torch
 
-from client_app.algos import FedProxAnchor
+from client_app.algos import ActorLossSpec, ValueLossSpec
 from client_app.critic import CriticStart, resolve_start_critic, seeded_value_head
-from client_app.rollout import BatchedGenerator, RolloutSettings, TrainRow, derive_seed, draw_tasks, \
-    episode_metrics, group_specs, run_episodes, training_rows
-from client_app.tiny_model import build_tiny_model
-from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
-from client_app.trainer.builtin import CPU_MAX_PADDING, advantages_and_critic_pass, avoid_cudnn_attention, \
-    release_memory, resolve_device
+from client_app.rollout import TrainRow, derive_seed
 from client_app.trainer import verl_config
-from client_app.trainer.vllm_rollout import VllmGenerator
-from envs.client import SyncEnvClient
-from envs.registry import system_prompt
+from client_app.trainer.advantages import pad_rows
+from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
+from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch
+from client_app.trainer.loop import loss_specs
 from fl_app.config import Config
 from fl_app.weights import load_shards
 
 log = logging.getLogger("fedagent.trainer.verl")
-
-_SUMMED = frozenset({"rows", "rollout_tokens", "rollout_steps", "optimizer_steps", "skipped_steps"})
 # verl's per-micro-batch actor metrics -> ours (shares of the mini-batch loss are summed over
 # micro-batches, fractions and ppo_kl averaged, as builtin reports them)
 _METRICS = {"actor/pg_loss": ("pg_loss", "sum"), "actor/entropy_loss": ("entropy", "sum"),
@@ -280,23 +272,22 @@ def isolate_from_outer_ray() -> None:
     os.environ.pop("RAY_ADDRESS", None)
 
 
-# ---------------------------------------------------------------------------------- the trainer
+# ---------------------------------------------------------------------------------- the engine
 
-class VerlTrainer:
-    """`client_app.trainer.base.Trainer` on verl's FSDP2 training engines (GRPO, or PPO with a critic)."""
+class VerlEngine:
+    """`engine.TrainingEngine` on verl's FSDP2 training engines (policy, reference, critic)."""
 
-    critic_start: CriticStart | None = None    # set for ppo (client_app.critic.resolve_start_critic)
+    critic_start: CriticStart | None = None    # set when the algorithm trains a critic
 
-    def __init__(self, cfg: Config, env_url: str | None, run_dir: Path | str | None = None) -> None:
+    def __init__(self, cfg: Config, model_path: Path, run_dir: Path | str | None = None) -> None:
         if cfg.backend != "verl":
-            raise ValueError(f"VerlTrainer needs backend=verl, got backend={cfg.backend!r}")
+            raise ValueError(f"VerlEngine needs backend=verl, got backend={cfg.backend!r}")
         self.cfg = cfg
         self.device = resolve_device(cfg.run.device)
         avoid_cudnn_attention(self.device)
         isolate_from_outer_ray()
-        path = build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout) if cfg.model.path == "tiny" \
-            else Path(cfg.model.path)
-        self.model_path = Path(path)
+        self.model_path = Path(model_path)
+        self.policy_loss, self.value_loss = loss_specs(cfg)
         # 1. the verl config: composed and validated before anything is built, then recorded
         self.verl_cfg = verl_config.compose(cfg, self.model_path, self.device.type)
         verl_config.check_resolved(cfg, self.verl_cfg)
@@ -316,12 +307,10 @@ class VerlTrainer:
         self.loss_fn = partial(ppo_loss, config=self.actor_config)
         self.actor.set_loss_fn(self.loss_fn)
         self.engine = self.actor.engine
-        self.ref = None
-        if cfg.algo.kl_coef > 0:
-            self.ref = self._worker(self.actor_config, model_config, forward_only=True)
-        # the critic (ppo): verl's value-model engine (AutoModelForTokenClassification, as builtin's)
+        self.ref = self._worker(self.actor_config, model_config, forward_only=True) if cfg.algo.kl_coef > 0 else None
+        # the critic: verl's value-model engine (AutoModelForTokenClassification, as builtin's)
         self.critic = None
-        if cfg.algo.name == "ppo":
+        if cfg.algo.spec.critic:
             self.critic_start = resolve_start_critic(cfg.model.init_from, cfg.algo.critic.path)
             critic_config = omega_conf_to_dataclass(self.verl_cfg.critic)
             flash = verl_config.has_flash_attn(self.device.type)
@@ -329,23 +318,22 @@ class VerlTrainer:
                 self.critic = self._worker(critic_config, critic_config.model, forward_only=False,
                                            model_type="value_model", micro=int(cfg.algo.critic.micro_batch_size))
             _check_value_model(self.critic.engine.module, flash)
-            # verl's value loss carries a fixed 0.5; ours is critic.loss_coef x the same token mean
+            # verl's value loss carries a fixed 0.5; ours is critic.loss_coef x the same reduction
             self.critic_loss_fn = partial(scaled_value_loss, config=critic_config,
                                           scale=cfg.algo.critic.loss_coef / VERL_VALUE_LOSS_COEF)
             self.critic.set_loss_fn(self.critic_loss_fn)
-        self._tokenizer = load_causal_lm_tokenizer(self.model_path)
+        self.tokenizer = load_causal_lm_tokenizer(self.model_path)
         rows = self.engine.module.get_output_embeddings().weight.shape[0]
-        if cfg.verl.rollout_engine == "hf" and rows != len(self._tokenizer):
-            # builtin samples and scores over the tokenizer's ids only; verl's engine normalises
-            # its log-probs over every output row, so the hf rollout (which masks padded rows)
-            # would train on a distribution it did not sample from
-            raise ValueError(f"the model has {rows} output rows and its tokenizer {len(self._tokenizer)} tokens; "
-                             "verl.rollout_engine=hf needs them equal (verl scores over every row). Use "
-                             "backend: builtin for this model, or the vllm rollout engine on a GPU")
+        if cfg.rollout.engine == "hf" and rows != len(self.tokenizer):
+            # the hf rollout samples over the tokenizer's ids only; verl's engine normalises its
+            # log-probs over every output row, so it would train on a distribution it did not sample from
+            raise ValueError(f"the model has {rows} output rows and its tokenizer {len(self.tokenizer)} tokens; "
+                             "backend=verl with rollout.engine=hf needs them equal (verl scores over every "
+                             "row). Use backend: builtin for this model, or rollout.engine: vllm on a GPU")
         self._names = {"actor": [n for n, _ in self.engine.module.named_parameters()]}
         if cfg.model.init_from:
             self._load_start(cfg.model.init_from, "actor")
-        if self.critic is not None:
+        if self.critic is not None and self.critic_start is not None:
             self._names["critic"] = [n for n, _ in self.critic.engine.module.named_parameters()]
             if self.critic_start.path:
                 self._load_start(self.critic_start.path, "critic")
@@ -353,29 +341,7 @@ class VerlTrainer:
                 self.load_weights(self._fresh_critic(), "critic")
             log.info("critic: %s (%s)%s", self.critic_start.mode, self.critic_start.reason,
                      f" from {self.critic_start.path}" if self.critic_start.path else "")
-        self.pad_id = self._tokenizer.pad_token_id
-        self.generator: BatchedGenerator | VllmGenerator
-        if cfg.verl.rollout_engine == "vllm":
-            # built last: vLLM takes gpu_memory_utilization x the GPU's memory for its weights and
-            # KV cache and refuses to start when less than that is free beside the engines
-            self.generator = VllmGenerator(
-                self.model_path, self._tokenizer, cfg.rollout.max_response_tokens,
-                max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
-                gpu_memory_utilization=cfg.verl.gpu_memory_utilization, seed=cfg.run.seed)
-        else:
-            self.generator = BatchedGenerator(self.engine.module, self._tokenizer, cfg.rollout.max_response_tokens,
-                                              None if self.device.type == "cpu" else torch.bfloat16,
-                                              max_padding=CPU_MAX_PADDING if self.device.type == "cpu" else None)
-        self.settings = RolloutSettings(cfg.env.max_turns, cfg.rollout.history_length, cfg.rollout.max_prompt_tokens,
-                                        system_prompt(cfg.env.name), mode=cfg.rollout.mode)
-        self.env = SyncEnvClient(env_url) if env_url else None
-        self.max_sessions = 0
-        if self.env is not None:
-            try:
-                self.max_sessions = int(self.env.info()["pool_size"])
-            except BaseException:
-                self.env.close()
-                raise
+        self.pad_id = self.tokenizer.pad_token_id
 
     def _worker(self, role_config: Any, model_config: Any, forward_only: bool, model_type: str = "language_model",
                 micro: int | None = None) -> Any:
@@ -407,7 +373,6 @@ class VerlTrainer:
 
     @property
     def members(self) -> tuple[str, ...]:
-        """The weights this trainer exchanges: ("actor",), or ("actor", "critic") for PPO."""
         return tuple(self._names)
 
     def _engine(self, member: str) -> Any:
@@ -424,7 +389,7 @@ class VerlTrainer:
 
     def _fresh_critic(self) -> dict[str, torch.Tensor]:
         """The policy's current backbone under a value head seeded as builtin seeds it
-        (`client_app.critic.seeded_value_head`): the same fresh critic on both backends."""
+        (`client_app.critic.seeded_value_head`): the same fresh critic on both engines."""
         actor = self.export_weights("actor")
         shape = tuple(dict(self.critic.engine.module.named_parameters())["score.weight"].shape)
         head = seeded_value_head(shape, self.critic.engine.model_config.hf_config,
@@ -433,7 +398,6 @@ class VerlTrainer:
 
     @torch.no_grad()
     def load_weights(self, state: Mapping[str, torch.Tensor], member: str = "actor") -> None:
-        """Inject fp32 weights into the member's live FSDP2 module in place (names as `export_weights`)."""
         _inject(self._engine(member).module, self._names[member], state)
 
     def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
@@ -441,20 +405,30 @@ class VerlTrainer:
         copies, one per parameter (a tied LM head is exported once, as its embedding)."""
         return _export(self._engine(member), self._names[member])
 
-    # ------------------------------------------------------------------ optimizer
+    def generation_model(self) -> torch.nn.Module:
+        return self.engine.module.eval()
+
+    def policy_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        weights, _peft = self.engine.get_per_tensor_param()     # (name, fp32 full tensor) pairs, lazily
+        return weights
+
+    def parameters(self, member: str = "actor") -> Iterable[tuple[str, torch.nn.Parameter]]:
+        return self._engine(member).module.named_parameters()
+
+    # ------------------------------------------------------------------ fit bracket
 
     def _trained_engines(self) -> list[tuple[Any, float]]:
-        """(engine, learning rate) of every member that trains: the policy, and the critic for ppo."""
+        """(engine, learning rate) of every member that trains: the policy, and the critic."""
         engines = [(self.engine, self.cfg.algo.lr)]
         if self.critic is not None:
             engines.append((self.critic.engine, self.cfg.algo.critic.lr))
         return engines
 
-    def reset_optimizer(self) -> None:
-        """A fresh AdamW and LR schedule for the next fit (invariant 3), for the policy and the
-        critic, without a new optimizer object: the engine's checkpoint manager holds the old
-        one, so replacing it would keep the retired state alive (field log 2026-07-22). Clearing
-        the state is exactly a fresh torch AdamW (its state is created lazily at the first step)."""
+    def begin_fit(self, reference_from_policy: bool) -> None:
+        """A fresh AdamW and LR schedule (invariant 3) for the policy and the critic, without a
+        new optimizer object: the engine's checkpoint manager holds the old one, so replacing it
+        would keep the retired state alive (field log 2026-07-22). Clearing the state is exactly
+        a fresh torch AdamW (its state is created lazily at the first step)."""
         from verl.utils.torch_functional import get_constant_schedule_with_warmup
 
         for engine, lr in self._trained_engines():
@@ -466,79 +440,31 @@ class VerlTrainer:
                 group["initial_lr"] = lr
             engine.lr_scheduler = get_constant_schedule_with_warmup(optimizer=optimizer, num_warmup_steps=0)
             engine.checkpoint_manager.lr_scheduler = engine.lr_scheduler
-
-    # ------------------------------------------------------------------ fit
-
-    def fit(self, req: FitRequest) -> FitResult:
-        """E RL iterations from the loaded weights with a fresh optimizer (GRPO)."""
-        if req.local_epochs < 1:
-            raise ValueError(f"local_epochs must be >= 1, got {req.local_epochs}")
-        self._need_env()
-        self.reset_optimizer()
-        if self.ref is not None and self.cfg.algo.ref_anchor == "round":
+        if reference_from_policy and self.ref is not None:
             _inject(self.ref.engine.module, self._names["actor"], self.export_weights())
-        anchor = FedProxAnchor.snapshot(self.engine.module.named_parameters()) if req.proximal_mu > 0 else None
-        per_epoch: list[dict[str, float]] = []
-        episodes_trained = 0
-        try:
-            for epoch in range(req.local_epochs):
-                metrics, n = self._iteration(req, epoch, anchor)
-                per_epoch.append(metrics)
-                episodes_trained += n
-        finally:
-            for engine, _ in self._trained_engines():
-                engine.optimizer.zero_grad(set_to_none=True)
-                engine.optimizer.state.clear()
-            if anchor is not None:
-                anchor.release()
-            release_memory(self.device)
-        metrics = {k: (sum if k in _SUMMED or k.endswith("_s") else _mean)([m[k] for m in per_epoch])
-                   for k in per_epoch[0]}
-        metrics["tokens_per_s"] = metrics["rollout_tokens"] / max(metrics["rollout_generate_s"], 1e-9)
-        metrics["rollout_tokens_per_s"] = metrics["tokens_per_s"]
-        metrics["rollout_steps_per_s"] = metrics["rollout_steps"] / max(metrics["rollout_s"], 1e-9)
-        return FitResult(num_examples=episodes_trained, metrics=metrics)
 
-    def _iteration(self, req: FitRequest, epoch: int, anchor: FedProxAnchor | None) -> tuple[dict[str, float], int]:
-        a, r = self.cfg.algo, self.cfg.rollout
-        tasks = draw_tasks(req.task_indices, a.tasks_per_step, req.seed, req.round, req.client_id, epoch)
-        t0 = time.perf_counter()
-        episodes, stats, sync_s = self._rollout(group_specs(tasks, int(a.group_size)), r.temperature,
-                                                derive_seed("sample", req.seed, req.round, req.client_id, epoch),
-                                                f"verl r{req.round} c{req.client_id} e{epoch}")
-        rollout_s = time.perf_counter() - t0
-        rows = training_rows(episodes, r.invalid_action_penalty)
-        t0 = time.perf_counter()
-        critic_seed = derive_seed("critic-minibatch", req.seed, req.round, req.client_id, epoch)
-        advantages, critic_metrics = advantages_and_critic_pass(
-            episodes, rows, a, self.row_values if self.critic is not None else None,
-            lambda returns, values: self.update_critic(rows, returns, values, critic_seed))
-        update = self.update(rows, advantages, anchor, req.proximal_mu,
-                             derive_seed("minibatch", req.seed, req.round, req.client_id, epoch))
-        update_s = time.perf_counter() - t0
-        metrics = {**episode_metrics(episodes, "train_"),
-                   "train_score": sum(rw.score for rw in rows) / max(len(rows), 1), "rows": float(len(rows)),
-                   "rollout_s": rollout_s, "rollout_sync_s": sync_s, "update_s": update_s,
-                   **stats.as_metrics("rollout_"), **update, **critic_metrics}
-        return metrics, a.tasks_per_step * int(a.group_size)
+    def end_fit(self) -> None:
+        for engine, _ in self._trained_engines():
+            engine.optimizer.zero_grad(set_to_none=True)
+            engine.optimizer.state.clear()
 
-    # ------------------------------------------------------------------ update (verl's engine)
+    # ------------------------------------------------------------------ scoring
 
-    def row_log_probs(self, rows: Sequence[TrainRow], worker: Any = None) -> list[torch.Tensor]:
-        """Log-probs of each row's response tokens under the actor (or `worker`), from verl's
-        `TrainingWorker.infer_batch` at the rollout temperature (one 1-D tensor per row)."""
-        return self._row_outputs(rows, worker or self.actor, "log_probs", self.cfg.algo.micro_batch_size)
+    def log_probs(self, rows: Sequence[TrainRow], scorer: Scorer = "policy") -> list[torch.Tensor]:
+        """From verl's `TrainingWorker.infer_batch` at the rollout temperature."""
+        worker = self.actor if scorer == "policy" else self.ref
+        if worker is None:
+            raise RuntimeError("no reference model: algo.kl_coef is 0, so nothing needs the reference's log-probs")
+        return self._row_outputs(rows, worker, "log_probs", self.cfg.algo.micro_batch_size)
 
-    def row_values(self, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
-        """The critic's value at each response token of each row (one 1-D tensor per row)."""
+    def values(self, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
         if self.critic is None:
-            raise RuntimeError(f"row_values needs a critic, and algo.name={self.cfg.algo.name!r} has none")
+            raise RuntimeError(f"algo.name={self.cfg.algo.name!r} has no critic, so rows have no values")
         return self._row_outputs(rows, self.critic, "values", int(self.cfg.algo.critic.micro_batch_size))
 
     def _row_outputs(self, rows: Sequence[TrainRow], worker: Any, key: str, micro: int) -> list[torch.Tensor]:
-        from verl.workers.utils.padding import no_padding_2_padding
-
         from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
 
         out: list[torch.Tensor] = []
         for start in range(0, len(rows), micro):
@@ -550,43 +476,34 @@ class VerlTrainer:
             out.extend(padded[b, :len(rw.response_ids)].clone() for b, rw in enumerate(part))
         return out
 
-    def update_critic(self, rows: Sequence[TrainRow], returns: Sequence[torch.Tensor],
-                      old_values: Sequence[torch.Tensor], seed: int) -> dict[str, float]:
-        """One pass of verl's clipped value loss over `rows` in critic mini-batches (builtin's
-        seeded order and sizes), one optimizer step each. FedProx never touches the critic
-        (invariant 4)."""
-        c = self.cfg.algo.critic
+    # ------------------------------------------------------------------ steps
 
-        def batch(idx: list[int], micro: int) -> Any:
-            return self._batch([rows[i] for i in idx], micro_batch=micro, values=[old_values[i] for i in idx],
-                               returns=[returns[i] for i in idx])
+    def policy_step(self, batch: PolicyBatch, loss: ActorLossSpec,
+                    after_backward: Callable[[], None] | None = None) -> StepResult:
+        """verl's forward_backward_batch with verl's ppo_loss, the FedProx gradient, clip + AdamW."""
+        if loss != self.policy_loss:
+            raise ValueError(f"verl's policy loss is composed from the recipe when the engine is built "
+                             f"({self.policy_loss}); it cannot train {loss}")
+        td = self._batch(batch.rows, _largest_divisor_at_most(len(batch.rows), self.cfg.algo.micro_batch_size),
+                         old=batch.old_log_probs, advantages=batch.advantages, ref=batch.ref_log_probs)
+        return _step(self.engine, self.loss_fn, td, _metrics, after_backward)
+
+    def critic_step(self, batch: ValueBatch, loss: ValueLossSpec,
+                    after_backward: Callable[[], None] | None = None) -> StepResult:
+        """verl's value loss (scaled to algo.critic.loss_coef), clip + AdamW; never FedProx."""
+        if self.critic is None:
+            raise RuntimeError(f"algo.name={self.cfg.algo.name!r} trains no critic")
+        if loss != self.value_loss:
+            raise ValueError(f"verl's value loss is composed from the recipe when the engine is built "
+                             f"({self.value_loss}); it cannot train {loss}")
+        micro = _largest_divisor_at_most(len(batch.rows), int(self.cfg.algo.critic.micro_batch_size))
+        td = self._batch(batch.rows, micro, values=batch.old_values, returns=batch.returns)
 
         def metrics(raw: Mapping[str, Any]) -> dict[str, float]:
             return {"loss": _aggregate(raw["critic/vf_loss"], "sum"),
                     "clipfrac": _aggregate(raw["critic/vf_clipfrac"], "mean")}
 
-        out = _train_pass(self.critic.engine, self.critic_loss_fn, len(rows), int(c.mini_batch_size),
-                         int(c.micro_batch_size), seed, batch, metrics)
-        return {f"critic_{k}": v for k, v in out.items()}
-
-    def update(self, rows: Sequence[TrainRow], advantages: Sequence[torch.Tensor], anchor: FedProxAnchor | None,
-               mu: float, seed: int) -> dict[str, float]:
-        """One PPO pass of the policy over `rows` on verl's engine: old (and reference)
-        log-probs from verl, then per mini-batch (the builtin's seeded order and sizes) one
-        optimizer step: verl's forward_backward_batch with verl's ppo_loss, our FedProx
-        gradient, verl's clip + AdamW step."""
-        a = self.cfg.algo
-        old = self.row_log_probs(rows)
-        ref = self.row_log_probs(rows, self.ref) if self.ref is not None else None
-
-        def batch(idx: list[int], micro: int) -> Any:
-            return self._batch([rows[i] for i in idx], micro_batch=micro, old=[old[i] for i in idx],
-                               advantages=[advantages[i] for i in idx],
-                               ref=[ref[i] for i in idx] if ref is not None else None)
-
-        fedprox = (lambda: anchor.add_grad_(self.engine.module.named_parameters(), mu)) if anchor is not None else None
-        return _train_pass(self.engine, self.loss_fn, len(rows), a.mini_batch_size, a.micro_batch_size, seed, batch,
-                          _metrics, after_backward=fedprox)
+        return _step(self.critic.engine, self.critic_loss_fn, td, metrics, after_backward)
 
     def _batch(self, rows: Sequence[TrainRow], micro_batch: int, old: Sequence[torch.Tensor] | None = None,
                advantages: Sequence[torch.Tensor] | None = None, ref: Sequence[torch.Tensor] | None = None,
@@ -613,7 +530,7 @@ class VerlTrainer:
         for key, per_row in (("old_log_probs", old), ("advantages", advantages), ("ref_log_prob", ref),
                              ("values", values), ("returns", returns)):
             if per_row is not None:
-                tensors[key] = _pad_rows(per_row, r_max)
+                tensors[key] = pad_rows(per_row, r_max)
         td = tu.get_tensordict(tensors)
         td = left_right_2_no_padding(td)
         tu.assign_non_tensor(
@@ -623,50 +540,9 @@ class VerlTrainer:
             max_token_len_per_gpu=None, pad_token_id=self.pad_id)
         return td
 
-    # ------------------------------------------------------------------ evaluate / close
-
-    def evaluate(self, req: EvalRequest) -> EvalResult:
-        """One episode per validation task at rollout.val_temperature, raw env rewards
-        (the invalid-action penalty never applies, invariant 10)."""
-        if not req.task_indices:
-            raise ValueError("EvalRequest.task_indices is empty; pass the fixed validation tasks")
-        self._need_env()
-        episodes, stats, sync_s = self._rollout(group_specs(req.task_indices, 1), self.cfg.rollout.val_temperature,
-                                                derive_seed("eval", req.seed), "verl validate")
-        return EvalResult(num_examples=len(episodes),
-                          metrics={**episode_metrics(episodes, ""), "eval_s": stats.wall_s, "rollout_sync_s": sync_s,
-                                   **stats.as_metrics("rollout_")})
-
-    def _rollout(self, specs: Sequence[Any], temperature: float, seed: int, desc: str) -> tuple[list, Any, float]:
-        """Play `specs` with the current actor weights: (episodes, stats, weight-sync seconds).
-        vLLM is woken with the engine's weights first and put back to sleep after, on every
-        path (invariant 25); the hf engine generates on the live module itself."""
-        if not isinstance(self.generator, VllmGenerator):
-            self.engine.module.eval()
-            episodes, stats = run_episodes(self.generator, self.env, specs, self.settings, temperature, seed,
-                                           self.max_sessions, desc=desc)
-            return episodes, stats, 0.0
-        weights, _ = self.engine.get_per_tensor_param()     # (name, fp32 full tensor) pairs, lazily
-        try:
-            sync_s = self.generator.load_weights(weights)
-            episodes, stats = run_episodes(self.generator, self.env, specs, self.settings, temperature, seed,
-                                           self.max_sessions, desc=desc)
-        finally:
-            self.generator.sleep()
-        return episodes, stats, sync_s
-
-    def _need_env(self) -> None:
-        if self.env is None:
-            raise RuntimeError("this VerlTrainer was built without an env service URL; fit and evaluate need one")
-
     def close(self) -> None:
-        """Close the env client and drop the engines (the process group stays: it is the process's)."""
-        if self.env is not None:
-            self.env.close()
-            self.env = None
-        if isinstance(self.generator, VllmGenerator):
-            self.generator.close()
-        self.actor = self.ref = self.critic = self.engine = self.generator = None
+        """Drop the engines (the process group stays: it is the process's)."""
+        self.actor = self.ref = self.critic = self.engine = None
         release_memory(self.device)
 
 
@@ -733,52 +609,26 @@ def _export(engine: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
     return {n: out[n] for n in names}
 
 
-def _train_pass(engine: Any, loss_fn: Any, n_rows: int, mini: int, micro: int, seed: int,
-                batch: Callable[[list[int], int], Any], metrics: Callable[[Mapping[str, Any]], dict[str, float]],
-                after_backward: Callable[[], None] | None = None) -> dict[str, float]:
-    """One pass over `n_rows` rows in the builtin's seeded order, `mini` rows per optimizer
-    step: per mini-batch exactly what verl's `BaseEngine.train_batch` does (zero_grad,
-    `forward_backward_batch`, clip + AdamW, non-finite norm skipped), with `after_backward`
-    (FedProx) between the backward and the step; the LR scheduler steps once per pass, as
-    verl's `train_mini_batch` does (constant LR)."""
-    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed)).tolist()
-    sums: dict[str, float] = defaultdict(float)
-    steps = skipped = 0
-    for start in range(0, n_rows, mini):
-        idx = order[start:start + mini]
-        td = batch(idx, _largest_divisor_at_most(len(idx), micro))
-        with engine.train_mode():
-            engine.optimizer_zero_grad()
-            output = engine.forward_backward_batch(td, loss_fn, forward_only=False)
-            if after_backward is not None:
-                after_backward()
-            grad_norm = engine.optimizer_step()
-        if not math.isfinite(grad_norm):
-            skipped += 1
-            log.warning("non-finite gradient norm; optimizer step skipped")
-        for k, v in metrics(output["metrics"]).items():
-            sums[k] += v
-        sums["grad_norm"] += float(grad_norm)
-        steps += 1
-    engine.lr_scheduler_step()
+def _step(engine: Any, loss_fn: Any, td: Any, metrics: Callable[[Mapping[str, Any]], dict[str, float]],
+          after_backward: Callable[[], None] | None = None) -> StepResult:
+    """One optimizer step on one mini-batch, exactly what verl's `BaseEngine.train_batch` does
+    (zero_grad, `forward_backward_batch`, clip + AdamW, a non-finite norm skipped), with
+    `after_backward` (FedProx) between the backward and the step. The LR is constant, so the
+    schedule is never stepped."""
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        output = engine.forward_backward_batch(td, loss_fn, forward_only=False)
+        if after_backward is not None:
+            after_backward()
+        grad_norm = float(engine.optimizer_step())
     engine.optimizer_zero_grad()
-    out = {k: v / max(steps, 1) for k, v in sums.items()}
-    out["optimizer_steps"] = float(steps)
-    out["skipped_steps"] = float(skipped)
-    return out
+    return StepResult(metrics(output["metrics"]), grad_norm, math.isfinite(grad_norm))
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
     """verl's fixed-size micro-batching needs a micro size dividing the mini-batch; the split
     only bounds memory (the loss is normalised by the whole mini-batch's token count)."""
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
-
-
-def _pad_rows(values: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros((len(values), width), dtype=torch.float32)
-    for b, v in enumerate(values):
-        out[b, :len(v)] = v
-    return out
 
 
 def _metrics(raw: Mapping[str, Any]) -> dict[str, float]:
@@ -810,8 +660,3 @@ def scaled_value_loss(config: Any, model_output: Any, data: Any, dp_group: Any =
     metric = metrics["critic/vf_loss"]
     metric.values = [v * scale for v in metric.values]      # a verl Metric holds its micro-batch values
     return loss * scale, metrics
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-

@@ -17,8 +17,6 @@ from typing import Any
 from fl_app.config import Config, ConfigError
 
 VERL_VERSION = "0.9.1"
-# Recipe kl_type -> verl actor.kl_loss_type (verl's kl_penalty accepts both spellings).
-KL_TYPES = {"k1": "k1", "k3": "k3", "low_var_kl": "low_var_kl"}
 RESOLVED_NAME = "verl_config.yaml"
 
 
@@ -27,6 +25,13 @@ def has_flash_attn(device: str) -> bool:
     import importlib.util
 
     return device != "cpu" and importlib.util.find_spec("flash_attn") is not None
+
+
+def loss_horizon(cfg: Config) -> int:
+    """The constant `seq-mean-token-sum-norm` divides by (Dr.GRPO): the generation budget of a
+    row, so the loss does not depend on how a mini-batch is cut into micro-batches."""
+    r = cfg.rollout
+    return r.max_prompt_tokens if r.mode == "concat" else r.max_response_tokens
 
 
 def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
@@ -58,7 +63,8 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         f"{actor}.optim.lr_warmup_steps_ratio=0.0",
         # objective
         f"{actor}.policy_loss.loss_mode=vanilla",
-        f"{actor}.loss_agg_mode=token-mean",
+        f"{actor}.loss_agg_mode={a.loss_agg_mode}",
+        f"{actor}.loss_scale_factor={loss_horizon(cfg)}",
         f"{actor}.clip_ratio={a.clip_ratio}",
         f"{actor}.clip_ratio_low={a.clip_ratio}",
         f"{actor}.clip_ratio_high={a.clip_ratio}",
@@ -68,7 +74,7 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         f"{actor}.calculate_entropy=True",
         f"{actor}.use_kl_loss={a.kl_coef > 0}",
         f"{actor}.kl_loss_coef={a.kl_coef}",
-        f"{actor}.kl_loss_type={KL_TYPES[a.kl_type]}",
+        f"{actor}.kl_loss_type={a.kl_type}",
         # batches, in ROWS (a windowed turn or a concat episode); the backend drives one
         # optimizer step per mini-batch itself, one pass (ppo_epochs 1), seeded order
         f"{actor}.ppo_mini_batch_size={a.mini_batch_size}",
@@ -86,13 +92,13 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         "actor_rollout_ref.rollout.top_k=-1",
         f"actor_rollout_ref.rollout.n={int(a.group_size)}",
         "actor_rollout_ref.rollout.name=vllm",
-        f"actor_rollout_ref.rollout.gpu_memory_utilization={cfg.verl.gpu_memory_utilization}",
-        f"actor_rollout_ref.rollout.tensor_model_parallel_size={cfg.verl.tensor_parallel_size}",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={r.gpu_memory_utilization}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         # advantages are ours (client_app.algos, verl parity tested); recorded for the reader
-        f"algorithm.adv_estimator={'grpo' if a.name == 'grpo' else 'gae'}",
+        f"algorithm.adv_estimator={'grpo' if a.spec.advantage == 'group_relative' else 'gae'}",
         f"algorithm.gamma={a.gamma}",
         f"algorithm.lam={a.lam}",
-        "algorithm.norm_adv_by_std_in_grpo=True",
+        f"algorithm.norm_adv_by_std_in_grpo={a.grpo_norm_by_std}",
         "algorithm.use_kl_in_reward=False",
         f"data.train_batch_size={a.tasks_per_step}",
         f"data.max_prompt_length={r.max_prompt_tokens}",
@@ -111,7 +117,7 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
     if on_cpu:
         # fp32 compute: verl's MixedPrecisionPolicy defaults to bf16 params
         out.append(f"+{actor}.fsdp_config.mixed_precision={fp32_compute}")
-    if a.name == "ppo":
+    if a.spec.critic:
         c = a.critic
         out += [
             # the value model: the policy's architecture + a one-output head (verl's
@@ -131,7 +137,8 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
             "critic.optim.lr_warmup_steps=0",
             "critic.optim.lr_warmup_steps_ratio=0.0",
             f"critic.cliprange_value={c.value_clip}",
-            "critic.loss_agg_mode=token-mean",
+            f"critic.loss_agg_mode={a.loss_agg_mode}",
+            f"critic.loss_scale_factor={loss_horizon(cfg)}",
             f"critic.ppo_mini_batch_size={c.mini_batch_size}",
             f"critic.ppo_micro_batch_size_per_gpu={c.micro_batch_size}",
             "critic.ppo_epochs=1",
@@ -176,7 +183,7 @@ def check_resolved(cfg: Config, verl_cfg: Any) -> None:
     try:
         actor = omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.actor)
         omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.model)     # reads the model dir's config
-        critic = omega_conf_to_dataclass(verl_cfg.critic) if a.name == "ppo" else None
+        critic = omega_conf_to_dataclass(verl_cfg.critic) if a.spec.critic else None
     except (ValueError, AssertionError, TypeError, OSError, InstantiationException) as e:
         raise ConfigError(f"verl rejects the config derived from this recipe: {e}") from None
     expect = {
@@ -191,7 +198,9 @@ def check_resolved(cfg: Config, verl_cfg: Any) -> None:
         "entropy_coeff": (actor.entropy_coeff, a.entropy_coeff),
         "use_kl_loss": (actor.use_kl_loss, a.kl_coef > 0),
         "kl_loss_coef": (actor.kl_loss_coef, a.kl_coef),
-        "loss_agg_mode": (actor.loss_agg_mode, "token-mean"),
+        "loss_agg_mode": (actor.loss_agg_mode, a.loss_agg_mode),
+        "kl_loss_type": (actor.kl_loss_type, a.kl_type),
+        "loss_scale_factor": (actor.loss_scale_factor, loss_horizon(cfg)),
         "policy_loss.loss_mode": (actor.policy_loss.loss_mode, "vanilla"),
         "engine.strategy": (actor.engine.strategy, "fsdp2"),
         "engine.model_dtype": (actor.engine.model_dtype, "fp32"),
@@ -204,7 +213,7 @@ def check_resolved(cfg: Config, verl_cfg: Any) -> None:
             "critic.optim.clip_grad": (critic.optim.clip_grad, c.grad_clip),
             "critic.optim.lr_scheduler_type": (critic.optim.lr_scheduler_type, "constant"),
             "critic.cliprange_value": (critic.cliprange_value, c.value_clip),
-            "critic.loss_agg_mode": (critic.loss_agg_mode, "token-mean"),
+            "critic.loss_agg_mode": (critic.loss_agg_mode, a.loss_agg_mode),
             "critic.engine.strategy": (critic.engine.strategy, "fsdp2"),
             "critic.engine.model_dtype": (critic.engine.model_dtype, "fp32"),
         }

@@ -1,4 +1,4 @@
-"""vLLM as the verl backend's rollout engine, inside the lane service's own process.
+"""vLLM as a rollout engine (`rollout.engine: vllm`), inside the lane service's own process.
 
 `VllmGenerator` has `BatchedGenerator`'s contract (`generate(prompts, temperature, seeds)` ->
 response ids cut after the first eos; `tokenizer`; `eos_ids`), so the same episode loop
@@ -7,10 +7,10 @@ task groups) plays the episodes whichever engine generates.
 
 Why in-process (`vllm.LLM` with `VLLM_ENABLE_V1_MULTIPROCESSING=0`, one rank) rather than
 verl's Ray-hosted vLLM replicas: the lane service already is the single process that owns the
-GPU lane, the FSDP2 engine lives in it, and a weight sync is then a loop over verl's own
-`get_per_tensor_param()` full tensors into vLLM's `model.load_weights` on the same device, with
-no IPC handles, no Ray cluster (issue #7: never attach to Flower's) and nothing to clean up
-but this object.
+GPU lane, the training engine lives in it, and a weight sync is then a loop over the engine's
+full tensors (`TrainingEngine.policy_tensors`) into vLLM's `model.load_weights` on the same
+device, with no IPC handles, no Ray cluster (issue #7: never attach to Flower's) and nothing to
+clean up but this object.
 
 Sleep discipline (invariant 25): the engine is built asleep and is asleep before every weight
 sync; `load_weights` refuses an awake engine. Level 2 sleep drops weights and KV cache from
@@ -19,7 +19,7 @@ the model's buffers (rotary tables) on the host across it. The trainer sleeps th
 every rollout, so the update and the export run with the GPU to themselves.
 
 Sampling: the tempered full distribution over every output row (no top-k/top-p), which is what
-verl's log-probs normalise over; each request carries its own seed (row i of turn t samples
+the training engines' log-probs normalise over with this engine; each request carries its own seed (row i of turn t samples
 with the rollout loop's `derive_seed`), so what an episode does does not depend on its batch.
 """
 from __future__ import annotations
@@ -46,8 +46,8 @@ def arm_vllm_env() -> None:
     absent (the lean offline install, docs/offline-gpu.md): without it vLLM imports FlashInfer
     unguarded and fails."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-        raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING is set to non-zero in this environment; the verl "
-                           "backend runs vLLM inside the lane service (weight sync by reference). Unset it")
+        raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING is set to non-zero in this environment; the lane "
+                           "runs vLLM inside its own process (weight sync by reference). Unset it")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if importlib.util.find_spec("flashinfer") is None:
         os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
@@ -59,8 +59,8 @@ class VllmGenerator:
     def __init__(self, model_path: Path, tokenizer: Any, max_new_tokens: int, max_model_len: int,
                  gpu_memory_utilization: float, seed: int) -> None:
         if importlib.util.find_spec("vllm") is None:
-            raise RuntimeError("verl.rollout_engine=vllm needs vLLM in this environment (vllm==0.24.0; offline "
-                               "GPU nodes: docs/offline-gpu.md); or use verl.rollout_engine: hf")
+            raise RuntimeError("rollout.engine=vllm needs vLLM in this environment (vllm==0.24.0; offline "
+                               "GPU nodes: docs/offline-gpu.md); or use rollout.engine: hf")
         arm_vllm_env()
         from vllm import LLM
 

@@ -1,19 +1,19 @@
-"""Per-fit overhead of the persistent verl trainer next to a fresh verl process per client.
+"""Per-fit overhead of the persistent trainer next to a fresh trainer process per client.
 
-    python -m bench.verl_overhead --fits 4 --json /tmp/verl-overhead.json
-    python -m bench.verl_overhead --fits 2 --device cuda model.path=/tmp/qwen05b-random \
-        verl.rollout_engine=vllm verl.gpu_memory_utilization=0.4      # GPU with vLLM (docs/benchmarks.md)
+    python -m bench.fit_overhead --fits 4 --json /tmp/fit-overhead.json               # verl, CPU
+    python -m bench.fit_overhead --fits 4 backend=builtin                              # builtin, CPU
+    python -m bench.fit_overhead --fits 2 --device cuda model.path=/tmp/qwen05b-random \
+        rollout.engine=vllm rollout.gpu_memory_utilization=0.4      # GPU with vLLM (docs/benchmarks.md)
 
-One run, two arms on the same config (the tiny-shop-grpo recipe with `backend: verl`, trailing
-`a.b=c` arguments override it):
-- *persistent* (what a lane service does): ONE `VerlTrainer`, then per fit of a different client
-  load the global weights in place, reset the optimizer, train, export fp32 copies. Reported per
-  fit: load, optimizer reset, export and the whole fit; overhead = load + reset + export.
+One run, two arms on the same config (the tiny-shop-grpo recipe with `backend: verl` unless an
+override says otherwise; trailing `a.b=c` arguments override it):
+- *persistent* (what a lane service does): ONE trainer, then per fit of a different client
+  load the global weights in place, reset the optimizers, train, export fp32 copies. Reported
+  per fit: load, optimizer reset, export and the whole fit; overhead = load + reset + export.
 - *fresh process* (what a trainer started per client would pay before its first rollout):
-  a subprocess that starts Python, imports torch / transformers / verl, builds the trainer
-  (FSDP2 engines for actor and reference, and the vLLM engine with `verl.rollout_engine=vllm`)
-  and loads the global weights, then exits; measured
-  once, from spawn to exit.
+  a subprocess that starts Python, imports torch / transformers (/ verl), builds the trainer
+  (engines for actor and reference, and the vLLM engine with `rollout.engine=vllm`) and loads
+  the global weights, then exits; measured once, from spawn to exit.
 The ratio printed last is the fresh process's start-up over the persistent trainer's mean
 per-fit overhead.
 """
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from client_app.trainer import make_trainer
 from client_app.trainer.base import FitRequest
 from envs.service import serve_in_subprocess
 from fl_app.config import Config, load_config
@@ -38,15 +39,13 @@ from fl_app.weights import load_shards, save_shards
 TASKS_PER_CLIENT = 100
 
 
-def verl_config(overrides: list[str], device: str) -> Config:
+def bench_config(overrides: list[str], device: str) -> Config:
     return load_config("tiny-shop-grpo", dotlist=["backend=verl", f"run.device={device}", *overrides])
 
 
 def startup_only(overrides: list[str], device: str, env_url: str, weights: Path) -> None:
     """The fresh-process arm's body: build the trainer, load the global weights, exit."""
-    from client_app.trainer.verl_backend import VerlTrainer
-
-    trainer = VerlTrainer(verl_config(overrides, device), env_url)
+    trainer = make_trainer(bench_config(overrides, device), env_url)
     try:
         trainer.load_weights(load_shards(weights))
     finally:
@@ -54,7 +53,7 @@ def startup_only(overrides: list[str], device: str, env_url: str, weights: Path)
 
 
 def fresh_process_s(overrides: list[str], device: str, env_url: str, weights: Path) -> float:
-    cmd = [sys.executable, "-m", "bench.verl_overhead", "--startup-only", "--env-url", env_url,
+    cmd = [sys.executable, "-m", "bench.fit_overhead", "--startup-only", "--env-url", env_url,
            "--weights", str(weights), "--device", device, *overrides]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -65,20 +64,18 @@ def fresh_process_s(overrides: list[str], device: str, env_url: str, weights: Pa
 
 
 def persistent_fits(cfg: Config, env_url: str, fits: int, weights: Path) -> tuple[float, list[dict[str, float]]]:
-    from client_app.trainer.verl_backend import VerlTrainer
-
     t0 = time.perf_counter()
-    trainer = VerlTrainer(cfg, env_url)
+    trainer = make_trainer(cfg, env_url)
     build_s = time.perf_counter() - t0
     resets: list[float] = []
-    reset = trainer.reset_optimizer
+    begin = trainer.engine.begin_fit
 
-    def timed_reset() -> None:
+    def timed_begin(reference_from_policy: bool) -> None:
         t = time.perf_counter()
-        reset()
+        begin(reference_from_policy)
         resets.append(time.perf_counter() - t)
 
-    trainer.reset_optimizer = timed_reset        # fit() resets once per fit; time that call
+    trainer.engine.begin_fit = timed_begin        # fit() resets the optimizers once per fit; time that call
     val = int(cfg.env.params.get("val_size", 64))
     records = []
     try:
@@ -120,19 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.fits < 1:
         ap.error("--fits must be >= 1")
-    cfg = verl_config(args.overrides, args.device)
+    cfg = bench_config(args.overrides, args.device)
     with serve_in_subprocess(cfg.env.name, cfg.env.pool_size, cfg.env.params) as url, \
             tempfile.TemporaryDirectory() as tmp:
-        from client_app.trainer.builtin import BuiltinTrainer
-
         # the global weights both arms load: the recipe's initial model, as fp32 shards
-        builtin_overrides = [o for o in args.overrides if not o.startswith("verl.")]   # verl.* is verl-only
-        seed_trainer = BuiltinTrainer(load_config("tiny-shop-grpo", dotlist=[f"run.device={args.device}",
-                                                                             *builtin_overrides]), url)
+        seed = make_trainer(cfg, None)
         try:
-            save_shards(seed_trainer.export_weights(), Path(tmp) / "global", 64 * 2**20)
+            save_shards(seed.export_weights(), Path(tmp) / "global", 64 * 2**20)
         finally:
-            seed_trainer.close()
+            seed.close()
         weights = Path(tmp) / "global"
         fresh = fresh_process_s(args.overrides, args.device, url, weights)
         build_s, records = persistent_fits(cfg, url, args.fits, weights)
@@ -148,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"persistent trainer, mean over fits 1..{len(records) - 1 or 1}: load {mean['load_s'] * 1e3:.1f} ms + "
           f"optimizer reset {mean['reset_s'] * 1e3:.1f} ms + export {mean['export_s'] * 1e3:.1f} ms = "
           f"{mean['overhead_s'] * 1e3:.1f} ms per fit, {100 * mean['overhead_frac']:.2f}% of a {mean['fit_total_s']:.1f} s fit")
-    print(f"fresh verl process per client: {fresh:.1f} s to start, build and load "
+    print(f"fresh {cfg.backend} process per client: {fresh:.1f} s to start, build and load "
           f"({100 * fresh / mean['fit_total_s']:.0f}% of the same fit) -> x{report['fresh_over_persistent_overhead']} "
           f"the persistent trainer's per-fit overhead")
     if args.json:

@@ -1,0 +1,125 @@
+"""The narrow interface between the one fit loop (`loop.py`) and a training engine.
+
+A training engine owns the models (policy, reference, critic) and their optimizers on one lane,
+and knows how to score and train rows; it knows nothing of rounds, tasks, rollouts or
+advantages. Two implement it: `builtin.BuiltinEngine` (torch + transformers) and
+`verl_backend.VerlEngine` (verl 0.9.1's FSDP2 engine). The loop in `loop.py` is written once
+against this protocol, and `tests/test_engine_contract.py` holds every engine to it.
+
+Rows (`client_app.rollout.TrainRow`) carry token ids and a generated-token mask; per-row
+quantities (log-probs, values, advantages, returns) are 1-D fp32 tensors over a row's response
+tokens, as the loop passes them around.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+from client_app.algos import ActorLossSpec, ValueLossSpec
+from client_app.critic import CriticStart
+from client_app.rollout import TrainRow
+
+Scorer = Literal["policy", "reference"]
+
+
+@dataclass(frozen=True)
+class PolicyBatch:
+    """One policy mini-batch: rows, and per row the rollout-time (old) log-probs, advantages and,
+    when the loss has a KL term, the reference's log-probs."""
+
+    rows: Sequence[TrainRow]
+    old_log_probs: Sequence[torch.Tensor]
+    advantages: Sequence[torch.Tensor]
+    ref_log_probs: Sequence[torch.Tensor] | None
+
+
+@dataclass(frozen=True)
+class ValueBatch:
+    """One critic mini-batch: rows, and per row the rollout-time values and the value targets."""
+
+    rows: Sequence[TrainRow]
+    old_values: Sequence[torch.Tensor]
+    returns: Sequence[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step's outcome. `metrics` are the mini-batch's loss terms (policy: pg_loss,
+    entropy, kl_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower; critic: loss, clipfrac);
+    `stepped` is False when a non-finite gradient norm made the engine skip the step."""
+
+    metrics: dict[str, float]
+    grad_norm: float
+    stepped: bool
+
+
+class TrainingEngine(Protocol):
+    """What the fit loop needs from a training engine (see the module doc)."""
+
+    device: torch.device
+    tokenizer: Any
+    critic_start: CriticStart | None      # where the starting critic came from; None without a critic
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The weights this engine holds and exchanges: ("actor",) or ("actor", "critic")."""
+        ...
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], member: str = "actor") -> None:
+        """Copy fp32 weights into the live `member` model in place (names, shapes, fp32 checked)."""
+        ...
+
+    def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
+        """The fp32 master weights of `member`: detached CPU copies (load then export is the identity)."""
+        ...
+
+    def generation_model(self) -> torch.nn.Module:
+        """The live policy, in eval mode, for Hugging Face `generate` (rollout.engine: hf)."""
+        ...
+
+    def policy_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The policy's full tensors under Hugging Face names, one at a time, for a rollout
+        engine's in-place weight sync (rollout.engine: vllm)."""
+        ...
+
+    def parameters(self, member: str = "actor") -> Iterable[tuple[str, torch.nn.Parameter]]:
+        """`member`'s trainable parameters as its optimizer sees them, gradients included
+        (FedProx anchors the policy's and adds its gradient to them, invariant 4)."""
+        ...
+
+    def begin_fit(self, reference_from_policy: bool) -> None:
+        """Fresh optimizers and LR schedules for every trained member (invariant 3); with
+        `reference_from_policy`, the reference model takes the policy's current weights."""
+        ...
+
+    def end_fit(self) -> None:
+        """Release optimizer state and gradients (invariant 24)."""
+        ...
+
+    def log_probs(self, rows: Sequence[TrainRow], scorer: Scorer = "policy") -> list[torch.Tensor]:
+        """Log-probs of each row's response tokens at the sampling temperature (no gradient)."""
+        ...
+
+    def values(self, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
+        """The critic's value at each response token of each row (no gradient)."""
+        ...
+
+    def policy_step(self, batch: PolicyBatch, loss: ActorLossSpec,
+                    after_backward: Callable[[], None] | None = None) -> StepResult:
+        """One optimizer step of the policy on one mini-batch: gradients accumulated over
+        micro-batches of the loss normalised by the WHOLE mini-batch (micro-batching changes
+        memory, not the gradient), `after_backward` (FedProx) before the clip, then the step."""
+        ...
+
+    def critic_step(self, batch: ValueBatch, loss: ValueLossSpec,
+                    after_backward: Callable[[], None] | None = None) -> StepResult:
+        """One optimizer step of the critic on one mini-batch, as `policy_step` (FedProx never
+        touches it: the loop passes no `after_backward` here)."""
+        ...
+
+    def close(self) -> None:
+        """Drop the models and their memory."""
+        ...

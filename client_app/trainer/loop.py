@@ -1,0 +1,251 @@
+"""The one fit loop: persistent RL training of one lane over any training engine.
+
+`RLTrainer` is what the trainer service holds (`base.Trainer`). It is built once per lane and
+serves many client fits in turn; per fit it only swaps weights in (`load_weights`, in place),
+starts fresh optimizers (invariant 3), runs E RL iterations on fresh tasks of the client's shard
+(invariant 8), and exports fp32 copies. One iteration, phase by phase:
+
+  1. draw tasks      `tasks_per_step` tasks of the shard, a pure function of (seed, round, client, epoch)
+  2. rollout         `group_size` episodes per task, one batched rollout (`rollouts.Rollouts`)
+  3. rows            windowed: one row per turn; concat: one per episode (observation glue masked)
+  4. advantages      the algorithm's estimator (`advantages.ADVANTAGES`); with a critic, its
+                     values at rollout time, then one pass of the value loss over the rows
+  5. policy update   old (and reference) log-probs, then one pass in seeded mini-batches of the
+                     PPO-clip + KL + entropy loss, FedProx's gradient on the policy only (inv. 4)
+  6. metrics         per iteration, summed or averaged over the fit
+
+Everything a fit allocates (optimizer state, grads, FedProx anchor, rollout buffers) is released
+before it returns, so a trainer serving hundreds of fits keeps a flat memory (invariant 24).
+The engine (`engine.TrainingEngine`) does the tensor work: builtin (torch + transformers) or
+verl (FSDP2); the rollout engine (hf or vllm) is chosen separately.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from client_app.algos import ActorLossSpec, FedProxAnchor, ValueLossSpec
+from client_app.critic import CriticStart
+from client_app.rollout import Episode, TrainRow, derive_seed, draw_tasks, episode_metrics, group_specs, \
+    training_rows
+from client_app.trainer.advantages import ADVANTAGES, token_mean
+from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
+from client_app.trainer.device import release_memory
+from client_app.trainer.engine import PolicyBatch, StepResult, TrainingEngine, ValueBatch
+from client_app.trainer.rollouts import Rollouts
+from envs.client import SyncEnvClient
+from fl_app.config import Config
+
+log = logging.getLogger("fedagent.trainer")
+
+IterationCallback = Callable[[int, dict[str, float]], None]
+# Fit metrics that add up over local epochs (with every `*_s` timing); the rest are averaged.
+_SUMMED = frozenset({"rows", "rollout_tokens", "rollout_steps", "optimizer_steps", "skipped_steps",
+                     "critic_optimizer_steps", "critic_skipped_steps"})
+
+
+def loss_specs(cfg: Config) -> tuple[ActorLossSpec, ValueLossSpec]:
+    """The policy and value objectives the recipe asks for (both engines train these)."""
+    a, r = cfg.algo, cfg.rollout
+    horizon = r.max_prompt_tokens if r.mode == "concat" else r.max_response_tokens
+    policy = ActorLossSpec(clip_ratio_low=a.clip_ratio, clip_ratio_high=a.clip_ratio, clip_ratio_c=a.clip_ratio_c,
+                           entropy_coeff=a.entropy_coeff, kl_coef=a.kl_coef, kl_type=a.kl_type,
+                           loss_agg_mode=a.loss_agg_mode, horizon=horizon)
+    value = ValueLossSpec(value_clip=a.critic.value_clip, coef=a.critic.loss_coef, loss_agg_mode=a.loss_agg_mode,
+                          horizon=horizon)
+    return policy, value
+
+
+class RLTrainer:
+    """`base.Trainer` over a training engine, a rollout engine and an env service client."""
+
+    def __init__(self, cfg: Config, engine: TrainingEngine, model_path: Path, env_url: str | None) -> None:
+        self.cfg, self.engine = cfg, engine
+        self.algorithm = cfg.algo.spec
+        self.policy_loss, self.value_loss = loss_specs(cfg)
+        self.env: SyncEnvClient | None = None
+        self.rollouts: Rollouts | None = None
+        try:
+            self.rollouts = Rollouts(cfg, engine, model_path)
+            if env_url:
+                self.env = SyncEnvClient(env_url)
+                self.max_sessions = int(self.env.info()["pool_size"])   # the service blocks /create beyond it
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ the Trainer interface
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self.engine.members
+
+    @property
+    def critic_start(self) -> CriticStart | None:
+        return self.engine.critic_start
+
+    def load_weights(self, state: Any, member: str = "actor") -> None:
+        self.engine.load_weights(state, member)
+
+    def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
+        return self.engine.export_weights(member)
+
+    def fit(self, req: FitRequest, on_iteration: IterationCallback | None = None) -> FitResult:
+        """E RL iterations from the loaded weights with fresh optimizers. `on_iteration(epoch,
+        metrics)` runs after each iteration (the central trainer validates there)."""
+        if req.local_epochs < 1:
+            raise ValueError(f"local_epochs must be >= 1, got {req.local_epochs}")
+        self._need_env()
+        self.engine.begin_fit(reference_from_policy=self.cfg.algo.ref_anchor == "round")
+        anchor = FedProxAnchor.snapshot(self.engine.parameters("actor")) if req.proximal_mu > 0 else None
+        per_epoch: list[dict[str, float]] = []
+        episodes_trained = 0
+        try:
+            for epoch in range(req.local_epochs):
+                metrics, n_episodes = self._iteration(req, epoch, anchor)
+                per_epoch.append(metrics)
+                episodes_trained += n_episodes
+                if on_iteration is not None:
+                    on_iteration(epoch, metrics)
+        finally:
+            self.engine.end_fit()
+            if anchor is not None:
+                anchor.release()
+            release_memory(self.engine.device)
+        metrics = {k: (sum if k in _SUMMED or k.endswith("_s") else _mean)([m[k] for m in per_epoch])
+                   for k in per_epoch[0]}
+        metrics["tokens_per_s"] = metrics["rollout_tokens"] / max(metrics["rollout_generate_s"], 1e-9)
+        metrics["rollout_tokens_per_s"] = metrics["tokens_per_s"]
+        metrics["rollout_steps_per_s"] = metrics["rollout_steps"] / max(metrics["rollout_s"], 1e-9)
+        return FitResult(num_examples=episodes_trained, metrics=metrics)
+
+    def evaluate(self, req: EvalRequest) -> EvalResult:
+        """One episode per validation task at rollout.val_temperature. Scores are the raw env
+        rewards: the training-only invalid-action penalty never applies (invariant 10)."""
+        if not req.task_indices:
+            raise ValueError("EvalRequest.task_indices is empty; pass the fixed validation tasks")
+        episodes, stats, sync_s = self._play(group_specs(req.task_indices, 1), self.cfg.rollout.val_temperature,
+                                             derive_seed("eval", req.seed), "validate")
+        return EvalResult(num_examples=len(episodes),
+                          metrics={**episode_metrics(episodes, ""), "eval_s": stats.wall_s,
+                                   "rollout_sync_s": sync_s, **stats.as_metrics("rollout_")})
+
+    def close(self) -> None:
+        """Close the env client, the rollout engine and the training engine (the env service is
+        owned by whoever started it)."""
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+        if self.rollouts is not None:
+            self.rollouts.close()
+            self.rollouts = None
+        self.engine.close()
+
+    # ------------------------------------------------------------------ one iteration
+
+    def _iteration(self, req: FitRequest, epoch: int, anchor: FedProxAnchor | None) -> tuple[dict[str, float], int]:
+        a, r = self.cfg.algo, self.cfg.rollout
+        seed = (req.seed, req.round, req.client_id, epoch)
+        # 1. draw tasks, 2. rollout
+        tasks = draw_tasks(req.task_indices, a.tasks_per_step, req.seed, req.round, req.client_id, epoch)
+        t0 = time.perf_counter()
+        episodes, stats, sync_s = self._play(group_specs(tasks, int(a.group_size)), r.temperature,
+                                             derive_seed("sample", *seed), f"r{req.round} c{req.client_id} e{epoch}")
+        rollout_s = time.perf_counter() - t0
+        # 3. rows
+        rows = training_rows(episodes, r.invalid_action_penalty)
+        t0 = time.perf_counter()
+        # 4. advantages (+ the critic's pass)
+        advantages, critic_metrics = self._advantages(episodes, rows, derive_seed("critic-minibatch", *seed))
+        # 5. policy update
+        update = self._policy_pass(rows, advantages, anchor, req.proximal_mu, derive_seed("minibatch", *seed))
+        update_s = time.perf_counter() - t0
+        # 6. metrics
+        metrics = {**episode_metrics(episodes, "train_"),
+                   "train_score": sum(rw.score for rw in rows) / max(len(rows), 1), "rows": float(len(rows)),
+                   "rollout_s": rollout_s, "rollout_sync_s": sync_s, "update_s": update_s,
+                   **stats.as_metrics("rollout_"), **update, **critic_metrics}
+        return metrics, len(episodes)
+
+    def _play(self, specs: Any, temperature: float, seed: int, desc: str) -> tuple[list[Episode], Any, float]:
+        self._need_env()
+        assert self.rollouts is not None and self.env is not None
+        return self.rollouts.play(self.env, specs, temperature, seed, self.max_sessions, desc)
+
+    def _advantages(self, episodes: Sequence[Episode], rows: Sequence[TrainRow], seed: int
+                    ) -> tuple[list[torch.Tensor], dict[str, float]]:
+        """The algorithm's advantages; with a critic, its rollout-time values feed the estimator
+        and the critic then takes one pass toward the value targets, before the policy update."""
+        values = self.engine.values(rows) if self.algorithm.critic else None
+        advantages, returns = ADVANTAGES[self.algorithm.advantage](episodes, rows, values, self.cfg.algo)
+        if values is None or returns is None:
+            return advantages, {}
+        return advantages, critic_pass(self.engine, self.value_loss, rows, values, returns,
+                                       int(self.cfg.algo.critic.mini_batch_size), seed)
+
+    def _policy_pass(self, rows: Sequence[TrainRow], advantages: Sequence[torch.Tensor],
+                     anchor: FedProxAnchor | None, mu: float, seed: int) -> dict[str, float]:
+        fedprox = (lambda: anchor.add_grad_(self.engine.parameters("actor"), mu)) if anchor is not None else None
+        return policy_pass(self.engine, self.policy_loss, rows, advantages, self.cfg.algo.mini_batch_size, seed,
+                           fedprox)
+
+    def _need_env(self) -> None:
+        if self.env is None:
+            raise RuntimeError("this trainer was built without an env service URL; fit and evaluate need one")
+
+
+def policy_pass(engine: TrainingEngine, loss: ActorLossSpec, rows: Sequence[TrainRow],
+                advantages: Sequence[torch.Tensor], mini: int, seed: int,
+                after_backward: Callable[[], None] | None = None) -> dict[str, float]:
+    """One pass of the policy over `rows`: rollout-time (and reference) log-probs, then one
+    optimizer step per mini-batch in a seeded order; `after_backward` (FedProx) in every step."""
+    old = engine.log_probs(rows, "policy")
+    ref = engine.log_probs(rows, "reference") if loss.kl_coef > 0 else None
+    return _mini_batch_pass(len(rows), mini, seed, lambda idx: engine.policy_step(
+        PolicyBatch([rows[i] for i in idx], [old[i] for i in idx], [advantages[i] for i in idx],
+                    [ref[i] for i in idx] if ref is not None else None), loss, after_backward))
+
+
+def critic_pass(engine: TrainingEngine, loss: ValueLossSpec, rows: Sequence[TrainRow],
+                values: Sequence[torch.Tensor], returns: Sequence[torch.Tensor], mini: int, seed: int
+                ) -> dict[str, float]:
+    """One pass of the critic toward the value targets, from its rollout-time values; metrics
+    prefixed `critic_`, with the value and return means."""
+    out = _mini_batch_pass(len(rows), mini, seed, lambda idx: engine.critic_step(
+        ValueBatch([rows[i] for i in idx], [values[i] for i in idx], [returns[i] for i in idx]), loss))
+    metrics = {f"critic_{k}": v for k, v in out.items()}
+    metrics["critic_value_mean"] = token_mean(values, rows)
+    metrics["critic_return_mean"] = token_mean(returns, rows)
+    return metrics
+
+
+def _mini_batch_pass(n_rows: int, mini: int, seed: int, step: Callable[[list[int]], StepResult]
+                     ) -> dict[str, float]:
+    """One pass over `n_rows` rows in a seeded order, one optimizer step per `mini` rows; the
+    steps' metrics averaged, steps taken and skipped (non-finite gradient) counted."""
+    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed)).tolist()
+    sums: dict[str, float] = defaultdict(float)
+    steps = skipped = 0
+    for start in range(0, n_rows, mini):
+        result = step(order[start:start + mini])
+        for k, v in result.metrics.items():
+            sums[k] += v
+        sums["grad_norm"] += result.grad_norm
+        steps += 1
+        if not result.stepped:
+            skipped += 1
+            log.warning("non-finite gradient norm; optimizer step skipped")
+    out = {k: v / max(steps, 1) for k, v in sums.items()}
+    out["optimizer_steps"] = float(steps)
+    out["skipped_steps"] = float(skipped)
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)

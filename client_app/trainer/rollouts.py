@@ -1,0 +1,73 @@
+"""The rollout engine, chosen independently of the training engine (`rollout.engine`).
+
+  hf    batched Hugging Face `generate` on the training engine's own live policy
+        (`TrainingEngine.generation_model`): nothing to sync, CPU or GPU.
+  vllm  an in-process vLLM engine (`vllm_rollout.VllmGenerator`) that sleeps outside rollouts:
+        before each rollout it is woken with the training engine's current weights
+        (`TrainingEngine.policy_tensors`, synced in place) and it is put back to sleep after,
+        on every path (invariant 25), so the update and the export have the GPU to themselves.
+
+Either way the same episode loop (`client_app.rollout.run_episodes`) plays the episodes, so
+the context a policy acted on is exactly the row it trains on, whichever engine generated.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from client_app.rollout import BatchedGenerator, Episode, EpisodeSpec, RolloutSettings, RolloutStats, run_episodes
+from client_app.trainer.engine import TrainingEngine
+from envs.registry import system_prompt
+from fl_app.config import Config
+
+# On CPU a padded token costs as much as a real one: group prompts of similar length.
+CPU_MAX_PADDING = 0.25
+
+
+class Rollouts:
+    """Plays episodes with the policy the training engine holds right now."""
+
+    def __init__(self, cfg: Config, engine: TrainingEngine, model_path: Path) -> None:
+        r = cfg.rollout
+        self.engine = engine
+        self.settings = RolloutSettings(cfg.env.max_turns, r.history_length, r.max_prompt_tokens,
+                                        system_prompt(cfg.env.name), mode=r.mode)
+        self.generator: Any
+        if r.engine == "vllm":
+            from client_app.trainer.vllm_rollout import VllmGenerator
+
+            self.generator = VllmGenerator(model_path, engine.tokenizer, r.max_response_tokens,
+                                           max_model_len=r.max_prompt_tokens + r.max_response_tokens,
+                                           gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.run.seed)
+        else:
+            on_cpu = engine.device.type == "cpu"
+            self.generator = BatchedGenerator(engine.generation_model(), engine.tokenizer, r.max_response_tokens,
+                                              None if on_cpu else torch.bfloat16,
+                                              max_padding=CPU_MAX_PADDING if on_cpu else None)
+
+    @property
+    def syncs_weights(self) -> bool:
+        return not isinstance(self.generator, BatchedGenerator)
+
+    def play(self, env: Any, specs: Sequence[EpisodeSpec], temperature: float, seed: int, max_sessions: int,
+             desc: str) -> tuple[list[Episode], RolloutStats, float]:
+        """Play `specs` to the end: (episodes, stats, seconds spent syncing weights)."""
+        if not self.syncs_weights:
+            self.engine.generation_model()          # eval mode: rollout and update score the same policy
+            episodes, stats = run_episodes(self.generator, env, specs, self.settings, temperature, seed, max_sessions,
+                                           desc=desc)
+            return episodes, stats, 0.0
+        try:
+            sync_s = self.generator.load_weights(self.engine.policy_tensors())
+            episodes, stats = run_episodes(self.generator, env, specs, self.settings, temperature, seed, max_sessions,
+                                           desc=desc)
+        finally:
+            self.generator.sleep()
+        return episodes, stats, sync_s
+
+    def close(self) -> None:
+        if self.syncs_weights:
+            self.generator.close()

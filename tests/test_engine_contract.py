@@ -1,0 +1,505 @@
+"""The training-engine contract (issue #17): every engine behind `client_app.trainer.engine`
+(builtin, verl on CPU) under the one fit loop (`client_app.trainer.loop`), held to the same
+properties, and the two engines held to each other:
+
+  * load then export is the identity bit for bit, for every member (invariant 1), and what
+    cannot be loaded is refused with a message naming the problem;
+  * a fit trains every member, from fresh optimizers (invariant 3), and leaves no optimizer
+    state or gradient behind (invariant 24);
+  * FedProx adds exactly mu * (w - w_anchor) to the policy's gradient and never reaches the
+    critic (invariant 4);
+  * micro-batching changes memory, never the gradient or the loss (field log 2026-07-22);
+  * a row scored in a right-padded batch scores as if alone;
+  * validation is never penalised, in both rollout modes (invariant 10);
+  * host memory is flat across fits (invariant 24);
+  * builtin and verl score rows, take policy and critic steps and start critics alike (1e-5),
+    for every loss aggregation mode and KL estimator the recipe can select.
+
+Real env service, real random-weight Qwen2 policies, real engines; nothing mocked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from client_app.algos import FedProxAnchor
+from client_app.rollout import Episode, TrainRow, derive_seed, group_specs, training_rows
+from client_app.trainer import make_engine
+from client_app.trainer.advantages import ADVANTAGES
+from client_app.trainer.base import EvalRequest, FitRequest
+from client_app.trainer.engine import PolicyBatch, ValueBatch
+from client_app.trainer.loop import RLTrainer, critic_pass, policy_pass
+from fl_app.config import Config
+from trainer_support import (SMALL_ENV_PARAMS, assert_flat, env_url, fit_rss_series,  # noqa: F401
+                             initial_and_size, model_dir, one_torch_thread, random_model_dir, small_config)
+
+TOL = 1e-5
+TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))
+HAS_VERL = importlib.util.find_spec("verl") is not None
+_no_verl = pytest.mark.skipif(not HAS_VERL, reason="verl not installed")
+_no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# every engine on the CPU (CI) and, gpu-marked, on CUDA (bf16 autocast: tolerances, not bits)
+ENGINES = ["builtin", pytest.param("verl", marks=_no_verl),
+           pytest.param("builtin-cuda", marks=[pytest.mark.gpu, _no_cuda]),
+           pytest.param("verl-cuda", marks=[pytest.mark.gpu, _no_cuda, _no_verl])]
+# (rtol, atol) of gradients, log-probs and repeated fits: fp32 on the CPU, bf16 compute on CUDA
+TOLERANCE = {"cpu": (1e-4, 1e-7), "cuda": (5e-2, 2e-3)}
+# temperature != 1 (log-probs are tempered), KL and entropy on, 5-row mini-batches of 2-row
+# micro-batches (a ragged last one), a value clip that binds
+SECTIONS = {"rollout": {"temperature": 0.7},
+            "algo": {"lr": 1e-3, "kl_coef": 0.05, "entropy_coeff": 0.01, "mini_batch_size": 5, "micro_batch_size": 2,
+                     "critic": {"lr": 3e-3, "value_clip": 0.2, "loss_coef": 1.0}}}
+PPO = {"name": "ppo", "tasks_per_step": 3, "group_size": None}
+
+
+def _config(kind: str, model: Path, **sections: dict) -> Config:
+    backend, _, device = kind.partition("-")
+    merged = {k: dict(v) for k, v in SECTIONS.items()}
+    merged["run"] = {"device": device or "cpu"}
+    for name, values in sections.items():
+        merged[name] = {**merged.get(name, {}), **values}
+    return small_config(model, **merged).model_copy(update={"backend": backend})
+
+
+def _tolerance(trainer: RLTrainer) -> tuple[float, float]:
+    return TOLERANCE[trainer.engine.device.type]
+
+
+def _same_fit(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start: dict[str, torch.Tensor],
+              device: str) -> bool:
+    """Two fits ended in the same place: bit for bit on the CPU; on CUDA (non-deterministic
+    kernels) within 2% of how far the fit moved."""
+    if device == "cpu":
+        return not _changed(a, b)
+    return _max_diff(a, b) < 0.02 * _max_diff(a, start)
+
+
+def build(kind: str, model: Path, url: str | None, run_dir: Path | None = None, **sections: dict) -> RLTrainer:
+    cfg = _config(kind, model, **sections)
+    return RLTrainer(cfg, make_engine(cfg, model, run_dir), model, url)
+
+
+def _with_micro(trainer: RLTrainer, micro: int) -> Config:
+    """Set the engine's micro-batch sizes (policy and critic); returns the config to restore."""
+    saved = trainer.engine.cfg
+    a = saved.algo.model_copy(update={"micro_batch_size": micro,
+                                      "critic": saved.algo.critic.model_copy(update={"micro_batch_size": micro})})
+    trainer.engine.cfg = saved.model_copy(update={"algo": a})
+    return saved
+
+
+def _state(trainer: RLTrainer) -> dict[str, dict[str, torch.Tensor]]:
+    return {m: trainer.export_weights(m) for m in trainer.members}
+
+
+def _load(trainer: RLTrainer, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    for member, weights in state.items():
+        trainer.load_weights(weights, member)
+
+
+def _changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _grads(trainer: RLTrainer, member: str) -> dict[str, torch.Tensor]:
+    """Full (unsharded) gradients of `member`, as CPU copies."""
+    out = {}
+    for name, p in trainer.engine.parameters(member):
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name] = g.detach().float().cpu().clone()
+    return out
+
+
+def play(trainer: RLTrainer, tasks: list[int], group: int, seed: int) -> tuple[list[Episode], list[TrainRow]]:
+    """Real episodes by the trainer's current policy, and their training rows."""
+    episodes, _, _ = trainer._play(group_specs(tasks, group), 1.0, seed, "test")
+    return episodes, training_rows(episodes, 0.1)
+
+
+def scored_rows(trainer: RLTrainer, tasks: list[int], group: int, seed: int
+                ) -> tuple[list[Episode], list[TrainRow], list[torch.Tensor]]:
+    """Rows with a seeded score per episode (a random policy scores every episode alike: zero
+    advantages, an entropy-only gradient) and their GRPO advantages."""
+    episodes, rows = play(trainer, tasks, group, seed)
+    scores = torch.rand(len(episodes), generator=torch.Generator().manual_seed(seed)).tolist()
+    rows = [dataclasses.replace(rw, score=scores[rw.episode]) for rw in rows]
+    advantages, _ = ADVANTAGES["group_relative"](episodes, rows, None, trainer.cfg.algo)
+    return episodes, rows, advantages
+
+
+# ================================================================ one engine at a time
+
+@pytest.fixture(scope="module", params=ENGINES)
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def ppo(kind, env_url, model_dir, tmp_path_factory):  # noqa: F811
+    t = build(kind, model_dir, env_url, tmp_path_factory.mktemp("run"), algo=PPO)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+@pytest.fixture(scope="module")
+def initial(ppo) -> dict[str, dict[str, torch.Tensor]]:
+    return _state(ppo)
+
+
+def test_load_then_export_is_bitwise_identity_for_every_member(ppo, initial):
+    assert ppo.members == ("actor", "critic")
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for member, start in initial.items():
+            weights = {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in start.items()}
+            for w in weights.values():
+                w.view(-1)[0] = 1.0 + 2.0 ** -20          # not representable in bf16
+            ppo.load_weights(weights, member)
+            out = ppo.export_weights(member)
+            assert out.keys() == weights.keys()
+            for k, w in weights.items():
+                assert out[k].dtype == torch.float32 and out[k].device.type == "cpu"
+                assert torch.equal(out[k].view(torch.int32), w.view(torch.int32)), (member, k)
+            out[k].add_(1.0)                               # an export is a copy, not a view of the model
+            assert torch.equal(ppo.export_weights(member)[k], w)
+    finally:
+        _load(ppo, initial)
+
+
+def test_load_refuses_foreign_narrow_or_misshapen_weights(ppo, initial):
+    weights = initial["actor"]
+    name = next(iter(weights))
+    with pytest.raises(KeyError, match="missing"):
+        ppo.load_weights({k: v for k, v in weights.items() if k != name})
+    with pytest.raises(KeyError, match="unexpected"):
+        ppo.load_weights({**weights, "extra.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="shape"):
+        ppo.load_weights({**weights, name: torch.zeros(3, 3)})
+    with pytest.raises(TypeError, match="fp32"):
+        ppo.load_weights({**weights, name: weights[name].bfloat16()})
+    with pytest.raises(KeyError, match="no 'value' weights"):
+        ppo.export_weights("value")
+    _load(ppo, initial)
+    assert not _changed(ppo.export_weights(), weights)
+
+
+def test_ppo_fits_train_both_members_from_fresh_optimizers(ppo, initial):
+    """Two fits from the same weights with the same request end bit-identical in both members:
+    no optimizer state (moments, step counts) of the policy or the critic survives a fit; and
+    nothing is left behind (invariants 3, 24)."""
+    req = FitRequest(round=3, client_id=4, task_indices=TRAIN_TASKS, local_epochs=2, seed=5)
+    ends, results = [], []
+    for _ in range(2):
+        _load(ppo, initial)
+        results.append(ppo.fit(req))
+        ends.append(_state(ppo))
+    _load(ppo, initial)
+    m = results[0].metrics
+    assert results[0].num_examples == 2 * 3 * 1                 # E x tasks_per_step x (ungrouped PPO)
+    assert m["optimizer_steps"] >= 2 and m["critic_optimizer_steps"] >= 2
+    assert m["skipped_steps"] == m["critic_skipped_steps"] == 0
+    assert all(torch.isfinite(torch.tensor(m[k])) for k in ("critic_loss", "pg_loss", "critic_value_mean"))
+    for member in ("actor", "critic"):
+        assert _changed(ends[0][member], initial[member]), f"the fit must train the {member}"
+        assert _same_fit(ends[0][member], ends[1][member], initial[member], ppo.engine.device.type), member
+    for member in ppo.members:
+        assert all(p.grad is None for _, p in ppo.engine.parameters(member))
+    gc.collect()
+    adams = [o for o in gc.get_objects() if type(o) is torch.optim.AdamW]
+    assert all(not opt.state for opt in adams), "optimizer state outlived the fit"
+
+
+def test_fedprox_adds_mu_times_the_drift_to_the_policy_gradient_only(ppo, initial):
+    """On a fixed batch, mu > 0 changes the policy's gradient by exactly mu * (w - w_anchor);
+    a whole fit with mu = 5 moves the policy differently and leaves the critic bit-identical."""
+    _load(ppo, initial)
+    _, rows, adv = scored_rows(ppo, [20, 21, 22], 1, seed=0)
+    anchor = FedProxAnchor.snapshot(ppo.engine.parameters("actor"))
+    gen = torch.Generator().manual_seed(1)
+    ppo.load_weights({k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in initial["actor"].items()})
+    moved = ppo.export_weights()
+    old = ppo.engine.log_probs(rows)
+    ref = ppo.engine.log_probs(rows, "reference")
+    batch = PolicyBatch(rows, old, adv, ref)
+    mu, grads = 0.5, {}
+    ppo.engine.begin_fit(reference_from_policy=False)
+    try:
+        for label, hook in (("plain", None), ("fedprox", lambda: anchor.add_grad_(ppo.engine.parameters("actor"), mu))):
+            ppo.load_weights(moved)
+
+            def snapshot(hook=hook, label=label) -> None:
+                if hook is not None:
+                    hook()
+                grads[label] = _grads(ppo, "actor")
+            ppo.engine.policy_step(batch, ppo.policy_loss, after_backward=snapshot)
+    finally:
+        ppo.engine.end_fit()
+        anchor.release()
+    rtol, atol = _tolerance(ppo)
+    for k, w in moved.items():
+        expected = mu * (w - initial["actor"][k])
+        torch.testing.assert_close(grads["fedprox"][k] - grads["plain"][k], expected, rtol=rtol, atol=atol)
+    out = {}
+    for mu in (0.0, 5.0):
+        _load(ppo, initial)
+        ppo.fit(FitRequest(round=2, client_id=5, task_indices=TRAIN_TASKS, local_epochs=1, seed=1, proximal_mu=mu))
+        out[mu] = _state(ppo)
+    _load(ppo, initial)
+    assert _changed(out[0.0]["actor"], out[5.0]["actor"])
+    assert _changed(out[0.0]["critic"], initial["critic"])
+    assert _same_fit(out[0.0]["critic"], out[5.0]["critic"], initial["critic"], ppo.engine.device.type)
+    gc.collect()
+    assert all(a.released for a in gc.get_objects() if type(a) is FedProxAnchor)
+
+
+def test_micro_batches_change_neither_gradients_nor_losses(ppo, initial):
+    """Policy and critic: the loss is normalised by the WHOLE mini-batch, so its value and its
+    gradient do not depend on the micro-batch size (field log 2026-07-22)."""
+    _load(ppo, initial)
+    episodes, rows, adv = scored_rows(ppo, [30, 31, 32], 1, seed=5)
+    old = [lp - 0.05 for lp in ppo.engine.log_probs(rows)]                  # ratios != 1
+    ref = ppo.engine.log_probs(rows, "reference")
+    values = ppo.engine.values(rows)
+    _, returns = ADVANTAGES["gae"](episodes, rows, values, ppo.cfg.algo)
+    old_values = [v + 1.2 * torch.linspace(-1, 1, len(v)) for v in values]   # the clip binds on some tokens
+    seen: dict[int, tuple] = {}
+    for micro in (1, 2, len(rows)):
+        saved = _with_micro(ppo, micro)
+        ppo.engine.begin_fit(reference_from_policy=False)
+        try:
+            grads: dict[str, dict[str, torch.Tensor]] = {}
+            _load(ppo, initial)
+            pol = ppo.engine.policy_step(PolicyBatch(rows, old, adv, ref), ppo.policy_loss,
+                                         after_backward=lambda: grads.__setitem__("actor", _grads(ppo, "actor")))
+            val = ppo.engine.critic_step(ValueBatch(rows, old_values, returns), ppo.value_loss,
+                                         after_backward=lambda: grads.__setitem__("critic", _grads(ppo, "critic")))
+        finally:
+            ppo.engine.end_fit()
+            ppo.engine.cfg = saved
+        seen[micro] = (pol, val, grads)
+    _load(ppo, initial)
+    rtol, atol = _tolerance(ppo)
+    base_pol, base_val, base_grads = seen[len(rows)]
+    assert 0 < base_val.metrics["clipfrac"] < 1, "the test must exercise the value clip"
+    for micro, (pol, val, grads) in seen.items():
+        for key in ("pg_loss", "kl_loss", "entropy"):
+            assert pol.metrics[key] == pytest.approx(base_pol.metrics[key], rel=rtol / 10, abs=atol), (micro, key)
+        assert val.metrics["loss"] == pytest.approx(base_val.metrics["loss"], rel=rtol / 10), micro
+        for member in ("actor", "critic"):
+            for k in grads[member]:
+                torch.testing.assert_close(grads[member][k], base_grads[member][k], rtol=rtol, atol=atol)
+
+
+def test_a_row_in_a_right_padded_batch_scores_as_if_alone(ppo, initial):
+    _load(ppo, initial)
+    _, rows = play(ppo, [40, 41, 42], 1, seed=9)
+    assert len({len(r.prompt_ids) + len(r.response_ids) for r in rows}) > 1, "need rows of different lengths"
+    batched = (ppo.engine.log_probs(rows), ppo.engine.values(rows))
+    saved = _with_micro(ppo, 1)
+    try:
+        alone = (ppo.engine.log_probs(rows), ppo.engine.values(rows))
+    finally:
+        ppo.engine.cfg = saved
+    atol = 1e-5 if ppo.engine.device.type == "cpu" else 5e-2
+    for b_rows, a_rows in zip(batched, alone):
+        for b, a in zip(b_rows, a_rows):
+            torch.testing.assert_close(b, a, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("mode", ["windowed", "concat"])
+def test_validation_is_never_penalised(kind, env_url, model_dir, mode):  # noqa: F811
+    """Invariant 10 in both rollout modes (field log 2026-07-28: concat mode penalised validation)."""
+    t = build(kind, model_dir, env_url, rollout={"mode": mode}, algo={"kl_coef": 0.0})
+    try:
+        req = EvalRequest(task_indices=list(range(8)), seed=0)
+        runs = {}
+        for penalty in (0.0, 5.0):
+            t.cfg = t.cfg.model_copy(update={"rollout": t.cfg.rollout.model_copy(
+                update={"invalid_action_penalty": penalty})})
+            runs[penalty] = t.evaluate(req)
+        keys = ("success", "reward", "turns", "invalid_action_rate")
+        assert runs[0.0].metrics["invalid_action_rate"] > 0, "the penalty must have had something to act on"
+        assert {k: runs[0.0].metrics[k] for k in keys} == {k: runs[5.0].metrics[k] for k in keys}
+        assert 0.0 <= runs[5.0].metrics["reward"] <= 1.0 and runs[0.0].num_examples == 8
+    finally:
+        t.close()
+
+
+def test_a_concat_grpo_fit_trains_one_row_per_episode(kind, env_url, model_dir):  # noqa: F811
+    t = build(kind, model_dir, env_url, rollout={"mode": "concat", "max_prompt_tokens": 1024},
+              env={"max_turns": 3})
+    try:
+        before = t.export_weights()
+        res = t.fit(FitRequest(round=1, client_id=2, task_indices=TRAIN_TASKS, local_epochs=2, seed=0))
+        assert res.metrics["rows"] == res.num_examples == 2 * 2 * 2            # E x tasks x group
+        assert res.metrics["optimizer_steps"] >= 2 and _changed(before, t.export_weights())
+    finally:
+        t.close()
+
+
+@pytest.fixture(scope="module", params=["grpo", "ppo"])
+def wide(request, kind, env_url, tmp_path_factory):  # noqa: F811
+    """A model large enough (~8 MB of fp32 weights, ~24 MB with AdamW moments) that leaking one
+    copy of anything per fit stands far above allocator noise; with PPO, a critic as large beside it."""
+    model = random_model_dir(tmp_path_factory.mktemp("models") / "wide", hidden_size=256, layers=2, heads=4)
+    algo = {"name": request.param, "group_size": 2 if request.param == "grpo" else 1}
+    t = build(kind, model, env_url, tmp_path_factory.mktemp("run"), env={"max_turns": 2},
+              rollout={"max_prompt_tokens": 128}, algo=algo)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def test_rss_flat_across_6_fits(wide):
+    state, model_mb = initial_and_size(wide)
+    assert_flat(fit_rss_series(wide, state, 6), warmup=2, model_mb=model_mb)
+
+
+@pytest.mark.slow
+def test_rss_flat_across_20_fits(wide):
+    state, model_mb = initial_and_size(wide)
+    assert_flat(fit_rss_series(wide, state, 20), warmup=4, model_mb=model_mb)
+
+
+# ================================================================ the engines against each other
+
+needs_verl = pytest.mark.skipif(not HAS_VERL, reason="verl not installed")
+
+
+@pytest.fixture(scope="module")
+def pair(env_url, model_dir, tmp_path_factory):  # noqa: F811
+    """A builtin and a verl PPO trainer on the same policy and config."""
+    if not HAS_VERL:
+        pytest.skip("verl not installed")
+    made = [build(kind, model_dir, env_url, tmp_path_factory.mktemp("run"), algo=PPO) for kind in ("builtin", "verl")]
+    try:
+        yield tuple(made)
+    finally:
+        for t in made:
+            t.close()
+
+
+def _policy_pass_pair(pair: tuple[RLTrainer, RLTrainer], rows, advantages, seed: int, mu: float = 0.0
+                      ) -> list[tuple[dict[str, torch.Tensor], dict[str, float]]]:
+    """The same policy pass on both engines from the builtin's current weights."""
+    start = pair[0].export_weights()
+    out = []
+    for t in pair:
+        t.load_weights(start)
+        anchor = FedProxAnchor.snapshot(t.engine.parameters("actor")) if mu else None
+        t.engine.begin_fit(reference_from_policy=False)
+        try:
+            metrics = policy_pass(t.engine, t.policy_loss, rows, advantages, t.cfg.algo.mini_batch_size, seed,
+                                  (lambda t=t, anchor=anchor: anchor.add_grad_(t.engine.parameters("actor"), mu))
+                                  if anchor is not None else None)
+        finally:
+            t.engine.end_fit()
+            if anchor is not None:
+                anchor.release()
+        out.append((t.export_weights(), metrics))
+        t.load_weights(start)
+    return out
+
+
+@needs_verl
+def test_fresh_critics_and_row_scores_are_the_same_on_both_engines(pair):
+    builtin, verl = pair
+    assert builtin.members == verl.members == ("actor", "critic")
+    for member in builtin.members:
+        ours, theirs = builtin.export_weights(member), verl.export_weights(member)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), member
+    _, rows = play(builtin, [0, 1, 2], 2, seed=3)
+    for scorer in ("policy", "reference"):
+        diffs = [float((a - b).abs().max()) for a, b in zip(builtin.engine.log_probs(rows, scorer),
+                                                            verl.engine.log_probs(rows, scorer))]
+        assert max(diffs) < TOL, scorer
+    assert max(float((a - b).abs().max()) for a, b in zip(builtin.engine.values(rows), verl.engine.values(rows))) < TOL
+
+
+@needs_verl
+@pytest.mark.parametrize("mode,mu", [("windowed", 0.0), ("windowed", 0.3), ("concat", 0.0)])
+def test_engines_take_the_same_policy_steps(pair, mode, mu):
+    """Several mini-batches (one ragged), micro-batching, KL, entropy, temperature 0.7, FedProx,
+    and concat rows (observation glue masked mid-response): the same weights within 1e-5."""
+    builtin = pair[0]
+    saved = builtin.rollouts.settings
+    builtin.rollouts.settings = dataclasses.replace(saved, mode=mode)
+    try:
+        _, rows, adv = scored_rows(builtin, [0, 1] if mode == "windowed" else [0, 1, 2], 2, seed=123)
+    finally:
+        builtin.rollouts.settings = saved
+    assert len(rows) >= 5 and (mode == "concat" or len(rows) % 5), "want several mini-batches, a ragged one"
+    assert mode != "concat" or any(0 in rw.mask for rw in rows)
+    start = builtin.export_weights()
+    (w_b, m_b), (w_v, m_v) = _policy_pass_pair(pair, rows, adv, derive_seed("minibatch", 0, 1, 3, 0), mu)
+    print(f"\n{mode} mu={mu}: rows={len(rows)} max|dw|={_max_diff(w_b, start):.2e} "
+          f"max|w_builtin - w_verl|={_max_diff(w_b, w_v):.2e}")
+    assert m_b["optimizer_steps"] == m_v["optimizer_steps"] >= 1
+    assert _max_diff(w_b, start) > 100 * TOL            # the pass really moved the weights ...
+    assert _max_diff(w_b, w_v) < TOL                      # ... and both engines moved them alike
+    for key in ("pg_loss", "kl_loss", "entropy", "grad_norm"):
+        assert m_v[key] == pytest.approx(m_b[key], rel=1e-4, abs=1e-6), key
+
+
+@needs_verl
+def test_engines_take_the_same_critic_steps(pair):
+    builtin, verl = pair
+    episodes, rows, _ = scored_rows(builtin, [0, 1, 2, 3], 1, seed=11)
+    values = builtin.engine.values(rows)
+    _, returns = ADVANTAGES["gae"](episodes, rows, values, builtin.cfg.algo)
+    old = [v + 0.3 * torch.linspace(-1, 1, len(v)) for v in values]       # the value clip binds
+    start = builtin.export_weights("critic")
+    ends, metrics = [], []
+    for t in pair:
+        t.load_weights(start, "critic")
+        t.engine.begin_fit(reference_from_policy=False)
+        try:
+            metrics.append(critic_pass(t.engine, t.value_loss, rows, old, returns, 2, seed=7))
+        finally:
+            t.engine.end_fit()
+        ends.append(t.export_weights("critic"))
+        t.load_weights(start, "critic")
+    assert metrics[0]["critic_optimizer_steps"] == metrics[1]["critic_optimizer_steps"] >= 2
+    assert 0 < metrics[0]["critic_clipfrac"] < 1
+    assert _max_diff(ends[0], start) > 100 * TOL and _max_diff(ends[0], ends[1]) < TOL
+    assert metrics[1]["critic_loss"] == pytest.approx(metrics[0]["critic_loss"], rel=1e-4)
+
+
+@needs_verl
+@pytest.mark.parametrize("loss_agg_mode,kl_type", [("seq-mean-token-mean", "k1"), ("seq-mean-token-sum-norm", "k3+"),
+                                                   ("token-sum", "abs")])
+def test_every_loss_mode_and_kl_estimator_trains_alike_on_both_engines(env_url, model_dir, tmp_path,  # noqa: F811
+                                                                       loss_agg_mode, kl_type):
+    """`algo.loss_agg_mode` and `algo.kl_type` reach both engines' losses, and mean the same there."""
+    algo = {"loss_agg_mode": loss_agg_mode, "kl_type": kl_type, "lr": 1e-4}
+    made = [build(kind, model_dir, env_url, tmp_path / kind, algo=algo) for kind in ("builtin", "verl")]
+    try:
+        assert made[1].engine.actor_config.loss_agg_mode == loss_agg_mode
+        assert made[1].engine.actor_config.kl_loss_type == kl_type
+        _, rows, adv = scored_rows(made[0], [3, 4], 2, seed=8)
+        # away from the reference: at policy == reference `abs`'s gradient is the sign of a
+        # log-prob difference that is pure rounding noise (it differs between any two engines)
+        gen = torch.Generator().manual_seed(2)
+        made[0].load_weights({k: v + 0.02 * torch.randn(v.shape, generator=gen)
+                              for k, v in made[0].export_weights().items()})
+        start = made[0].export_weights()
+        (w_b, m_b), (w_v, m_v) = _policy_pass_pair(tuple(made), rows, adv, seed=4)
+        assert _max_diff(w_b, start) > 10 * TOL and _max_diff(w_b, w_v) < TOL
+        for key in ("pg_loss", "kl_loss"):
+            assert m_v[key] == pytest.approx(m_b[key], rel=1e-4, abs=1e-7), key
+    finally:
+        for t in made:
+            t.close()
