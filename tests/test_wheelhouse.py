@@ -1,4 +1,4 @@
-"""fl_app.wheelhouse with real pip, offline: tiny packages are built into real wheels (and one
+"""tools.wheelhouse with real pip, offline: tiny packages are built into real wheels (and one
 into a real sdist) in a temp dir, brought into a wheelhouse by `build` from --find-links,
 split into small tar parts, damaged, joined and installed with pip --target."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fl_app import wheelhouse as wh
+from tools import wheelhouse as wh
 
 TARGET = wh.Target(f"{sys.version_info[0]}.{sys.version_info[1]}", "cp", wh.manylinux_platforms("2.28", "x86_64"))
 BIG_BYTES = 150_000          # incompressible: the big wheel is cut across several 64 KiB parts

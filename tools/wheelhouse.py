@@ -17,10 +17,10 @@ before pip ever sees it.
     install  join (when given parts) + verify, then `pip install --no-index --no-deps`
              into --target DIR (put it on PYTHONPATH) or into the running environment
 
-    python -m fl_app.wheelhouse build -r ../shared/reference/gpu-wheels-flwr.txt -o wh \\
+    python -m tools.wheelhouse build -r ../shared/reference/gpu-wheels-flwr.txt -o wh \\
         --python-version 3.12 --glibc 2.28 --target-freeze target-freeze.txt
-    python -m fl_app.wheelhouse split wh -o parts --max-mib 55
-    python -m fl_app.wheelhouse install parts --target /tmp/site      # on the GPU node
+    python -m tools.wheelhouse split wh -o parts --max-mib 55
+    python -m tools.wheelhouse install parts --target /tmp/site      # on the GPU node
 
 Standard library + `packaging` only (pip vendors it; every image with pip has it installed).
 """
@@ -115,7 +115,7 @@ class Manifest:
     def from_json(cls, data: dict, where: Path) -> Manifest:
         if data.get("format") != FORMAT or data.get("version") != VERSION:
             raise WheelhouseError(f"{where} is not a {FORMAT} v{VERSION} manifest; rebuild it with "
-                                  "`python -m fl_app.wheelhouse build`")
+                                  "`python -m tools.wheelhouse build`")
         t = data["target"]
         return cls(Target(t["python_version"], t["implementation"], tuple(t["platforms"])),
                    [Wheel(**w) for w in data["wheels"]], list(data["skipped"]))
@@ -298,7 +298,7 @@ def load_manifest(directory: Path) -> Manifest:
     path = directory / MANIFEST
     if not path.is_file():
         raise WheelhouseError(f"{directory} has no {MANIFEST}: it is not a wheelhouse made by "
-                              "`python -m fl_app.wheelhouse build` (or `join`)")
+                              "`python -m tools.wheelhouse build` (or `join`)")
     return Manifest.from_json(json.loads(path.read_text()), path)
 
 
@@ -450,7 +450,7 @@ def install(source: Path, target_dir: Path | None = None, python: str = sys.exec
 # ----------------------------------------------------------------------------- CLI
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fl_app.wheelhouse", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.wheelhouse", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="download wheels for a target interpreter into a new wheelhouse")
     b.add_argument("requirements", nargs="*", help="requirements (name==version) or paths to local .whl files")

@@ -1,0 +1,2 @@
+"""Project tools that are not part of the federated runtime (run from the repo root:
+`python -m tools.<name>`)."""
