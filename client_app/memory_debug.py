@@ -58,10 +58,11 @@ def _summary(members: list[torch.Tensor]) -> Group:
     for t in members:
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):    # no real storage (sparse, functional wrappers)
-            continue
-        if storage.data_ptr():
-            storages[storage.data_ptr()] = storage.nbytes()
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):    # no real storage (sparse, functional wrappers,
+            continue                                   # a released FSDP shard's invalid storage)
+        if ptr:
+            storages[ptr] = storage.nbytes()
     return Group({id(t) for t in members}, sum(storages.values()))
 
 

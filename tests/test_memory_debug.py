@@ -55,7 +55,7 @@ def test_service_logs_what_grew_between_fits(env_url, model_dir, tmp_path, monke
         fit(0)
         assert "tensor census taken" in caplog.text
         fit(1)
-        embed = svc.trainer.model.get_input_embeddings().weight
+        embed = svc.trainer.engine.model.get_input_embeddings().weight
         svc.trainer.leaked = {"retired_embedding": embed.detach().clone()}       # what a reload leak looks like
         fit(2)
     finally:
