@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.engines", description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, help="local Hugging Face model directory")
     ap.add_argument("--make-qwen05b", type=Path, help="write a random Qwen2.5-0.5B-shaped model here and use it")
+    ap.add_argument("--tokenizer", type=Path, help="--make-qwen05b's tokenizer dir (default: the recipe's tiny build)")
     ap.add_argument("--recipe", default="tiny-shop-grpo")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--arms", default=",".join(ARMS))
@@ -222,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         from client_app.tiny_model import build_tiny_model
 
         tiny_cfg = load_config(args.recipe)
-        args.model = qwen05b_dir(args.make_qwen05b, build_tiny_model(tiny_cfg.model.tiny, tiny_cfg.env,
-                                                                     tiny_cfg.rollout), device)
+        tok = args.tokenizer or build_tiny_model(tiny_cfg.model.tiny, tiny_cfg.env, tiny_cfg.rollout)
+        args.model = qwen05b_dir(args.make_qwen05b, tok, device)
     if args.model is None:
         ap.error("--model or --make-qwen05b is required")
     report: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
