@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--episodes", type=int, default=64)
     ap.add_argument("--turns", type=int, default=15)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    ap.add_argument("--update-rows", type=int, default=320, help="rows the update arms train on (the rollout's first)")
     ap.add_argument("--verl-variant", default="actor_rollout_ref.actor.use_torch_compile=False",
                     help="verl overrides (comma-separated Hydra a.b=c) for the arm's second verl engine")
     ap.add_argument("--json", type=Path)
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             if rollout_data is None:
                 ap.error("the update arms train on a rollout's rows: add hf or vllm to --arms")
             episodes, rows = rollout_data
+            rows = rows[:args.update_rows]
             if update_trainer is None:
                 update_trainer = RLTrainer(base, make_engine(base, args.model), args.model, None)
             if "update" in arms:
