@@ -13,15 +13,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from partitions.env_variants import (
-    POOLS,
-    EnvPartition,
-    EnvVariant,
-    assign_variant,
-    client_variant,
-    engine_facts,
-    spec_and_scene,
-)
+from partitions.env_variants import (POOLS, EnvPartition, EnvVariant, assign_variant, client_variant, engine_facts,
+                                     spec_and_scene)
 from partitions.uniform import client_shard
 
 # Published figures to print next to ours (§3; the fidelity check for lookalikes).

@@ -10,7 +10,7 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +23,10 @@ from envs.registry import make_env
 from envs.shop.lookalikes import ATTACKS, LookalikeError, attacked_options, check_lookalikes, make_lookalikes
 from envs.shop.reward import option_matches, purchase_reward, reward_upper_bound
 from envs.shop.world import WorldSpec, build_world
-from fl_app.config import CONFIGS_DIR, ENV_PARTITIONS, ConfigError, load_config
+from fl_app.config import CONFIGS_DIR, ENV_PARTITIONS, ConfigError, EnvPartitionCfg, load_config
 from partitions.env_realized import jaccard, realized_env_heterogeneity, search_agreement
-from partitions.env_variants import (
-    ENGINE_KEYS,
-    POOLS,
-    EnvVariant,
-    assign_variant,
-    catalog_split,
-    client_variant,
-    engine_facts,
-    env_disjoint,
-)
+from partitions.env_variants import (ENGINE_KEYS, POOLS, EnvPartition, EnvVariant, assign_variant, catalog_split,
+                                     client_variant, engine_facts, env_disjoint)
 from partitions.uniform import client_shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +133,8 @@ def test_shop_variants_need_an_explicit_search_pool(tmp_path):
 
 
 def test_config_table_matches_the_registry(base):
-    """fl_app cannot import partitions: its table of pools and engine keys must agree with it."""
+    """fl_app cannot import partitions: its knobs, pools and engine keys must agree with it."""
+    assert list(EnvPartitionCfg.model_fields) == [f.name for f in fields(EnvPartition)]
     for name, (env, pool, keys) in ENV_PARTITIONS.items():
         assert keys == ENGINE_KEYS[name], name
         assert pool == (len(POOLS[name]) if name in POOLS else None), name
