@@ -71,7 +71,7 @@ class ShopEnv:
         self._shown = np.flatnonzero(self._visible)
         self._ranking, self._n = ranking, search_return_n
         self._rank_seed = seed if rank_seed is None else rank_seed
-        # partial_random's coins are per search (in _transition); its searcher is plain BM25
+        # partial_random's coins are per search (_results_for); its searcher is plain BM25
         scored = "bm25" if ranking == "partial_random" else ranking
         self._search = self._world.index.searcher(search_return_n, self._visible, scored,
                                                   self._rank_seed if scored == "shuffled_topk" else 0)
