@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 from envs.base import Env
+from fl_app.hashing import content_hash
 
 _ENGINES = {
     "shop": "envs.shop.env:ShopEnv",
@@ -42,8 +44,16 @@ def _engine_class(name: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-def make_env(name: str, **params: Any) -> Env:
-    """Build one engine instance. Unknown names and unknown params fail naming the known ones."""
+def make_env(name: str, variant: Mapping[str, Any] | None = None, **params: Any) -> Env:
+    """Build one engine instance. Unknown names and unknown params fail naming the known ones.
+
+    `variant` is a client's environment variant as `partitions.env_variants` records it (its
+    `to_dict()`, or that dict after a JSON round trip): its `engine` settings are added to
+    `params` (a setting both give is an error, never an override) after its content hash is
+    checked. Validation engines are always built without one (the unperturbed env).
+    """
+    if variant is not None:
+        params = {**params, **variant_engine_params(name, variant, params)}
     cls = _engine_class(name)
     accepted = [p for p in inspect.signature(cls).parameters if p != "self"]
     unknown = sorted(set(params) - set(accepted))
@@ -51,6 +61,24 @@ def make_env(name: str, **params: Any) -> Env:
         raise ValueError(f"environment {name!r} has no param(s) {unknown}; its params are "
                          f"{accepted} (set them under env.params)")
     return cls(**params)
+
+
+def variant_engine_params(name: str, variant: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine settings of `variant`, checked: made for `name`, intact (content hash), and
+    setting nothing `params` already sets."""
+    body = {k: v for k, v in variant.items() if k != "hash"}
+    if variant.get("hash") != content_hash(body):
+        raise ValueError(f"env variant {variant.get('label', '?')!r} of client {variant.get('client_id', '?')} "
+                         "fails its content hash: it was edited or truncated on the way")
+    if variant.get("env") != name:
+        raise ValueError(f"env variant {variant.get('label')!r} is for environment {variant.get('env')!r}, "
+                         f"not {name!r}")
+    engine = dict(variant.get("engine") or {})
+    clash = sorted(set(engine) & set(params))
+    if clash:
+        raise ValueError(f"env variant {variant.get('label')!r} sets {clash}, which env.params also sets; "
+                         "remove them from env.params (the variant decides them per client)")
+    return engine
 
 
 def system_prompt(name: str) -> str:

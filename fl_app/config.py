@@ -98,6 +98,35 @@ class EnvCfg(_Strict):
     max_turns: int = Field(15, gt=0, description="Step budget per episode (WebShop 15, ALFWorld 50).")
 
 
+# env_partition variants: their environment, pool size (None: not a pool) and the env.params keys
+# each one sets per client (partitions/env_variants.py is the implementation; a test keeps the two
+# in step: fl_app imports nothing from partitions).
+ENV_PARTITIONS: dict[str, tuple[str | None, int | None, tuple[str, ...]]] = {
+    "uniform": (None, None, ()),
+    "catalog_split": ("shop", None, ("catalog_keep", "protected_tasks")),
+    "bm25_fields": ("shop", 8, ("index_fields",)),
+    "bm25_weights": ("shop", 8, ("bm25_k1", "bm25_b")),
+    "lookalike": ("shop", 4, ("lookalike",)),
+    "rank_wrapper": ("shop", 4, ("ranking", "rank_seed")),
+    "env_disjoint": ("alfworld", None, ("only_tasks",)),
+}
+
+
+class EnvPartitionCfg(_Strict):
+    """Environment heterogeneity (docs/env-heterogeneity.md; FedAgent §3): each client trains in its
+    own variant of the environment, a pure, recorded function of (client id, these knobs); the task
+    partition stays uniform, and validation always runs on the unperturbed environment."""
+
+    name: Literal["uniform", "catalog_split", "bm25_fields", "bm25_weights", "lookalike", "rank_wrapper",
+                  "env_disjoint"] = Field("uniform", description="`uniform`: every client sees the same environment. shop: `catalog_split` (each client's catalog = its goals' targets + the keep_ratio share of the other products with the smallest mix of a shared and a private draw, env_div weighting the private one), `bm25_fields` (which product fields the search index sees), `bm25_weights` (BM25 k1, b), `lookalike` (lookalike products that copy a target and fail one reward term: price, color, size, price+color), `rank_wrapper` (results as scored, shuffled, inverted, or random for half the searches). alfworld: `env_disjoint` (each client trains on the games of its own share of each task spec's scenes). Shop variants need `env.params.search_return_n` set explicitly (200 in the published runs).")
+    num_variants: int | None = Field(None, gt=0, description="N: the first N entries of the variant pool (bm25_fields, bm25_weights: up to 8; lookalike, rank_wrapper: up to 4); client c gets entry RandomState(seed + c).randint(N). Required by those variants, refused by the others.")
+    env_div: float | None = Field(None, ge=0, le=1, description="catalog_split, env_disjoint: 0 = every client gets the same catalog / scenes, 1 = independent draws per client (required by them, refused by the others).")
+    keep_ratio: float | None = Field(None, gt=0, le=1, description="catalog_split: the share of the non-target products each client's catalog keeps (published 0.7; required).")
+    fallback: Literal["skip", "shared", "trial-only"] = Field("skip", description="env_disjoint: a task spec whose games all share one scene is left out (`skip`, the published default), given to every client (`shared`), or split by trial instead of scene (`trial-only`).")
+    holdout: bool = Field(False, description="env_disjoint: drop the published holdout scenes (FloorPlans 15, 25, 213, 221, 319, 321, 416, 418) first.")
+    seed: int = Field(42, description="Seed of the variant draws: assignment RandomState(seed + client id), catalog and scene draws, the rank wrappers' seed + client id. 42 = the published constant, which every published run used whatever its run seed.")
+
+
 class RolloutCfg(_Strict):
     mode: Literal["windowed", "concat"] = Field("windowed", description="`windowed` (the published runs): one prompt and one training row per turn, the task + the last `history_length` (observation, action) turns. `concat`: one growing token sequence and one training row per episode (prompt + actions + observations, observation tokens masked out of the loss); the text between turns comes from diffs of rendered chat-template strings.")
     history_length: int = Field(2, ge=0, description="Turns of history in a windowed prompt (unused in concat mode, where the whole episode is the context).")
@@ -202,6 +231,7 @@ class Config(_Strict):
     backend: Literal["builtin", "verl"] = Field("builtin", description="Training engine: `builtin` (torch + transformers, CPU or one GPU) or `verl` (verl 0.9.1's FSDP2 training engine; `pip install -e .[verl]`; docs/verl.md). Both run the same fit loop (client_app/trainer/loop.py) and either can roll out with `rollout.engine`.")
     model: ModelCfg = ModelCfg()
     env: EnvCfg = EnvCfg()
+    env_partition: EnvPartitionCfg = EnvPartitionCfg()
     rollout: RolloutCfg = RolloutCfg()
     algo: AlgoCfg = AlgoCfg()
     federation: FederationCfg = FederationCfg()
@@ -236,6 +266,7 @@ class Config(_Strict):
             raise ValueError(f"model.tiny.sft_shortcut={tiny.sft_shortcut} demonstrates the shop's buy-now habit, "
                              f"and env {self.env.name!r} has no such action; set model.tiny.sft_shortcut: 0")
         self._check_rollout_engine()
+        self._check_env_partition()
         algo = self.algo
         if not algo.spec.critic and algo.critic.path:
             raise ValueError(f"algo.critic.path={algo.critic.path!r} is set but algo.name={algo.name!r} "
@@ -252,6 +283,38 @@ class Config(_Strict):
             raise ValueError("rollout.engine=vllm needs a GPU but run.device=cpu; use rollout.engine: hf")
         if r.engine != "vllm" and r.gpu_memory_utilization != RolloutCfg.model_fields["gpu_memory_utilization"].default:
             raise ValueError("rollout.gpu_memory_utilization only applies to rollout.engine=vllm; remove it")
+
+    def _check_env_partition(self) -> None:
+        """Fail closed on env_partition knobs its variant does not read or needs and lacks."""
+        part, params = self.env_partition, self.env.params
+        env, pool, keys = ENV_PARTITIONS[part.name]
+        if "variant" in params:
+            raise ValueError("env.params.variant is set per client from env_partition; remove it from env.params")
+        if env not in (None, self.env.name):
+            raise ValueError(f"env_partition.name={part.name} is for the {env} environment, "
+                             f"not env.name={self.env.name!r}")
+        needs = {"num_variants": pool is not None, "env_div": part.name in ("catalog_split", "env_disjoint"),
+                 "keep_ratio": part.name == "catalog_split"}
+        for knob, needed in needs.items():
+            value = getattr(part, knob)
+            if needed and value is None:
+                raise ValueError(f"env_partition.name={part.name} needs env_partition.{knob}")
+            if not needed and value is not None:
+                raise ValueError(f"env_partition.{knob}={value} is not read by env_partition.name={part.name}; "
+                                 "remove it")
+        if part.name != "env_disjoint" and (part.fallback != "skip" or part.holdout):
+            raise ValueError(f"env_partition.fallback / holdout only apply to env_disjoint, not {part.name}; "
+                             "remove them")
+        if pool is not None and part.num_variants > pool:
+            raise ValueError(f"env_partition.num_variants={part.num_variants} exceeds the {part.name} pool ({pool})")
+        clash = sorted(set(keys) & set(params))
+        if clash:
+            raise ValueError(f"env.params sets {clash}, which env_partition.name={part.name} sets per client; "
+                             "remove them")
+        if env == "shop" and "search_return_n" not in params:
+            # invariant 14 / field log 2026-07-23: the pool size must be the recipe's explicit choice
+            raise ValueError(f"env_partition.name={part.name} needs env.params.search_return_n set explicitly "
+                             "(the published environment-heterogeneity runs used 200)")
 
     def weight_members(self) -> tuple[str, ...]:
         """The weights a round federates: the policy, plus the critic for PPO (invariant 7)."""

@@ -1,7 +1,9 @@
-"""sha256 of a file, standard library only (the wheelhouse runs where torch is not installed)."""
+"""sha256 of a file or of a JSON value, standard library only (the wheelhouse runs where torch is
+not installed)."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 
@@ -13,3 +15,10 @@ def sha256_file(path: Path) -> str:
         while n := f.readinto(chunk):
             h.update(chunk[:n])
     return h.hexdigest()
+
+
+def content_hash(value: object) -> str:
+    """Hex sha256 of `value`'s canonical JSON (sorted keys, no whitespace, ASCII): the same in
+    every process and on every machine, unlike `hash()`. Tuples hash like lists."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -43,7 +43,7 @@ def test_defaults_serve_the_unmarked_case():
     """Invariant 14: no heterogeneity unless asked; WebShop's search_return_n of 50."""
     defaults = {k: p.default for k, p in inspect.signature(ShopEnv).parameters.items()}
     assert {k: defaults[k] for k in TINY} == TINY
-    assert defaults["ranking"] == "bm25" and defaults["lookalikes"] == 0
+    assert defaults["ranking"] == "bm25" and defaults["lookalike"] == "" and defaults["rank_seed"] is None
     assert defaults["catalog_keep"] is None and defaults["data_dir"] is None
     env = ShopEnv()
     assert bool(env._visible.all()) and len(env.product_ids()) == 300
@@ -210,33 +210,49 @@ def test_detail_tabs_and_prev_return_to_item_with_options_kept():
 
 
 def test_filtered_catalog_keeps_protected_targets():
-    """Invariant 13: the kept catalog contains the target of every served (protected) goal."""
+    """Invariant 13: the kept catalog contains the target of every served (protected) goal; the
+    engine shows exactly `catalog_keep` and adds nothing itself."""
     base = ShopEnv(**TINY)
-    rng = random.Random(0)
-    keep = rng.sample(base.product_ids(), 60)
     served = list(range(100, 140))
+    keep = sorted(set(random.Random(0).sample(base.product_ids(), 60)) | {base.goal(t).asin for t in served})
     env = ShopEnv(**TINY, catalog_keep=keep, protected_tasks=served)
-    shown = set(keep) | {env.goal(t).asin for t in served}
-    assert all(env.winnable(t) for t in served)
+    assert int(env._visible.sum()) == len(keep)
+    assert all(env.winnable(t) and env.reachable(t) for t in served)
     for t in served:
         reward, _, _ = play_expert(env, t)
         assert reward == 1.0
         env.reset(t)
         env.step(f"search[{env.goal(t).instruction}]")
-        assert {a[6:-1].upper() for a in env.valid_actions() if a.startswith("click[b0")} <= shown
-    dropped = next(t for t in range(env.num_tasks) if env.goal(t).asin not in shown)
-    with pytest.raises(ValueError, match="protected_tasks"):
+        assert {a[6:-1].upper() for a in env.valid_actions() if a.startswith("click[b0")} <= set(keep)
+    dropped = next(t for t in range(env.num_tasks) if env.goal(t).asin not in keep)
+    with pytest.raises(ValueError, match="filtered out"):
         env.reset(dropped)
-    unfiltered_default = ShopEnv(**TINY, catalog_keep=keep)          # default: protect all
-    assert all(unfiltered_default.winnable(t) for t in range(env.num_tasks))
+
+
+def test_catalog_tripwire_refuses_a_filter_that_loses_a_served_target():
+    """Invariant 13's tripwire can fire: a catalog built from the targets of other goals (the
+    published bug: the floor came from the pre-shuffle goal order) refuses to build, naming the
+    count; a filter without the tasks it must keep is refused too."""
+    base = ShopEnv(**TINY)
+    served = list(range(100, 200))
+    wrong_order = list(range(200, 300))                   # another client's (or order's) goals
+    keep = sorted({base.goal(t).asin for t in wrong_order})
+    lost = sum(base.goal(t).asin not in keep for t in served)
+    assert lost > 0
+    with pytest.raises(ValueError, match=rf"refusing to serve: {lost} of 100 protected tasks lost"):
+        ShopEnv(**TINY, catalog_keep=keep, protected_tasks=served)
+    with pytest.raises(ValueError, match="needs protected_tasks"):
+        ShopEnv(**TINY, catalog_keep=keep)
+    right = sorted(set(keep) | {base.goal(t).asin for t in served})
+    assert ShopEnv(**TINY, catalog_keep=right, protected_tasks=served).reachable(served[0])
 
 
 def test_search_memo_is_shared_by_equal_engines_and_never_across_catalogs_or_rankings():
     """Engines of one configuration share one memo of search results (a pool's engines repeat
     each other's queries); a different catalog filter, ranking or result count gets its own,
     and a memoized answer equals a fresh search."""
-    keep = random.Random(1).sample(ShopEnv(**TINY).product_ids(), 60)
     a, b = ShopEnv(**TINY), ShopEnv(**TINY)
+    keep = sorted(set(random.Random(1).sample(a.product_ids(), 60)) | {a.goal(t).asin for t in range(10)})
     others = [ShopEnv(**TINY, catalog_keep=keep, protected_tasks=range(10)),
               ShopEnv(**TINY, ranking="inverted_topk"),
               ShopEnv(**{**TINY, "search_return_n": 5})]
@@ -254,7 +270,7 @@ def test_search_memo_is_shared_by_equal_engines_and_never_across_catalogs_or_ran
 
 def test_unknown_catalog_ids_are_refused():
     with pytest.raises(ValueError, match="unknown product ids"):
-        ShopEnv(**TINY, catalog_keep=["NOPE"])
+        ShopEnv(**TINY, catalog_keep=["NOPE"], protected_tasks=[])
 
 
 def test_ranking_variants_reorder_the_same_hits():
@@ -273,16 +289,18 @@ def test_ranking_variants_reorder_the_same_hits():
 
 
 def test_lookalikes_share_text_but_lose_reward():
-    env = ShopEnv(**TINY, lookalikes=40)
+    """A lookalike copies a goal target's text; buying it with the goal's options where it
+    offers them loses the attacked term (tests/test_env_variants.py checks every lookalike)."""
+    env = ShopEnv(**TINY, lookalike="price_color")
     world = env._world
-    fakes = [p for p in world.products if p.asin.startswith("LK")]
-    assert len(fakes) == 40 and len(world.products) == 340
-    assert len(env.task_ids()) == 1000 and all(not g.asin.startswith("LK") for g in world.goals)
+    fakes = [p for p in world.products if p.asin in env.lookalike_of()]
+    assert len(world.products) == 300 + len(fakes) and fakes
+    assert len(env.task_ids()) == 1000 and all(g.asin in world.position for g in world.goals)
     assert env.task_ids() == ShopEnv(**TINY).task_ids()               # goals are unchanged
-    twin = {p.title: p for p in reversed(world.products[:300])}
-    fake = next(p for p in fakes if p.options != twin[p.title].options)
-    original = twin[fake.title]
-    assert fake.price > original.price and fake.description == original.description
+    fake = fakes[0]
+    original = env.product(env.lookalike_of()[fake.asin])
+    assert fake.title == original.title and fake.description == original.description
+    assert fake.price > original.price and fake.options != original.options
     task = next(t for t in range(1000) if env.goal(t).asin == original.asin)
     env.reset(task)
     env.step(f"search[{fake.title}]")
@@ -290,7 +308,7 @@ def test_lookalikes_share_text_but_lose_reward():
     for value in env.goal(task).goal_options.values():
         env.step(f"click[{value}]")
     _, reward, done, info = env.step("click[buy now]")
-    assert done and reward < 1.0 and not info["won"]
+    assert done and reward < 1.0 and not info["won"] and not info["reward_terms"]["price_ok"]
 
 
 def test_index_fields_and_bm25_params_change_ranking():

@@ -15,8 +15,8 @@ import pytest
 from envs.shop import vocab
 from envs.shop.env import ShopEnv
 from envs.shop.reward import (
-    _lcs_len, normalize_color, normalize_text, option_matches, purchase_reward, ratio,
-    title_nouns, token_set_ratio, type_reward)
+    COLOR_SET, _lcs_len, normalize_color, normalize_text, option_matches, purchase_reward, ratio,
+    reward_upper_bound, title_nouns, token_set_ratio, type_reward)
 from envs.shop.schema import Goal, Product
 
 TINY = dict(num_products=300, num_goals=1000, val_size=64, search_return_n=50, seed=0)
@@ -158,7 +158,47 @@ def test_type_reward_levels_follow_webshop_rules():
                                    "twelve thirteen fourteen fifteen sixteen seventeen eighteen "
                                    "nineteen twenty shampoo")
     assert type_reward(replace(base, **other, title="Shampoo"), long_goal) == 0.1
-    assert "free" not in title_nouns("Sulfate Free Shampoo") and "shampoo" in title_nouns("Shampoo")
+    assert title_nouns("Sulfate Free Shampoo for the Dry Hair") == {"sulfate", "free", "shampoo", "dry", "hair"}
+
+
+def test_colour_vocabulary_is_webshops_102_words():
+    """Issue #19 (a): WebShop's whole colour list, in its order. With the 63-word list both
+    "dark grey" and "light grey" read as "grey" and matched; in WebShop "dark grey" reads as
+    "dark" (the first contained word alphabetically) and does not."""
+    assert len(COLOR_SET) == len(set(COLOR_SET)) == 102 and list(COLOR_SET) == sorted(COLOR_SET)
+    assert {"dark", "light", "natural", "steel", "camo"} <= set(COLOR_SET)
+    assert normalize_color("dark grey") == "dark" and normalize_color("light grey") == "grey"
+    assert option_matches(["dark grey"], ["light grey"]) == 0
+    assert normalize_color("navy blue") == "blue" and option_matches(["navy blue"], ["royal blue"]) == 1
+
+
+def test_title_noun_proxy_ignores_function_words_only():
+    """Issue #19 (b): spaCy tags Title-Case adjectives in titles ("Free", "High") as proper
+    nouns, so WebShop's title score counts them; the old list dropped them and scored a wrong
+    product that shares them with the goal's title 0 where WebShop scores 1."""
+    goal = Goal(asin="B0", instruction="", attributes=(), query="shampoo", name="Vexa Sulfate Free Shampoo",
+                product_category="Beauty › Hair Care › Shampoo")
+    bars = Product(asin="B1", title="Kalo Gluten Free Protein Bars", category="grocery", query="protein bars",
+                   product_category="Grocery › Snacks › Nutrition Bars", attributes=(), bullets=(),
+                   description="", options={}, pricing=(1.0,), price=1.0)
+    assert title_nouns(goal.name) & title_nouns(bars.title) == {"free"}
+    assert type_reward(bars, goal) == 1.0                           # 1/4 > 0.2, WebShop's rule
+    assert title_nouns("High Speed Cable Set for the TV") == {"high", "speed", "cable", "set"}   # "tv": 2 letters
+    assert not title_nouns("a an and or the of for with in on to by from at as is it this that these your our you")
+
+
+def test_reward_upper_bound_bounds_every_option_choice():
+    """`reward_upper_bound` (the lookalike guard's bound) is >= every purchase's reward and is
+    reached by the target with the goal's own options."""
+    env = ShopEnv(**TINY)
+    for task in range(0, 1000, 37):
+        goal = env.goal(task)
+        for product in (env.product(goal.asin), env._world.products[task % 300]):
+            bound = reward_upper_bound(product, goal)
+            for combo in itertools.product(*product.options.values()):
+                chosen = dict(zip(product.options, combo))
+                assert purchase_reward(product, goal, chosen).total <= bound.total + 1e-12
+        assert reward_upper_bound(env.product(goal.asin), goal).total == 1.0
 
 
 def test_token_set_ratio_matches_hand_computed_values():

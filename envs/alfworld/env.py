@@ -45,6 +45,9 @@ class AlfworldEnv:
       val_split      valid_seen (default) or valid_unseen.
       max_steps      end episodes after this many steps (default: never; the rollout's budget).
       manifest_dir   manifests of the official data (default: the committed ones).
+      only_tasks     environment heterogeneity (env_disjoint): the task ids this engine may
+                     play, all training games; an id it does not serve, or a reset to any other
+                     task, raises ValueError (default None: every task).
     """
 
     name = "alfworld"
@@ -52,7 +55,8 @@ class AlfworldEnv:
     def __init__(self, num_games: int | None = None, val_size: int = 24, seed: int = 0,
                  data_dir: str | None = None, cache_dir: str | None = None,
                  task_types: Sequence[str] | None = None, val_split: str = "valid_seen",
-                 max_steps: int | None = None, manifest_dir: str | None = None):
+                 max_steps: int | None = None, manifest_dir: str | None = None,
+                 only_tasks: Sequence[str] | None = None):
         types = tuple(sorted(set(task_types or TASK_TYPES), key=_type_rank))
         if val_size < 0 or (max_steps is not None and max_steps < 1):
             raise ValueError(f"val_size must be >= 0 and max_steps >= 1 (got {val_size}, {max_steps})")
@@ -70,6 +74,7 @@ class AlfworldEnv:
             raise ValueError("no ALFWorld game to serve: raise num_games or widen task_types")
         self._val_size = val_size
         self._max_steps = max_steps
+        self._allowed = None if only_tasks is None else self._training_indices(only_tasks)
         self._engine = AlfredGame()
         self._task = -1
 
@@ -88,9 +93,22 @@ class AlfworldEnv:
     def game(self, task: int) -> Game:
         return self._games[task % self.num_tasks]
 
+    def _training_indices(self, ids: Sequence[str]) -> frozenset[int]:
+        """Served positions of `ids`; each must be a training game this engine serves."""
+        where = {g.task_id: i for i, g in enumerate(self._games)}
+        unknown = [t for t in ids if where.get(t, -1) < self._val_size]
+        if unknown or not ids:
+            raise ValueError(f"only_tasks must name training games this engine serves; {len(unknown)} of "
+                             f"{len(ids)} do not, e.g. {unknown[:3]} (another game set, seed or val_size?)")
+        return frozenset(where[t] for t in ids)
+
     # -- episode -----------------------------------------------------------------------------
     def reset(self, seed: int) -> tuple[str, dict]:
-        self._task = seed % self.num_tasks
+        task = seed % self.num_tasks
+        if self._allowed is not None and task not in self._allowed:
+            raise ValueError(f"task {task} ({self._games[task].task_id}) is not one of this engine's "
+                             f"only_tasks: this engine does not serve it")
+        self._task = task
         frame = self._engine.reset(self._games[self._task].path)
         self._obs, self._admissible, self._won = frame.feedback, frame.admissible, frame.won
         self._instruction = _instruction(frame.feedback)

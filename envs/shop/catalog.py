@@ -1,4 +1,4 @@
-"""Seeded synthetic catalog, and the lookalike products heterogeneity arms inject.
+"""Seeded synthetic catalog (lookalike products are built in lookalikes.py).
 
 All random draws for the whole catalog come from one local numpy Generator in a few array
 calls; the per-product Python loop only assembles strings. 50k products take about a second.
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import replace
 
 import numpy as np
 
@@ -118,35 +117,3 @@ def generate_catalog(num_products: int, seed: int) -> list[Product]:
             description=description, options=options, pricing=pricing, price=price,
             reviews=reviews))
     return products
-
-
-def inject_lookalikes(products: list[Product], count: int, seed: int) -> list[Product]:
-    """`count` lookalikes: copies of seeded picks with decoy option values and a higher price.
-
-    A lookalike shares its original's title and text (so search cannot tell them apart) but
-    offers option values the original lacks (taken from other products' values under the same
-    option name) and costs 2-4x as much; buying one instead of the target loses reward terms.
-    Lookalikes never become goals (goals are drawn before injection).
-    """
-    if count <= 0:
-        return []
-    rng = np.random.default_rng([seed, 0x100C])
-    pool: dict[str, list[str]] = {}
-    for p in products:
-        for name, values in p.options.items():
-            known = pool.setdefault(name, [])
-            known.extend(v for v in values if v not in known)
-    picks = rng.integers(len(products), size=count).tolist()
-    factors = rng.uniform(2.0, 4.0, size=count).tolist()
-    asins = _codes(rng, count, "LK", {p.asin for p in products})
-    out = []
-    for k, i in enumerate(picks):
-        src = products[i]
-        options = {}
-        for name, values in src.options.items():
-            decoys = tuple(v for v in pool[name] if v not in values)[: len(values)]
-            options[name] = decoys or values
-        pricing = tuple(_dollars(x * factors[k] + 1) for x in src.pricing)
-        out.append(replace(src, asin=asins[k], options=options, pricing=pricing,
-                           price=round(src.price * factors[k], 2)))
-    return out

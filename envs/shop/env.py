@@ -17,9 +17,10 @@ import numpy as np
 
 from envs.shop import pages
 from envs.shop.goals import price_clause
+from envs.shop.lookalikes import ATTACKS
 from envs.shop.reward import Reward, purchase_reward
 from envs.shop.schema import Goal, Product
-from envs.shop.search import DEFAULT_FIELDS, RANKINGS
+from envs.shop.search import DEFAULT_FIELDS, RANKINGS, random_results
 from envs.shop.world import World, WorldSpec, get_world
 
 SEARCH_MARKER = "search[<your query>]"   # the valid-action entry for the search bar
@@ -30,14 +31,18 @@ _REWARD_TERMS = tuple(f.name for f in fields(Reward))
 class ShopEnv:
     """One shop episode at a time; `reset(seed)` plays task `seed % num_tasks`.
 
-    Heterogeneity hooks (defaults = the unmodified shop):
-      catalog_keep     product ids shown by search (None: all). The targets of
-                       `protected_tasks` are always kept, so those tasks stay winnable.
-      protected_tasks  task indices whose targets must stay (None: every task). Resetting
-                       to a task whose target was filtered out raises ValueError.
-      ranking          "bm25" | "shuffled_topk" (seeded per query) | "inverted_topk".
+    Heterogeneity hooks (defaults = the unmodified shop; docs/env-heterogeneity.md):
+      catalog_keep     product ids search may show (None: all). Shown exactly as given: the
+                       engine adds nothing, so a filter computed from the wrong goals is caught.
+      protected_tasks  with catalog_keep (required then): the tasks the engine must serve. It
+                       refuses to build unless every one keeps its target reachable (shown and
+                       retrieved by a query), the catalog_split tripwire (invariant 13).
+                       Resetting to any task whose target is filtered out raises ValueError.
+      ranking          "bm25" | "shuffled_topk" | "inverted_topk" | "partial_random" (search.py).
+      rank_seed        seed of the shuffled/partial_random wrappers (None: `seed`).
       index_fields, bm25_k1, bm25_b   what the BM25 index sees and how it weighs it.
-      lookalikes       number of lookalike products (same text, decoy options, higher price).
+      lookalike        "" or a lookalike attack: "price" | "color" | "size" | "price_color"
+                       (lookalikes.py; same text as a goal target, the attacked term flipped).
     """
 
     name = "shop"
@@ -46,24 +51,34 @@ class ShopEnv:
                  search_return_n: int = 50, seed: int = 0, data_dir: str | None = None,
                  human_goals: bool = False, catalog_keep: Sequence[str] | None = None,
                  protected_tasks: Sequence[int] | None = None, ranking: str = "bm25",
-                 index_fields: Sequence[str] = DEFAULT_FIELDS, bm25_k1: float = 1.2,
-                 bm25_b: float = 0.75, lookalikes: int = 0):
+                 rank_seed: int | None = None, index_fields: Sequence[str] = DEFAULT_FIELDS,
+                 bm25_k1: float = 1.2, bm25_b: float = 0.75, lookalike: str = ""):
         if ranking not in RANKINGS:
             raise ValueError(f"unknown ranking {ranking!r}; choose from {RANKINGS}")
         if search_return_n < 1:
             raise ValueError(f"search_return_n must be >= 1, got {search_return_n}")
+        if lookalike and lookalike not in ATTACKS:
+            raise ValueError(f"unknown lookalike attack {lookalike!r}; choose from {ATTACKS} (or \"\")")
         self._world: World = get_world(WorldSpec(
             num_products=num_products, num_goals=num_goals, seed=seed,
             data_dir=None if data_dir is None else str(data_dir), human_goals=human_goals,
-            lookalikes=lookalikes, index_fields=tuple(index_fields), bm25_k1=bm25_k1,
+            lookalike=lookalike, index_fields=tuple(index_fields), bm25_k1=bm25_k1,
             bm25_b=bm25_b))
         if not 0 <= val_size <= self.num_tasks:
             raise ValueError(f"val_size={val_size} must lie in [0, num_tasks={self.num_tasks}]")
         self._val_size = val_size
-        self._visible = self._visible_mask(catalog_keep, protected_tasks)
-        self._search = self._world.index.searcher(search_return_n, self._visible, ranking, seed)
+        self._visible = self._visible_mask(catalog_keep)
+        self._shown = np.flatnonzero(self._visible)
+        self._ranking, self._n = ranking, search_return_n
+        self._rank_seed = seed if rank_seed is None else rank_seed
+        # partial_random's coins are per search (_results_for); its searcher is plain BM25
+        scored = "bm25" if ranking == "partial_random" else ranking
+        self._search = self._world.index.searcher(search_return_n, self._visible, scored,
+                                                  self._rank_seed if scored == "shuffled_topk" else 0)
         self._task = -1
         self._goal: Goal | None = None
+        if catalog_keep is not None:
+            self._tripwire(protected_tasks)
 
     # -- task addressing ---------------------------------------------------------------------
     @property
@@ -94,8 +109,20 @@ class ShopEnv:
         """True when the target of `task` is in the shown catalog."""
         return bool(self._visible[self._world.position[self.goal(task).asin]])
 
-    def _visible_mask(self, keep: Sequence[str] | None,
-                      protected: Sequence[int] | None) -> np.ndarray:
+    def reachable(self, task: int) -> bool:
+        """True when the target of `task` is shown and one of the expert's queries retrieves it."""
+        return self.winnable(task) and self._world.position[self.goal(task).asin] in self._search(
+            self.expert_query(task))
+
+    def target_ids(self) -> list[str]:
+        """The target product id of every task, in served order (what catalog filters protect)."""
+        return [g.asin for g in self._world.goals]
+
+    def lookalike_of(self) -> dict[str, str]:
+        """Lookalike product id -> the id of the goal target it copies (empty without `lookalike`)."""
+        return dict(self._world.lookalike_of)
+
+    def _visible_mask(self, keep: Sequence[str] | None) -> np.ndarray:
         products = self._world.products
         if keep is None:
             return np.ones(len(products), dtype=bool)
@@ -105,17 +132,27 @@ class ShopEnv:
                              f"{unknown[:3]}; take ids from ShopEnv.product_ids()")
         mask = np.zeros(len(products), dtype=bool)
         mask[[self._world.position[a] for a in keep]] = True
-        tasks = range(self.num_tasks) if protected is None else protected
-        for t in tasks:
-            mask[self._world.position[self.goal(t).asin]] = True
         return mask
+
+    def _tripwire(self, protected: Sequence[int] | None) -> None:
+        """Refuse to serve a filtered catalog that loses a protected task's target (invariant 13;
+        field log 2026-07-28: a floor derived from another goal order than the served one)."""
+        if protected is None:
+            raise ValueError("catalog_keep needs protected_tasks: the tasks this engine serves, whose "
+                             "targets the filter must keep (a client's training shard)")
+        lost = [t for t in protected if not self.reachable(t % self.num_tasks)]
+        if lost:
+            raise ValueError(
+                f"refusing to serve: {len(lost)} of {len(protected)} protected tasks lost their target "
+                f"product from this catalog, e.g. {[self._task_id(t % self.num_tasks) for t in lost[:3]]}; "
+                "the filter was computed from other goals than the ones this engine serves in this order")
 
     # -- episode -----------------------------------------------------------------------------
     def reset(self, seed: int) -> tuple[str, dict]:
         self._task = seed % self.num_tasks
         if not self.winnable(self._task):
-            raise ValueError(f"task {self._task} ({self._task_id(self._task)}) has its target "
-                             "filtered out of this catalog; add the task to protected_tasks")
+            raise ValueError(f"task {self._task} ({self._task_id(self._task)}) has its target filtered "
+                             "out of this catalog: this engine does not serve it (see protected_tasks)")
         self._goal = self._world.goals[self._task]
         self._tid = self._task_id(self._task)
         self._state = "search"
@@ -125,6 +162,7 @@ class ShopEnv:
         self._tab = ""
         self._chosen: dict[str, str] = {}
         self._reward: Reward | None = None
+        self._searches = 0
         self._page_changed()
         return self.observation, self._info()
 
@@ -229,7 +267,8 @@ class ShopEnv:
         if verb == "search":
             if self._state != "search" or not arg:
                 return None
-            self._results = self._search(arg)
+            self._searches += 1
+            self._results = self._results_for(arg, self._task, self._searches)
             self._state, self._page_no = "results", 1
             return "query"
         click = self._clickables().get(arg)
@@ -255,6 +294,19 @@ class ShopEnv:
             self._reward = purchase_reward(self._item, self._goal, self._chosen)
             self._state = "done"
         return kind
+
+    def _results_for(self, query: str, task: int, search_no: int) -> tuple[int, ...]:
+        """Catalog positions the `search_no`-th search of an episode of `task` shows for `query`."""
+        if self._ranking == "partial_random":
+            drawn = random_results(self._shown, self._n, self._rank_seed, task, search_no)
+            if drawn is not None:
+                return drawn
+        return self._search(query)
+
+    def search_ids(self, query: str, task: int = 0, search_no: int = 1) -> list[str]:
+        """The product ids, in shown order, that the `search_no`-th search for `query` in an
+        episode of `task` returns (to measure how variants differ, without playing pages)."""
+        return [self._world.products[i].asin for i in self._results_for(query.lower(), task, search_no)]
 
     # -- oracle ------------------------------------------------------------------------------
     def expert_query(self, task: int | None = None) -> str:

@@ -17,15 +17,22 @@ from dataclasses import dataclass
 
 from envs.shop.schema import CATEGORY_SEP, Goal, Product
 
-# First substring hit in this order wins, as in WebShop (so "navy blue" -> "blue").
+# WebShop's colour vocabulary, all 102 words (web_agent_site/engine/normalize.py), in its
+# alphabetical order: the first word contained in a value wins, so "navy blue" -> "blue", and
+# "dark grey" -> "dark" but "light grey" -> "grey" (a mismatch, as in WebShop). Until 2026-12 the
+# shop had 63 of them, so e.g. "dark grey" for "light grey" matched here and not in WebShop.
 COLOR_SET = (
-    "alabaster", "apricot", "aqua", "ash", "azure", "beige", "black", "blue", "blush", "bronze",
-    "brown", "burgundy", "camel", "caramel", "champagne", "charcoal", "chocolate", "copper",
-    "coral", "cream", "denim", "fuchsia", "gold", "graphite", "gray", "green", "grey", "indigo",
-    "ivory", "khaki", "lavender", "lemon", "lilac", "lime", "magenta", "maroon", "mauve", "mint",
-    "mocha", "multicolor", "mustard", "navy", "nude", "olive", "orange", "peach", "pink", "plum",
-    "purple", "red", "rose", "rust", "sand", "silver", "slate", "tan", "taupe", "teal",
-    "turquoise", "violet", "white", "wine", "yellow",
+    "alabaster", "apricot", "aqua", "ash", "asphalt", "azure", "banana", "beige", "black", "blue",
+    "blush", "bordeaux", "bronze", "brown", "burgundy", "camel", "camo", "caramel", "champagne",
+    "charcoal", "cheetah", "chestnut", "chocolate", "christmas", "coffee", "cognac", "copper",
+    "coral", "cranberry", "cream", "crystal", "dark", "denim", "eggplant", "elephant", "espresso",
+    "fuchsia", "gold", "granite", "grape", "graphite", "grass", "gray", "green", "grey", "heather",
+    "indigo", "ivory", "ivy", "khaki", "lavender", "lemon", "leopard", "light", "lilac", "lime",
+    "magenta", "maroon", "mauve", "merlot", "midnight", "mint", "mocha", "multicolor", "mushroom",
+    "mustard", "natural", "navy", "nude", "olive", "orange", "peach", "pewter", "pink", "plum",
+    "purple", "rainbow", "red", "rose", "royal", "rust", "sand", "sapphire", "seashell", "silver",
+    "skull", "slate", "steel", "stone", "stonewash", "sunflower", "tan", "taupe", "teal", "tiger",
+    "turquoise", "violet", "walnut", "wheat", "white", "wine", "yellow",
 )
 
 MATCH_THRESHOLD = 85  # WebShop: fuzzy token-set ratio must exceed this
@@ -116,13 +123,17 @@ def attribute_matches(product: Product, goal_attributes: tuple[str, ...]) -> int
     return hits
 
 
-# Words a title noun proxy ignores: function words and frequent product adjectives. spaCy's
-# NOUN/PROPN tagging is what WebShop uses; this list is the documented stand-in (docs/shop.md).
+# Words the title noun proxy ignores: function words only (articles, prepositions,
+# conjunctions, pronouns, determiners, "is"). WebShop keeps spaCy's NOUN/PROPN tokens, and spaCy
+# tags Title-Case adjectives in product titles ("Free", "High", "Lightweight", "Set") as proper
+# nouns, so they count there. An earlier list here also dropped ~45 such adjectives and nouns:
+# scoring 18,882 default-shop purchases with this reward and WebShop's get_reward (issue #19)
+# agreed on 96.9%, and that list caused 585 of the disagreements (all wrong-product purchases);
+# keeping only function words raised agreement to 99.5%, no target purchase changing. The
+# remaining 0.5%: words spaCy tags as verbs or adjectives (e.g. "Built") still count as nouns
+# here (docs/shop.md, "Reward").
 _NOT_NOUNS = frozenset("""
-a an and or the of for with in on to by from at as is it this that these your our you pack
-count set new free long lasting natural organic premium soft high low fast quick light
-lightweight heavy duty extra super ultra best great small large big mini portable adjustable
-waterproof breathable durable compact dark clear slim non anti multi dual double single
+a an and or the of for with in on to by from at as is it this that these your our you
 """.split())
 
 
@@ -173,9 +184,23 @@ class Reward:
 
 def purchase_reward(product: Product, goal: Goal, chosen: Mapping[str, str]) -> Reward:
     """Score buying `product` at its price with `chosen` (option name -> clicked value)."""
+    return _score(product, goal, option_matches(list(chosen.values()), list(goal.goal_options.values())))
+
+
+def reward_upper_bound(product: Product, goal: Goal) -> Reward:
+    """The most buying `product` can score for `goal` under ANY choice of its option values.
+
+    A goal value counts as hit when some value the product offers (under any option name:
+    matching compares values, never names) matches it. That is an upper bound: two goal values
+    that only values of one option match cannot both be clicked.
+    """
+    offered = [v for values in product.options.values() for v in values]
+    return _score(product, goal, sum(option_matches(offered, [want]) for want in goal.goal_options.values()))
+
+
+def _score(product: Product, goal: Goal, opt_hits: int) -> Reward:
     r_type = type_reward(product, goal)
     attr_hits = attribute_matches(product, goal.attributes)
-    opt_hits = option_matches(list(chosen.values()), list(goal.goal_options.values()))
     price_ok = product.price <= goal.price_upper
     denom = len(goal.attributes) + len(goal.goal_options) + 1
     total = r_type * (attr_hits + opt_hits + int(price_ok)) / denom

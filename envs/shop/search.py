@@ -4,6 +4,14 @@ Ties are broken by catalog position, so a query's result list is a pure function
 index and the query. Only documents sharing at least one term with the query are returned
 (like Lucene); hidden products (a filtered catalog) are dropped after scoring, so one index
 serves every catalog filter built over the same products.
+
+Ranking variants (FedAgent's rank wrappers, as the published ones behave with its top-200
+pool: the WHOLE returned list is reordered, not a top-50 head):
+  bm25            as scored
+  shuffled_topk   the returned list in a seeded order (per query)
+  inverted_topk   the returned list reversed: page 1 shows the least relevant hits
+  partial_random  each search is, with probability 1/2, answered by n random shown products
+                  instead (a coin per search of an episode: `random_results`)
 """
 from __future__ import annotations
 
@@ -27,7 +35,8 @@ from envs.shop.schema import Product
 
 INDEX_FIELDS = ("title", "description", "bullets", "options", "attributes", "category")
 DEFAULT_FIELDS = ("title", "description", "bullets", "options")
-RANKINGS = ("bm25", "shuffled_topk", "inverted_topk")
+RANKINGS = ("bm25", "shuffled_topk", "inverted_topk", "partial_random")
+PARTIAL_RANDOM_P = 0.5   # published: half the queries get random products
 
 _TOKEN = re.compile(r"[a-z0-9]+")
 _STOPWORDS = frozenset(
@@ -126,8 +135,9 @@ class SearchIndex:
 
 
 def rerank(top: list[int], ranking: str, query: str, seed: int) -> list[int]:
-    """Apply a ranking variant: as scored, seeded shuffle (per query), or reversed."""
-    if ranking == "bm25":
+    """Apply a ranking variant: as scored, seeded shuffle (per query), or reversed
+    (partial_random reorders nothing here: its coin is per search, `random_results`)."""
+    if ranking in ("bm25", "partial_random"):
         return top
     if ranking == "inverted_topk":
         return top[::-1]
@@ -136,3 +146,19 @@ def rerank(top: list[int], ranking: str, query: str, seed: int) -> list[int]:
         random.Random(digest).shuffle(top)
         return top
     raise ValueError(f"unknown ranking {ranking!r}; choose from {RANKINGS}")
+
+
+def random_results(shown: np.ndarray, n: int, seed: int, task: int, search_no: int) -> tuple[int, ...] | None:
+    """partial_random's coin for the `search_no`-th search of an episode of `task`: None (keep
+    the BM25 results) or n products drawn at random from the `shown` positions.
+
+    The published wrapper drew from one RNG stream per client process, so a coin depended on
+    everything the process had searched before; here it is a pure function of (wrapper seed,
+    task, search number), with the same per-search probability: a retried search flips a fresh
+    coin, and every rollout of a GRPO group meets the same coins.
+    """
+    digest = hashlib.sha256(f"partial_random\0{seed}\0{task}\0{search_no}".encode()).digest()
+    rng = random.Random(digest)
+    if rng.random() >= PARTIAL_RANDOM_P:
+        return None
+    return tuple(rng.sample(shown.tolist(), min(n, len(shown))))

@@ -6,8 +6,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from envs.shop.catalog import generate_catalog, inject_lookalikes
+from envs.shop.catalog import generate_catalog
 from envs.shop.goals import synthesize_goals
+from envs.shop.lookalikes import check_lookalikes, make_lookalikes, place_lookalikes
 from envs.shop.schema import Goal, Product
 from envs.shop.search import DEFAULT_FIELDS, SearchIndex
 
@@ -21,7 +22,7 @@ class WorldSpec:
     seed: int = 0
     data_dir: str | None = None
     human_goals: bool = False
-    lookalikes: int = 0
+    lookalike: str = ""                 # lookalike attack ("" = none; lookalikes.ATTACKS)
     index_fields: tuple[str, ...] = DEFAULT_FIELDS
     bm25_k1: float = 1.2
     bm25_b: float = 0.75
@@ -30,10 +31,11 @@ class WorldSpec:
 @dataclass(frozen=True, eq=False)
 class World:
     spec: WorldSpec
-    products: tuple[Product, ...]       # catalog order; lookalikes appended last
+    products: tuple[Product, ...]       # catalog order; a lookalike sits next to its original
     goals: tuple[Goal, ...]             # served task order
     position: dict[str, int]            # asin -> catalog position
     index: SearchIndex
+    lookalike_of: dict[str, str]        # lookalike asin -> the asin of the product it copies
 
 
 def build_world(spec: WorldSpec) -> World:
@@ -50,10 +52,15 @@ def build_world(spec: WorldSpec) -> World:
         if not goals:
             raise ValueError(f"no goals could be built from {spec.data_dir}: no product in "
                              "items_shuffle has an instruction in the instruction file")
-    products = products + inject_lookalikes(products, spec.lookalikes, spec.seed)
+    lookalike_of: dict[str, str] = {}
+    if spec.lookalike:   # after the goals: drawn from the finished goal list, never goals themselves
+        fakes, lookalike_of = make_lookalikes(products, goals, spec.lookalike)
+        check_lookalikes(products, goals, fakes, lookalike_of, spec.lookalike)
+        products = place_lookalikes(products, fakes, lookalike_of, spec.lookalike)
     index = SearchIndex(products, spec.index_fields, spec.bm25_k1, spec.bm25_b)
     return World(spec=spec, products=tuple(products), goals=tuple(goals),
-                 position={p.asin: i for i, p in enumerate(products)}, index=index)
+                 position={p.asin: i for i, p in enumerate(products)}, index=index,
+                 lookalike_of=lookalike_of)
 
 
 _lock = threading.Lock()
