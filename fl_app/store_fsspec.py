@@ -174,6 +174,8 @@ class FsspecWeightStore(RemoteStore):
                 raise WeightsError(f"{self.url}/{key}/{info.file} holds {size} bytes after the upload, the manifest "
                                    f"says {info.bytes}; nothing was published: publish again")
 
+        with self._errors(f"publishing {key!r}"):
+            self.fs.makedirs(self._path(key), exist_ok=True)   # a filesystem needs the dir; S3 has none
         _each([lambda i=i: put(i) for i in range(len(local.shards))], self.parallel)
         tmp = self._path(key, f"{MANIFEST_NAME}.tmp-{uuid.uuid4().hex[:12]}")
         with self._errors(f"publishing {key!r}"):

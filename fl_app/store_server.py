@@ -304,7 +304,7 @@ class WeightStoreServer:
 
     def start(self, timeout_s: float = 30.0) -> "WeightStoreServer":
         cert, key = self.tls or (None, None)
-        config = uvicorn.Config(self.app, loop="uvloop", http="httptools", lifespan="off", log_level="warning",
+        config = uvicorn.Config(self.app, loop="uvloop", http="httptools", ws="none", lifespan="off", log_level="warning",
                                 access_log=False, ssl_certfile=cert, ssl_keyfile=key, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
 
