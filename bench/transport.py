@@ -351,8 +351,8 @@ def main() -> None:
     if args.node:
         return node_main()
 
-    from fl_app.store_server import WeightStoreServer, new_token
     from envs.ports import bind_listener
+    from fl_app.store_server import WeightStoreServer, new_token
 
     work = args.workdir
     if work.exists():
@@ -394,7 +394,7 @@ def main() -> None:
         finally:
             server.stop()
         moved = 2 * nbytes
-        for name, leg in legs.items():
+        for leg in legs.values():
             leg.update({f"{k}_gbps": moved / leg[k] / 1e9 for k in ("raw", "store")})  # type: ignore[operator]
             leg["ratio"] = leg["raw"] / leg["store"]
         raw_s, store_s = (sum(leg[k] for leg in legs.values()) for k in ("raw", "store"))

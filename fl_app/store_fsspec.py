@@ -11,6 +11,7 @@ environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws), never from the run co
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -123,7 +124,7 @@ class FsspecWeightStore(RemoteStore):
             self.fs.rm(path, recursive=True)
 
     def download(self, key: str, slot: CacheSlot, shards: list[int]) -> None:
-        _each([lambda i=i: self._download_shard(key, slot, i) for i in shards], self.parallel)
+        _each([functools.partial(self._download_shard, key, slot, i) for i in shards], self.parallel)
 
     def _download_shard(self, key: str, slot: CacheSlot, index: int) -> None:
         info = slot.manifest.shards[index]
@@ -176,7 +177,7 @@ class FsspecWeightStore(RemoteStore):
 
         with self._errors(f"publishing {key!r}"):
             self.fs.makedirs(self._path(key), exist_ok=True)   # a filesystem needs the dir; S3 has none
-        _each([lambda i=i: put(i) for i in range(len(local.shards))], self.parallel)
+        _each([functools.partial(put, i) for i in range(len(local.shards))], self.parallel)
         tmp = self._path(key, f"{MANIFEST_NAME}.tmp-{uuid.uuid4().hex[:12]}")
         with self._errors(f"publishing {key!r}"):
             self.fs.pipe_file(tmp, local.to_json().encode())

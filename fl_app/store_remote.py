@@ -151,7 +151,7 @@ class RemoteStore(WeightStore):
     def put(self, key: str, state: Mapping[str, torch.Tensor]) -> Manifest:
         check_key(key)
         with tempfile.TemporaryDirectory(prefix="fa-put-") as tmp:
-            written = save_shards(state, Path(tmp) / "w", self.max_shard_bytes)
+            save_shards(state, Path(tmp) / "w", self.max_shard_bytes)
             return dataclasses.replace(self.publish(Path(tmp) / "w", key), root=None)
 
 

@@ -304,7 +304,7 @@ class WeightStoreServer:
         host = f"[{host}]" if ":" in host else host
         return f"{'https' if self.tls else 'http'}://{host}:{port}"
 
-    def start(self, timeout_s: float = 30.0) -> "WeightStoreServer":
+    def start(self, timeout_s: float = 30.0) -> WeightStoreServer:
         cert, key = self.tls or (None, None)
         config = uvicorn.Config(self.app, loop="uvloop", http="httptools", ws="none", lifespan="off", log_level="warning",
                                 access_log=False, ssl_certfile=cert, ssl_keyfile=key, timeout_graceful_shutdown=5)
@@ -341,7 +341,7 @@ class WeightStoreServer:
         self.app.state.uploads.clear()
         self.sock.close()
 
-    def __enter__(self) -> "WeightStoreServer":
+    def __enter__(self) -> WeightStoreServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

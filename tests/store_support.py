@@ -81,7 +81,7 @@ class CuttingProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def ranges(self) -> list[int]:
-        return [int(m) for r in self.requests for m in re.findall(r"range: bytes=(\d+)-", r, re.I)]
+        return [int(m) for r in self.requests for m in re.findall(r"range: bytes=(\d+)-", r, re.IGNORECASE)]
 
     def _accept(self) -> None:
         while True:
@@ -104,7 +104,7 @@ class CuttingProxy:
                 if asking:
                     text = data.decode("latin-1")
                     with self._lock:
-                        self.requests += re.findall(r"^(?:GET|PUT|POST|DELETE) [^\r\n]*(?:\r\n[^\r\n]+)*", text, re.M)
+                        self.requests += re.findall(r"^(?:GET|PUT|POST|DELETE) [^\r\n]*(?:\r\n[^\r\n]+)*", text, re.MULTILINE)
                         if "/v1/shard" in text and self.cuts > 0 and not state["cut"]:
                             self.cuts -= 1
                             state["cut"] = True
