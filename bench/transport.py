@@ -44,17 +44,17 @@ KEY = "rounds/round-0000/actor"
 
 
 # ---- the two node processes --------------------------------------------------------------
-def _raw_recv(port: int, out: Path, files: list[str]) -> None:
+def _recv_files(conn: socket.socket, out: Path, files: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     buf = memoryview(bytearray(RECV_CHUNK))
-    with socket.create_connection(("127.0.0.1", port)) as s:
+    with conn:
         for name in files:
-            (size,) = struct.unpack("!Q", _recv_exact(s, 8))
+            (size,) = struct.unpack("!Q", _recv_exact(conn, 8))
             with open(out / name, "wb") as f:
                 while size:
-                    n = s.recv_into(buf, min(size, RECV_CHUNK))
+                    n = conn.recv_into(buf, min(size, RECV_CHUNK))
                     if not n:
-                        raise ConnectionError("sender went away")
+                        raise ConnectionError("peer went away")
                     f.write(buf[:n])
                     size -= n
 
@@ -87,7 +87,8 @@ def node_main() -> None:
         t0, c0 = time.time(), time.process_time()
         reply: dict[str, Any] = {}
         if op == "raw-recv":
-            _raw_recv(cmd["port"], Path(cmd["dir"]), cmd["files"])
+            with socket.create_connection(("127.0.0.1", cmd["port"])) as s:
+                _recv_files(s, Path(cmd["dir"]), cmd["files"])
         elif op == "raw-send":
             with socket.create_connection(("127.0.0.1", cmd["port"])) as s:
                 _raw_send(s, [Path(cmd["dir"]) / f for f in cmd["files"]])
@@ -140,7 +141,7 @@ def _leg(nodes: list[Node], cmds: list[dict[str, Any]], local: list[threading.Th
     t_local, c_local = time.time(), time.process_time()
     for t in local:
         t.start()
-    for node, cmd in zip(nodes, cmds):
+    for node, cmd in zip(nodes, cmds, strict=True):
         node.send(**cmd)
     replies = [node.reply() for node in nodes]
     for t in local:
@@ -179,7 +180,8 @@ def raw_up(nodes: list[Node], srcs: list[Path], files: list[str], outs: list[Pat
 
     def receive() -> None:
         conns = [lsock.accept()[0] for _ in nodes]
-        receivers = [threading.Thread(target=_recv_files, args=(c, out, files)) for c, out in zip(conns, outs)]
+        receivers = [threading.Thread(target=_recv_files, args=(c, out, files))
+                     for c, out in zip(conns, outs, strict=True)]
         for t in receivers:
             t.start()
         for t in receivers:
@@ -191,21 +193,6 @@ def raw_up(nodes: list[Node], srcs: list[Path], files: list[str], outs: list[Pat
     finally:
         lsock.close()
     return dt
-
-
-def _recv_files(conn: socket.socket, out: Path, files: list[str]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    buf = memoryview(bytearray(RECV_CHUNK))
-    with conn:
-        for name in files:
-            (size,) = struct.unpack("!Q", _recv_exact(conn, 8))
-            with open(out / name, "wb") as f:
-                while size:
-                    n = conn.recv_into(buf, min(size, RECV_CHUNK))
-                    if not n:
-                        raise ConnectionError("node went away")
-                    f.write(buf[:n])
-                    size -= n
 
 
 # ---- the model ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import aiohttp
 import uvloop
 
 from fl_app.store import check_key
+from fl_app.store_files import write_all
 from fl_app.store_remote import (DEFAULT_PARALLEL, DOWNLOAD_RETRIES, CacheSlot, RemoteStore, WeightStoreRefused,
                                  WeightStoreUnreachable)
 from fl_app.weights import Manifest, WeightsError
@@ -109,8 +110,8 @@ class HttpWeightStore(RemoteStore):
         except (aiohttp.ContentTypeError, ValueError):
             detail = (await resp.text())[:500]
         if resp.status == 401:
-            return WeightStoreRefused(f"{self._who()}the weight store at {self.url} refused this node's token while {what} "
-                                f"(HTTP 401: {detail})")
+            return WeightStoreRefused(f"{self._who()}the weight store at {self.url} refused this node's token "
+                                      f"while {what} (HTTP 401: {detail})")
         return WeightStoreRefused(f"{self._who()}{what}: the weight store at {self.url} answered HTTP "
                                   f"{resp.status}: {detail}")
 
@@ -207,18 +208,23 @@ class HttpWeightStore(RemoteStore):
                 offset = 0                       # a full body: start the file over
             elif resp.status != 206 or not resp.headers.get("Content-Range", "").startswith(f"bytes {offset}-"):
                 raise await self._refusal(resp, what)
-            with open(part, "r+b" if offset else "wb") as f:
-                f.seek(offset)
-                f.truncate()
-                buf = bytearray()
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.ftruncate(fd, offset)
+                os.lseek(fd, offset, os.SEEK_SET)
+                pieces: list[bytes] = []
+                size = 0
                 try:
-                    async for piece in resp.content.iter_chunked(CHUNK):
-                        buf += piece
-                        if len(buf) >= CHUNK:
-                            await asyncio.to_thread(f.write, buf)
-                            buf = bytearray()
+                    async for piece, _ in resp.content.iter_chunks():   # as received: no joining copy
+                        pieces.append(piece)
+                        size += len(piece)
+                        if size >= CHUNK:
+                            await asyncio.to_thread(write_all, fd, pieces)
+                            pieces, size = [], 0
                 finally:
-                    f.write(buf)                 # keep what arrived, so a retry resumes after it
+                    write_all(fd, pieces)        # keep what arrived, so a retry resumes after it
+            finally:
+                os.close(fd)
 
     # ---- uploads --------------------------------------------------------------------------
     def publish(self, local_dir: Path, key: str) -> Manifest:

@@ -39,7 +39,7 @@ from starlette.responses import FileResponse
 
 from fl_app.paths import PathEscapeError, confine
 from fl_app.store import DirStore, check_key
-from fl_app.store_files import check_shard_names, install_entry, sibling_tmp, verify_shard
+from fl_app.store_files import check_shard_names, install_entry, sibling_tmp, verify_shard, write_all
 from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError
 
 CHUNK = 4 << 20                 # bytes per read/write: large enough that per-chunk Python overhead vanishes
@@ -236,22 +236,24 @@ def build_app(root: Path, token: str) -> FastAPI:
 async def _receive(request: Request, path: Path, limit: int) -> int:
     """Stream a request body into `path` in CHUNK-sized writes (off the event loop); refuse more
     than `limit` bytes without reading them."""
-    got = 0
-    buf = bytearray()
-    with open(path, "wb") as f:
-        try:
-            async for piece in request.stream():
-                got += len(piece)
-                if got > limit:
-                    raise _fail(400, f"{path.name}: body longer than the manifest's {limit} bytes")
-                buf += piece
-                if len(buf) >= CHUNK:
-                    await asyncio.to_thread(f.write, buf)
-                    buf = bytearray()
-        except ClientDisconnect:
-            raise _fail(400, f"{path.name}: the client went away after {got} bytes") from None
-        if buf:
-            await asyncio.to_thread(f.write, buf)
+    got = size = 0
+    pieces: list[bytes] = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        async for piece in request.stream():
+            got += len(piece)
+            if got > limit:
+                raise _fail(400, f"{path.name}: body longer than the manifest's {limit} bytes")
+            pieces.append(piece)
+            size += len(piece)
+            if size >= CHUNK:
+                await asyncio.to_thread(write_all, fd, pieces)
+                pieces, size = [], 0
+        await asyncio.to_thread(write_all, fd, pieces)
+    except ClientDisconnect:
+        raise _fail(400, f"{path.name}: the client went away after {got} bytes") from None
+    finally:
+        os.close(fd)
     return got
 
 
@@ -306,8 +308,9 @@ class WeightStoreServer:
 
     def start(self, timeout_s: float = 30.0) -> WeightStoreServer:
         cert, key = self.tls or (None, None)
-        config = uvicorn.Config(self.app, loop="uvloop", http="httptools", ws="none", lifespan="off", log_level="warning",
-                                access_log=False, ssl_certfile=cert, ssl_keyfile=key, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(self.app, loop="uvloop", http="httptools", ws="none", lifespan="off",
+                                log_level="warning", access_log=False, ssl_certfile=cert, ssl_keyfile=key,
+                                timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
 
         def serve() -> None:

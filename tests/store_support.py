@@ -104,7 +104,8 @@ class CuttingProxy:
                 if asking:
                     text = data.decode("latin-1")
                     with self._lock:
-                        self.requests += re.findall(r"^(?:GET|PUT|POST|DELETE) [^\r\n]*(?:\r\n[^\r\n]+)*", text, re.MULTILINE)
+                        self.requests += re.findall(r"^(?:GET|PUT|POST|DELETE) [^\r\n]*(?:\r\n[^\r\n]+)*", text,
+                                                    re.MULTILINE)
                         if "/v1/shard" in text and self.cuts > 0 and not state["cut"]:
                             self.cuts -= 1
                             state["cut"] = True
