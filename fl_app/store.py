@@ -34,12 +34,17 @@ def check_key(key: str) -> str:
     return key
 
 
+def check_digest(manifest_sha256: str) -> str:
+    """A manifest digest is lowercase hex (it also names cache dirs, so nothing else may pass)."""
+    if not _DIGEST.match(manifest_sha256):
+        raise WeightsError(f"{manifest_sha256!r} is not a manifest digest (hex); pass the "
+                           "manifest_sha256 the sender's WeightsRef carries")
+    return manifest_sha256
+
+
 def check_pinned(key: str, manifest: Manifest, expected_manifest_sha256: str) -> Manifest:
     """The entry under `key` must be the one the sender wrote (its manifest digest), not a stale
     or re-run entry that reuses the key."""
-    if not _DIGEST.match(expected_manifest_sha256):
-        raise WeightsError(f"{expected_manifest_sha256!r} is not a manifest digest (hex); pass the "
-                           "manifest_sha256 the sender's WeightsRef carries")
     if manifest.sha256 != expected_manifest_sha256:
         raise WeightsError(f"store entry {key!r} is not the one the sender wrote (manifest sha256 "
                            f"{manifest.sha256[:12]}... != {expected_manifest_sha256[:12]}...): it was replaced, "
@@ -120,7 +125,7 @@ class DirStore(WeightStore):
     def fetch(self, key: str, expected_manifest_sha256: str, cache_dir: Path | None = None) -> Manifest:
         """The entry's own dir (this store is local: no copy, `cache_dir` unused). Its shards are
         verified by whoever loads them (fl_app.weights.read_shard)."""
-        return check_pinned(key, self.manifest(key), expected_manifest_sha256)
+        return check_pinned(key, self.manifest(key), check_digest(expected_manifest_sha256))
 
     def publish(self, local_dir: Path, key: str) -> Manifest:
         """Nothing to do when `local_dir` is the key's dir; else hard-link (or copy) its files into

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fl_app.store import WeightStore, check_key, check_pinned
+from fl_app.store import WeightStore, check_digest, check_key, check_pinned
 from fl_app.store_files import check_shard_names, install_entry, verify_shard
 from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError, load_shards, save_shards
 
@@ -83,7 +83,7 @@ class CacheSlot:
         """All shards verified: the partial dir becomes the cache entry, manifest included."""
         if missing := self.missing():
             raise WeightsError(f"{self.partial}: shards {missing} are still missing; fetch again")
-        self.incoming.rmdir()
+        shutil.rmtree(self.incoming)            # only leftovers of shards verified since
         return install_entry(self.partial, self.manifest, self.entry, durable=False)
 
 
@@ -131,7 +131,8 @@ class RemoteStore(WeightStore):
         return manifest
 
     def fetch(self, key: str, expected_manifest_sha256: str, cache_dir: Path) -> Manifest:
-        if hit := cached(cache_dir, expected_manifest_sha256):
+        check_key(key)
+        if hit := cached(cache_dir, check_digest(expected_manifest_sha256)):
             return hit
         manifest = check_pinned(key, self.manifest(key), expected_manifest_sha256)
         with _locked(cache_dir, manifest.sha256):

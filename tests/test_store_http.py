@@ -66,6 +66,8 @@ def test_fetch_refuses_an_entry_that_is_not_the_pinned_one(served, run_dir, tmp_
     with pytest.raises(WeightsError, match="not the one the sender wrote"):
         store.fetch(KEY, "0" * 64, tmp_path / "cache")
     assert not any((tmp_path / "cache").glob("0000*"))
+    with pytest.raises(WeightsError, match="not a manifest digest"):     # it names a cache dir: hex only
+        store.fetch(KEY, "../planted", tmp_path / "cache")
 
 
 def test_publish_uploads_a_result_that_the_server_sees_only_complete(served, run_dir, tmp_path):
