@@ -1,0 +1,351 @@
+"""The built-in HTTP weight store: serves a run dir's entries to nodes on other machines and
+receives their results, from a uvicorn thread inside the ServerApp's process.
+
+The wire, all under one per-run bearer token (compared in constant time, 401 without it):
+  GET    /v1/ping                          reachability and token check
+  GET    /v1/manifest?key=K                the entry's manifest (404 while it is absent or incomplete)
+  GET    /v1/shard?key=K&file=F            one shard file listed by that manifest; Range requests
+                                           (206) let a node resume a download that was cut off
+  DELETE /v1/entry?key=K                   remove an entry (same rule as DirStore.delete)
+  POST   /v1/uploads {key, manifest}       start an upload into a hidden staging dir beside the key
+  PUT    /v1/uploads/ID/F                  one shard's bytes, streamed; verified against the upload's
+                                           manifest as soon as it is complete (422 and deleted if not)
+  POST   /v1/uploads/ID/commit             publish: manifest written, staging dir renamed onto the key
+  DELETE /v1/uploads/ID                    abandon an upload
+An upload is never visible under its key before every shard is verified and the rename is done.
+Keys pass `check_key` and resolve inside the root (`fl_app.paths.confine`), symlinks included.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import secrets
+import shutil
+import socket
+import ssl
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
+from starlette.responses import FileResponse
+
+from fl_app.paths import PathEscapeError, confine
+from fl_app.store import DirStore, check_key
+from fl_app.store_files import check_shard_names, install_entry, sibling_tmp, verify_shard, write_all
+from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError
+
+CHUNK = 4 << 20                 # bytes per read/write: large enough that per-chunk Python overhead vanishes
+UPLOAD_IDLE_S = 3600.0          # an upload nobody touched for this long is abandoned
+_MIN_TOKEN_CHARS = 16
+
+
+def new_token() -> str:
+    """A fresh per-run bearer token (256 random bits)."""
+    return secrets.token_urlsafe(32)
+
+
+class _ShardFile(FileResponse):
+    chunk_size = CHUNK
+
+
+class _NewUpload(BaseModel):
+    key: str
+    manifest: str
+
+
+@dataclass
+class _Upload:
+    key: str
+    dest: Path
+    manifest: Manifest
+    staged: Path
+    verified: set[str] = field(default_factory=set)
+    busy: set[str] = field(default_factory=set)
+    touched: float = field(default_factory=time.monotonic)
+
+
+def _fail(status: int, e: Exception | str) -> HTTPException:
+    return HTTPException(status, str(e))
+
+
+def build_app(root: Path, token: str) -> FastAPI:
+    """The store's FastAPI app over the DirStore at `root` (the run dir)."""
+    root = Path(os.path.realpath(root))
+    expected = f"Bearer {token}".encode()
+    uploads: dict[str, _Upload] = {}
+
+    def require_token(authorization: str = Header("")) -> None:
+        if not hmac.compare_digest(authorization.encode(), expected):
+            raise HTTPException(401, "missing or wrong bearer token: this weight store belongs to another run "
+                                     "(use the token the ServerApp sent with this run's messages)",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    app = FastAPI(dependencies=[Depends(require_token)], openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.uploads = uploads
+
+    def entry_dir(key: str) -> Path:
+        try:
+            return confine(root / check_key(key), root, "weight-store key")
+        except WeightsError as e:
+            raise _fail(400, e) from None
+        except PathEscapeError as e:
+            raise _fail(403, e) from None
+
+    def complete_manifest(key: str) -> Manifest | None:
+        path = entry_dir(key)
+        return Manifest.from_dir(path) if (path / MANIFEST_NAME).is_file() else None
+
+    def upload(upload_id: str) -> _Upload:
+        if (up := uploads.get(upload_id)) is None:
+            raise _fail(404, f"no upload {upload_id!r} in progress (finished, abandoned after {UPLOAD_IDLE_S:.0f} s "
+                             "idle, or the store restarted): start the upload again")
+        up.touched = time.monotonic()
+        return up
+
+    def drop_idle() -> None:
+        cutoff = time.monotonic() - UPLOAD_IDLE_S
+        for uid in [u for u, up in uploads.items() if up.touched < cutoff and not up.busy]:
+            shutil.rmtree(uploads.pop(uid).staged, ignore_errors=True)
+
+    @app.get("/v1/ping")
+    def ping() -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.get("/v1/manifest")
+    def get_manifest(key: str) -> Response:
+        if (manifest := complete_manifest(key)) is None:
+            raise _fail(404, f"no complete entry {key!r} in this store (nothing published there yet, "
+                             "or its write has not finished)")
+        return Response(manifest.to_json(), media_type="application/json")
+
+    @app.get("/v1/shard")
+    def get_shard(key: str, file: str) -> FileResponse:
+        if (manifest := complete_manifest(key)) is None:
+            raise _fail(404, f"no complete entry {key!r} in this store")
+        if not any(s.file == file for s in manifest.shards):
+            raise _fail(404, f"entry {key!r} lists no shard {file!r}")
+        try:
+            path = confine(entry_dir(key) / file, root, "shard file")
+        except PathEscapeError as e:
+            raise _fail(403, e) from None
+        return _ShardFile(path, media_type="application/octet-stream")
+
+    @app.delete("/v1/entry")
+    def delete_entry(key: str) -> dict[str, bool]:
+        entry_dir(key)
+        try:
+            DirStore(root, 1).delete(key)
+        except WeightsError as e:
+            raise _fail(409, e) from None
+        return {"deleted": True}
+
+    # Routes that touch `uploads` are coroutines: they all run on the event loop's one thread, so
+    # the bookkeeping needs no lock; their slow parts (verification, fsync) go to worker threads.
+    @app.post("/v1/uploads")
+    async def start_upload(body: _NewUpload) -> dict[str, Any]:
+        dest = entry_dir(body.key)
+        try:
+            manifest = Manifest.from_json(body.manifest)
+            check_shard_names(manifest)
+        except (WeightsError, ValueError, KeyError, TypeError) as e:
+            raise _fail(400, f"the upload's manifest is not a weights manifest: {e}") from None
+        if (existing := complete_manifest(body.key)) is not None:
+            if existing.sha256 == manifest.sha256:
+                return {"exists": True, "manifest_sha256": existing.sha256}
+            raise _fail(409, f"entry {body.key!r} already holds other weights (manifest sha256 "
+                             f"{existing.sha256[:12]}...); entries are immutable: publish under a new key")
+        if dest.exists():
+            raise _fail(409, f"entry {body.key!r} holds an incomplete write; delete it first")
+        drop_idle()
+        uid = uuid.uuid4().hex
+        uploads[uid] = _Upload(body.key, dest, manifest, sibling_tmp(dest, f"upload-{uid[:8]}"))
+        return {"exists": False, "upload_id": uid}
+
+    @app.put("/v1/uploads/{upload_id}/{file}")
+    async def put_shard(upload_id: str, file: str, request: Request) -> dict[str, Any]:
+        up = upload(upload_id)
+        index = next((i for i, s in enumerate(up.manifest.shards) if s.file == file), None)
+        if index is None:
+            raise _fail(404, f"the upload's manifest lists no shard {file!r}")
+        if file in up.busy:
+            raise _fail(409, f"shard {file!r} of this upload is already being received")
+        expected_bytes = up.manifest.shards[index].bytes
+        path = up.staged / file
+        up.busy.add(file)
+        up.verified.discard(file)
+        try:
+            got = await _receive(request, path, expected_bytes)
+            if got != expected_bytes:
+                raise _fail(400, f"shard {file!r}: received {got} bytes, the manifest says {expected_bytes}")
+            try:
+                await asyncio.to_thread(verify_shard, up.manifest, index, up.staged)
+            except WeightsError as e:
+                raise _fail(422, f"refused, nothing published: {e}") from None
+            up.verified.add(file)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            up.busy.discard(file)
+            up.touched = time.monotonic()
+        return {"verified": file}
+
+    @app.post("/v1/uploads/{upload_id}/commit")
+    async def commit(upload_id: str) -> dict[str, str]:
+        up = upload(upload_id)
+        missing = [s.file for s in up.manifest.shards if s.file not in up.verified]
+        if missing or up.busy:
+            raise _fail(409, f"cannot publish {up.key!r}: shards {missing or sorted(up.busy)} not received and "
+                             "verified yet")
+        uploads.pop(upload_id)
+        try:
+            if (existing := complete_manifest(up.key)) is not None:   # a concurrent upload won the race
+                if existing.sha256 != up.manifest.sha256:
+                    raise _fail(409, f"entry {up.key!r} was published with other weights meanwhile")
+                shutil.rmtree(up.staged, ignore_errors=True)
+                return {"manifest_sha256": existing.sha256}
+            # Not fsynced: an upload is scratch for one round, every reader verifies it again, and a
+            # server that crashes re-runs the round; a checkpoint (the average) is written durably.
+            done = await asyncio.to_thread(install_entry, up.staged, up.manifest, up.dest, False)
+            return {"manifest_sha256": done.sha256}
+        except WeightsError as e:
+            shutil.rmtree(up.staged, ignore_errors=True)
+            raise _fail(409, e) from None
+        except BaseException:
+            shutil.rmtree(up.staged, ignore_errors=True)
+            raise
+
+    @app.delete("/v1/uploads/{upload_id}")
+    async def abandon(upload_id: str) -> dict[str, bool]:
+        if (up := uploads.get(upload_id)) is not None and not up.busy:
+            uploads.pop(upload_id)
+            shutil.rmtree(up.staged, ignore_errors=True)
+        return {"abandoned": True}
+
+    return app
+
+
+async def _receive(request: Request, path: Path, limit: int) -> int:
+    """Stream a request body into `path` in CHUNK-sized writes (off the event loop); refuse more
+    than `limit` bytes without reading them."""
+    got = size = 0
+    pieces: list[bytes] = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        async for piece in request.stream():
+            got += len(piece)
+            if got > limit:
+                raise _fail(400, f"{path.name}: body longer than the manifest's {limit} bytes")
+            pieces.append(piece)
+            size += len(piece)
+            if size >= CHUNK:
+                await asyncio.to_thread(write_all, fd, pieces)
+                pieces, size = [], 0
+        await asyncio.to_thread(write_all, fd, pieces)
+    except ClientDisconnect:
+        raise _fail(400, f"{path.name}: the client went away after {got} bytes") from None
+    finally:
+        os.close(fd)
+    return got
+
+
+def _tls_pair(certfile: str | None, keyfile: str | None) -> tuple[str, str] | None:
+    """Both or neither; a pair that does not load is an error now, not when the first node calls."""
+    if not certfile and not keyfile:
+        return None
+    if not (certfile and keyfile):
+        raise WeightsError("the weight store's TLS needs both a certificate and its key "
+                           f"(got certfile={certfile!r}, keyfile={keyfile!r})")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise WeightsError(f"cannot load the weight store's TLS certificate {certfile} / key {keyfile}: {e}") from e
+    return certfile, keyfile
+
+
+class WeightStoreServer:
+    """The built-in store served from a background thread (real uvicorn) of the calling process.
+
+    The caller binds the listening socket, so the port follows the project's port rules
+    (envs.ports.bind_listener: a private band outside the ephemeral range, one clean retry);
+    `advertise_host` is the address nodes use when `sock` is bound to all interfaces.
+    """
+
+    def __init__(self, root: Path, token: str, sock: socket.socket, *, certfile: str | None = None,
+                 keyfile: str | None = None, advertise_host: str | None = None):
+        if len(token) < _MIN_TOKEN_CHARS:
+            raise WeightsError(f"the weight store's token must have >= {_MIN_TOKEN_CHARS} characters; "
+                               "use fl_app.store_server.new_token()")
+        if not Path(root).is_dir():
+            raise WeightsError(f"the weight store's root {root} is not a directory")
+        self.root, self.token, self.sock = Path(root), token, sock
+        self.tls = _tls_pair(certfile, keyfile)
+        self.advertise_host = advertise_host
+        self.app = build_app(self.root, token)
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        """The URL nodes open (`HttpWeightStore(url, token)`)."""
+        host, port = self.sock.getsockname()[:2]
+        if self.advertise_host:
+            host = self.advertise_host
+        elif host in ("0.0.0.0", "::"):
+            raise WeightsError(f"the weight store listens on all interfaces ({host}); name the address nodes "
+                               "reach it at (advertise_host / run.weight_store_url)")
+        host = f"[{host}]" if ":" in host else host
+        return f"{'https' if self.tls else 'http'}://{host}:{port}"
+
+    def start(self, timeout_s: float = 30.0) -> WeightStoreServer:
+        cert, key = self.tls or (None, None)
+        config = uvicorn.Config(self.app, loop="uvloop", http="httptools", ws="none", lifespan="off",
+                                log_level="warning", access_log=False, ssl_certfile=cert, ssl_keyfile=key,
+                                timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+
+        def serve() -> None:
+            try:
+                assert self._server is not None
+                self._server.run(sockets=[self.sock])
+            except BaseException as e:  # SystemExit included: uvicorn exits on some start-up errors
+                self._error = e
+
+        self._thread = threading.Thread(target=serve, name="fedagent-weight-store", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise WeightsError(f"the weight store did not start on {self.sock.getsockname()}: "
+                                   f"{self._error or f'not serving after {timeout_s:.0f} s'}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop serving, abandon unfinished uploads, close the socket; safe to call twice."""
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                self._server.force_exit = True
+                self._thread.join(timeout_s)
+        for up in self.app.state.uploads.values():
+            shutil.rmtree(up.staged, ignore_errors=True)
+        self.app.state.uploads.clear()
+        self.sock.close()
+
+    def __enter__(self) -> WeightStoreServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
