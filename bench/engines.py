@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from client_app.rollout import derive_seed, group_specs, training_rows
 from client_app.trainer import make_engine
 from client_app.trainer.advantages import ADVANTAGES
 from client_app.trainer.device import resolve_device
-from client_app.trainer.loop import RLTrainer, policy_pass
+from client_app.trainer.loop import RLTrainer, loss_specs, policy_pass
 from envs.service import serve_in_subprocess
 from fl_app.config import Config, load_config
 from fl_app.weights import load_shards, save_shards
@@ -273,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                 for label, extra in (("update_verl", []), ("update_verl_variant", args.verl_variant.split(","))):
                     verl_config.recipe_overrides = lambda *a, extra=extra: compose(*a) + extra
                     cfg = bench_config(args, "vllm" if device.type == "cuda" else "hf", backend="verl")
-                    verl = RLTrainer(cfg, make_engine(cfg, args.model, Path(tmp) / label), args.model, None)
+                    engine = make_engine(cfg, args.model, Path(tmp) / label)      # no rollout engine: one vLLM per process
+                    verl = SimpleNamespace(engine=engine, cfg=cfg, policy_loss=loss_specs(cfg)[0], close=engine.close,
+                                           export_weights=engine.export_weights, load_weights=engine.load_weights)
                     verl.load_weights(start)
                     report[label] = {"overrides": extra, **update_arm(verl, episodes, rows, device, peak)}
                     verl.close()

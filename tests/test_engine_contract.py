@@ -364,8 +364,11 @@ def wide(request, kind, env_url, tmp_path_factory):  # noqa: F811
 
 
 def test_rss_flat_across_6_fits(wide):
+    """On CUDA a lane's first fits also warm device-side caches (cuBLAS workspaces, the caching
+    allocator's pools) whose host bookkeeping settles later: more fits, more warm-up there."""
     state, model_mb = initial_and_size(wide)
-    assert_flat(fit_rss_series(wide, state, 6), warmup=2, model_mb=model_mb)
+    on_cuda = wide.engine.device.type == "cuda"
+    assert_flat(fit_rss_series(wide, state, 10 if on_cuda else 6), warmup=5 if on_cuda else 2, model_mb=model_mb)
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """vLLM as the rollout engine of either training engine (`rollout.engine: vllm`,
 client_app/trainer/rollouts.py and vllm_rollout.py).
 
-The GPU tests (`pytest -m gpu`, vLLM 0.24 on a CUDA machine, verl 0.9.1 for the verl engine:
-docs/offline-gpu.md) build a real trainer with its in-process vLLM engine on a random-weight
+The GPU tests (`pytest -m gpu tests/test_verl_vllm.py -k on_builtin`, then `-k on_verl` in a
+second process: vLLM's allocator serves one engine per process; vLLM 0.24 on a CUDA machine,
+verl 0.9.1 for the verl engine: docs/offline-gpu.md) build a real trainer with its in-process vLLM engine on a random-weight
 Qwen2 policy, for the builtin and the verl training engine, and check invariant 25 (asleep
 before every weight sync, refused otherwise), that a sync puts the training engine's current
 weights into vLLM (bf16 of the fp32 masters, bit for bit), and invariant 24 across fits. The CPU
@@ -75,14 +76,21 @@ def test_a_failed_weight_sync_puts_the_engine_back_to_sleep():
     assert not gen.awake
 
 
-@pytest.fixture(scope="module", params=["builtin", "verl"])
+_VLLM_BUILT: list[str] = []
+
+
+@pytest.fixture(scope="module", params=["builtin", "verl"], ids=["on_builtin", "on_verl"])
 def gpu_trainer(request, env_url, tmp_path_factory):  # noqa: F811
     if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
         pytest.skip("needs a CUDA device and vLLM")
+    if _VLLM_BUILT:     # vLLM's CuMem allocator serves one engine per process, even after the first closed
+        pytest.skip(f"this process already built a vLLM engine (on {_VLLM_BUILT[0]}); run the other training "
+                    f"engine's tests in a process of their own: pytest -m gpu {__file__} -k on_{request.param}")
     if request.param == "verl" and importlib.util.find_spec("verl") is None:
         pytest.skip("needs verl")
     # head_dim 64: a size every vLLM attention backend takes
     model = random_model_dir(tmp_path_factory.mktemp("models") / "wide", hidden_size=256, layers=2, heads=4)
+    _VLLM_BUILT.append(request.param)
     trainer = build(f"{request.param}-cuda", model, env_url, tmp_path_factory.mktemp("run"),
                     rollout={"max_response_tokens": 16, "engine": "vllm", "gpu_memory_utilization": 0.3})
     yield trainer
