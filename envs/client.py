@@ -25,9 +25,6 @@ from yarl import URL
 T = TypeVar("T")
 
 _JSON = {"Content-Type": "application/json"}
-_NDJSON = "application/x-ndjson"
-# batched verbs: results streamed one per line, decoded as they arrive (envs/service.py)
-_JSON_STREAMED = {**_JSON, "Accept": _NDJSON}
 # Retried: refused/reset/dropped connections and truncated answers (aiohttp's connection and
 # payload errors, OSError), timeouts.
 _TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError,
@@ -91,20 +88,15 @@ class EnvClient:
                 skip_auto_headers=("User-Agent", "Accept-Encoding"))
         return self._http
 
-    async def _call(self, method: str, path: str, payload: dict | None = None,
-                    streamed: bool = False) -> Any:
-        """The decoded answer; `streamed`: the results list of a batched verb, read as it
-        streams in (NDJSON)."""
+    async def _call(self, method: str, path: str, payload: dict | None = None) -> Any:
         url = self._urls.get(path) or self._urls.setdefault(path, self._url.with_path(
             self._url.path.rstrip("/") + path))
         body = None if payload is None else orjson.dumps(payload)
-        headers = None if body is None else _JSON_STREAMED if streamed else _JSON
         http = self._session()
         for attempt in range(self.retries + 1):
             try:
-                async with http.request(method, url, data=body, headers=headers) as resp:
-                    if resp.status < 400 and resp.content_type == _NDJSON:
-                        return await _read_lines(resp)
+                async with http.request(method, url, data=body,
+                                        headers=None if body is None else _JSON) as resp:
                     status, answer = resp.status, await resp.read()
             except _TRANSPORT_ERRORS as e:
                 if attempt == self.retries:
@@ -148,7 +140,8 @@ class EnvClient:
     # ---- batched verbs (one request per rollout step); per-item {"error": ...} results
     async def reset_batch(self, items: Iterable[tuple[str, int]]) -> list[dict]:
         items = list(items)
-        out = await self._batch("/reset_batch", [{"session_id": s, "seed": seed} for s, seed in items])
+        out = (await self._call("POST", "/reset_batch", {
+            "items": [{"session_id": s, "seed": seed} for s, seed in items]}))["results"]
         for (sid, _), res in zip(items, out):
             if "error" not in res:
                 self._turns[sid] = 0
@@ -156,18 +149,11 @@ class EnvClient:
 
     async def step_batch(self, items: Iterable[tuple[str, str]]) -> list[dict]:
         items = list(items)
-        out = await self._batch("/step_batch", [self._step_item(s, a) for s, a in items])
+        out = (await self._call("POST", "/step_batch", {
+            "items": [self._step_item(s, a) for s, a in items]}))["results"]
         for (sid, _), res in zip(items, out):
             if "error" not in res:
                 self._advance(sid)
-        return out
-
-    async def _batch(self, path: str, items: list[dict]) -> list[dict]:
-        out = await self._call("POST", path, {"items": items}, streamed=True)
-        if isinstance(out, dict):          # a service that answers one JSON document
-            out = out["results"]
-        if len(out) != len(items):
-            raise TransportError(f"{path}: {len(out)} results for {len(items)} items")
         return out
 
     async def create_many(self, session_ids: Iterable[str]) -> None:
@@ -197,19 +183,6 @@ class EnvClient:
     def _advance(self, session_id: str) -> None:
         if session_id in self._turns:
             self._turns[session_id] += 1
-
-
-async def _read_lines(resp: aiohttp.ClientResponse) -> list[Any]:
-    """An NDJSON answer, decoded chunk by chunk as it arrives (one orjson call per chunk)."""
-    out: list[Any] = []
-    rest = b""
-    async for chunk in resp.content.iter_any():
-        *lines, rest = (rest + chunk).split(b"\n")
-        if lines:
-            out += orjson.loads(b"[%b]" % b",".join(lines))
-    if rest.strip():
-        raise aiohttp.ClientPayloadError(f"the answer ends with an unterminated line: {rest[:80]!r}")
-    return out
 
 
 async def _all(coros: Iterable[Coroutine[Any, Any, Any]]) -> None:

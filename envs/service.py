@@ -40,7 +40,7 @@ import sys
 import threading
 import urllib.request
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -336,39 +336,6 @@ def _json(payload: Any, status: int = 200) -> Response:
     return Response(_dumps(payload), status_code=status, media_type="application/json")
 
 
-NDJSON = "application/x-ndjson"
-
-
-class _StreamedResults(Response):
-    """A batched verb's results as NDJSON, one result per line in item order, each group of
-    `group` lines sent as soon as it is computed.
-
-    Why: the client decodes the first results while the service computes the rest, so the two
-    processes overlap on the machine's cores instead of taking turns (docs/benchmarks.md). A
-    client asks for it with `Accept: application/x-ndjson`; without it the answer is the one
-    JSON document `{"results": [...]}`. Every item is applied even if the client leaves
-    mid-stream (a retry then replays what already ran).
-    """
-
-    def __init__(self, results: AsyncIterator[dict], group: int = 16):
-        self.results, self.group = results, group
-        self.status_code, self.background = 200, None
-        self.raw_headers = [(b"content-type", NDJSON.encode())]
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        lines: list[bytes] = []
-        async for result in self.results:
-            lines.append(_dumps(result))
-            if len(lines) == self.group:
-                lines.append(b"")
-                await send({"type": "http.response.body", "body": b"\n".join(lines),
-                            "more_body": True})
-                lines = []
-        lines.append(b"")
-        await send({"type": "http.response.body", "body": b"\n".join(lines) if len(lines) > 1 else b""})
-
-
 async def _read_body(request: Request, limit: int) -> bytes:
     """The request body, or TooLarge when it exceeds `limit`.
 
@@ -417,8 +384,7 @@ def _json_verb(handler: Verb, shape: _Shape, limit: int) -> Callable[[Request], 
                 obj = orjson.loads(body)
             except orjson.JSONDecodeError as e:
                 raise Malformed(f"the body is not valid JSON: {e}") from None
-            answer = await handler(shape.check(obj), request)
-            return answer if isinstance(answer, Response) else _json(answer)
+            return _json(await handler(shape.check(obj), request))
         except RequestError as e:
             return _json({"detail": str(e)}, e.status)
     return endpoint
@@ -485,27 +451,20 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
                 return await asyncio.to_thread(engine_call, fn, s, b)
             return engine_call(fn, s, b)
 
-    async def per_item(fn: Callable[[_Session, dict], dict], shape: _Shape,
-                       items: list[Any]) -> AsyncIterator[dict]:
-        """A batched verb's results: `fn` on each item's session, in order; a bad item gets
-        its own `{"error": ...}` and never fails the batch."""
+    async def per_item(fn: Callable[[_Session, dict], dict], shape: _Shape, items: list[Any]) -> dict:
+        """A batched verb: `fn` on each item's session, in order; a bad item gets its own
+        `{"error": ...}` and never fails the batch."""
+        out = []
         for item in items:
             try:
-                yield await on_session(fn, shape.check(item))
+                out.append(await on_session(fn, shape.check(item)))
             except Malformed as e:
-                yield {"error": f"malformed item: {e}"}
+                out.append({"error": f"malformed item: {e}"})
             except RequestError as e:
-                yield {"error": str(e)}
+                out.append({"error": str(e)})
             except Exception as e:  # noqa: BLE001  (an engine failure on one item must not fail its batch)
-                yield {"error": f"{type(e).__name__}: {e}"}
-
-    def batched(fn: Callable[[_Session, dict], dict], shape: _Shape) -> Verb:
-        async def verb(b: dict, request: Request) -> Any:
-            results = per_item(fn, shape, b["items"])
-            if NDJSON in request.headers.get("accept", ""):
-                return _StreamedResults(results)
-            return {"results": [r async for r in results]}
-        return verb
+                out.append({"error": f"{type(e).__name__}: {e}"})
+        return {"results": out}
 
     async def create(b: dict, request: Request) -> dict:
         await pool.create(b["session_id"], functools.partial(_disconnect, request))
@@ -521,8 +480,8 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
         "/reset": (lambda b, _: on_session(do_reset, b), RESET),
         "/step": (lambda b, _: on_session(do_step, b), STEP),
         "/expert": (lambda b, _: on_session(do_expert, b), SESSION),
-        "/reset_batch": (batched(do_reset, RESET), BATCH),
-        "/step_batch": (batched(do_step, STEP), BATCH),
+        "/reset_batch": (lambda b, _: per_item(do_reset, RESET, b["items"]), BATCH),
+        "/step_batch": (lambda b, _: per_item(do_step, STEP, b["items"]), BATCH),
     }
     for path, (handler, shape) in verbs.items():
         app.add_route(path, _json_verb(handler, shape, max_body_bytes), methods=["POST"])

@@ -27,12 +27,9 @@ def url():
 
 
 async def _read_message(reader: asyncio.StreamReader) -> bytes:
-    """One HTTP/1.1 message, framed by Content-Length or chunked (streamed batch answers)."""
     head = await reader.readuntil(b"\r\n\r\n")
-    lines = [line.lower() for line in head.split(b"\r\n")]
-    if b"transfer-encoding: chunked" in lines:
-        return head + await reader.readuntil(b"\r\n0\r\n\r\n")
-    length = next((int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length:")), 0)
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
     return head + await reader.readexactly(length)
 
 
