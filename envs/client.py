@@ -32,6 +32,10 @@ _TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, 
 # Idle keep-alive connections are closed by the client before the service would close them
 # (its keep-alive timeout is 120 s), so a reused connection is never one the service is closing.
 _KEEPALIVE_S = 60.0
+# A batched answer is ~1.3 KB per session (0.7 MB at 512): with aiohttp's default 64 KiB read
+# buffer the connection is paused and resumed several times per answer (measured: 13.1 -> 10.6 us
+# of client CPU per step at 512 sessions with this buffer).
+_READ_BUFFER = 4 << 20
 
 
 class TransportError(ConnectionError):
@@ -85,7 +89,7 @@ class EnvClient:
                                                keepalive_timeout=_KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=self._timeout_s),
                 cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
-                skip_auto_headers=("User-Agent", "Accept-Encoding"))
+                skip_auto_headers=("User-Agent", "Accept-Encoding"), read_bufsize=_READ_BUFFER)
         return self._http
 
     async def _call(self, method: str, path: str, payload: dict | None = None) -> Any:
