@@ -1,19 +1,28 @@
 """Pooled environment service: any registered engine behind JSON over HTTP (FastAPI + uvicorn).
 
 Why a pool: an engine instance is expensive to build, so the service pre-warms `pool_size` of
-them and every episode (session) borrows one from /create to /close. Two field failures shape
+them and every episode (session) borrows one from /create to /close. Three field failures shape
 the bookkeeping (invariant 20):
   - /create double-borrow: a client retry of a /create that is still parked on an exhausted
     pool is an *additional* concurrent request (uvicorn does not cancel the first). The session
     is therefore reserved synchronously, before any await, and a duplicate joins the reservation.
+  - /create orphans: a parked /create whose client disconnected kept its reservation, so the
+    next freed engine went to a session nobody would ever close. A parked /create watches its
+    connection; when the last one waiting for a session leaves before being answered, the
+    reservation is given back (and the engine, if it had just arrived).
   - /close leaks: /close is idempotent and always puts the env back, also for a session whose
     env has not arrived yet (it simply never receives one) or that is mid-step (the env goes back
     when the step ends, never to a second session while in use).
 Every state change of the pool is plain synchronous code on the event-loop thread, so no await
-can split a check from the action it guards; the conservation check in /info proves it under load.
+can split a check from the action it guards; the conservation check in /info proves it under load
+(each engine placed exactly once, and none held by a session nobody can reach).
 
 Step retries are made safe by an optional `turn` (steps taken since reset): a retried step whose
 first attempt already ran replays the stored result instead of advancing the episode twice.
+
+Slow clients: uvicorn bounds only the idle time between requests, so the service adds a deadline
+for a request's head and one for its body (`--header-timeout`, `--body-timeout`); a socket that
+trickles bytes is answered 408 and closed instead of being held for as long as it likes.
 
 Run: python -m envs.service --env shop --port 23456 [--pool-size K] [--params JSON] [--relocate]
 """
@@ -22,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -30,22 +40,25 @@ import sys
 import threading
 import urllib.request
 from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any
 
 import orjson
 from fastapi import FastAPI
 from fastapi.responses import Response
-from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.requests import ClientDisconnect, Request
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from envs.base import Env, task_order_fingerprint
 from envs.ports import PortError, bind_listener, check_port_allowed, port_is_free
 from envs.registry import make_env
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
 READY_PREFIX = "ENV-SERVICE READY "
 
 
@@ -89,6 +102,12 @@ class TooLarge(RequestError):
     status = 413
 
 
+class ClientGone(RequestError):
+    """The client disconnected before its answer was ready (499, nginx's code; nobody reads it)."""
+
+    status = 499
+
+
 # ----------------------------------------------------------------------------------- the pool
 
 @dataclasses.dataclass(eq=False)
@@ -96,6 +115,8 @@ class _Session:
     sid: str
     env: Env | None = None
     closed: bool = False
+    waiters: int = 0                     # parked /create requests still connected
+    claimed: bool = False                # a /create was answered, or another verb used it
     turn: int | None = None              # steps since the last reset; None before any reset
     last_step: tuple[str, dict] | None = None   # (action, result) of step `turn - 1`, for retries
     ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -106,8 +127,10 @@ class EnvPool:
     """Borrow/return bookkeeping for a fixed set of engines.
 
     Invariant: every engine is in exactly one place: the free list, one live session, or a
-    closed session that is finishing its last engine call (`_returning`). Methods that change
-    that state never await, so they are atomic on the event loop.
+    closed session that is finishing its last engine call (`_returning`); and no live session
+    holding an engine is an orphan (unclaimed: no /create of it was answered or is still
+    waiting, and no other verb has used it). Methods that change that state never await, so
+    they are atomic on the event loop.
     """
 
     def __init__(self, envs: list[Env]):
@@ -128,11 +151,37 @@ class EnvPool:
                 self._waiting.append(s)
         return s
 
-    async def create(self, sid: str) -> None:
+    async def create(self, sid: str, client_gone: Callable[[], Awaitable[object]]) -> None:
+        """Reserve `sid` and wait for its env. `client_gone()` resolves when the requesting
+        client disconnects; if it does while parked, and no other /create of the session is
+        waiting and nothing used it, the reservation is given back (`abandon`)."""
         s = self.reserve(sid)
-        await s.ready.wait()
+        if s.env is None and not s.closed:
+            s.waiters += 1
+            ready = asyncio.ensure_future(s.ready.wait())
+            gone = asyncio.ensure_future(client_gone())
+            answered = False
+            try:
+                done, _ = await asyncio.wait((ready, gone), return_when=asyncio.FIRST_COMPLETED)
+                answered = gone not in done    # both done: the client left as the env arrived
+            finally:
+                s.waiters -= 1
+                ready.cancel()
+                gone.cancel()
+                if not answered:               # the client left (or this request was cancelled)
+                    self.abandon(s)
+            if not answered:
+                raise ClientGone(f"the client of /create {sid!r} disconnected while it was parked")
         if s.closed:
             raise SessionConflict(f"session {sid!r} was closed before a pooled env became free")
+        s.claimed = True
+
+    def abandon(self, s: _Session) -> None:
+        """Give `s` back if nobody can reach it: its last waiting /create left unanswered and
+        no other verb used it (an env that just arrived goes straight back)."""
+        if s.waiters == 0 and not s.claimed and self.sessions.get(s.sid) is s:
+            del self.sessions[s.sid]
+            self._retire(s)
 
     def get(self, sid: str) -> _Session:
         s = self.sessions.get(sid)
@@ -141,30 +190,34 @@ class EnvPool:
         if s.env is None:
             raise SessionConflict(f"session {sid!r} is still waiting for a pooled env; "
                                   f"wait for its /create to return before using it")
+        s.claimed = True
         return s
 
     async def close(self, sid: str) -> None:
         """Idempotent: unknown or already-closed sessions are a no-op."""
         s = self.sessions.pop(sid, None)
-        if s is None:
-            return
+        if s is not None and self._retire(s):
+            # The env goes back only once the in-flight engine call on it has finished; shielded
+            # so a cancelled /close request cannot strand it.
+            await asyncio.shield(self._return_after_lock(s))
+
+    def _retire(self, s: _Session) -> bool:
+        """Mark a session (already removed from `sessions`) closed and give its env back now;
+        True when an engine call is in flight on it, so the env must wait for the lock."""
         s.closed = True
         s.ready.set()                       # wakes parked /create duplicates (they report closed)
         if s.env is None:
-            return                          # still parked: `_give` skips closed sessions
-        env = s.env
-        if not s.lock.locked():
-            self._give(env)
-            return
-        self._returning.append(env)
-        # The env goes back only once the in-flight engine call on it has finished; shielded so
-        # a cancelled /close request cannot strand it.
-        await asyncio.shield(self._return_after_lock(s, env))
+            return False                    # still parked: `_give` skips closed sessions
+        if s.lock.locked():
+            self._returning.append(s.env)
+            return True
+        self._give(s.env)
+        return False
 
-    async def _return_after_lock(self, s: _Session, env: Env) -> None:
+    async def _return_after_lock(self, s: _Session) -> None:
         async with s.lock:
-            self._returning.remove(env)
-            self._give(env)
+            self._returning.remove(s.env)
+            self._give(s.env)
 
     def _give(self, env: Env) -> None:
         while self._waiting:
@@ -180,16 +233,19 @@ class EnvPool:
         s.ready.set()
 
     def stats(self) -> dict[str, Any]:
-        held = [s.env for s in self.sessions.values() if s.env is not None]
-        placed = list(self._free) + held + self._returning
+        holders = [s for s in self.sessions.values() if s.env is not None]
+        orphaned = sum(1 for s in holders if not s.claimed and s.waiters == 0)
+        placed = list(self._free) + [s.env for s in holders] + self._returning
         return {
             "pool_size": len(self.envs),
             "free": len(self._free),
-            "live_sessions": len(held),
+            "live_sessions": len(holders),
             "pending_sessions": sum(1 for s in self.sessions.values() if s.env is None),
             "returning": len(self._returning),
-            # Conservation: each engine placed exactly once (no leak, no double hold).
-            "conserved": len(placed) == len(self.envs) == len({id(e) for e in placed}),
+            "orphaned": orphaned,
+            # Conservation: each engine placed exactly once (no leak, no double hold), and none
+            # held by a session nobody can reach.
+            "conserved": orphaned == 0 and len(placed) == len(self.envs) == len({id(e) for e in placed}),
         }
 
 
@@ -214,13 +270,11 @@ def check_same_task_order(envs: list[Env]) -> str:
 
 # -------------------------------------------------------------------------------- the wire
 #
-# The POST verbs are bare ASGI endpoints served by a middleware of the FastAPI app (inside its
-# error middleware, ahead of its router) rather than FastAPI routes and handlers: on the
-# per-session hot path FastAPI's Request and Response objects, pydantic validation and the
-# stdlib json module cost more server CPU than the shop step itself, and the router with the
-# exception and exit-stack middlewares in front of it another ~30 us per request, a quarter of
-# the app's time per /step (profiled and measured in process, docs/benchmarks.md). Bodies are
-# decoded with orjson and checked against a `_Shape`; answers are encoded with orjson.
+# The POST verbs are plain Starlette routes of the FastAPI app whose endpoints take the raw
+# Request: bodies are decoded with orjson and checked against a `_Shape`, answers encoded with
+# orjson: FastAPI's body parameters (pydantic models, the stdlib json module, its response
+# encoder) cost more per request than a shop step (~25-50 us); this way the app costs ~20 us of
+# CPU per /step outside uvicorn (measured in process) and ~2 us per batch item.
 
 @dataclasses.dataclass(frozen=True)
 class _Shape:
@@ -283,87 +337,58 @@ def _json(payload: Any, status: int = 200) -> Response:
     return Response(_dumps(payload), status_code=status, media_type="application/json")
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int) -> bytes:
     """The request body, or TooLarge when it exceeds `limit`.
 
     An oversized body is still read (and discarded) up to 8x the limit before answering:
     a server that answers and closes while the client is still sending makes the client see a
     broken pipe instead of the 413. Beyond that it answers at once.
     """
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            if value.isdigit() and int(value) > 8 * limit:
-                raise TooLarge(f"request body of {value.decode()} bytes exceeds the "
-                               f"{limit}-byte limit")
-            break
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > 8 * limit:
+        raise TooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit")
     chunks: list[bytes] = []
-    size, more = 0, True
-    while more:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise Malformed("the client disconnected before sending the whole body")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size <= limit:
-            chunks.append(chunk)
-        elif size > 8 * limit:
-            break
-        more = message.get("more_body", False)
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > 8 * limit:
+                break
+    except ClientDisconnect:
+        raise ClientGone("the client disconnected before sending the whole body") from None
     if size > limit:
         raise TooLarge(f"request body exceeds the {limit}-byte limit")
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-_JSON_TYPE = (b"content-type", b"application/json")
+async def _disconnect(request: Request) -> None:
+    """Returns once the client of `request` (whose body was read) has disconnected."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
-async def _send_json(send: Send, status: int, payload: Any,
-                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    out = _dumps(payload)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [_JSON_TYPE, (b"content-length", str(len(out)).encode()), *headers]})
-    await send({"type": "http.response.body", "body": out})
+Verb = Callable[[dict, Request], Awaitable[Any]]
 
 
-class _JsonVerb:
-    """One POST verb as an ASGI endpoint: JSON body -> checked dict -> `handler` -> JSON.
+def _json_verb(handler: Verb, shape: _Shape, limit: int) -> Callable[[Request], Awaitable[Response]]:
+    """One POST verb as a Starlette endpoint: JSON body -> checked dict -> `handler` -> JSON.
 
     A `RequestError` becomes its status with `{"detail": message}`; anything else propagates
     to the app's error middleware (HTTP 500).
     """
-
-    def __init__(self, handler: Callable[[dict], Awaitable[Any]], shape: _Shape, limit: int):
-        self.handler, self.shape, self.limit = handler, shape, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def endpoint(request: Request) -> Response:
         try:
-            body = await _read_body(scope, receive, self.limit)
+            body = await _read_body(request, limit)
             try:
-                request = orjson.loads(body)
+                obj = orjson.loads(body)
             except orjson.JSONDecodeError as e:
                 raise Malformed(f"the body is not valid JSON: {e}") from None
-            status, payload = 200, await self.handler(self.shape.check(request))
+            return _json(await handler(shape.check(obj), request))
         except RequestError as e:
-            status, payload = e.status, {"detail": str(e)}
-        await _send_json(send, status, payload)
-
-
-class _JsonVerbs:
-    """Middleware serving the POST verbs (path -> `_JsonVerb`); anything else goes on to the
-    app. Another method on a verb's path is answered 405."""
-
-    def __init__(self, app: ASGIApp, verbs: dict[str, _JsonVerb]):
-        self.app, self.verbs = app, verbs
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        verb = self.verbs.get(scope["path"]) if scope["type"] == "http" else None
-        if verb is None:
-            await self.app(scope, receive, send)
-        elif scope["method"] != "POST":
-            await _send_json(send, 405, {"detail": f"{scope['path']} takes POST"},
-                             ((b"allow", b"POST"),))
-        else:
-            await verb(scope, receive, send)
+            return _json({"detail": str(e)}, e.status)
+    return endpoint
 
 
 def create_app(env_name: str, pool_size: int, env_params: dict,
@@ -374,7 +399,7 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
     is bound (invariant 22).
 
     `offload`: where engine calls run. Default (False) is inline on the event loop, because
-    measured on the shop (bench/env_service.py, docs/benchmarks.md) a step costs ~50-80 us,
+    measured on the shop (bench/env_service.py, docs/benchmarks.md) a step costs ~25-80 us,
     while a threadpool hop alone costs several times that and buys no parallelism
     (pure-Python engine, one GIL). True runs them in worker threads, for engines whose calls take
     milliseconds (the loop then stays responsive to /create, /close and /health meanwhile); the
@@ -387,12 +412,13 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
     app.state.pool = pool
     ok = {"ok": True}
 
-    def do_reset(s: _Session, seed: int) -> dict:
-        obs, info = s.env.reset(seed)
+    def do_reset(s: _Session, b: dict) -> dict:
+        obs, info = s.env.reset(b["seed"])
         s.turn, s.last_step = 0, None
         return {"observation": obs, "info": info}
 
-    def do_step(s: _Session, action: str, turn: int | None) -> dict:
+    def do_step(s: _Session, b: dict) -> dict:
+        action, turn = b["action"], b.get("turn")
         if s.turn is None:
             raise SessionConflict(f"session {s.sid!r} has no episode: /reset it before /step")
         if turn is not None and turn != s.turn:
@@ -405,57 +431,61 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
         s.last_step = (action, result)
         return result
 
-    def do_expert(s: _Session) -> dict:
+    def do_expert(s: _Session, b: dict) -> dict:
         return {"action": s.env.expert_action()}
 
-    async def locked(sid: str, fn: Callable[..., dict], *args: Any) -> dict:
-        s = pool.get(sid)
+    def engine_call(fn: Callable[[_Session, dict], dict], s: _Session, b: dict) -> dict:
+        try:
+            return fn(s, b)
+        except ValueError as e:   # the engine's "bad request" (e.g. a filtered-out task)
+            raise EngineRejected(f"engine rejected the request for {s.sid!r}: {e}") from e
+
+    async def on_session(fn: Callable[[_Session, dict], dict], b: dict) -> dict:
+        """`fn` on the body's session, one engine call at a time per session."""
+        s = pool.get(b["session_id"])
+        if not offload and not s.lock.locked():
+            return engine_call(fn, s, b)    # inline: nothing can interleave, the lock is moot
         async with s.lock:
             if s.closed:
-                raise UnknownSession(f"unknown session {sid!r}: it was closed")
-            try:
-                if offload:
-                    return await asyncio.to_thread(fn, s, *args)
-                return fn(s, *args)
-            except ValueError as e:   # the engine's "bad request" (e.g. a filtered-out task)
-                raise EngineRejected(f"engine rejected the request for {sid!r}: {e}") from e
+                raise UnknownSession(f"unknown session {s.sid!r}: it was closed")
+            if offload:
+                return await asyncio.to_thread(engine_call, fn, s, b)
+            return engine_call(fn, s, b)
 
-    async def per_item(items: list[Any], shape: _Shape,
-                       call: Callable[[dict], Awaitable[dict]]) -> dict:
+    async def per_item(fn: Callable[[_Session, dict], dict], shape: _Shape, items: list[Any]) -> dict:
+        """A batched verb: `fn` on each item's session, in order; a bad item gets its own
+        `{"error": ...}` and never fails the batch."""
         out = []
         for item in items:
             try:
-                out.append(await call(shape.check(item)))
+                out.append(await on_session(fn, shape.check(item)))
             except Malformed as e:
                 out.append({"error": f"malformed item: {e}"})
             except RequestError as e:
                 out.append({"error": str(e)})
-            except Exception as e:  # an engine failure on one item must not fail its batch
+            except Exception as e:  # noqa: BLE001  (an engine failure on one item must not fail its batch)
                 out.append({"error": f"{type(e).__name__}: {e}"})
         return {"results": out}
 
-    async def create(b: dict) -> dict:
-        await pool.create(b["session_id"])
+    async def create(b: dict, request: Request) -> dict:
+        await pool.create(b["session_id"], functools.partial(_disconnect, request))
         return ok
 
-    async def close(b: dict) -> dict:
+    async def close(b: dict, _: Request) -> dict:
         await pool.close(b["session_id"])
         return ok
 
-    async def reset(b: dict) -> dict:
-        return await locked(b["session_id"], do_reset, b["seed"])
-
-    async def step(b: dict) -> dict:
-        return await locked(b["session_id"], do_step, b["action"], b.get("turn"))
-
-    async def expert(b: dict) -> dict:
-        return await locked(b["session_id"], do_expert)
-
-    async def reset_batch(b: dict) -> dict:
-        return await per_item(b["items"], RESET, reset)
-
-    async def step_batch(b: dict) -> dict:
-        return await per_item(b["items"], STEP, step)
+    verbs: dict[str, tuple[Verb, _Shape]] = {
+        "/create": (create, SESSION),
+        "/close": (close, SESSION),
+        "/reset": (lambda b, _: on_session(do_reset, b), RESET),
+        "/step": (lambda b, _: on_session(do_step, b), STEP),
+        "/expert": (lambda b, _: on_session(do_expert, b), SESSION),
+        "/reset_batch": (lambda b, _: per_item(do_reset, RESET, b["items"]), BATCH),
+        "/step_batch": (lambda b, _: per_item(do_step, STEP, b["items"]), BATCH),
+    }
+    for path, (handler, shape) in verbs.items():
+        app.add_route(path, _json_verb(handler, shape, max_body_bytes), methods=["POST"])
 
     async def health(_: Request) -> Response:
         return _json(ok)
@@ -465,23 +495,91 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
                       "fingerprint": fingerprint,
                       "num_tasks": first.num_tasks, "val_size": first.val_size, **pool.stats()})
 
-    verbs = [("/step", step, STEP), ("/step_batch", step_batch, BATCH), ("/reset", reset, RESET),
-             ("/reset_batch", reset_batch, BATCH), ("/create", create, SESSION),
-             ("/close", close, SESSION), ("/expert", expert, SESSION)]
-    app.add_middleware(_JsonVerbs, verbs={
-        path: _JsonVerb(handler, shape, max_body_bytes) for path, handler, shape in verbs})
     app.add_route("/info", info, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     return app
 
 
+# -------------------------------------------------------------------------- slow clients
+
+class DeadlineProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the two deadlines uvicorn does not have (its issue
+    #157): a request's head must arrive within `header_timeout_s` of the connection opening
+    or of the request's first byte, and its body within `body_timeout_s` of the head.
+
+    Without them a client that trickles bytes (or sends none) holds its socket for as long as
+    it likes: uvicorn's keep-alive timeout covers only the idle time between requests. The
+    deadlines live here, not in the app, because the app first sees a request once its head is
+    complete. On expiry the client gets 408 (unless an answer is already on its way) and the
+    connection is closed; an app still reading that body sees a disconnect.
+    """
+
+    def __init__(self, *args: Any, header_timeout_s: float, body_timeout_s: float,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def _arm(self, seconds: float, what: str) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self._expire, what, seconds)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self, what: str, seconds: float) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle   # in the head phase: the previous request's (if any)
+        if cycle is not None and (what == "request body" or not cycle.response_complete):
+            if cycle.response_started:      # an answer is on its way: just end the connection
+                self.transport.close()
+                return
+            cycle.disconnected = True       # the app's receive() now reports a disconnect
+            cycle.message_event.set()
+        body = orjson.dumps({"detail": f"the {what} did not arrive within {seconds:g} s"})
+        self.transport.write(b"".join([
+            STATUS_LINE[408], b"content-type: application/json\r\nconnection: close\r\n",
+            b"content-length: %d\r\n\r\n" % len(body), body]))
+        self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(self.header_timeout_s, "request head")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._deadline is None:          # the next request on a kept-alive connection
+            self._arm(self.header_timeout_s, "request head")
+
+    def on_headers_complete(self) -> None:
+        self._arm(self.body_timeout_s, "request body")
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
 # ---------------------------------------------------------------------------- running it
 
 def serve(app: FastAPI, host: str, port: int | None, relocate: bool = False,
-          parent_pid: int | None = None) -> None:
+          parent_pid: int | None = None, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+          body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
     """Bind (one clean retry on a collision), print the ready line, serve until SIGTERM/SIGINT,
     or until `parent_pid` is gone: a launcher killed with SIGKILL runs no cleanup, and an
-    orphaned service would hold its port and engines forever."""
+    orphaned service would hold its port and engines forever. Requests whose head or body
+    arrives slower than the timeouts are answered 408 (`DeadlineProtocol`)."""
+    for name, value in (("header timeout", header_timeout_s), ("body timeout", body_timeout_s)):
+        if not 0 < value < float("inf"):
+            raise ValueError(f"the {name} must be a positive number of seconds, got {value}")
     import uvicorn
 
     # Garbage collection was 10-13% of the service's CPU at 512 sessions (profiled,
@@ -494,7 +592,9 @@ def serve(app: FastAPI, host: str, port: int | None, relocate: bool = False,
     gc.set_threshold(20_000, 10, 10)
     sock = bind_listener(host, port, relocate)
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False,
+    protocol = functools.partial(DeadlineProtocol, header_timeout_s=header_timeout_s,
+                                 body_timeout_s=body_timeout_s)
+    config = uvicorn.Config(app, loop="uvloop", http=protocol, access_log=False,  # type: ignore[arg-type]
                             log_level="warning", timeout_keep_alive=120, proxy_headers=False,
                             server_header=False, date_header=False,
                             timeout_graceful_shutdown=5)
@@ -534,6 +634,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="exit when this process is no longer our parent (set by launchers)")
     ap.add_argument("--offload", action="store_true",
                     help="run engine calls in worker threads (for engines with millisecond steps)")
+    ap.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                    help="seconds a request's head may take to arrive (from the connection's "
+                         "opening or the request's first byte); slower gets 408")
+    ap.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                    help="seconds a request's body may take to arrive after its head; slower gets 408")
     args = ap.parse_args(argv)
     try:
         params = json.loads(args.params)
@@ -548,8 +653,13 @@ def main(argv: list[str] | None = None) -> int:
             if not port_is_free(args.port, args.host):
                 raise PortError(f"port {args.port} on {args.host} is already in use; stop whatever "
                                 f"listens there, pick another port, or pass --relocate")
+        for flag, value in (("--header-timeout", args.header_timeout),
+                            ("--body-timeout", args.body_timeout)):
+            if not 0 < value < float("inf"):
+                ap.error(f"{flag} must be a positive number of seconds, got {value}")
         app = create_app(args.env, args.pool_size, params, args.max_body_bytes, args.offload)
-        serve(app, args.host, args.port, args.relocate, args.parent_pid)
+        serve(app, args.host, args.port, args.relocate, args.parent_pid, args.header_timeout,
+              args.body_timeout)
     except (PortError, PoolMismatchError, ValueError, TypeError) as e:
         print(f"envs.service: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -563,8 +673,9 @@ class ServiceStartError(RuntimeError):
 @contextmanager
 def serve_in_subprocess(env_name: str, pool_size: int, env_params: dict, port: int | None = None,
                         host: str = "127.0.0.1", offload: bool = False,
-                        startup_timeout_s: float = 180.0, stop_timeout_s: float = 10.0
-                        ) -> Iterator[str]:
+                        startup_timeout_s: float = 180.0, stop_timeout_s: float = 10.0,
+                        header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+                        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> Iterator[str]:
     """Run the service CLI in a child process for the `with` block; yields its base URL.
 
     The child exists only inside this scope (invariant 22): whatever happens, on exit exactly
@@ -574,7 +685,8 @@ def serve_in_subprocess(env_name: str, pool_size: int, env_params: dict, port: i
     URL comes from its ready line.
     """
     cmd = [sys.executable, "-m", "envs.service", "--env", env_name, "--pool-size", str(pool_size),
-           "--params", json.dumps(env_params), "--host", host, "--parent-pid", str(os.getpid())]
+           "--params", json.dumps(env_params), "--host", host, "--parent-pid", str(os.getpid()),
+           "--header-timeout", str(header_timeout_s), "--body-timeout", str(body_timeout_s)]
     if port is not None:
         cmd += ["--port", str(port)]
     if offload:

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from envs.client import EnvClient, EnvServiceError, SyncEnvClient
+from envs.client import EnvClient, EnvServiceError, SyncEnvClient, TransportError
 from envs.ports import choose_free_port
 from envs.service import serve_in_subprocess
 
@@ -131,7 +131,7 @@ def test_retries_are_bounded():
     async def go():
         async with EnvClient(f"http://127.0.0.1:{choose_free_port()}", retries=2,
                              backoff_s=0.01) as c:
-            with pytest.raises(ConnectionRefusedError):
+            with pytest.raises(TransportError, match="failed 3 time"):
                 await c.info()
     asyncio.run(go())
 

@@ -1,7 +1,8 @@
 """The pooled env service against a real uvicorn server in a subprocess, real shop engines.
 
-Invariants: 20 (idempotent /create, /close always returns the env, pool conserved under storms,
-for the shop and for ALFWorld), 21 (pool members agree on task order; the service refuses to
+Invariants: 20 (idempotent /create, /close always returns the env, a dropped parked /create
+gives its reservation back, pool conserved (no orphans) under storms, for the shop and for
+ALFWorld), 21 (pool members agree on task order; the service refuses to
 start otherwise), 22 (the service lives only inside a scope that stops it).
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ import pytest
 from envs.base import task_order_fingerprint
 from envs.client import EnvClient, EnvServiceError
 from envs.registry import make_env
-from envs.service import (PoolMismatchError, ServiceStartError, build_pool,
+from envs.service import (EnvPool, PoolMismatchError, ServiceStartError, build_pool,
                           check_same_task_order, create_app, serve_in_subprocess)
 from test_alfworld import alf_cache, small_params  # noqa: F401  (alf_cache: a fixture)
 
@@ -220,6 +221,94 @@ def test_close_of_pending_create_returns_env_to_pool(url):
             await c.close_many(holders[1:])
     run(go())
     assert_pool_whole(url)
+
+
+async def _parked_create(url: str, sid: str) -> asyncio.StreamWriter:
+    """A /create of `sid` sent on a raw socket, left parked; closing the writer drops it."""
+    host, port = url.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    body = json.dumps({"session_id": sid}).encode()
+    writer.write(b"POST /create HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    return writer
+
+
+async def _until(c: EnvClient, check, timeout_s: float = 5.0) -> dict:
+    """Poll /info until `check(info)` holds; the last info either way."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        i = await c.info()
+        if check(i) or asyncio.get_running_loop().time() > deadline:
+            return i
+        await asyncio.sleep(0.05)
+
+
+def test_dropped_parked_creates_give_their_reservations_back(url):
+    """Issue 18 item 6: fill the pool, drop 3 parked /create clients, close the holders: every
+    engine is back (the old service handed the first 3 freed engines to the dropped sessions,
+    orphans nobody closes, and still said `conserved`)."""
+    holders = [f"fill{i}" for i in range(POOL)]
+
+    async def go():
+        async with EnvClient(url) as c:
+            await c.create_many(holders)
+            parked = [await _parked_create(url, f"gone{i}") for i in range(3)]
+            i = await _until(c, lambda i: i["pending_sessions"] == 3)
+            assert (i["free"], i["live_sessions"], i["pending_sessions"]) == (0, POOL, 3), i
+            for w in parked:
+                w.close()
+            i = await _until(c, lambda i: i["pending_sessions"] == 0)
+            assert i["pending_sessions"] == 0, i               # the reservations were given back
+            await c.close_many(holders)
+            i = await c.info()
+            assert (i["free"], i["live_sessions"], i["orphaned"], i["conserved"]) == \
+                (POOL, 0, 0, True), i
+    run(go())
+    assert_pool_whole(url)
+
+
+def test_a_dropped_duplicate_create_keeps_the_reservation_of_the_one_still_waiting(url):
+    """Two /create of one session parked; the one whose client leaves does not cancel the
+    other's reservation: it gets the next engine, exactly one."""
+    holders = [f"keep{i}" for i in range(POOL)]
+
+    async def go():
+        async with EnvClient(url) as c:
+            await c.create_many(holders)
+            dropped = await _parked_create(url, "twice")
+            waiting = asyncio.ensure_future(c.create("twice"))
+            await _until(c, lambda i: i["pending_sessions"] == 1)
+            dropped.close()
+            await asyncio.sleep(0.3)
+            assert (await c.info())["pending_sessions"] == 1 and not waiting.done()
+            await c.close(holders[0])
+            await asyncio.wait_for(waiting, 10)
+            i = await c.info()
+            assert (i["free"], i["live_sessions"], i["orphaned"]) == (0, POOL, 0), i
+            await c.close_many(holders[1:] + ["twice"])
+    run(go())
+    assert_pool_whole(url)
+
+
+def test_conserved_is_false_while_an_engine_sits_with_an_unreachable_session():
+    """`conserved` counts orphans: an engine handed to a reservation that no waiting /create,
+    answered /create or other verb ever reached (the old service's state after a parked
+    client left) is not conserved, though it is placed exactly once."""
+    async def go():
+        pool = EnvPool(build_pool("shop", 2, PARAMS))
+        for sid in ("a", "b"):
+            pool.reserve(sid)
+            pool.get(sid)                  # used by its client: reachable
+        pool.reserve("nobody")             # parked on the empty pool, its requester gone
+        assert pool.stats()["conserved"]   # parked, it holds nothing yet
+        await pool.close("a")              # the freed engine goes to the parked reservation
+        stats = pool.stats()
+        assert (stats["free"], stats["live_sessions"], stats["conserved"]) == (0, 2, False), stats
+        assert stats["orphaned"] == 1
+        pool.get("nobody")                 # a client reached it after all: no longer an orphan
+        assert pool.stats()["conserved"] and pool.stats()["orphaned"] == 0
+    run(go())
 
 
 @dataclasses.dataclass(frozen=True)
