@@ -133,8 +133,7 @@ def init_weights(msg: Message, context: Context) -> Message:
 def shutdown(msg: Message, context: Context) -> Message:
     """End of run: stop this lane's trainer service and report what it served."""
     node = _node(context)
-    h = node.lane.health() or {}
-    stopped = node.lane.shutdown()
+    h = node.lane.shutdown()      # None: another node of this lane stopped it (simulation)
     return Message(content=RecordDict({"metrics": MetricRecord({
-        "stopped": int(stopped), "fits": int(h.get("fits", 0)), "evals": int(h.get("evals", 0)),
-        "rss_mb": float(h.get("rss_mb", 0.0))})}), reply_to=msg)
+        "stopped": int(h is not None), "fits": int((h or {}).get("fits", 0)), "evals": int((h or {}).get("evals", 0)),
+        "rss_mb": float((h or {}).get("rss_mb", 0.0))})}), reply_to=msg)

@@ -130,6 +130,8 @@ class RunCfg(_Strict):
     inline_max_mb: float = Field(64.0, ge=0, description="Models up to this size travel inline in Flower messages; larger ones through the weight store.")
     shard_max_mb: float = Field(512.0, gt=0, description="Upper bound on one safetensors shard.")
     service_idle_timeout_s: float = Field(900.0, gt=0, description="A trainer service with no request for this long exits.")
+    weight_cache_dir: str = Field(default_factory=lambda: str(Path(os.environ.get("FEDAGENT_CACHE_DIR", "~/.cache/fedagent-flower")) / "weights"),
+                                  description="Node-local root for weights a node fetched from or stages for a remote weight store (no shared disk); the trainer service reads and writes weights only inside the run dir and this root. Node-local: resolved on each node (default `$FEDAGENT_CACHE_DIR/weights`, else ~/.cache/fedagent-flower/weights) and not part of the recipe digest.")
 
 
 class VerlCfg(_Strict):
