@@ -62,7 +62,7 @@ class Refused(Exception):
 
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
 Count = Annotated[int, Field(ge=0, lt=2**31)]
-DirPath = Annotated[str, Field(min_length=1, max_length=4096)]
+DirPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]   # no NUL: not a path
 
 
 class _Body(BaseModel):
