@@ -250,7 +250,8 @@ class TrainerService:
         with self.lock:
             self.last_request = time.monotonic()
             self.trainer.load_weights(load_shards(weights_in))
-            res = self.trainer.evaluate(EvalRequest(task_indices=list(range(self.cfg.federation.val_tasks)), seed=body.seed))
+            res = self.trainer.evaluate(EvalRequest(task_indices=list(range(self.cfg.federation.val_tasks)),
+                                                    seed=body.seed))
             self.evals += 1
             self.last_request = time.monotonic()
             return {"num_examples": res.num_examples, "metrics": dict(res.metrics)}

@@ -6,6 +6,8 @@ message that names the key and the fix, before any process or service starts.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -120,6 +122,8 @@ class FederationCfg(_Strict):
     eval_every: int = Field(1, ge=0, description="Validate the global model every k rounds (and at round 0); 0 = only round 0 and the last round.")
     val_tasks: int = Field(64, gt=0, description="Size of the fixed validation set (the env's first tasks).")
     only_clients: list[int] = Field(default_factory=list, description="Train exactly these client ids every round instead of sampling (the local-only baseline: one client, one round of T*E epochs). Its length must equal `clients_per_round`; empty = sample.")
+    min_clients_per_round: int | None = Field(None, gt=0, description="Failure tolerance: a round completes with the sampled clients that replied if at least this many did; a failed client (its node lost, timed out, raised, or uploaded non-finite weights) is then dropped and named in the round's metrics row. Unset = all of `clients_per_round` (fail closed: a failed client is re-dispatched once to another node, else the round fails).")
+    client_timeout_s: float = Field(86400.0, gt=0, description="A sampled client whose reply has not arrived this long after its message was sent counts as failed (timed out). A lost SuperNode is reported sooner by Flower itself (Node Unavailable, after two missed heartbeats).")
 
 
 class RunCfg(_Strict):
@@ -164,6 +168,9 @@ class Config(_Strict):
                 f"federation.clients_per_round={f.clients_per_round} exceeds federation.clients={f.clients}; "
                 "lower clients-per-round or raise clients"
             )
+        if f.min_clients_per_round is not None and f.min_clients_per_round > f.clients_per_round:
+            raise ValueError(f"federation.min_clients_per_round={f.min_clients_per_round} exceeds "
+                             f"federation.clients_per_round={f.clients_per_round}; lower it or leave it unset (= all)")
         if f.only_clients:
             if len(f.only_clients) != f.clients_per_round or len(set(f.only_clients)) != len(f.only_clients):
                 raise ValueError(f"federation.only_clients={f.only_clients} must list clients_per_round="
@@ -209,6 +216,29 @@ class Config(_Strict):
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run.run_dir or f"runs/{self.run.name}").expanduser().resolve()
+
+    def min_clients(self) -> int:
+        """How many of a round's sampled clients must reply (federation.min_clients_per_round)."""
+        f = self.federation
+        return f.clients_per_round if f.min_clients_per_round is None else f.min_clients_per_round
+
+
+# Keys resolved on each node (paths on that machine), left out of `recipe_sha256`.
+NODE_LOCAL_KEYS = ("model.tiny.cache_dir", "run.weight_cache_dir")
+
+
+def recipe_sha256(cfg: Config) -> str:
+    """sha256 of the resolved recipe without its node-local keys: the server sends it with every
+    message and each node checks its own resolution against it, so server and clients provably
+    run the same recipe."""
+    data = cfg.model_dump(mode="json")
+    for key in NODE_LOCAL_KEYS:
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        node.pop(leaf, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 # Flower run-config keys (kebab-case, flat) -> recipe paths.

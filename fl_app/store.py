@@ -3,10 +3,14 @@
 
 `WeightStore` is the interface both sides program against; `DirStore` implements it on a
 directory (the run dir: a shared disk in simulation). An HTTP store for real deployments can
-implement the same five methods without touching callers.
+implement the same methods without touching callers. Callers move weights with two of them:
+`fetch` (a verified node-local copy of an entry, pinned by its manifest digest) and `publish`
+(a locally written weights dir becomes an entry); for a DirStore both touch nothing (the entry
+is its own local copy; a dir written at the key's own path is already published).
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from abc import ABC, abstractmethod
@@ -52,6 +56,16 @@ class WeightStore(ABC):
     def delete(self, key: str) -> None:
         """Remove an entry, complete or a dead partial write."""
 
+    @abstractmethod
+    def fetch(self, key: str, expected_manifest_sha256: str, cache_dir: Path) -> Manifest:
+        """A verified node-local copy of entry `key`, whose manifest must have the expected
+        digest (WeightsError otherwise: the entry was replaced); remote stores copy it under
+        `cache_dir`."""
+
+    @abstractmethod
+    def publish(self, local_dir: Path, key: str) -> Manifest:
+        """Make the complete weights dir `local_dir` the (new) entry `key`; returns its manifest."""
+
 
 class DirStore(WeightStore):
     """A directory of weights dirs: key `a/b` lives in `<root>/a/b/`."""
@@ -85,3 +99,20 @@ class DirStore(WeightStore):
             raise WeightsError(f"{path} is not a single weights entry (it holds other files or dirs); "
                                "refusing to delete it: delete the entries inside it by their own keys")
         shutil.rmtree(path)
+
+    def fetch(self, key: str, expected_manifest_sha256: str, cache_dir: Path) -> Manifest:
+        manifest = self.manifest(key)
+        if manifest.sha256 != expected_manifest_sha256:
+            raise WeightsError(f"store entry {key!r} is not the one the sender wrote (manifest sha256 "
+                               f"{manifest.sha256[:12]}... != {expected_manifest_sha256[:12]}...): it was replaced, "
+                               "e.g. by a re-run; drop this reply and re-run the fit")
+        return manifest
+
+    def publish(self, local_dir: Path, key: str) -> Manifest:
+        path = self.path(key)
+        if Path(local_dir).resolve() != path.resolve():
+            if path.exists():
+                raise WeightsError(f"store entry {key!r} already exists; entries are immutable")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(local_dir, path)
+        return self.manifest(key)

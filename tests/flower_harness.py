@@ -51,7 +51,7 @@ class FlowerRun:
         return subprocess.run(cmd, env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
 
     def stop(self) -> None:
-        stop_superlink(self.port)
+        stop_superlink(self.home)
         shutil.rmtree(self.short, ignore_errors=True)
 
     def superlink_log(self) -> str:

@@ -16,7 +16,7 @@ from client_app.trainer.base import FitRequest
 from client_app.trainer.builtin import BuiltinTrainer, _pad_rows, gae_targets
 from fl_app.aggregate import fedavg_manifests
 from fl_app.rundir import RunDir, RunDirError
-from fl_app.transport import WeightsRef, fedavg_received, state_to_arrayrecord
+from fl_app.transport import WeightsRef, fedavg_received
 from fl_app.weights import load_shards, save_shards, state_nbytes
 from trainer_support import (SMALL_ENV_PARAMS, env_url, model_dir, one_torch_thread,  # noqa: F401
                              small_config)
@@ -141,7 +141,7 @@ def test_critic_round_trip_export_aggregate_load_gives_identical_values(trainer,
     rows = _rows(trainer, [60, 61], seed=9)
     values = trainer.row_values(rows)
     ref = WeightsRef(inline=True, nbytes=state_nbytes(critic))
-    arrays = state_to_arrayrecord(critic)
+    arrays = critic
     inline = fedavg_received([(ref, arrays, 3.0), (ref, arrays, 5.0)], None, tmp_path / "inline", SHARD_BYTES)
     clients = [save_shards(critic, tmp_path / f"client-{k}", SHARD_BYTES) for k in range(2)]
     stored = fedavg_manifests([(clients[0], 3.0), (clients[1], 5.0)], tmp_path / "stored", SHARD_BYTES)

@@ -17,7 +17,6 @@ import pytest
 from client_app.lane import LaneService, ServiceRequestError
 from client_app.runtime_dir import NodeOwner, RuntimeDirError, node_owner, private_dir
 from fl_app.config import save_config
-from fl_app.weights import Manifest
 from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F401
 
 RUN_ID = 7
