@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -86,7 +87,9 @@ class LaneService:
         self.socket = rt / f"{stem}.sock"
         self.lock_path = rt / f"{stem}.lock"
         self.pid_path = rt / f"{stem}.pid"
-        self.log_path = log_dir / f"service-{self.lane}.log"
+        # one log per service: per lane in simulation, per (host, SuperNode, lane) in deployment
+        node = f"{socket.gethostname()}-{self.owner.scope}-" if self.owner.scope else ""
+        self.log_path = log_dir / f"service-{node}{self.lane}.log"
 
     def _client(self, timeout: float) -> httpx.Client:
         return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://svc",
