@@ -35,6 +35,13 @@ def run_config(recipe: Path, run_dir: Path, **extra: object) -> str:
     return " ".join(f"{k}={v}" for k, v in items.items())
 
 
+def run_status(run_dir: Path) -> subprocess.CompletedProcess:
+    """`python -m server_app.status RUN_DIR`: exit 0 only when the run is complete (`flwr run`
+    exits 0 after a failed run too, so tests ask the run dir, as users are told to)."""
+    return subprocess.run([sys.executable, "-m", "server_app.status", str(run_dir)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
 class FlowerRun:
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -52,11 +59,31 @@ class FlowerRun:
                     # flwr starts `flower-superlink` from PATH: this interpreter's, also without an activated venv
                     "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
 
+    def command(self, run_config: str, federation_config: str = "num-supernodes=2") -> list[str]:
+        return [FLWR, "run", str(ROOT), "--run-config", run_config, "--federation-config", federation_config,
+                "--stream"]
+
     def run(self, run_config: str, timeout_s: float, federation_config: str = "num-supernodes=2"
             ) -> subprocess.CompletedProcess:
-        cmd = [FLWR, "run", str(ROOT), "--run-config", run_config, "--federation-config", federation_config,
-               "--stream"]
-        return subprocess.run(cmd, env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        return subprocess.run(self.command(run_config, federation_config), env=self.env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout_s)
+
+    def start(self, run_config: str, log: Path, federation_config: str = "num-supernodes=2") -> subprocess.Popen:
+        """`flwr run --stream` in the background, its output into `log`."""
+        with open(log, "ab") as fh:
+            return subprocess.Popen(self.command(run_config, federation_config), env=self.env, cwd=ROOT,
+                                    stdout=fh, stderr=subprocess.STDOUT)
+
+    def own_processes(self) -> list[psutil.Process]:
+        """This harness's runtime processes: those whose environment names its private Ray dir
+        (the simulation runtime, its Ray workers and actors, our services), never anyone else's."""
+        mine = str(self.short / "ray")
+        out = []
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if proc.environ().get("RAY_TMPDIR") == mine:
+                    out.append(proc)
+        return out
 
     def stop(self) -> None:
         stop_superlink(self.home)

@@ -23,18 +23,13 @@ import psutil
 import pytest
 
 from fl_app.rundir import RunDir
-from flower_harness import ROOT, deployment, netns_unavailable, run_config
+from flower_harness import ROOT, deployment, netns_unavailable, run_config, run_status
 
 FIXTURES = ROOT / "tests" / "fixtures"
 INLINE, STORE, HTTP = (FIXTURES / f"e2e-{k}recipe.yaml" for k in ("", "store-", "http-"))
 TOLERANT = FIXTURES / "e2e-tolerant-recipe.yaml"
 NO_NETNS = netns_unavailable()
 needs_netns = pytest.mark.skipif(bool(NO_NETNS), reason=f"network/mount namespaces unavailable: {NO_NETNS}")
-
-
-def _status(run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server_app.status", str(run_dir)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
 
 
 def _summary(run_dir: Path) -> dict:
@@ -46,7 +41,7 @@ def _gone(pid: int) -> bool:
 
 
 def _complete(d, p: subprocess.CompletedProcess, run_dir: Path) -> dict:
-    status = _status(run_dir)
+    status = run_status(run_dir)
     assert status.returncode == 0, (status.stdout + p.stdout[-3000:] + p.stderr[-2000:]
                                     + "\n--- superlink\n" + d.log("superlink")[-3000:]
                                     + "\n--- n0\n" + d.log("n0")[-3000:])
@@ -100,7 +95,7 @@ def test_store_path_without_a_shared_disk_fails_naming_the_missing_disk(tmp_path
     runs = tmp_path / "runs"
     with deployment(tmp_path, nodes=2, netns=True, no_shared=[runs]) as d:
         d.run(run_config(STORE, runs / "r", rounds=1), timeout_s=1200)
-        status = _status(runs / "r")
+        status = run_status(runs / "r")
     assert status.returncode == 1, status.stdout
     error = _summary(runs / "r")["error"]
     assert "cannot see the run dir at" in error and "do not share a disk" in error, error
@@ -169,7 +164,7 @@ def _kill_a_node_mid_round(tmp_path: Path, recipe: Path) -> tuple[dict, list[dic
                 run.kill()
             run.wait()
             log.close()
-        status = _status(run_dir)
+        status = run_status(run_dir)
         assert status.returncode == 0, status.stdout + (tmp_path / "flwr-run.log").read_text()[-4000:]
         return _summary(run_dir), rd.read_metrics(), dead
 

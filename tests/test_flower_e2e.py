@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest, load_shards
-from flower_harness import FLWR, ROOT, flower, run_config
+from flower_harness import FLWR, ROOT, flower, run_config, run_status
 from server_app.local_superlink import find_superlink
 
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
@@ -27,12 +26,6 @@ def _rc(run_dir: Path, **extra: object) -> str:
 def _service_pids(fr) -> list[int]:
     rt = fr.short / "rt"
     return [int(p.read_text()) for p in rt.rglob("svc-*.pid")] if rt.exists() else []
-
-
-def run_status(run_dir: Path) -> subprocess.CompletedProcess:
-    """The project's own run-status command (flwr run exits 0 after a failed run too)."""
-    return subprocess.run([sys.executable, "-m", "server_app.status", str(run_dir)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
 
 
 @pytest.fixture(scope="module")
