@@ -146,18 +146,20 @@ class Run:
         return Message(content=RecordDict({**arrays, "config": ConfigRecord({**self.common, **config})}),
                        message_type=mtype, dst_node_id=node, ttl=ttl)
 
-    def ask(self, nodes: list[int], mtype: str, what: str, arrays: dict[str, ArrayRecord] | None = None,
+    def ask(self, mtype: str, what: str, arrays: dict[str, ArrayRecord] | None = None,
             config: dict[str, Any] | None = None) -> Message:
+        """One request to the first connected node (the nodes connected now: a lost one is gone)."""
+        nodes = sorted(self.grid.get_node_ids())
         reply = request_one(self.grid, nodes, lambda n: self.message(n, mtype, arrays or {}, config or {}), what,
                             self.cfg.federation.client_timeout_s, log)
         self.nodes.note(reply)
         return reply
 
 
-def _initial_model(run: Run, nodes: list[int], members: tuple[str, ...]) -> tuple[int, dict[str, Any]]:
+def _initial_model(run: Run, members: tuple[str, ...]) -> tuple[int, dict[str, Any]]:
     """Round 0: a lane exports its freshly built members; the server writes them as the checkpoint.
     Returns the bytes written and where the lane's critic came from (PPO; empty otherwise)."""
-    reply = run.ask(nodes, "query.init", "round 0: initial model")
+    reply = run.ask("query.init", "round 0: initial model")
     conf = reply.content["config"]
     w = run.w
     nbytes = 0
@@ -169,9 +171,9 @@ def _initial_model(run: Run, nodes: list[int], members: tuple[str, ...]) -> tupl
     return nbytes, critic
 
 
-def _evaluate(run: Run, nodes: list[int], rnd: int) -> dict[str, float]:
+def _evaluate(run: Run, rnd: int) -> dict[str, float]:
     arrays, ref = run.w.payload(rnd, ("actor",))
-    reply = run.ask(nodes, MessageType.EVALUATE, f"round {rnd}: validation", arrays,
+    reply = run.ask(MessageType.EVALUATE, f"round {rnd}: validation", arrays,
                     {**ref, "server-round": rnd, "seed": run.cfg.run.seed})
     return {f"val_{k}": float(v) for k, v in reply.content["metrics"].items() if k != "num-examples"}
 
@@ -193,14 +195,13 @@ def main(grid: Grid, context: Context) -> None:
     base = {"run_id": context.run_id, "target_rounds": fed.rounds, "members": list(rd.members)}
     rd.write_summary({"status": "running", **base, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     run = None
-    nodes: list[int] = []
     try:
         nodes = _wait_for_nodes(grid)
         run = Run(grid, context, cfg, rd)
         log(f"run {context.run_id}: {fed.clients} clients, {fed.clients_per_round}/round (at least "
             f"{cfg.min_clients()} must reply), {fed.rounds} rounds, {fed.local_epochs} local epochs, strategy "
             f"{fed.strategy}, {len(nodes)} node(s); run dir {rd.path}")
-        critic = _rounds(run, nodes, start)
+        critic = _rounds(run, start)
     except BaseException as e:
         # A run that dies mid-loop labels no final round (invariant 6); resume picks up from disk.
         error_log = _write_error_log(rd, e)
@@ -243,7 +244,7 @@ def _critic_provenance(rd: RunDir, resumed_after: int | None, lane_start: dict[s
     return {"init": "resume", "source": str(rd.member_dir(resumed_after, "critic")), "round0": round0}
 
 
-def _rounds(run: Run, nodes: list[int], start: int | None) -> dict[str, Any]:
+def _rounds(run: Run, start: int | None) -> dict[str, Any]:
     """Round 0 (if not on disk yet), then rounds start+1..T; returns the critic's provenance."""
     cfg, rd = run.cfg, run.rd
     fed, members = cfg.federation, rd.members
@@ -254,9 +255,9 @@ def _rounds(run: Run, nodes: list[int], start: int | None) -> dict[str, Any]:
         log("round 0: starting the trainer lane; its first start on a machine builds the tiny model "
             "(minutes on 2 CPU cores, cached afterwards; the lane's log says where)")
         with _heartbeat("round 0: waiting for the trainer lane to start and export the initial model"):
-            nbytes, lane_critic = _initial_model(run, nodes, members)
+            nbytes, lane_critic = _initial_model(run, members)
         with _heartbeat("round 0: validating the initial model"):
-            val = _evaluate(run, nodes, 0)
+            val = _evaluate(run, 0)
         extra = {"critic_start": lane_critic} if lane_critic else {}
         rd.complete_round(0, {**val, **extra, "wall_s": time.perf_counter() - t0})
         log(f"round 0: initial {'+'.join(members)} ({nbytes / 2**20:.1f} MiB), "
@@ -283,7 +284,7 @@ def _rounds(run: Run, nodes: list[int], start: int | None) -> dict[str, Any]:
         row.update({k if k.startswith("train_") else f"train_{k}": float(v) for k, v in train.items()})
         if _due_for_eval(cfg, rnd):
             with _heartbeat(f"round {rnd}/{fed.rounds}: validating"):
-                row.update(_evaluate(run, nodes, rnd))
+                row.update(_evaluate(run, rnd))
         row["wall_s"] = time.perf_counter() - t0
         row["bytes_moved"] = 2 * len(replies) * sum(m.tensor_bytes for m in manifests.values())
         rd.complete_round(rnd, row)
