@@ -251,17 +251,15 @@ def test_fresh_optimizers_per_ppo_fit(trainer, initial):
 def test_a_ppo_fit_without_its_critic_fails_closed(model_dir, tmp_path):
     """The trainer service refuses a PPO fit that does not carry the critic instead of training
     half a model (invariant 28: fail closed)."""
-    from fastapi import HTTPException
+    from client_app.service import FitBody, Refused, TrainerService
 
-    from client_app.service import FitBody, TrainerService
-
-    svc = TrainerService(ppo_config(model_dir), run_id=1, lane="cpu")
+    svc = TrainerService(ppo_config(model_dir), run_id=1, lane="cpu", run_dir=tmp_path)
     try:
         svc.start()
         actor = save_shards(svc.trainer.export_weights("actor"), tmp_path / "actor", SHARD_BYTES).root
         body = FitBody(run_id=1, round=1, client_id=0, local_epochs=1, seed=0,
                        weights_in={"actor": str(actor)}, weights_out={"actor": str(tmp_path / "out")})
-        with pytest.raises(HTTPException, match=r"carries weights for \['actor'\] but this trainer federates"):
+        with pytest.raises(Refused, match=r"carries weights for \['actor'\] but this trainer federates"):
             svc.fit(body)
         assert svc.fits == 0 and not (tmp_path / "out").exists()
     finally:
