@@ -99,7 +99,10 @@ def _weights_dir(node: _Node, msg: Message, member: str, scratch: Path) -> Path:
     ref = WeightsRef.from_config(msg.content["config"], prefix=member)
     if not ref.inline:
         node.require_store(ref.nbytes)
-        return receive_manifest(ref, node.store, node.cache_dir).root
+        local = receive_manifest(ref, node.store, node.cache_dir).root
+        if local is None:
+            raise WeightsError(f"the weight store returned no local copy of {ref.key!r}")
+        return local
     shutil.rmtree(scratch, ignore_errors=True)
     arrays = msg.content.get(arrays_key(member)) or ArrayRecord()
     save_shards(receive_weights(ref, arrays.to_torch_state_dict(), None), scratch, node.shard_bytes)

@@ -354,7 +354,7 @@ def _shutdown_lanes(run: Run) -> list[dict[str, Any]]:
     out = []
     for reply in run.grid.send_and_receive(msgs, timeout=120):
         if reply.has_error():
-            log(f"shutdown on node {reply.metadata.src_node_id} failed: {one_line(reply.error.reason)}")
+            log(f"shutdown on node {reply.metadata.src_node_id} failed: {one_line(reply.error.reason or '')}")
         elif reply.content["metrics"]["stopped"]:
             node = int(reply.metadata.src_node_id)
             out.append({"node": node, **{k: float(v) for k, v in reply.content["metrics"].items()},

@@ -36,7 +36,7 @@ MakeMessage = Callable[[int, int], Message]      # (client id, node id) -> the c
 def error_line(reply: Message) -> str:
     """One line for an error reply: Flower's error code name and the reason's root cause."""
     code = _ERROR_NAMES.get(reply.error.code, str(reply.error.code))
-    return f"{code}: {one_line(reply.error.reason)}"
+    return f"{code}: {one_line(reply.error.reason or '')}"
 
 
 @dataclass
@@ -154,13 +154,11 @@ def request_one(grid: Grid, nodes: Sequence[int], make_message: Callable[[int], 
             replies = list(grid.pull_messages([msg_id]))
             if not replies:
                 time.sleep(POLL_S)
-        reply = replies[0] if replies else None
-        lost = reply is None or (reply.has_error() and reply.error.code in _NODE_LOST)
-        if not lost:
-            if reply.has_error():
-                raise RoundError(f"{what} on node {node} failed: {error_line(reply)}")
-            return reply
-        reason = error_line(reply) if reply is not None else f"no reply within {timeout_s:.0f} s"
+        if replies and not replies[0].has_error():
+            return replies[0]
+        if replies and replies[0].error.code not in _NODE_LOST:
+            raise RoundError(f"{what} on node {node} failed: {error_line(replies[0])}")
+        reason = error_line(replies[0]) if replies else f"no reply within {timeout_s:.0f} s"
         if i + 1 == len(nodes):
             raise RoundError(f"{what} on node {node} failed: {reason}; no other node to ask")
         log(f"{what}: node {node} is lost ({reason}); asking node {nodes[i + 1]}")
