@@ -166,8 +166,8 @@ class LaneService:
             with self._client(REQUEST_TIMEOUT_S) as c:
                 r = c.post(path, json=body)
         except httpx.TransportError as e:
-            raise ServiceError(f"trainer service for lane {self.lane} failed during {path}: {e}; "
-                               f"its log ends:\n{self._log_tail()}") from e
+            raise ServiceError(f"trainer service for lane {self.lane} failed during {path}: {e} (its log: "
+                               f"{self.log_path}); the log ends:\n{self._log_tail()}") from e
         if r.status_code != 200:
             raise ServiceRequestError(path, r.status_code, *error_of(r))
         return r.json()

@@ -19,6 +19,7 @@ _CHAINED = re.compile(r"The above exception was the direct cause of the followin
 # a line that names an exception: `SomeError: message` (optionally module-qualified)
 _EXC_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit|Interrupt)\b(?:\([\w.]*\))?(?::|\s|$)")
 _FLOWER_PREFIX = re.compile(r"^Exception \w+ occurred\. Message:\s*")
+_CLIENTAPP_RAISED = re.compile(r"Exception ClientAppException occurred\. Message:[ \t]*")
 
 
 def strip_ansi(text: str) -> str:
@@ -28,20 +29,24 @@ def strip_ansi(text: str) -> str:
 def one_line(text: str) -> str:
     """The root cause of an error text as one line (<= MAX_CHARS).
 
-    ANSI codes are stripped and Flower's `<class '...'>:<'...'>` wrapper unwrapped; of a chain
-    of tracebacks the first (the root cause) is kept, and of it the last line that names an
-    exception, else its last non-empty line."""
+    ANSI codes are stripped and Flower's wrappers removed (`<class '...'>:<'...'>`, and in
+    simulation everything before `Exception ClientAppException occurred. Message:`, which is
+    followed by what the ClientApp raised); of a chain of tracebacks the first (the root cause)
+    is kept, and of it the last line that names an exception, else its first line."""
     text = strip_ansi(text).strip()
     m = _FLOWER_REASON.fullmatch(text)
     if m:
         text = f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}".strip()
+    raised = _CLIENTAPP_RAISED.search(text)
+    if raised:                  # Flower's wrapper of what the ClientApp itself raised: that is the cause
+        text = text[raised.end():].strip()
     root = _CHAINED.split(text)[0]
     lines = [ln.strip() for ln in root.splitlines() if ln.strip()]
     if not lines:
         return "unknown error (no message)"
     if len(lines) > 1:
         named = [ln for ln in lines if _EXC_LINE.match(ln) and not ln.startswith("Traceback")]
-        line = named[-1] if named else lines[-1]
+        line = named[-1] if named else lines[0]
     else:
         line = lines[0]
     line = " ".join(_FLOWER_PREFIX.sub("", line).split())

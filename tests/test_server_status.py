@@ -97,5 +97,12 @@ def test_one_line_keeps_the_root_cause_and_drops_ansi_and_tracebacks():
               "WeightsError: /r/x: no manifest.json'>"
     assert one_line(wrapped) == ("ServiceRequestError: trainer service /fit failed (HTTP 422): WeightsError: "
                                  "/r/x: no manifest.json")
+    clientapp = (f"{RAY_TRACEBACK}\n\nThe above exception was the direct cause of the following exception:\n"
+                 "ray::ClientAppActor.run()\nflwr.clientapp.client_app.ClientAppException: \nException "
+                 "ClientAppException occurred. Message: trainer service for lane cpu failed during /fit: Server "
+                 "disconnected without sending a response.; its log ends:\n2026-12-04 service[9] fit 3")
+    assert one_line(f"<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'{clientapp}'>") == (
+        "trainer service for lane cpu failed during /fit: Server disconnected without sending a response.; "
+        "its log ends:")
     assert one_line("") == "unknown error (no message)"
     assert one_line("x" * 5000).endswith("...") and len(one_line("x" * 5000)) == 600
