@@ -95,9 +95,9 @@ def test_service_whose_owner_dies_during_start_up_exits_at_once(tmp_path, model_
 def test_service_whose_owner_dies_mid_fit_abandons_the_fit(tmp_path, model_dir, owner):  # noqa: F811
     lane = _lane_service(tmp_path, model_dir, owner.pid)
     health = lane.ensure_started()
-    init_dir = tmp_path / "w0" / "actor"
+    init_dir = tmp_path / "run" / "w0" / "actor"     # the service works only inside its run dir
     lane.request("/init", {"run_id": 7, "weights_out": {"actor": str(init_dir)}})
-    out_dir = tmp_path / "w1" / "actor"
+    out_dir = tmp_path / "run" / "w1" / "actor"
     body = {"run_id": 7, "round": 1, "client_id": 0, "local_epochs": 200, "seed": 0,   # minutes of work
             "weights_in": {"actor": str(init_dir)}, "weights_out": {"actor": str(out_dir)}}
     fitter, errors = _in_background(lambda: lane.request("/fit", body))
