@@ -159,10 +159,8 @@ def child_axpy(a: argparse.Namespace) -> dict:
 
 
 def child_flower(a: argparse.Namespace) -> dict:
-    from flwr.app import MetricRecord, RecordDict
+    from flwr.app import ArrayRecord, MetricRecord, RecordDict
     from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
-
-    from fl_app.transport import state_to_arrayrecord
 
     weights = [100 + 37 * c for c in range(a.clients)]
     size = int(a.flower_size_gb * 1e9)
@@ -172,7 +170,7 @@ def child_flower(a: argparse.Namespace) -> dict:
         for c, w in enumerate(weights):
             state = load_shards(Path(a.work) / f"client-{c}") if full else random_model(size, seed=c)
             nbytes += sum(t.nbytes for t in state.values())
-            records.append(RecordDict({"arrays": state_to_arrayrecord(state),
+            records.append(RecordDict({"arrays": ArrayRecord(state),
                                        "metrics": MetricRecord({"num-examples": w})}))
             del state
     result = []

@@ -1,16 +1,22 @@
 """The Flower ClientApp: a thin, stateless adapter in front of the lane's trainer service.
 
-It turns each Message into a fit / evaluate / init request for the trainer service of its GPU
-lane (`client_app.lane`). Weights travel as fp32 safetensors shards (fl_app.transport): inline
-in the Message for small models, by a manifest-pinned reference into the run directory's
-weight store otherwise. Every member the run federates (`Config.weight_members`: the actor, and
-for PPO the critic) travels the same way under its own name (`fl_app.transport.arrays_key`,
-WeightsRef prefix = member). Nothing heavy lives here: in deployment this process exists for
-one message only.
+It turns each Message into a fit / evaluate / init request for the trainer service of its node
+and GPU lane (`client_app.lane`). Weights travel as fp32 safetensors shards (fl_app.transport):
+inline in the Message for small models, by a manifest-pinned reference into the weight store
+otherwise. Every member the run federates (`Config.weight_members`: the actor, and for PPO the
+critic) travels the same way under its own name (`fl_app.transport.arrays_key`, WeightsRef
+prefix = member). Nothing heavy lives here: in deployment this process exists for one message
+only, while the trainer service lives as long as its SuperNode.
+
+Every message names the recipe digest the server resolved: this node resolves its own config
+from the run config and refuses to train a different recipe. It also names the server's run dir
+and the token of its shared-disk probe: a node that must pass weights through the run dir but
+cannot read the probe is told so (no shared disk), instead of failing later on a missing file.
 """
 from __future__ import annotations
 
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,11 +25,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from client_app.lane import LaneService
-from fl_app.config import Config, load_config
+from fl_app.config import Config, ConfigError, load_config, recipe_sha256
 from fl_app.rundir import RunDir
-from fl_app.store import DirStore
-from fl_app.transport import WeightsRef, arrays_key, receive_manifest, receive_weights, send_members
-from fl_app.weights import save_shards
+from fl_app.store import DirStore, WeightStore
+from fl_app.transport import (WeightsRef, arrays_key, receive_manifest, receive_weights, sees_disk_probe,
+                              send_local)
+from fl_app.weights import Manifest, WeightsError, save_shards
 
 app = ClientApp()
 
@@ -31,8 +38,11 @@ app = ClientApp()
 @dataclass
 class _Node:
     cfg: Config
-    rd: RunDir
-    store: DirStore
+    node_id: int
+    run_dir: Path        # the server's run dir
+    token: str           # its shared-disk probe
+    store: WeightStore   # where weights travel by reference
+    work: RunDir         # where this node writes (the run dir itself when it is the store)
     lane: LaneService
 
     @property
@@ -43,36 +53,75 @@ class _Node:
     def inline_bytes(self) -> int:
         return int(self.cfg.run.inline_max_mb * 2**20)
 
+    @property
+    def cache_dir(self) -> Path:
+        return Path(self.cfg.run.weight_cache_dir).expanduser()
 
-def _node(context: Context) -> _Node:
+    def require_store(self, nbytes: int) -> None:
+        """Weights of `nbytes` must travel through the store: make sure this node can reach it."""
+        if isinstance(self.store, DirStore) and not sees_disk_probe(self.run_dir, self.token):
+            raise WeightsError(
+                f"node {self.node_id} ({socket.gethostname()}) cannot see the run dir at {self.run_dir}: the server "
+                f"and this node do not share a disk, so weights of {nbytes / 2**20:.1f} MiB (above run.inline_max_mb="
+                f"{self.cfg.run.inline_max_mb:g}) cannot travel through it. Set run.weight_store=http (the weight "
+                "channel), mount the run dir at the same path on every node, or raise run.inline_max_mb")
+
+    def info(self) -> dict[str, str]:
+        """Where this node's trainer service logs (the server lists it in summary.json)."""
+        return {"node-host": socket.gethostname(), "lane": self.lane.lane, "service-log": str(self.lane.log_path)}
+
+
+class RecipeMismatch(ConfigError):
+    """This node resolved a different recipe than the server."""
+
+
+def _node(msg: Message, context: Context) -> _Node:
     run_config = dict(context.run_config)
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
-    rd = RunDir(cfg.resolved_run_dir())
-    store = DirStore(rd.path, int(cfg.run.shard_max_mb * 2**20))
-    return _Node(cfg, rd, store, LaneService(context.run_id, run_config, log_dir=rd.path / "logs"))
+    conf = msg.content["config"]
+    want, got = str(conf["recipe-sha256"]), recipe_sha256(cfg)
+    if want != got:
+        raise RecipeMismatch(f"node {context.node_id} resolved a different recipe than the server (sha256 "
+                             f"{got[:12]}... vs {want[:12]}...): server and nodes must run the same app (FAB) and "
+                             "run config; check the recipe files and environment on this node")
+    run_dir = Path(str(conf["run-dir"]))
+    # Seam for the remote weight channel: open the configured store here (a DirStore on the run
+    # dir = today's shared disk) and, for a remote one, write under a node-local work dir.
+    store = DirStore(run_dir, int(cfg.run.shard_max_mb * 2**20))
+    work = RunDir(run_dir)
+    lane = LaneService(context.run_id, run_config, log_dir=work.path / "logs", run_dir=run_dir)
+    return _Node(cfg, context.node_id, run_dir, str(conf["run-dir-token"]), store, work, lane)
 
 
 def _weights_dir(node: _Node, msg: Message, member: str, scratch: Path) -> Path:
-    """A weights dir holding the message's global `member`: the store entry itself, or a spill
-    of the inline arrays into `scratch`."""
+    """A weights dir holding the message's global `member`: a verified local copy of the store
+    entry, or a spill of the inline arrays into `scratch`."""
     ref = WeightsRef.from_config(msg.content["config"], prefix=member)
     if not ref.inline:
-        return receive_manifest(ref, node.store).root
+        node.require_store(ref.nbytes)
+        local = receive_manifest(ref, node.store, node.cache_dir).root
+        if local is None:
+            raise WeightsError(f"the weight store returned no local copy of {ref.key!r}")
+        return local
     shutil.rmtree(scratch, ignore_errors=True)
-    save_shards(receive_weights(ref, msg.content.get(arrays_key(member), ArrayRecord()), None), scratch,
-                node.shard_bytes)
+    arrays = msg.content.get(arrays_key(member)) or ArrayRecord()
+    save_shards(receive_weights(ref, arrays.to_torch_state_dict(), None), scratch, node.shard_bytes)
     return scratch
 
 
 def _reply(msg: Message, node: _Node, outs: dict[str, Path], metrics: dict[str, Any],
            config: dict[str, Any]) -> Message:
-    arrays, refs, sent = send_members(node.store, {m: node.rd.store_key(out) for m, out in outs.items()},
-                                      node.inline_bytes)
-    for member, ref in sent.items():
-        if ref.inline:                        # travels in the message: the upload dir is not needed
-            shutil.rmtree(outs[member], ignore_errors=True)
-    content = RecordDict(arrays)
-    content["config"] = ConfigRecord({**refs, **config})
+    """Ship each member's freshly written dir: inline, or published to the store under its key."""
+    content = RecordDict()
+    refs: dict[str, Any] = {}
+    for member, out in outs.items():
+        nbytes = Manifest.from_dir(out).tensor_bytes
+        if nbytes > node.inline_bytes:
+            node.require_store(nbytes)
+        ref, state = send_local(node.store, out, node.work.store_key(out), node.inline_bytes)
+        content[arrays_key(member)] = ArrayRecord(state)
+        refs.update(ref.to_config(prefix=member))
+    content["config"] = ConfigRecord({**refs, **config, **node.info()})
     if metrics:
         content["metrics"] = MetricRecord(metrics)
     return Message(content=content, reply_to=msg)
@@ -80,10 +129,10 @@ def _reply(msg: Message, node: _Node, outs: dict[str, Path], metrics: dict[str, 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    node = _node(context)
+    node = _node(msg, context)
     conf = msg.content["config"]
     rnd, cid = int(conf["server-round"]), int(conf["client-id"])
-    base = node.rd.client_dir(rnd, cid)
+    base = node.work.client_dir(rnd, cid)
     shutil.rmtree(base, ignore_errors=True)  # a dead attempt's leftovers are never reused
     members = node.cfg.weight_members()
     spills = {m: base / f"global-{m}" for m in members}
@@ -103,38 +152,38 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    node = _node(context)
+    node = _node(msg, context)
     rnd = int(msg.content["config"]["server-round"])
-    scratch = node.rd.path / "scratch" / f"eval-{rnd:04d}"
+    scratch = node.work.path / "scratch" / f"eval-{rnd:04d}"
     w_in = _weights_dir(node, msg, "actor", scratch)
     reply = node.lane.request("/evaluate", {"run_id": context.run_id, "round": rnd,
                                             "seed": int(msg.content["config"]["seed"]), "weights_in": str(w_in)})
     shutil.rmtree(scratch, ignore_errors=True)
     metrics = {k: float(v) for k, v in reply["metrics"].items()}
     metrics["num-examples"] = int(reply["num_examples"])
-    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    return Message(content=RecordDict({"metrics": MetricRecord(metrics), "config": ConfigRecord(node.info())}),
+                   reply_to=msg)
 
 
 @app.query("init")
 def init_weights(msg: Message, context: Context) -> Message:
     """Export the lane's freshly built members as round 0 (the server never loads a model), and
     where the lane's critic came from (PPO)."""
-    node = _node(context)
-    outs = {m: node.rd.path / "scratch" / f"init-{m}" for m in node.cfg.weight_members()}
+    node = _node(msg, context)
+    outs = {m: node.work.path / "scratch" / f"init-{m}" for m in node.cfg.weight_members()}
     for out in outs.values():
         shutil.rmtree(out, ignore_errors=True)
     reply = node.lane.request("/init", {"run_id": context.run_id,
                                         "weights_out": {m: str(p) for m, p in outs.items()}})
     critic = {f"critic-start-{k}": str(v) for k, v in (reply.get("critic_start") or {}).items()}
-    return _reply(msg, node, outs, {}, {"fits": int(reply["fits"]), "lane": node.lane.lane, **critic})
+    return _reply(msg, node, outs, {}, {"fits": int(reply["fits"]), **critic})
 
 
 @app.query("shutdown")
 def shutdown(msg: Message, context: Context) -> Message:
-    """End of run: stop this lane's trainer service and report what it served."""
-    node = _node(context)
-    h = node.lane.health() or {}
-    stopped = node.lane.shutdown()
+    """End of run: stop this node's lane service and report what it served."""
+    node = _node(msg, context)
+    h = node.lane.shutdown()      # None: another node of this lane stopped it (simulation)
     return Message(content=RecordDict({"metrics": MetricRecord({
-        "stopped": int(stopped), "fits": int(h.get("fits", 0)), "evals": int(h.get("evals", 0)),
-        "rss_mb": float(h.get("rss_mb", 0.0))})}), reply_to=msg)
+        "stopped": int(h is not None), "fits": int((h or {}).get("fits", 0)), "evals": int((h or {}).get("evals", 0)),
+        "rss_mb": float((h or {}).get("rss_mb", 0.0))}), "config": ConfigRecord(node.info())}), reply_to=msg)

@@ -1,24 +1,33 @@
 """Find or start the trainer service of this process's GPU lane, and talk to it.
 
-A lane is the device set in `CUDA_VISIBLE_DEVICES` (or `cpu`). Every ClientApp message on a
-lane goes to the same long-lived service (`client_app.service`), found through a Unix socket
-named after (run id, lane). A file lock makes concurrent first messages start exactly one
-service; a service that died is restarted, and the reason (its log tail) is reported.
+A lane is the device set in `CUDA_VISIBLE_DEVICES` (or `cpu`). Every ClientApp message of a
+node on a lane goes to the same long-lived service (`client_app.service`), found through a Unix
+socket named after (run id, lane) in the node's private runtime dir (`client_app.runtime_dir`:
+shared by a host's simulation actors, one per SuperNode in deployment). A file lock makes
+concurrent first messages start exactly one service, and concurrent shutdowns stop it exactly
+once; a service that died is restarted, and the reason (its log tail) is reported.
+
+Errors cross the process boundary with their message: the service answers a failed request
+with `{"error": {"type", "message"}}` and `LaneService.request` raises `ServiceRequestError`
+carrying both, so the ClientApp's error names the root cause (e.g. `WeightsError: ...`).
 """
 from __future__ import annotations
 
 import fcntl
 import json
 import os
+import socket
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
+
+from client_app.runtime_dir import NodeOwner, node_owner, open_lock, read_private, write_private
 
 START_TIMEOUT_S = 1800.0    # first start may build the tiny model (minutes on 2 cores)
 REQUEST_TIMEOUT_S = 24 * 3600.0
@@ -28,42 +37,59 @@ class ServiceError(RuntimeError):
     """The trainer service could not be started or failed a request."""
 
 
+class ServiceRequestError(ServiceError):
+    """The trainer service refused or failed a request; `error_type` is the service-side
+    exception's type name and `status` the HTTP status (4xx: the request, 5xx: the service)."""
+
+    def __init__(self, path: str, status: int, error_type: str, message: str) -> None:
+        self.path, self.status, self.error_type, self.message = path, status, error_type, message
+        super().__init__(f"trainer service {path} failed (HTTP {status}): {error_type}: {message}")
+
+
 def current_lane() -> str:
     """The lane of this process: its visible CUDA devices, or `cpu`."""
     devices = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     return devices.replace(",", "-") if devices else "cpu"
 
 
-def runtime_dir() -> Path:
-    """Short per-user directory for sockets (Unix socket paths are limited to ~100 bytes)."""
-    d = Path(os.environ.get("FEDAGENT_RUNTIME_DIR") or Path(tempfile.gettempdir()) / f"fedagent-{os.getuid()}")
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return d
-
-
 @contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    fd = open_lock(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)      # releases the lock
+
+
+def error_of(response: httpx.Response) -> tuple[str, str]:
+    """(type, message) of a failed service response, whatever shape its body has."""
+    try:
+        body = response.json()
+    except ValueError:
+        return "HTTPError", response.text[:2000] or response.reason_phrase
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("type", "Error")), str(err.get("message", ""))
+    return "HTTPError", json.dumps(body)[:2000]
 
 
 class LaneService:
-    """Client-side handle of the trainer service for (run id, lane)."""
+    """Client-side handle of the trainer service for (node, run id, lane)."""
 
     def __init__(self, run_id: int, run_config: dict[str, Any], log_dir: Path, lane: str | None = None,
-                 owner_pid: int | None = None) -> None:
-        self.run_id, self.run_config = run_id, run_config
+                 owner: NodeOwner | None = None, run_dir: Path | None = None) -> None:
+        self.run_id, self.run_config, self.run_dir = run_id, run_config, run_dir
         self.lane = lane or current_lane()
+        self.owner = owner or node_owner()
+        rt = self.owner.runtime_dir()
         stem = f"svc-{run_id}-{self.lane}"
-        self.socket = runtime_dir() / f"{stem}.sock"
-        self.lock_path = runtime_dir() / f"{stem}.lock"
-        self.pid_path = runtime_dir() / f"{stem}.pid"
-        self.log_path = log_dir / f"service-{self.lane}.log"
-        self.owner_pid = os.getpid() if owner_pid is None else owner_pid
+        self.socket = rt / f"{stem}.sock"
+        self.lock_path = rt / f"{stem}.lock"
+        self.pid_path = rt / f"{stem}.pid"
+        # one log per service: per lane in simulation, per (host, SuperNode, lane) in deployment
+        node = f"{socket.gethostname()}-{self.owner.scope}-" if self.owner.scope else ""
+        self.log_path = log_dir / f"service-{node}{self.lane}.log"
 
     def _client(self, timeout: float) -> httpx.Client:
         return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://svc",
@@ -79,10 +105,10 @@ class LaneService:
         except httpx.TransportError:
             return None
 
-    def _pid(self) -> int | None:
+    def pid(self) -> int | None:
         try:
-            return int(self.pid_path.read_text())
-        except (FileNotFoundError, ValueError):
+            return int(read_private(self.pid_path) or "")
+        except ValueError:
             return None
 
     def _log_tail(self, n: int = 30) -> str:
@@ -97,7 +123,7 @@ class LaneService:
             h = self.health()
             if h is not None:
                 return h
-            old = self._pid()
+            old = self.pid()
             if old is not None and _alive(old):
                 # Started by another ClientApp and still building: wait for it below.
                 return self._wait_ready(old)
@@ -111,12 +137,14 @@ class LaneService:
         self.socket.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "client_app.service", "--socket", str(self.socket),
                "--run-id", str(self.run_id), "--lane", self.lane,
-               "--run-config", json.dumps(self.run_config), "--owner-pid", str(self.owner_pid)]
+               "--run-config", json.dumps(self.run_config), "--owner", self.owner.as_arg()]
+        if self.run_dir is not None:
+            cmd += ["--run-dir", str(self.run_dir)]
         with open(self.log_path, "ab") as log:
             # A new session: the service must outlive this (possibly per-message) ClientApp process.
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     cwd=Path(__file__).resolve().parent.parent)
-        self.pid_path.write_text(str(proc.pid))
+        write_private(self.pid_path, str(proc.pid))
         return self._wait_ready(proc.pid)
 
     def _wait_ready(self, pid: int) -> dict[str, Any]:
@@ -138,23 +166,27 @@ class LaneService:
             with self._client(REQUEST_TIMEOUT_S) as c:
                 r = c.post(path, json=body)
         except httpx.TransportError as e:
-            raise ServiceError(f"trainer service for lane {self.lane} failed during {path}: {e}; "
-                               f"its log ends:\n{self._log_tail()}") from e
+            raise ServiceError(f"trainer service for lane {self.lane} failed during {path}: {e} (its log: "
+                               f"{self.log_path}); the log ends:\n{self._log_tail()}") from e
         if r.status_code != 200:
-            raise ServiceError(f"trainer service {path} -> HTTP {r.status_code}: {r.text[:2000]}")
+            raise ServiceRequestError(path, r.status_code, *error_of(r))
         return r.json()
 
-    def shutdown(self, timeout_s: float = 60.0) -> bool:
-        """Ask the service to exit and wait for its process; True if one was running."""
-        pid = self._pid()
-        if self.health() is None:
-            return False
-        with self._client(10.0) as c:
-            c.post("/shutdown")
-        deadline = time.monotonic() + timeout_s
-        while pid is not None and _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return True
+    def shutdown(self, timeout_s: float = 60.0) -> dict[str, Any] | None:
+        """Stop the service and wait for its process; returns its last health (fits, evals, pid)
+        if this call stopped it, None if none was running. Under the lane's lock, so of several
+        nodes sharing a lane exactly one stops it and the others see it gone (issue 17)."""
+        with _file_lock(self.lock_path):
+            h = self.health()
+            if h is None:
+                return None
+            with self._client(10.0) as c:
+                c.post("/shutdown")
+            pid = int(h["pid"])
+            deadline = time.monotonic() + timeout_s
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            return h
 
 
 def _alive(pid: int) -> bool:

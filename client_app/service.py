@@ -5,11 +5,18 @@ simulation virtual clients are not pinned to actors. The model, reference model,
 and rollout engine must outlive both, so they live here; the ClientApp is a thin adapter
 (`client_app.lane`) that talks to this process over a Unix socket.
 
-Lifecycle: started by the first ClientApp message on its lane; serves requests one at a time;
-exits on `POST /shutdown` (sent when the run ends), after `run.service_idle_timeout_s` without a
-request, or as soon as its owner process (the simulation actor that started it) is gone, then
-abandoning a request or start-up in progress, since nobody would read its answer. It belongs to
-exactly one Flower run: requests naming another run are refused.
+Lifecycle: started by the first ClientApp message of its node on its lane; serves requests one
+at a time; exits on `POST /shutdown` (sent when the run ends), after
+`run.service_idle_timeout_s` without a request, or as soon as its owner is gone (the simulation
+actor that started it, or in deployment the SuperNode: `client_app.runtime_dir.node_owner`),
+then abandoning a request or start-up in progress, since nobody would read its answer. It
+belongs to exactly one Flower run: requests naming another run are refused.
+
+Trust: it listens on a 0600 Unix socket in a private runtime dir, and every path a request
+carries must resolve inside the run dir or the node's weight cache (`fl_app.paths.confine`),
+else the request is refused (403). A failed request is answered with the exception's type and
+message (`{"error": {"type", "message"}}`; 4xx for a bad request, 500 for a service failure),
+so the caller's error names the root cause instead of a bare `Internal Server Error`.
 """
 from __future__ import annotations
 
@@ -19,48 +26,70 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import psutil
 import uvicorn
-from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from client_app import memory_debug
+from client_app.runtime_dir import NodeOwner
 from client_app.trainer.base import EvalRequest, FitRequest, Trainer
-from fl_app.config import Config, load_config
 from envs.registry import make_env
-from fl_app.weights import load_shards, save_shards
+from fl_app.config import Config, load_config
+from fl_app.paths import PathEscapeError, confine
+from fl_app.weights import WeightsError, load_shards, save_shards
 from partitions.uniform import client_shard
 
 log = logging.getLogger("fedagent.service")
 
 
-class FitBody(BaseModel):
+class Refused(Exception):
+    """A request this service will not serve (wrong run, wrong members, wrong order)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+Seed = Annotated[int, Field(ge=0, lt=2**63)]
+Count = Annotated[int, Field(ge=0, lt=2**31)]
+DirPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]   # no NUL: not a path
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FitBody(_Body):
     run_id: int
-    round: int
-    client_id: int
-    local_epochs: int
-    seed: int
-    proximal_mu: float = 0.0
-    weights_in: dict[str, str]    # member -> manifest directory of the global weights
-    weights_out: dict[str, str]   # member -> directory to write this client's fp32 shards into
+    round: Count
+    client_id: Count
+    local_epochs: Annotated[int, Field(gt=0, le=10_000)]
+    seed: Seed
+    proximal_mu: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    weights_in: dict[str, DirPath]    # member -> manifest directory of the global weights
+    weights_out: dict[str, DirPath]   # member -> directory to write this client's fp32 shards into
 
 
-class EvalBody(BaseModel):
+class EvalBody(_Body):
     run_id: int
-    round: int
-    seed: int
-    weights_in: str               # the global actor (validation needs no critic)
+    round: Count
+    seed: Seed
+    weights_in: DirPath               # the global actor (validation needs no critic)
 
 
-class InitBody(BaseModel):
+class InitBody(_Body):
     run_id: int
-    weights_out: dict[str, str]   # member -> directory for the initial weights
+    weights_out: dict[str, DirPath]   # member -> directory for the initial weights
 
 
 def rss_mb() -> float:
@@ -84,8 +113,11 @@ def cuda_memory_mb() -> dict[str, float]:
 class TrainerService:
     """Owns the trainer and the node's env service; serialises every request."""
 
-    def __init__(self, cfg: Config, run_id: int, lane: str) -> None:
+    def __init__(self, cfg: Config, run_id: int, lane: str, run_dir: Path | None = None) -> None:
         self.cfg, self.run_id, self.lane = cfg, run_id, lane
+        self.run_dir = Path(run_dir) if run_dir is not None else cfg.resolved_run_dir()
+        # where request paths may point: the run dir, and the node's cache of fetched/staged weights
+        self.roots = (self.run_dir, Path(cfg.run.weight_cache_dir).expanduser())
         self.lock = threading.Lock()
         self.last_request = time.monotonic()
         self.fits = 0
@@ -108,7 +140,7 @@ class TrainerService:
         if self.cfg.federation.val_tasks > self.val_size:
             raise ValueError(f"federation.val_tasks={self.cfg.federation.val_tasks} exceeds the env's validation "
                              f"split ({self.val_size} tasks); lower val_tasks or raise env.params.val_size")
-        self.trainer = make_trainer(self.cfg, self.env_url, run_dir=self.cfg.resolved_run_dir())
+        self.trainer = make_trainer(self.cfg, self.env_url, run_dir=self.run_dir)
         self._stack.callback(self.trainer.close)
         self.last_request = time.monotonic()   # the idle clock starts when the service can serve
 
@@ -118,34 +150,51 @@ class TrainerService:
         return client_shard(client_id, f.clients, f.tasks_per_client,
                             range(self.val_size, self.num_tasks), self.cfg.run.seed)
 
+    def confined(self, path: str, what: str) -> Path:
+        """`path` resolved (symlinks followed) inside one of `self.roots`, else PathEscapeError."""
+        for root in self.roots:
+            try:
+                return confine(path, root, what)
+            except PathEscapeError:
+                continue
+        raise PathEscapeError(f"{what} {path!r} lies outside the run dir {self.roots[0]} and the node's weight "
+                              f"cache {self.roots[1]} (run.weight_cache_dir); the trainer service reads and writes "
+                              "weights only there (a symlink out of them is refused too)")
+
     def _check_members(self, dirs: dict[str, str]) -> None:
         """A request must name exactly the members the trainer holds: a PPO fit without its critic
         (or a critic the trainer lacks) fails closed instead of training half a model."""
         assert self.trainer is not None
         if set(dirs) != set(self.trainer.members):
-            raise HTTPException(409, f"the request carries weights for {sorted(dirs)} but this trainer federates "
-                                     f"{list(self.trainer.members)}; server and client must run the same algo.name")
+            raise Refused(409, f"the request carries weights for {sorted(dirs)} but this trainer federates "
+                               f"{list(self.trainer.members)}; server and client must run the same algo.name")
 
-    def save(self, out_dirs: dict[str, str]) -> int:
-        """Export every member into its dir; returns the bytes written."""
+    def member_dirs(self, dirs: dict[str, str], what: str) -> dict[str, Path]:
+        """Every member's dir of a request, checked (members, confinement) before any work."""
+        self._check_members(dirs)
+        return {m: self.confined(d, f"{what}[{m!r}]") for m, d in dirs.items()}
+
+    def save(self, outs: dict[str, Path]) -> int:
+        """Export every member into its (checked) dir; returns the bytes written."""
         assert self.trainer is not None
-        self._check_members(out_dirs)
         shard = int(self.cfg.run.shard_max_mb * 2**20)
-        return sum(save_shards(self.trainer.export_weights(m), Path(d), shard).total_bytes for m, d in out_dirs.items())
+        return sum(save_shards(self.trainer.export_weights(m), d, shard).total_bytes for m, d in outs.items())
 
-    def load(self, in_dirs: dict[str, str]) -> None:
+    def load(self, ins: dict[str, Path]) -> None:
+        """Load every member from its (checked) dir; all are read and verified before any is loaded."""
         assert self.trainer is not None
-        self._check_members(in_dirs)
-        for member, d in in_dirs.items():
-            self.trainer.load_weights(load_shards(Path(d)), member)
+        states = {m: load_shards(d) for m, d in ins.items()}
+        for member, state in states.items():
+            self.trainer.load_weights(state, member)
 
     def init(self, body: InitBody) -> dict[str, Any]:
         """Export the initial weights (before any load): the run's round 0, and where the critic came from."""
         self._check_run(body.run_id)
+        outs = self.member_dirs(body.weights_out, "weights_out")
         with self.lock:
             if self.fits or self.evals:
-                raise HTTPException(409, "initial weights requested after the trainer already loaded others")
-            self.save(body.weights_out)
+                raise Refused(409, "initial weights requested after the trainer already loaded others")
+            self.save(outs)
             start = self.trainer.critic_start
             return {"fits": self.fits, "critic_start": start.as_dict() if start is not None else None}
 
@@ -154,28 +203,33 @@ class TrainerService:
 
     def _check_run(self, run_id: int) -> None:
         if run_id != self.run_id:
-            raise HTTPException(409, f"this trainer service belongs to run {self.run_id}, not run {run_id}")
+            raise Refused(409, f"this trainer service belongs to run {self.run_id}, not run {run_id}")
 
     def fit(self, body: FitBody) -> dict[str, Any]:
         self._check_run(body.run_id)
         assert self.trainer is not None
+        if body.client_id >= self.cfg.federation.clients:
+            raise Refused(422, f"client_id {body.client_id} is not a client of this run "
+                               f"(federation.clients={self.cfg.federation.clients})")
+        ins = self.member_dirs(body.weights_in, "weights_in")
+        outs = self.member_dirs(body.weights_out, "weights_out")
         with self.lock:
             self.last_request = time.monotonic()
             t0 = time.perf_counter()
-            self.load(body.weights_in)
+            self.load(ins)
             t_load = time.perf_counter() - t0
             res = self.trainer.fit(FitRequest(
                 round=body.round, client_id=body.client_id, task_indices=self.shard(body.client_id),
                 local_epochs=body.local_epochs, seed=body.seed, proximal_mu=body.proximal_mu))
             t1 = time.perf_counter()
-            bytes_out = self.save(body.weights_out)
+            bytes_out = self.save(outs)
             t_export = time.perf_counter() - t1
             self.fits += 1
             metrics = dict(res.metrics)
             metrics.update({
                 "load_s": t_load, "export_s": t_export, "fit_total_s": time.perf_counter() - t0,
                 "service_fits": float(self.fits), "service_rss_mb": rss_mb(), **cuda_memory_mb(),
-                "bytes_in": float(sum(_dir_bytes(Path(d)) for d in body.weights_in.values())),
+                "bytes_in": float(sum(_dir_bytes(d) for d in ins.values())),
                 "bytes_out": float(bytes_out),
             })
             self.last_request = time.monotonic()
@@ -192,10 +246,12 @@ class TrainerService:
     def evaluate(self, body: EvalBody) -> dict[str, Any]:
         self._check_run(body.run_id)
         assert self.trainer is not None
+        weights_in = self.confined(body.weights_in, "weights_in")
         with self.lock:
             self.last_request = time.monotonic()
-            self.trainer.load_weights(load_shards(Path(body.weights_in)))
-            res = self.trainer.evaluate(EvalRequest(task_indices=list(range(self.cfg.federation.val_tasks)), seed=body.seed))
+            self.trainer.load_weights(load_shards(weights_in))
+            res = self.trainer.evaluate(EvalRequest(task_indices=list(range(self.cfg.federation.val_tasks)),
+                                                    seed=body.seed))
             self.evals += 1
             self.last_request = time.monotonic()
             return {"num_examples": res.num_examples, "metrics": dict(res.metrics)}
@@ -205,8 +261,45 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
+# Exceptions a bad request causes (the caller's fault: 4xx) and their status; anything else is 500.
+REQUEST_ERRORS: tuple[tuple[type[Exception], int], ...] = ((PathEscapeError, 403), (WeightsError, 422))
+
+
+def error_response(status: int, exc: BaseException | str, error_type: str | None = None) -> JSONResponse:
+    """The one error body every failed request gets: the exception's type and message."""
+    return JSONResponse(status_code=status, content={"error": {
+        "type": error_type or type(exc).__name__, "message": str(exc)}})
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())[:2000]
+
+
+def _refusal(status: int) -> Any:
+    async def handler(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("%s %s refused: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        return error_response(status, exc)
+    return handler
+
+
 def create_app(svc: TrainerService, stop: threading.Event) -> FastAPI:
     app = FastAPI(title="fedagent trainer service")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(422, _validation_message(exc), "RequestValidationError")
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, exc: Refused) -> JSONResponse:
+        return error_response(exc.status, exc)
+
+    for kind, status in REQUEST_ERRORS:
+        app.add_exception_handler(kind, _refusal(status))
+
+    @app.exception_handler(Exception)
+    async def failed(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the traceback into the service log after this answer is sent
+        return error_response(500, exc)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -233,15 +326,8 @@ def create_app(svc: TrainerService, stop: threading.Event) -> FastAPI:
     return app
 
 
-def _owner_alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _watchdog(svc: TrainerService, server: uvicorn.Server, stop: threading.Event, terminated: threading.Event,
-              owner_pid: int, idle_timeout_s: float, sock: Path) -> None:
+              owner: NodeOwner | None, idle_timeout_s: float, sock: Path) -> None:
     """Stop the server when asked, when idle too long, when the owner process is gone, or on SIGTERM.
 
     Runs from the first moment (start-up can take minutes). When the owner is gone or SIGTERM came,
@@ -253,7 +339,7 @@ def _watchdog(svc: TrainerService, server: uvicorn.Server, stop: threading.Event
             log.info("shutdown requested")
             break
         reason = ("SIGTERM" if terminated.is_set() else
-                  f"owner process {owner_pid} is gone" if owner_pid and not _owner_alive(owner_pid) else "")
+                  f"owner process {owner.pid} is gone" if owner is not None and not owner.alive() else "")
         if reason:
             if svc.lock.locked():
                 _exit_now(reason, sock)
@@ -281,32 +367,48 @@ def _exit_now(reason: str, sock: Path) -> None:
     os._exit(1)
 
 
+def bind_private_socket(path: Path) -> socket.socket:
+    """A listening Unix socket at `path` that only this user can connect to (0600 from the
+    moment it exists: uvicorn's own `uds=` binding makes it 0666)."""
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Per-lane trainer service (started by the ClientApp).")
     ap.add_argument("--socket", required=True)
     ap.add_argument("--run-id", type=int, required=True)
     ap.add_argument("--lane", required=True)
     ap.add_argument("--run-config", required=True, help="the Flower run config as JSON")
-    ap.add_argument("--owner-pid", type=int, default=0)
+    ap.add_argument("--run-dir", default=None, help="the run dir the server uses (default: the config's)")
+    ap.add_argument("--owner", default=None, help="pid:create_time of the process this service dies with")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s service[%(process)d] %(message)s")
 
     run_config = json.loads(args.run_config)
     cfg = load_config(run_config.get("recipe") or "tiny-shop-grpo", overrides=run_config)
-    svc = TrainerService(cfg, args.run_id, args.lane)
+    svc = TrainerService(cfg, args.run_id, args.lane, Path(args.run_dir) if args.run_dir else None)
     stop, terminated = threading.Event(), threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: terminated.set())   # uvicorn's own handler takes over while serving
     sock = Path(args.socket)
-    server = uvicorn.Server(uvicorn.Config(create_app(svc, stop), uds=str(sock), log_level="warning",
-                                           timeout_keep_alive=600))
-    threading.Thread(target=_watchdog, daemon=True, args=(svc, server, stop, terminated, args.owner_pid,
+    server = uvicorn.Server(uvicorn.Config(create_app(svc, stop), log_level="warning", timeout_keep_alive=600))
+    owner = NodeOwner.from_arg(args.owner) if args.owner else None
+    threading.Thread(target=_watchdog, daemon=True, args=(svc, server, stop, terminated, owner,
                                                           cfg.run.service_idle_timeout_s, sock)).start()
     try:
         with svc.lock:
             svc.start()
-        sock.unlink(missing_ok=True)
+        listener = bind_private_socket(sock)
         log.info("serving run %d lane %s on %s", args.run_id, args.lane, sock)
-        server.run()
+        server.run(sockets=[listener])
     finally:
         svc.close()
         sock.unlink(missing_ok=True)

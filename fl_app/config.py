@@ -12,6 +12,8 @@ A handful of flat aliases (`rounds`, `clients-per-round`, ...) are kept for the 
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import os
 import re
 import sys
@@ -201,6 +203,8 @@ class FederationCfg(_Strict):
     eval_every: int = Field(1, ge=0, description="Validate the global model every k rounds (and at round 0); 0 = only round 0 and the last round.")
     val_tasks: int = Field(64, gt=0, description="Size of the fixed validation set (the env's first tasks).")
     only_clients: list[int] = Field(default_factory=list, description="Train exactly these client ids every round instead of sampling (the local-only baseline: one client, one round of T*E epochs). Its length must equal `clients_per_round`; empty = sample.")
+    min_clients_per_round: int | None = Field(None, gt=0, description="Failure tolerance: a round completes with the sampled clients that replied if at least this many did; a failed client (its node lost, timed out, raised, or uploaded non-finite weights) is then dropped and named in the round's metrics row. Unset = all of `clients_per_round` (fail closed: a failed client is re-dispatched once to another node, else the round fails).")
+    client_timeout_s: float = Field(86400.0, gt=0, description="A sampled client whose reply has not arrived this long after its message was sent counts as failed (timed out). A lost SuperNode is reported sooner by Flower itself (Node Unavailable, after two missed heartbeats).")
 
 
 class RunCfg(_Strict):
@@ -211,6 +215,8 @@ class RunCfg(_Strict):
     inline_max_mb: float = Field(64.0, ge=0, description="Models up to this size travel inline in Flower messages; larger ones through the weight store.")
     shard_max_mb: float = Field(512.0, gt=0, description="Upper bound on one safetensors shard.")
     service_idle_timeout_s: float = Field(900.0, gt=0, description="A trainer service with no request for this long exits.")
+    weight_cache_dir: str = Field(default_factory=lambda: str(Path(os.environ.get("FEDAGENT_CACHE_DIR", "~/.cache/fedagent-flower")) / "weights"),
+                                  description="Node-local root for weights a node fetched from or stages for a remote weight store (no shared disk); the trainer service reads and writes weights only inside the run dir and this root. Node-local: resolved on each node (default `$FEDAGENT_CACHE_DIR/weights`, else ~/.cache/fedagent-flower/weights) and not part of the recipe digest.")
 
     @field_validator("run_dir")
     @classmethod
@@ -254,6 +260,9 @@ class Config(_Strict):
                 f"federation.clients_per_round={f.clients_per_round} exceeds federation.clients={f.clients}; "
                 "lower clients-per-round or raise clients"
             )
+        if f.min_clients_per_round is not None and f.min_clients_per_round > f.clients_per_round:
+            raise ValueError(f"federation.min_clients_per_round={f.min_clients_per_round} exceeds "
+                             f"federation.clients_per_round={f.clients_per_round}; lower it or leave it unset (= all)")
         if f.only_clients:
             if len(f.only_clients) != f.clients_per_round or len(set(f.only_clients)) != len(f.only_clients):
                 raise ValueError(f"federation.only_clients={f.only_clients} must list clients_per_round="
@@ -322,6 +331,29 @@ class Config(_Strict):
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run.run_dir or f"runs/{self.run.name}").expanduser().resolve()
+
+    def min_clients(self) -> int:
+        """How many of a round's sampled clients must reply (federation.min_clients_per_round)."""
+        f = self.federation
+        return f.clients_per_round if f.min_clients_per_round is None else f.min_clients_per_round
+
+
+# Keys resolved on each node (paths on that machine), left out of `recipe_sha256`.
+NODE_LOCAL_KEYS = ("model.tiny.cache_dir", "run.weight_cache_dir")
+
+
+def recipe_sha256(cfg: Config) -> str:
+    """sha256 of the resolved recipe without its node-local keys: the server sends it with every
+    message and each node checks its own resolution against it, so server and clients provably
+    run the same recipe."""
+    data = cfg.model_dump(mode="json")
+    for key in NODE_LOCAL_KEYS:
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        node.pop(leaf, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 # Flat Flower run-config aliases for the common knobs -> recipe paths. Every recipe key is also

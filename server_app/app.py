@@ -2,10 +2,11 @@
 
 Round loop (read top to bottom to follow one round):
   1. load + validate the config (before anything starts), open the run dir, find the resume point
-     on disk (the highest complete round);
+     on disk (the highest complete round); summary.json says `running` from here on;
   2. round 0 = the initial model, exported by a trainer lane, written as fp32 shards, validated;
   3. each round r: sample logical clients (pure function of (seed, r)), send each a train message
-     carrying the global weights (inline or a manifest path), stream-average their fp32 shards
+     carrying the global weights (inline or a manifest reference), collect the replies (a failed
+     client is dropped or re-dispatched: server_app.dispatch), stream-average their fp32 shards
      into rounds/round-r, validate on a trainer lane every `eval_every` rounds, append one line to
      metrics.jsonl, mark the round complete;
   4. after the last round: summary.json, the plot, and a shutdown message to every node's lane.
@@ -13,28 +14,40 @@ Round loop (read top to bottom to follow one round):
 "The global weights" are every member the run federates (`Config.weight_members`): the actor,
 and for PPO the critic beside it (invariant 7). Each member travels, is averaged and is written
 on its own (rounds/round-r/<member>), and a round is complete only when all of them are.
+
+Every message carries the digest of the recipe the server resolved (`recipe-sha256`, checked by
+each node against its own resolution), the run dir the server uses, and the token of its
+shared-disk probe (a node that cannot read it cannot use the run dir as the weight store).
 """
 from __future__ import annotations
 
+import shutil
+import socket
 import threading
 import time
+import traceback
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fl_app.config import Config, load_config, save_config
+from fl_app.config import Config, load_config, recipe_sha256, save_config
 from fl_app.plots import plot_validation
 from fl_app.rundir import RunDir
-from fl_app.store import DirStore
-from fl_app.transport import WeightsRef, arrays_key, receive_weights, send_members
-from fl_app.weights import save_shards
-from server_app.strategy import RoundError, make_strategy
+from fl_app.store import DirStore, WeightStore
+from fl_app.transport import WeightsRef, receive_weights, send_members, write_disk_probe
+from fl_app.weights import Manifest, WeightsError, save_shards
+from server_app.dispatch import RoundDispatch, request_one
+from server_app.errors import one_line, strip_ansi
+from server_app.strategy import ClientFailure, ClientSampler, RoundError, StreamingAggregator, inline_state
 
 app = ServerApp()
 NODE_WAIT_S = 120.0
 HEARTBEAT_S = 30.0
+ERROR_LOG = "logs/server-error.log"
 
 
 def log(msg: str) -> None:
@@ -72,48 +85,96 @@ def _wait_for_nodes(grid: Grid) -> list[int]:
 
 
 class Weights:
-    """The run's weight store and the rule for how weights travel (inline when small)."""
+    """The run's weight store and the rule for how weights travel (inline when small).
+
+    The server's own copy of every entry is its run dir (a DirStore); `store` is what nodes
+    reach: the same DirStore on a shared disk. (Seam for the remote weight channel: open the
+    configured store here, e.g. an HTTP store served from this process over the run dir.)
+    """
 
     def __init__(self, rd: RunDir, cfg: Config) -> None:
         self.rd = rd
         self.shard_bytes = int(cfg.run.shard_max_mb * 2**20)
         self.inline_bytes = int(cfg.run.inline_max_mb * 2**20)
-        self.store = DirStore(rd.path, self.shard_bytes)
+        self.store: WeightStore = DirStore(rd.path, self.shard_bytes)
+        self.cache_dir = rd.path / "scratch" / "fetched"
 
     def payload(self, r: int, members: tuple[str, ...]) -> tuple[dict[str, ArrayRecord], dict[str, Any]]:
         """What a message carries to name the global `members` of round r: per member its
         ArrayRecord (RecordDict key `arrays_key(member)`) and its WeightsRef config entries."""
         keys = {m: self.rd.store_key(self.rd.member_dir(r, m)) for m in members}
         arrays, config, _refs = send_members(self.store, keys, self.inline_bytes)
-        return arrays, config
+        return {k: ArrayRecord(v) for k, v in arrays.items()}, config
 
 
-def _send_one(grid: Grid, node: int, mtype: str, arrays: dict[str, ArrayRecord], config: dict[str, Any]) -> Message:
-    msg = Message(content=RecordDict({**arrays, "config": ConfigRecord(config)}),
-                  message_type=mtype, dst_node_id=node)
-    (reply,) = list(grid.send_and_receive([msg]))
-    if reply.has_error():
-        raise RoundError(f"{mtype} on node {node} failed: {reply.error.reason}")
-    return reply
+class Nodes:
+    """What the nodes told us about themselves: host, lane, and where their trainer logs are
+    (summary.json `nodes`, so the server's run dir says where every node's logs live)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, dict[str, str]] = {}
+
+    def note(self, reply: Message) -> None:
+        if reply.has_error() or "config" not in reply.content:
+            return
+        conf = reply.content["config"]
+        info = {k: str(conf[k]) for k in ("node-host", "lane", "service-log") if k in conf}
+        node = int(reply.metadata.src_node_id)
+        if info and self.seen.get(node) != info:
+            self.seen[node] = info
+            log(f"node {node} ({info.get('node-host', '?')}, lane {info.get('lane', '?')}): trainer service log "
+                f"at {info.get('service-log', '?')}")
 
 
-def _initial_model(grid: Grid, node: int, w: Weights, members: tuple[str, ...]) -> tuple[int, dict[str, Any]]:
+class Run:
+    """One invocation of the ServerApp: config, run dir, weights, the nodes' messages."""
+
+    def __init__(self, grid: Grid, context: Context, cfg: Config, rd: RunDir) -> None:
+        self.grid, self.context, self.cfg, self.rd = grid, context, cfg, rd
+        self.w = Weights(rd, cfg)
+        self.nodes = Nodes()
+        self.sampler = ClientSampler(seed=cfg.run.seed, num_clients=cfg.federation.clients,
+                                     per_round=cfg.federation.clients_per_round,
+                                     only_clients=cfg.federation.only_clients)
+        self.aggregator = StreamingAggregator(cfg.federation.strategy, cfg.federation.proximal_mu,
+                                              self.w.shard_bytes)
+        self.token = write_disk_probe(rd.path)
+        self.common = {"run-dir": str(rd.path), "run-dir-token": self.token, "recipe-sha256": recipe_sha256(cfg)}
+
+    def message(self, node: int, mtype: str, arrays: dict[str, ArrayRecord], config: dict[str, Any]) -> Message:
+        ttl = self.cfg.federation.client_timeout_s + 60.0
+        return Message(content=RecordDict({**arrays, "config": ConfigRecord({**self.common, **config})}),
+                       message_type=mtype, dst_node_id=node, ttl=ttl)
+
+    def ask(self, mtype: str, what: str, arrays: dict[str, ArrayRecord] | None = None,
+            config: dict[str, Any] | None = None) -> Message:
+        """One request to the first connected node (the nodes connected now: a lost one is gone)."""
+        nodes = sorted(self.grid.get_node_ids())
+        reply = request_one(self.grid, nodes, lambda n: self.message(n, mtype, arrays or {}, config or {}), what,
+                            self.cfg.federation.client_timeout_s, log)
+        self.nodes.note(reply)
+        return reply
+
+
+def _initial_model(run: Run, members: tuple[str, ...]) -> tuple[int, dict[str, Any]]:
     """Round 0: a lane exports its freshly built members; the server writes them as the checkpoint.
     Returns the bytes written and where the lane's critic came from (PPO; empty otherwise)."""
-    reply = _send_one(grid, node, "query.init", {}, {})
+    reply = run.ask("query.init", "round 0: initial model")
     conf = reply.content["config"]
+    w = run.w
     nbytes = 0
     for member in members:
-        state = receive_weights(WeightsRef.from_config(conf, prefix=member),
-                                reply.content.get(arrays_key(member), ArrayRecord()), w.store)
+        state = receive_weights(WeightsRef.from_config(conf, prefix=member), inline_state(reply, member), w.store,
+                                w.cache_dir)
         nbytes += save_shards(state, w.rd.member_dir(0, member), w.shard_bytes).tensor_bytes
     critic = {k.removeprefix("critic-start-"): str(v) for k, v in conf.items() if k.startswith("critic-start-")}
     return nbytes, critic
 
 
-def _evaluate(grid: Grid, node: int, cfg: Config, w: Weights, rnd: int) -> dict[str, float]:
-    arrays, ref = w.payload(rnd, ("actor",))
-    reply = _send_one(grid, node, MessageType.EVALUATE, arrays, {**ref, "server-round": rnd, "seed": cfg.run.seed})
+def _evaluate(run: Run, rnd: int) -> dict[str, float]:
+    arrays, ref = run.w.payload(rnd, ("actor",))
+    reply = run.ask(MessageType.EVALUATE, f"round {rnd}: validation", arrays,
+                    {**ref, "server-round": rnd, "seed": run.cfg.run.seed})
     return {f"val_{k}": float(v) for k, v in reply.content["metrics"].items() if k != "num-examples"}
 
 
@@ -130,27 +191,45 @@ def main(grid: Grid, context: Context) -> None:
     rd = RunDir(cfg.resolved_run_dir(), total_rounds=fed.rounds, members=cfg.weight_members())
     start = rd.prepare_resume()       # refuses too many rounds, quarantines partials, checks every member
     save_config(cfg, rd.path / "config.yaml")
-    nodes = _wait_for_nodes(grid)
-    w = Weights(rd, cfg)
     t_run = time.perf_counter()
-    log(f"run {context.run_id}: {fed.clients} clients, {fed.clients_per_round}/round, {fed.rounds} rounds, "
-        f"{fed.local_epochs} local epochs, strategy {fed.strategy}, {len(nodes)} node(s); run dir {rd.path}")
-
+    base = {"run_id": context.run_id, "target_rounds": fed.rounds, "members": list(rd.members)}
+    rd.write_summary({"status": "running", **base, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    run = None
     try:
-        critic = _rounds(grid, cfg, rd, w, nodes, start)
+        nodes = _wait_for_nodes(grid)
+        run = Run(grid, context, cfg, rd)
+        log(f"run {context.run_id}: {fed.clients} clients, {fed.clients_per_round}/round (at least "
+            f"{cfg.min_clients()} must reply), {fed.rounds} rounds, {fed.local_epochs} local epochs, strategy "
+            f"{fed.strategy}, {len(nodes)} node(s); run dir {rd.path}")
+        critic = _rounds(run, start)
     except BaseException as e:
         # A run that dies mid-loop labels no final round (invariant 6); resume picks up from disk.
-        rd.write_summary({"status": "failed", "error": f"{type(e).__name__}: {e}", "run_id": context.run_id,
-                          "wall_s": time.perf_counter() - t_run})
-        _shutdown_lanes(grid, nodes)
+        error_log = _write_error_log(rd, e)
+        services = _shutdown_lanes(run) if run else []
+        rd.write_summary({"status": "failed", **base, "error": one_line(f"{type(e).__name__}: {e}"),
+                          "error_log": str(error_log), "wall_s": time.perf_counter() - t_run,
+                          "nodes": _node_table(run), "services": services})
         raise
-    services = _shutdown_lanes(grid, nodes)
-    rd.write_summary({"status": "complete", "final_round": fed.rounds, "run_id": context.run_id,
-                      "wall_s": time.perf_counter() - t_run, "nodes": len(nodes), "services": services,
-                      "members": list(rd.members), **({"critic": critic} if critic else {}),
-                      "config": cfg.model_dump(mode="json")})
+    services = _shutdown_lanes(run)
+    rd.write_summary({"status": "complete", **base, "final_round": fed.rounds, "wall_s": time.perf_counter() - t_run,
+                      "nodes": _node_table(run), "services": services,
+                      **({"critic": critic} if critic else {}), "config": cfg.model_dump(mode="json")})
     plot_validation(rd.path / "metrics.jsonl", rd.path / "validation.png")
     log(f"done: {fed.rounds} rounds; checkpoints, metrics.jsonl, summary.json and validation.png in {rd.path}")
+
+
+def _write_error_log(rd: RunDir, e: BaseException) -> Path:
+    """The whole story of a failure (traceback, every client's full error) for the one line in summary.json."""
+    path = rd.path / ERROR_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on {socket.gethostname()}\n")
+        fh.write(strip_ansi("".join(traceback.format_exception(e))) + "\n")
+    return path
+
+
+def _node_table(run: Run | None) -> dict[str, dict[str, str]]:
+    return {str(n): info for n, info in sorted(run.nodes.seen.items())} if run else {}
 
 
 def _critic_provenance(rd: RunDir, resumed_after: int | None, lane_start: dict[str, Any]) -> dict[str, Any]:
@@ -165,9 +244,10 @@ def _critic_provenance(rd: RunDir, resumed_after: int | None, lane_start: dict[s
     return {"init": "resume", "source": str(rd.member_dir(resumed_after, "critic")), "round0": round0}
 
 
-def _rounds(grid: Grid, cfg: Config, rd: RunDir, w: Weights, nodes: list[int], start: int | None) -> dict[str, Any]:
+def _rounds(run: Run, start: int | None) -> dict[str, Any]:
     """Round 0 (if not on disk yet), then rounds start+1..T; returns the critic's provenance."""
-    fed, eval_node, members = cfg.federation, nodes[0], rd.members
+    cfg, rd = run.cfg, run.rd
+    fed, members = cfg.federation, rd.members
     lane_critic: dict[str, Any] = {}
     resumed_after = start
     if start is None:
@@ -175,9 +255,9 @@ def _rounds(grid: Grid, cfg: Config, rd: RunDir, w: Weights, nodes: list[int], s
         log("round 0: starting the trainer lane; its first start on a machine builds the tiny model "
             "(minutes on 2 CPU cores, cached afterwards; the lane's log says where)")
         with _heartbeat("round 0: waiting for the trainer lane to start and export the initial model"):
-            nbytes, lane_critic = _initial_model(grid, eval_node, w, members)
+            nbytes, lane_critic = _initial_model(run, members)
         with _heartbeat("round 0: validating the initial model"):
-            val = _evaluate(grid, eval_node, cfg, w, 0)
+            val = _evaluate(run, 0)
         extra = {"critic_start": lane_critic} if lane_critic else {}
         rd.complete_round(0, {**val, **extra, "wall_s": time.perf_counter() - t0})
         log(f"round 0: initial {'+'.join(members)} ({nbytes / 2**20:.1f} MiB), "
@@ -188,40 +268,95 @@ def _rounds(grid: Grid, cfg: Config, rd: RunDir, w: Weights, nodes: list[int], s
         log(f"resuming after round {start} (found on disk: {'+'.join(members)})")
     critic = _critic_provenance(rd, resumed_after, lane_critic)
 
-    strategy = make_strategy(fed.strategy, fed.proximal_mu)
-    strategy.setup(seed=cfg.run.seed, num_clients=fed.clients, per_round=fed.clients_per_round,
-                   shard_max_bytes=int(cfg.run.shard_max_mb * 2**20), only_clients=fed.only_clients)
     for rnd in range(start + 1, fed.rounds + 1):
         t0 = time.perf_counter()
-        arrays, ref = w.payload(rnd - 1, members)
-        config = ConfigRecord({**ref, "local-epochs": fed.local_epochs, "seed": cfg.run.seed})
-        messages = strategy.configure_train(rnd, arrays, config, grid)
-        with _heartbeat(f"round {rnd}/{fed.rounds}: clients {list(strategy.last_sampled)} training"):
-            replies = grid.send_and_receive(messages)
-        manifests, train = strategy.aggregate_train(rnd, replies, w.store,
-                                                    {m: rd.member_dir(rnd, m) for m in members})
-        row: dict[str, Any] = {"clients": list(strategy.last_sampled)}
+        arrays, ref = run.w.payload(rnd - 1, members)
+        sampled = run.sampler.sample(rnd)
+        row: dict[str, Any] = {"clients": sampled}
+        train_conf = {**ref, "server-round": rnd, "local-epochs": fed.local_epochs, "seed": cfg.run.seed,
+                      **run.aggregator.train_config()}
+        with _heartbeat(f"round {rnd}/{fed.rounds}: clients {sampled} training"):
+            replies, failures = _train(run, rnd, sampled, arrays, train_conf)
+        manifests, train = _aggregate(run, rnd, replies, failures)
+        if failures:
+            row["failed"] = [f.as_dict() for f in failures]
+            row["dropped"] = sorted(set(sampled) - set(replies))
         row.update({k if k.startswith("train_") else f"train_{k}": float(v) for k, v in train.items()})
         if _due_for_eval(cfg, rnd):
             with _heartbeat(f"round {rnd}/{fed.rounds}: validating"):
-                row.update(_evaluate(grid, eval_node, cfg, w, rnd))
+                row.update(_evaluate(run, rnd))
         row["wall_s"] = time.perf_counter() - t0
-        row["bytes_moved"] = 2 * fed.clients_per_round * sum(m.tensor_bytes for m in manifests.values())
+        row["bytes_moved"] = 2 * len(replies) * sum(m.tensor_bytes for m in manifests.values())
         rd.complete_round(rnd, row)
         rd.drop_client_uploads(rnd)
-        log(f"round {rnd}/{fed.rounds}: clients {row['clients']} | train success "
+        log(f"round {rnd}/{fed.rounds}: clients {row['clients']}"
+            + (f" (dropped {row['dropped']})" if row.get("dropped") else "") + " | train success "
             f"{row.get('train_success', float('nan')):.3f} reward {row.get('train_reward', float('nan')):.3f} | "
             f"val success {row.get('val_success', float('nan')):.3f} | {row['wall_s']:.1f} s | "
             f"{row['bytes_moved'] / 2**20:.1f} MiB moved")
     return critic
 
 
-def _shutdown_lanes(grid: Grid, nodes: list[int]) -> list[dict[str, float]]:
-    """Stop every lane's trainer service; report fits served per service."""
-    msgs = [Message(content=RecordDict({"config": ConfigRecord({})}), message_type="query.shutdown",
-                    dst_node_id=n) for n in nodes]
+def _train(run: Run, rnd: int, sampled: list[int], arrays: dict[str, ArrayRecord], conf: dict[str, Any]
+           ) -> tuple[dict[int, Message], list[ClientFailure]]:
+    """Every sampled client's train message, with failed clients dropped or re-dispatched."""
+    make: Callable[[int, int], Message] = lambda cid, node: run.message(  # noqa: E731
+        node, MessageType.TRAIN, arrays, {**conf, "client-id": cid})
+    nodes = sorted(run.grid.get_node_ids())
+    outcome = RoundDispatch(run.grid, make, round_=rnd, min_ok=run.cfg.min_clients(),
+                            timeout_s=run.cfg.federation.client_timeout_s, log=log).run(
+        run.sampler.assign(sampled, nodes))
+    for reply in outcome.replies.values():
+        run.nodes.note(reply)
+    return outcome.replies, outcome.failures
+
+
+def _aggregate(run: Run, rnd: int, replies: dict[int, Message], failures: list[ClientFailure]
+               ) -> tuple[dict[str, Manifest], MetricRecord]:
+    """Average the replies into the round's checkpoint. An upload the aggregator refuses as
+    non-finite is a failed client: dropped (and the average recomputed without it) when the
+    round can afford it, else the round fails closed."""
+    out_dirs = {m: run.rd.member_dir(rnd, m) for m in run.rd.members}
+    while True:
+        order = sorted(replies)
+        try:
+            return run.aggregator.aggregate([replies[c] for c in order], run.w.store, out_dirs, run.w.cache_dir)
+        except WeightsError as e:
+            bad = _bad_input(e)
+            if bad is None:
+                raise
+            client = order[bad]
+            failures.append(ClientFailure(client, int(replies[client].metadata.src_node_id), one_line(str(e))))
+            if len(order) - 1 < run.cfg.min_clients():
+                raise RoundError(f"round {rnd}: client {client}'s upload was refused ({one_line(str(e))}), and "
+                                 f"the round needs {run.cfg.min_clients()} of its clients "
+                                 "(federation.min_clients_per_round)") from e
+            log(f"round {rnd}: client {client}'s upload was refused ({one_line(str(e))}); dropped")
+            del replies[client]
+            for d in out_dirs.values():
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _bad_input(e: WeightsError) -> int | None:
+    """The index (in aggregation order) of the client input an aggregation error blames, when it
+    blames one (a non-finite upload); None for any other error.
+
+    Seam: fl_app.aggregate raises a WeightsError subclass for non-finite uploads that names the
+    input's index; when it lands, read it here (today: its `input_index` attribute)."""
+    index = getattr(e, "input_index", None)
+    return index if isinstance(index, int) else None
+
+
+def _shutdown_lanes(run: Run) -> list[dict[str, Any]]:
+    """Stop every node's lane services; one entry per service stopped (fits, evals, its node and log)."""
+    msgs = [run.message(n, "query.shutdown", {}, {}) for n in sorted(run.grid.get_node_ids())]
+    seen = run.nodes
     out = []
-    for reply in grid.send_and_receive(msgs, timeout=120):
-        if not reply.has_error() and reply.content["metrics"]["stopped"]:
-            out.append({k: float(v) for k, v in reply.content["metrics"].items()})
+    for reply in run.grid.send_and_receive(msgs, timeout=120):
+        if reply.has_error():
+            log(f"shutdown on node {reply.metadata.src_node_id} failed: {one_line(reply.error.reason or '')}")
+        elif reply.content["metrics"]["stopped"]:
+            node = int(reply.metadata.src_node_id)
+            out.append({"node": node, **{k: float(v) for k, v in reply.content["metrics"].items()},
+                        **seen.seen.get(node, {})})
     return out

@@ -1,27 +1,33 @@
-"""FedAvg and FedProx over *logical* clients, with streaming fp32 aggregation.
+"""FedAvg and FedProx over *logical* clients: a client sampler composed with a streaming fp32
+aggregator. Neither is a Flower `Strategy`, on purpose.
 
-Both subclass Flower's strategies and keep their hyperparameters (FedProx's `proximal_mu` is
-sent in every train config as `proximal-mu`, as Flower does), but change two things:
+Flower's `Strategy.start()` drives a round with the global model in RAM (an ArrayRecord in every
+message, `aggregate_train` returning one, `evaluate_fn` receiving one). This server never holds
+the model: round 0 is exported by a trainer lane, weights above `run.inline_max_mb` travel
+through the weight store by manifest, aggregation streams fp32 shards from disk into the
+checkpoint, and a round can lose and re-dispatch a client. Subclassing FedAvg/FedProx while
+replacing every method Flower calls (as this module once did) only borrowed their names; so:
 
-- Sampling picks logical client ids (a pure function of (seed, round), invariant 5) and maps
-  them onto the connected nodes round-robin, so a simulation with a handful of SuperNodes (or
-  one GPU lane) serves the published 100-client protocol, and a run with fewer nodes than
-  asked never waits for nodes that will not come.
-- Aggregation streams fp32 safetensors shards weighted by `num-examples` (fl_app.aggregate),
-  instead of holding every client's full model in numpy, for every member the run federates:
-  the actor, and for PPO the critic, with the same weights (invariant 7).
+- `ClientSampler` picks each round's logical client ids (a pure function of (seed, round),
+  invariant 5) and maps them onto the connected nodes round-robin, so a simulation with a
+  handful of SuperNodes (or one GPU lane) serves the published 100-client protocol;
+- `StreamingAggregator` is FedAvg (the num-examples-weighted mean, fl_app.aggregate) for every
+  member the run federates (the actor, and for PPO the critic, with the same weights: invariant
+  7). FedProx is the same average: like Flower's FedProx, the strategy only adds `proximal-mu`
+  to every train config, and the client applies the term (to the policy only, invariant 4).
 
 A message carries each member's weights under its own name: the ArrayRecord
 `fl_app.transport.arrays_key(member)` and the `WeightsRef` config entries prefixed `member`.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, FedProx
+import torch
+from flwr.app import Message, MetricRecord
 
 from fl_app.store import WeightStore
 from fl_app.transport import WeightsRef, arrays_key, fedavg_received
@@ -30,18 +36,27 @@ from partitions.uniform import sample_clients
 
 
 class RoundError(RuntimeError):
-    """A round cannot be completed (a client failed, or replies are inconsistent)."""
+    """A round cannot be completed (too many clients failed, or replies are inconsistent)."""
 
 
-class LogicalClientsMixin:
-    """Shared by FedAvgAgent and FedProxAgent; see the module docstring."""
+@dataclass(frozen=True)
+class ClientFailure:
+    """One failed attempt of a logical client in a round (the metrics row lists them)."""
 
-    def setup(self, *, seed: int, num_clients: int, per_round: int, shard_max_bytes: int,
-              only_clients: list[int] | None = None) -> None:
+    client: int
+    node: int
+    reason: str          # one line (server_app.errors.one_line)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"client": self.client, "node": self.node, "reason": self.reason}
+
+
+class ClientSampler:
+    """Which logical clients train in a round, and on which node."""
+
+    def __init__(self, *, seed: int, num_clients: int, per_round: int, only_clients: Sequence[int] = ()) -> None:
         self.seed, self.num_clients, self.per_round = seed, num_clients, per_round
-        self.shard_max_bytes = shard_max_bytes
-        self.only_clients = list(only_clients or [])
-        self.last_sampled: list[int] = []
+        self.only_clients = list(only_clients)
 
     def sample(self, server_round: int) -> list[int]:
         """federation.only_clients when set (the local-only baseline), else a seeded draw."""
@@ -49,66 +64,51 @@ class LogicalClientsMixin:
             return list(self.only_clients)
         return sample_clients(self.seed, server_round, self.num_clients, self.per_round)
 
-    def configure_train(self, server_round: int, arrays: Mapping[str, ArrayRecord], config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        """One train message per sampled client; `arrays` maps RecordDict keys (one per member)
-        to the global weights' ArrayRecords (empty when they travel through the store)."""
-        nodes = sorted(grid.get_node_ids())
+    @staticmethod
+    def assign(clients: Sequence[int], nodes: Sequence[int]) -> dict[int, int]:
+        """client id -> node id, round-robin over the sorted nodes."""
         if not nodes:
             raise RoundError("no SuperNode is connected; start at least one (in simulation: "
                              "--federation-config \"num-supernodes=2\")")
-        self.last_sampled = self.sample(server_round)
-        config["server-round"] = server_round
-        if isinstance(self, FedProx):
-            config["proximal-mu"] = float(self.proximal_mu)
-        messages = []
-        for k, cid in enumerate(self.last_sampled):
-            per_client = ConfigRecord({**dict(config), "client-id": cid})
-            messages.append(Message(content=RecordDict({**arrays, "config": per_client}),
-                                    message_type=MessageType.TRAIN, dst_node_id=nodes[k % len(nodes)]))
-        return messages
+        order = sorted(nodes)
+        return {cid: order[i % len(order)] for i, cid in enumerate(clients)}
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message], store: WeightStore,
-                        out_dirs: Mapping[str, Path]) -> tuple[dict[str, Manifest], MetricRecord]:
-        """Fail closed on any failed or missing client, then average every member into its
-        `out_dirs[member]` (fp32), all members with the same `num-examples` weights."""
-        replies = list(replies)
-        errors = [m.error.reason for m in replies if m.has_error()]
-        if errors:
-            raise RoundError(f"round {server_round}: {len(errors)} client fit(s) failed: " + " | ".join(errors))
-        got = sorted(int(m.content["config"]["client-id"]) for m in replies)
-        if got != sorted(self.last_sampled):
-            raise RoundError(f"round {server_round}: replies from clients {got}, expected {sorted(self.last_sampled)}")
-        replies.sort(key=lambda m: int(m.content["config"]["client-id"]))
+
+class StreamingAggregator:
+    """FedAvg (or FedProx: the same average, plus `proximal-mu` in every train config) of every
+    member, streamed shard by shard into the round's checkpoint."""
+
+    def __init__(self, name: str, proximal_mu: float, shard_max_bytes: int) -> None:
+        if name not in ("fedavg", "fedprox"):
+            raise ValueError(f"unknown strategy {name!r}; use fedavg or fedprox")
+        self.name, self.proximal_mu, self.shard_max_bytes = name, proximal_mu, shard_max_bytes
+
+    def train_config(self) -> dict[str, float]:
+        """What this strategy adds to every train message (Flower's FedProx adds the same key)."""
+        return {"proximal-mu": self.proximal_mu} if self.name == "fedprox" else {}
+
+    def aggregate(self, replies: Sequence[Message], store: WeightStore, out_dirs: Mapping[str, Path],
+                  cache_dir: Path) -> tuple[dict[str, Manifest], MetricRecord]:
+        """Average every member of `replies` (successful, in client order) into its
+        `out_dirs[member]`, all members with the same `num-examples` weights."""
         manifests = {}
         for member, out_dir in out_dirs.items():
-            items = [(WeightsRef.from_config(m.content["config"], prefix=member),
-                      m.content.get(arrays_key(member), ArrayRecord()),
+            items = [(WeightsRef.from_config(m.content["config"], prefix=member), inline_state(m, member),
                       float(m.content["metrics"]["num-examples"])) for m in replies]
-            manifests[member] = fedavg_received(items, store, out_dir, self.shard_max_bytes)
-        return manifests, _weighted_metrics([m.content["metrics"] for m in replies])
+            manifests[member] = fedavg_received(items, store, out_dir, self.shard_max_bytes, cache_dir)
+        return manifests, weighted_metrics([m.content["metrics"] for m in replies])
 
 
-def _weighted_metrics(records: list[MetricRecord]) -> MetricRecord:
+def inline_state(msg: Message, member: str) -> dict[str, torch.Tensor]:
+    """The inline weights of `member` a message carries (empty when they travel by reference)."""
+    record = msg.content.get(arrays_key(member))
+    return dict(record.to_torch_state_dict()) if record is not None else {}
+
+
+def weighted_metrics(records: list[MetricRecord]) -> MetricRecord:
     """num-examples-weighted mean of every float metric; num-examples summed."""
     total = sum(float(r["num-examples"]) for r in records) or 1.0
     keys = sorted(set().union(*(set(r.keys()) for r in records)) - {"num-examples"})
     out = {k: sum(float(r[k]) * float(r["num-examples"]) for r in records if k in r) / total for k in keys}
     out["num-examples"] = int(total)
     return MetricRecord(out)
-
-
-class FedAvgAgent(LogicalClientsMixin, FedAvg):
-    """FedAvg over logical clients (fraction_evaluate=0: validation runs on a trainer lane)."""
-
-
-class FedProxAgent(LogicalClientsMixin, FedProx):
-    """FedProx over logical clients; the client applies mu to the policy only (invariant 4)."""
-
-
-def make_strategy(name: str, proximal_mu: float) -> LogicalClientsMixin:
-    common = dict(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=1, min_evaluate_nodes=1,
-                  min_available_nodes=1)
-    if name == "fedprox":
-        return FedProxAgent(proximal_mu=proximal_mu, **common)
-    return FedAvgAgent(**common)

@@ -1,18 +1,26 @@
-"""Run the real app through `flwr run` against a private local SuperLink, and clean up after.
+"""Run the real app through `flwr run`, and clean up after: against a private local SuperLink
+(simulation, `flower`), or against a deployment of real `flower-superlink` and
+`flower-supernode` processes (`deployment`), optionally one network + mount namespace per host
+(no shared disk), TLS with a CA made here, and SuperNode authentication.
 
-Each use gets its own FLWR_HOME and SuperLink ports, so tests never touch a user's SuperLink,
-and everything started is stopped by PID on every path.
+Each use gets its own FLWR_HOME and ports, so tests never touch a user's SuperLink, and
+everything started is stopped by PID on every path.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
-import tempfile
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+
+import psutil
 
 from envs.ports import choose_free_port
 from server_app.local_superlink import stop_superlink
@@ -25,6 +33,13 @@ def run_config(recipe: Path, run_dir: Path, **extra: object) -> str:
     """A `--run-config` string: the recipe, the run dir, and flat run-config keys."""
     items = {"recipe": f'"{recipe}"', "run-dir": f'"{run_dir}"', **{k: str(v) for k, v in extra.items()}}
     return " ".join(f"{k}={v}" for k, v in items.items())
+
+
+def run_status(run_dir: Path) -> subprocess.CompletedProcess:
+    """`python -m server_app.status RUN_DIR`: exit 0 only when the run is complete (`flwr run`
+    exits 0 after a failed run too, so tests ask the run dir, as users are told to)."""
+    return subprocess.run([sys.executable, "-m", "server_app.status", str(run_dir)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
 
 
 class FlowerRun:
@@ -44,14 +59,34 @@ class FlowerRun:
                     # flwr starts `flower-superlink` from PATH: this interpreter's, also without an activated venv
                     "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
 
+    def command(self, run_config: str, federation_config: str = "num-supernodes=2") -> list[str]:
+        return [FLWR, "run", str(ROOT), "--run-config", run_config, "--federation-config", federation_config,
+                "--stream"]
+
     def run(self, run_config: str, timeout_s: float, federation_config: str = "num-supernodes=2"
             ) -> subprocess.CompletedProcess:
-        cmd = [FLWR, "run", str(ROOT), "--run-config", run_config, "--federation-config", federation_config,
-               "--stream"]
-        return subprocess.run(cmd, env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        return subprocess.run(self.command(run_config, federation_config), env=self.env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout_s)
+
+    def start(self, run_config: str, log: Path, federation_config: str = "num-supernodes=2") -> subprocess.Popen:
+        """`flwr run --stream` in the background, its output into `log`."""
+        with open(log, "ab") as fh:
+            return subprocess.Popen(self.command(run_config, federation_config), env=self.env, cwd=ROOT,
+                                    stdout=fh, stderr=subprocess.STDOUT)
+
+    def own_processes(self) -> list[psutil.Process]:
+        """This harness's runtime processes: those whose environment names its private Ray dir
+        (the simulation runtime, its Ray workers and actors, our services), never anyone else's."""
+        mine = str(self.short / "ray")
+        out = []
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if proc.environ().get("RAY_TMPDIR") == mine:
+                    out.append(proc)
+        return out
 
     def stop(self) -> None:
-        stop_superlink(self.port)
+        stop_superlink(self.home)
         shutil.rmtree(self.short, ignore_errors=True)
 
     def superlink_log(self) -> str:
@@ -67,3 +102,271 @@ def flower(home: Path) -> Iterator[FlowerRun]:
         yield fr
     finally:
         fr.stop()
+
+
+# ---- deployment: a SuperLink and SuperNodes as real processes ------------------------------------
+
+BIN = Path(sys.executable).parent
+FLOWER_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+              "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+
+
+def netns_unavailable() -> str:
+    """Why network + mount namespaces cannot be used here ('' when they can)."""
+    if os.geteuid() != 0:
+        return "needs root (ip netns, unshare -m)"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"needs the `{tool}` command"
+    probe = f"fa-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return ""
+
+
+class Certificates:
+    """A self-signed CA, a SuperLink certificate for `hosts`, and SuperNode auth keys (made here)."""
+
+    def __init__(self, out: Path, hosts: list[str]) -> None:
+        import datetime
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        out.mkdir(parents=True, exist_ok=True)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        validity = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
+
+        def name(cn: str) -> x509.Name:
+            return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+        ca_key = ec.generate_private_key(ec.SECP384R1())
+        ca = (x509.CertificateBuilder().subject_name(name("fedagent test CA")).issuer_name(name("fedagent test CA"))
+              .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+              .not_valid_before(validity[0]).not_valid_after(validity[1])
+              .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+              .sign(ca_key, hashes.SHA256()))
+        key = ec.generate_private_key(ec.SECP384R1())
+        sans = [x509.IPAddress(ipaddress.ip_address(h)) if h[0].isdigit() else x509.DNSName(h) for h in hosts]
+        cert = (x509.CertificateBuilder().subject_name(name(hosts[0])).issuer_name(ca.subject)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(validity[0]).not_valid_after(validity[1])
+                .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        pem = serialization.Encoding.PEM
+        self.ca = out / "ca.pem"
+        self.ca.write_bytes(ca.public_bytes(pem))
+        self.cert = out / "server.pem"
+        self.cert.write_bytes(cert.public_bytes(pem))
+        self.key = out / "server.key"
+        self.key.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        self.out = out
+
+    def node_key(self, name: str) -> tuple[Path, Path]:
+        """(private key, public key) of a SuperNode, in the OpenSSH formats Flower reads."""
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        key = ec.generate_private_key(ec.SECP384R1())
+        private, public = self.out / f"{name}.key", self.out / f"{name}.pub"
+        private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                              serialization.NoEncryption()))
+        public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                         serialization.PublicFormat.OpenSSH))
+        return private, public
+
+
+class Network:
+    """A bridge in this namespace and one network namespace per host, on a private /24."""
+
+    def __init__(self, tag: str, hosts: list[str]) -> None:
+        self.tag = tag
+        self.bridge = f"fb{tag}"
+        used = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+        third = next(n for n in range(int(tag) % 200 + 20, 255) if f"10.231.{n}." not in used)
+        self.prefix = f"10.231.{third}"
+        self.gateway = f"{self.prefix}.1"
+        self.addr: dict[str, str] = {}
+        self.ns: dict[str, str] = {}
+        self._ip("link", "add", self.bridge, "type", "bridge")
+        self._ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        self._ip("link", "set", self.bridge, "up")
+        for i, host in enumerate(hosts):
+            ns, veth, peer = f"fa{tag}{host}", f"fv{tag}{i}", f"fp{tag}{i}"
+            self._ip("netns", "add", ns)
+            self.ns[host] = ns
+            self._ip("link", "add", veth, "type", "veth", "peer", "name", peer)
+            self._ip("link", "set", peer, "netns", ns)
+            self._ip("link", "set", veth, "master", self.bridge)
+            self._ip("link", "set", veth, "up")
+            self.addr[host] = f"{self.prefix}.{10 + i}"
+            self._ip("netns", "exec", ns, "ip", "addr", "add", f"{self.addr[host]}/24", "dev", peer)
+            self._ip("netns", "exec", ns, "ip", "link", "set", peer, "up")
+            self._ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    def wrap(self, host: str, cmd: list[str], private: list[Path]) -> list[str]:
+        """`cmd` run in `host`'s network namespace and, when `private` is given, in a mount
+        namespace of its own with an empty tmpfs over each of those dirs (no shared disk)."""
+        out = ["ip", "netns", "exec", self.ns[host]]
+        if private:
+            mounts = " && ".join(f"mkdir -p '{p}' && mount -t tmpfs tmpfs '{p}'" for p in private)
+            out += ["unshare", "-m", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "sh"]
+        return out + cmd
+
+    def close(self) -> None:
+        for ns in self.ns.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+class Deployment:
+    """A SuperLink and `nodes` SuperNodes as real processes (`flower-superlink`, `flower-supernode`),
+    optionally each on a host of its own (network namespace) without the server's disk (mount
+    namespace), with TLS and SuperNode authentication; `flwr run` against it. Everything started
+    is stopped by its PID (process group) on every path."""
+
+    def __init__(self, root: Path, nodes: int = 2, netns: bool = False, tls: bool = False, auth: bool = False,
+                 no_shared: list[Path] | None = None) -> None:
+        self.root = root
+        self.logs = root / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.short = Path(tempfile.mkdtemp(prefix="fd-", dir="/tmp"))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.tag = str(os.getpid() % 10000)
+        self.net = Network(self.tag, ["link"] + [f"n{i}" for i in range(nodes + 1)]) if netns else None
+        self.no_shared = list(no_shared or [])
+        self.host = self.net.addr["link"] if self.net else "127.0.0.1"
+        self.port = choose_free_port()
+        self.certs = Certificates(root / "certs", [self.host, "localhost"]) if tls else None
+        self.auth = auth
+        self.home = root / "flwr-cli"
+        self.home.mkdir(exist_ok=True)
+        conn = (f'root-certificates = "{self.certs.ca}"' if self.certs else "insecure = true")
+        (self.home / "config.toml").write_text(f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\n'
+                                               f'address = "{self.host}:{self.port}"\n{conn}\n')
+        self.env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(self.home),
+                    "FEDAGENT_RUNTIME_DIR": str(self.short / "rt"),
+                    "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")])}
+        self.node_keys: list[tuple[Path, Path]] = []
+        self.nodes = nodes
+
+    # -- processes
+    def _start(self, name: str, cmd: list[str], host: str | None, private: list[Path] | None = None,
+               env: dict[str, str] | None = None) -> subprocess.Popen:
+        if self.net is not None and host is not None:
+            cmd = self.net.wrap(host, cmd, private or [])
+        log = open(self.logs / f"{name}.log", "ab")
+        proc = subprocess.Popen(cmd, env={**self.env, **(env or {})}, cwd=self.root, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start(self) -> Deployment:
+        tls = (["--ssl-ca-certfile", str(self.certs.ca), "--ssl-certfile", str(self.certs.cert),
+                "--ssl-keyfile", str(self.certs.key)] if self.certs else ["--insecure"])
+        self._start("superlink", [str(BIN / "flower-superlink"), *tls, "--host", self.host, "--port", str(self.port),
+                                  "--disable-runtime-dependency-installation",
+                                  *(["--enable-supernode-auth"] if self.auth else [])],
+                    "link", env={"FLWR_HOME": str(self.root / "flwr-superlink")})
+        self._wait_listening()
+        for i in range(self.nodes):
+            self.start_node(i)
+        return self
+
+    def _wait_listening(self, timeout_s: float = 60.0) -> None:
+        import socket
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.procs["superlink"].poll() is None, self.log("superlink")[-3000:]
+            with socket.socket() as s:
+                s.settimeout(1.0)
+                if s.connect_ex((self.host, self.port)) == 0:
+                    return
+            time.sleep(0.3)
+        raise AssertionError("the SuperLink did not start listening: " + self.log("superlink")[-3000:])
+
+    def register(self, name: str) -> Path:
+        """A SuperNode key pair; its public key registered with the SuperLink (`flwr supernode register`)."""
+        private, public = self.certs.node_key(name)
+        p = subprocess.run([FLWR, "supernode", "register", str(public), "deploy"], env=self.env, cwd=self.root,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return private
+
+    def start_node(self, i: int, key: Path | None = None, registered: bool = True, extra: list[str] = ()
+                   ) -> subprocess.Popen:
+        name = f"n{i}"
+        tls = ["--root-certificates", str(self.certs.ca)] if self.certs else ["--insecure"]
+        if self.auth:
+            key = key or (self.register(name) if registered else self.certs.node_key(name)[0])
+            tls += ["--auth-supernode-private-key", str(key)]
+        cmd = [str(BIN / "flower-supernode"), *tls, "--superlink", f"{self.host}:{self.port}",
+               "--port", str(choose_free_port()), "--node-config", f"partition-id={i} num-partitions={self.nodes}",
+               *extra]
+        return self._start(name, cmd, name, self.no_shared, env={"FLWR_HOME": str(self.root / f"flwr-{name}")})
+
+    def run(self, run_config: str, timeout_s: float) -> subprocess.CompletedProcess:
+        cmd = [FLWR, "run", str(ROOT), "deploy", "--run-config", run_config, "--stream"]
+        return subprocess.run(cmd, env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a host's whole process group (what a crashed machine does to its processes)."""
+        proc = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    def service_pids(self) -> dict[str, list[int]]:
+        """Trainer service pids by runtime scope (one scope per SuperNode)."""
+        rt = self.short / "rt"
+        out: dict[str, list[int]] = {}
+        for p in sorted(rt.rglob("svc-*.pid")) if rt.exists() else []:
+            out.setdefault(p.parent.name, []).append(int(p.read_text()))
+        return out
+
+    def log(self, name: str) -> str:
+        p = self.logs / f"{name}.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for pids in self.service_pids().values():   # services run in sessions of their own
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
+                    if psutil.Process(pid).cmdline()[1:3] == ["-m", "client_app.service"]:
+                        os.kill(pid, signal.SIGKILL)
+        if self.net is not None:
+            self.net.close()
+        shutil.rmtree(self.short, ignore_errors=True)
+
+
+@contextmanager
+def deployment(root: Path, **kw: object) -> Iterator[Deployment]:
+    d = Deployment(root, **kw)
+    try:
+        yield d.start()
+    finally:
+        d.stop()

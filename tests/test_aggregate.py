@@ -15,7 +15,6 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fl_app.aggregate import fedavg_manifests, fedavg_states
-from fl_app.transport import state_to_arrayrecord
 from fl_app.weights import Manifest, WeightsError, load_shards, save_shards
 
 SHARD = 5000  # bytes: several shards per small model
@@ -165,7 +164,7 @@ def test_streaming_and_inline_fedavg_give_identical_bits(tmp_path):
 def test_fedavg_matches_flower_aggregate_arrayrecords():
     states, weights = [_model(s) for s in range(3)], [4, 9, 2]
     floats = [{k: v for k, v in s.items() if v.is_floating_point()} for s in states]
-    records = [RecordDict({"arrays": state_to_arrayrecord(s), "metrics": MetricRecord({"num-examples": w})})
+    records = [RecordDict({"arrays": ArrayRecord(s), "metrics": MetricRecord({"num-examples": w})})
                for s, w in zip(floats, weights)]
     flower: ArrayRecord = aggregate_arrayrecords(records, "num-examples")
     ours = fedavg_states(list(zip(floats, weights)))

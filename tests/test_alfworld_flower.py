@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fl_app.rundir import RunDir
-from flower_harness import ROOT, flower, run_config
+from flower_harness import ROOT, flower, run_config, run_status
 from test_alfworld import alf_cache  # noqa: F401
 
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-alfworld-recipe.yaml"
@@ -23,7 +23,8 @@ def test_flwr_run_trains_on_alfworld_for_two_rounds(alf_cache, tmp_path):
     with flower(tmp_path / "flwr") as fl:
         fl.env["FEDAGENT_CACHE_DIR"] = str(cache)
         p = fl.run(run_config(RECIPE, run_dir), timeout_s=1500)
-        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+        status = run_status(run_dir)
+        assert p.returncode == 0 and status.returncode == 0, status.stdout + p.stdout[-4000:] + p.stderr[-4000:]
         assert (run_dir / "summary.json").exists(), p.stdout[-4000:] + fl.superlink_log()[-4000:]
     rows = RunDir(run_dir, total_rounds=2).read_metrics()
     assert [r["round"] for r in rows] == [0, 1, 2]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from fl_app.rundir import RunDir
-from flower_harness import flower
+from flower_harness import flower, run_status
 
 
 @pytest.mark.slow
@@ -20,7 +20,9 @@ def test_default_flwr_run_gains_10_points(tmp_path):
         t0 = time.monotonic()
         p = fr.run(f'run-dir="{run_dir}"', timeout_s=3600)
         wall = time.monotonic() - t0
-        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:] + fr.superlink_log()[-4000:]
+        status = run_status(run_dir)
+        assert p.returncode == 0 and status.returncode == 0, (status.stdout + p.stdout[-4000:] + p.stderr[-4000:]
+                                                              + fr.superlink_log()[-4000:])
     rows = RunDir(run_dir, total_rounds=8).read_metrics()
     curve = [round(r["val_success"], 3) for r in rows]
     print(f"\ndefault run: {wall:.0f} s, validation success by round {curve}")

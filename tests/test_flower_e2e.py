@@ -13,7 +13,7 @@ import pytest
 
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest, load_shards
-from flower_harness import FLWR, ROOT, flower, run_config
+from flower_harness import FLWR, ROOT, flower, run_config, run_status
 from server_app.local_superlink import find_superlink
 
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
@@ -25,7 +25,7 @@ def _rc(run_dir: Path, **extra: object) -> str:
 
 def _service_pids(fr) -> list[int]:
     rt = fr.short / "rt"
-    return [int(p.read_text()) for p in rt.glob("svc-*.pid")] if rt.exists() else []
+    return [int(p.read_text()) for p in rt.rglob("svc-*.pid")] if rt.exists() else []
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +35,17 @@ def fl(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_rounds(fl, tmp_path_factory) -> Path:
+def two_rounds_run(fl, tmp_path_factory) -> tuple[Path, str]:
     run_dir = tmp_path_factory.mktemp("run") / "r"
     p = fl.run(_rc(run_dir, rounds=2), timeout_s=1500)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    assert (run_dir / "summary.json").exists(), p.stdout[-4000:] + fl.superlink_log()[-4000:]
-    return run_dir
+    status = run_status(run_dir)
+    assert p.returncode == 0 and status.returncode == 0, status.stdout + p.stdout[-4000:] + p.stderr[-4000:]
+    return run_dir, p.stdout + p.stderr + fl.superlink_log()
+
+
+@pytest.fixture(scope="module")
+def two_rounds(two_rounds_run) -> Path:
+    return two_rounds_run[0]
 
 
 def test_flwr_run_completes_rounds_and_writes_the_run_dir(two_rounds, fl):
@@ -64,6 +69,16 @@ def test_one_trainer_service_serves_every_fit_and_stops(two_rounds, fl):
     assert svc["fits"] == 4 and svc["evals"] == 3      # 2 rounds x 2 clients; rounds 0, 1, 2
     for pid in _service_pids(fl):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    # the run dir says where every node's trainer log is
+    assert summary["nodes"] and all(Path(n["service-log"]).exists() for n in summary["nodes"].values())
+
+
+def test_two_nodes_on_one_lane_shut_it_down_once_without_a_traceback(two_rounds_run):
+    """Issue 17: the second node's shutdown used to post to the socket the first had closed."""
+    run_dir, output = two_rounds_run
+    assert "ClientAppException" not in output and "Connection refused" not in output, output[-6000:]
+    assert "shutdown on node" not in output                    # no failed shutdown reply
+    assert len(json.loads((run_dir / "summary.json").read_text())["services"]) == 1
 
 
 def test_bf16_unrepresentable_value_survives_client_aggregation_and_reload(two_rounds):
@@ -133,7 +148,7 @@ def test_sigkill_mid_round_then_rerun_resumes_cleanly(tmp_path):
             time.sleep(2)                                   # now inside round 2
             first_services = _service_pids(fr)
             assert first_services
-            _kill_tree(find_superlink(fr.port).pid)
+            _kill_tree(find_superlink(fr.home).pid)
         finally:
             proc.kill()
             proc.wait()
@@ -165,7 +180,7 @@ def test_stopping_the_local_superlink_mid_run_stops_the_runtime_too(tmp_path):
                 time.sleep(1)
             services = _service_pids(fr)
             assert services, (tmp_path / "run.log").read_text()[-4000:]
-            superlink = find_superlink(fr.port)
+            superlink = find_superlink(fr.home)
             ports = {c.laddr.port for c in superlink.net_connections() if c.status == psutil.CONN_LISTEN}
             runtime = [psutil.Process(c.pid) for c in psutil.net_connections(kind="tcp")
                        if c.pid and c.pid not in (superlink.pid, proc.pid) and c.raddr and c.raddr.port in ports]

@@ -10,7 +10,7 @@ import pytest
 
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest
-from flower_harness import ROOT, flower, run_config
+from flower_harness import ROOT, flower, run_config, run_status
 
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-ppo-recipe.yaml"
 MEMBERS = ("actor", "critic")
@@ -19,7 +19,8 @@ MEMBERS = ("actor", "critic")
 def _run(fr, run_dir: Path, rounds: int) -> str:
     p = fr.run(run_config(RECIPE, run_dir, rounds=rounds), timeout_s=1500)
     out = p.stdout + p.stderr
-    assert p.returncode == 0 and (run_dir / "summary.json").exists(), out[-4000:] + fr.superlink_log()[-3000:]
+    status = run_status(run_dir)
+    assert p.returncode == 0 and status.returncode == 0, status.stdout + out[-4000:] + fr.superlink_log()[-3000:]
     return out
 
 

@@ -42,7 +42,7 @@ def test_service_logs_what_grew_between_fits(env_url, model_dir, tmp_path, monke
 
     monkeypatch.setenv("FEDAGENT_MEMORY_DEBUG", "1")
     cfg = small_config(model_dir, federation={"clients": 4, "clients_per_round": 2, "tasks_per_client": 20})
-    svc = TrainerService(cfg, run_id=1, lane="cpu")
+    svc = TrainerService(cfg, run_id=1, lane="cpu", run_dir=tmp_path)   # request paths live in the run dir
     caplog.set_level(logging.INFO, logger="fedagent.service")
     try:
         svc.start()

@@ -16,7 +16,7 @@ from client_app.trainer.base import FitRequest
 from client_app.trainer.loop import RLTrainer
 from fl_app.aggregate import fedavg_manifests
 from fl_app.rundir import RunDir, RunDirError
-from fl_app.transport import WeightsRef, fedavg_received, state_to_arrayrecord
+from fl_app.transport import WeightsRef, fedavg_received
 from fl_app.weights import load_shards, save_shards, state_nbytes
 from trainer_support import (SMALL_ENV_PARAMS, env_url, model_dir, one_torch_thread,  # noqa: F401
                              small_config)
@@ -70,7 +70,7 @@ def test_critic_round_trip_export_aggregate_load_gives_identical_values(trainer,
     rows = _rows(trainer, [60, 61], seed=9)
     values = trainer.engine.values(rows)
     ref = WeightsRef(inline=True, nbytes=state_nbytes(critic))
-    arrays = state_to_arrayrecord(critic)
+    arrays = critic
     inline = fedavg_received([(ref, arrays, 3.0), (ref, arrays, 5.0)], None, tmp_path / "inline", SHARD_BYTES)
     clients = [save_shards(critic, tmp_path / f"client-{k}", SHARD_BYTES) for k in range(2)]
     stored = fedavg_manifests([(clients[0], 3.0), (clients[1], 5.0)], tmp_path / "stored", SHARD_BYTES)
@@ -165,17 +165,15 @@ def test_init_from_an_incomplete_round_is_refused(env_url, model_dir, trained, t
 def test_a_ppo_fit_without_its_critic_fails_closed(model_dir, tmp_path):
     """The trainer service refuses a PPO fit that does not carry the critic instead of training
     half a model (invariant 28: fail closed)."""
-    from fastapi import HTTPException
+    from client_app.service import FitBody, Refused, TrainerService
 
-    from client_app.service import FitBody, TrainerService
-
-    svc = TrainerService(ppo_config(model_dir), run_id=1, lane="cpu")
+    svc = TrainerService(ppo_config(model_dir), run_id=1, lane="cpu", run_dir=tmp_path)
     try:
         svc.start()
         actor = save_shards(svc.trainer.export_weights("actor"), tmp_path / "actor", SHARD_BYTES).root
         body = FitBody(run_id=1, round=1, client_id=0, local_epochs=1, seed=0,
                        weights_in={"actor": str(actor)}, weights_out={"actor": str(tmp_path / "out")})
-        with pytest.raises(HTTPException, match=r"carries weights for \['actor'\] but this trainer federates"):
+        with pytest.raises(Refused, match=r"carries weights for \['actor'\] but this trainer federates"):
             svc.fit(body)
         assert svc.fits == 0 and not (tmp_path / "out").exists()
     finally:

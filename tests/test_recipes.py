@@ -14,7 +14,7 @@ import pytest
 from envs.registry import _engine_class
 from fl_app.config import CONFIGS_DIR, ConfigError, load_config, main, save_config
 from fl_app.work import round_work
-from server_app.strategy import make_strategy
+from server_app.strategy import ClientSampler
 
 RECIPES = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
 PAPER = [f"{env}-{algo}-qwen2.5-1.5b" for env in ("webshop", "alfworld") for algo in ("grpo", "ppo")]
@@ -100,10 +100,8 @@ def test_baselines_are_one_round_of_t_times_e_epochs(recipe):
         assert f.clients == 1 and f.tasks_per_client == (6410 if recipe.startswith("webshop") else 3553)
     else:
         assert f.clients == 100 and f.only_clients == [21]
-        strategy = make_strategy(f.strategy, f.proximal_mu)
-        strategy.setup(seed=cfg.run.seed, num_clients=f.clients, per_round=1, shard_max_bytes=1,
-                       only_clients=f.only_clients)
-        assert strategy.sample(1) == [21]
+        sampler = ClientSampler(seed=cfg.run.seed, num_clients=f.clients, per_round=1, only_clients=f.only_clients)
+        assert sampler.sample(1) == [21]
 
 
 def test_group_size_follows_the_algorithm_unless_set():

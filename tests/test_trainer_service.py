@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from client_app.lane import LaneService, ServiceError
+from client_app.runtime_dir import NodeOwner
 from fl_app.config import save_config
 from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F401
 
@@ -33,8 +34,9 @@ def _lane_service(tmp_path: Path, model_dir: Path, owner_pid: int) -> LaneServic
     recipe = tmp_path / "recipe.yaml"
     save_config(small_config(model_dir, run={"run_dir": str(tmp_path / "run")}), recipe)
     # a lane name of this test's own, so the socket never meets another run's service
+    owner = NodeOwner(owner_pid, psutil.Process(owner_pid).create_time(), "")
     return LaneService(run_id=7, run_config={"recipe": str(recipe)}, log_dir=tmp_path / "logs",
-                       lane=f"test{os.getpid()}-{tmp_path.name[-12:]}", owner_pid=owner_pid)
+                       lane=f"test{os.getpid()}-{tmp_path.name[-12:]}", owner=owner)
 
 
 def _wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -76,8 +78,8 @@ def _in_background(fn) -> tuple[threading.Thread, list[BaseException]]:
 def test_service_whose_owner_dies_during_start_up_exits_at_once(tmp_path, model_dir, owner):  # noqa: F811
     lane = _lane_service(tmp_path, model_dir, owner.pid)
     starter, errors = _in_background(lane.ensure_started)
-    _wait_for(lambda: lane._pid() is not None, 30, "the service was not spawned")
-    service = psutil.Process(lane._pid())
+    _wait_for(lambda: lane.pid() is not None, 30, "the service was not spawned")
+    service = psutil.Process(lane.pid())
     # its env service child exists once start-up is under way (the trainer is not built yet)
     _wait_for(lambda: service.children(), 120, "the service never started its env service")
     waited = _kill_owner_and_time_exit(owner, service)
@@ -93,9 +95,9 @@ def test_service_whose_owner_dies_during_start_up_exits_at_once(tmp_path, model_
 def test_service_whose_owner_dies_mid_fit_abandons_the_fit(tmp_path, model_dir, owner):  # noqa: F811
     lane = _lane_service(tmp_path, model_dir, owner.pid)
     health = lane.ensure_started()
-    init_dir = tmp_path / "w0" / "actor"
+    init_dir = tmp_path / "run" / "w0" / "actor"     # the service works only inside its run dir
     lane.request("/init", {"run_id": 7, "weights_out": {"actor": str(init_dir)}})
-    out_dir = tmp_path / "w1" / "actor"
+    out_dir = tmp_path / "run" / "w1" / "actor"
     body = {"run_id": 7, "round": 1, "client_id": 0, "local_epochs": 200, "seed": 0,   # minutes of work
             "weights_in": {"actor": str(init_dir)}, "weights_out": {"actor": str(out_dir)}}
     fitter, errors = _in_background(lambda: lane.request("/fit", body))

@@ -32,13 +32,14 @@ def test_lane_service_federates_the_verl_critic(model_dir, tmp_path):  # noqa: F
     svc = TrainerService(Config.model_validate(data), run_id=1, lane="cpu")
     try:
         svc.start()
-        init = svc.init(InitBody(run_id=1, weights_out={m: str(tmp_path / "r0" / m) for m in ("actor", "critic")}))
+        run = tmp_path / "run"        # the service reads and writes weights only inside the run dir
+        init = svc.init(InitBody(run_id=1, weights_out={m: str(run / "r0" / m) for m in ("actor", "critic")}))
         assert init["critic_start"]["mode"] == "fresh"
-        out = {m: str(tmp_path / "r1" / m) for m in ("actor", "critic")}
+        out = {m: str(run / "r1" / m) for m in ("actor", "critic")}
         reply = svc.fit(FitBody(run_id=1, round=1, client_id=0, local_epochs=1, seed=0,
-                                weights_in={m: str(tmp_path / "r0" / m) for m in ("actor", "critic")}, weights_out=out))
+                                weights_in={m: str(run / "r0" / m) for m in ("actor", "critic")}, weights_out=out))
         assert reply["metrics"]["critic_optimizer_steps"] >= 1
-        before, after = load_shards(tmp_path / "r0" / "critic"), load_shards(tmp_path / "r1" / "critic")
+        before, after = load_shards(run / "r0" / "critic"), load_shards(run / "r1" / "critic")
         assert "score.weight" in after and _max_diff(after, before) > TOL
         assert (tmp_path / "run" / "verl" / "verl_config.yaml").exists()     # into the run dir, nowhere else
     finally:

@@ -1,0 +1,155 @@
+"""What a failed client costs a round (issue 14, item 4), on Flower's own message machinery.
+
+The grid is Flower's `InMemoryGrid` over a real `InMemoryLinkState` (what simulation runs on);
+the nodes are threads that answer their messages as a node would: reply, reply with an error,
+stay silent, or die (stop heartbeating: Flower itself then answers `Node Unavailable`).
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from flwr.app import ConfigRecord, Error, Message, RecordDict
+from flwr.common.constant import NOOP_ACCOUNT_NAME, NOOP_FLWR_AID, ErrorCode
+from flwr.proto.task_pb2 import Task
+from flwr.server.superlink.linkstate import LinkStateFactory
+from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
+from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+from flwr.supercore.object_store import ObjectStoreFactory
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+from flwr.superlink.federation import NoOpFederationManager
+from flwr.superlink.grid import InMemoryGrid
+
+from server_app.dispatch import RoundDispatch, request_one
+from server_app.strategy import RoundError
+
+RUN_ID, TASK_ID, SUPERLINK = 7, 11, 1
+TRACEBACK = ("<class 'client_app.lane.ServiceRequestError'>:<'trainer service /fit failed (HTTP 422): "
+             "WeightsError: /r/x: no manifest.json\nTraceback (most recent call last):\n  File \"x.py\"'>")
+
+
+class Federation:
+    """A SuperLink's state and grid, and nodes that behave as told: ok | error | silent | dead."""
+
+    def __init__(self, behaviours: list[str]) -> None:
+        factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
+        self.state = factory.state()
+        run = Run.create_empty(RUN_ID)
+        run.primary_task_id, run.federation_id = TASK_ID, NOOP_FEDERATION_ID
+        self.state.run_ids[RUN_ID] = RunRecord(run=run)
+        self.state.task_store[TASK_ID] = Task(task_id=TASK_ID, run_id=RUN_ID)
+        self.behaviour: dict[int, str] = {}
+        for b in behaviours:
+            beat = 0.3 if b == "dead" else 1e300          # a dead node stops heartbeating at once
+            node = self.state.create_node(NOOP_FLWR_AID, NOOP_ACCOUNT_NAME, secrets.token_bytes(32),
+                                          heartbeat_interval=beat)
+            self.state.acknowledge_node_heartbeat(node_id=node, heartbeat_interval=beat)
+            self.behaviour[node] = b
+        self.nodes = list(self.behaviour)
+        self.grid = InMemoryGrid(state_factory=factory, pull_interval=0.05)
+        self.grid.set_run(run)
+        self.served: dict[int, list[int]] = {n: [] for n in self.nodes}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.wait(0.02):
+            for node, b in self.behaviour.items():
+                if b in ("dead", "silent"):
+                    continue
+                for msg in self.state.get_message_ins(node_id=node, limit=10, run_id=RUN_ID):
+                    cid = int(msg.content["config"]["client-id"])
+                    self.served[node].append(cid)
+                    if b == "ok":
+                        reply = Message(content=RecordDict({"config": ConfigRecord({"client-id": cid})}),
+                                        reply_to=msg)
+                    else:
+                        reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=TRACEBACK),
+                                        reply_to=msg)
+                    reply.metadata.__dict__["_message_id"] = reply.object_id
+                    self.state.store_message_res(reply)
+
+    def message(self, cid: int, node: int) -> Message:
+        return Message(content=RecordDict({"config": ConfigRecord({"client-id": cid})}), dst_node_id=node,
+                       message_type="train")
+
+    def dispatch(self, assignment: dict[int, int], min_ok: int, timeout_s: float = 60.0):
+        log: list[str] = []
+        outcome = RoundDispatch(self.grid, self.message, round_=3, min_ok=min_ok, timeout_s=timeout_s,
+                                log=log.append, poll_s=0.05).run(assignment)
+        return outcome, log
+
+
+@pytest.fixture
+def federation() -> Iterator[callable]:
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, SUPERLINK, TASK_ID
+    made: list[Federation] = []
+
+    def make(*behaviours: str) -> Federation:
+        made.append(Federation(list(behaviours)))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.stop.set()
+        f.thread.join(5)
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def test_every_client_replies(federation):
+    f = federation("ok", "ok")
+    out, log = f.dispatch({4: f.nodes[0], 9: f.nodes[1]}, min_ok=2)
+    assert sorted(out.replies) == [4, 9] and not out.failures and not log
+
+
+def test_a_lost_node_s_client_is_re_dispatched_when_every_client_must_reply(federation):
+    f = federation("ok", "dead")
+    out, log = f.dispatch({4: f.nodes[0], 9: f.nodes[1]}, min_ok=2)
+    assert sorted(out.replies) == [4, 9] and out.dropped == []
+    (failure,) = out.failures
+    assert (failure.client, failure.node) == (9, f.nodes[1]) and failure.reason.startswith("NODE_UNAVAILABLE")
+    assert f.served[f.nodes[0]] == [4, 9]                            # the live node trained both
+    assert "re-dispatching it to node" in log[0]
+
+
+def test_a_lost_node_s_client_is_dropped_when_the_round_can_afford_it(federation):
+    f = federation("ok", "dead")
+    out, log = f.dispatch({4: f.nodes[0], 9: f.nodes[1]}, min_ok=1)
+    assert list(out.replies) == [4] and out.dropped == [9] and out.failures[0].client == 9
+    assert f.served[f.nodes[0]] == [4] and "dropped" in log[0]
+
+
+def test_the_round_fails_closed_when_no_node_can_take_the_client(federation):
+    f = federation("error", "dead")
+    with pytest.raises(RoundError, match="round 3: client .* failed on node") as info:
+        f.dispatch({4: f.nodes[0], 9: f.nodes[1]}, min_ok=2)
+    assert "\n" not in str(info.value)
+
+
+def test_a_client_error_arrives_as_one_line_naming_the_root_cause(federation):
+    f = federation("error", "ok")
+    out, _ = f.dispatch({4: f.nodes[0], 9: f.nodes[1]}, min_ok=1)
+    (failure,) = out.failures
+    assert failure.reason == ("CLIENT_APP_RAISED_EXCEPTION: ServiceRequestError: trainer service /fit failed "
+                              "(HTTP 422): WeightsError: /r/x: no manifest.json")
+
+
+def test_a_silent_node_times_out_and_its_client_goes_elsewhere(federation):
+    f = federation("silent", "ok")
+    t0 = time.monotonic()
+    out, _ = f.dispatch({4: f.nodes[0], 9: f.nodes[1]}, min_ok=2, timeout_s=1.0)
+    assert sorted(out.replies) == [4, 9] and "no reply within" in out.failures[0].reason
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_single_request_moves_on_from_a_lost_node(federation):
+    f = federation("dead", "ok")
+    log: list[str] = []
+    reply = request_one(f.grid, f.nodes, lambda n: f.message(0, n), "validation", 60.0, log.append)
+    assert not reply.has_error() and reply.metadata.src_node_id == f.nodes[1] and "is lost" in log[0]
