@@ -16,9 +16,9 @@ Everything that imports `alfworld` or `textworld` goes through here, for three r
 - Speed without changing a byte of output: `_install_fast_paths()` memoises three pure functions
   of the engine (PDDL->SAS translation, the tatsu parses of grammar strings and of queries) and
   makes the grammar's per-symbol context copy shallow (it deep-copied the entity records on every
-  symbol, ~70 % of a step; nothing mutates them). Measured on a kitchen: a repeated reset ~1.5 s
-  -> ~0.1 s CPU, a step ~0.15 s -> ~0.015 s. A test plays the same episodes with the fast paths
-  off (`FEDAGENT_ALFWORLD_FAST_PATHS=0`, in a subprocess) and compares every byte.
+  symbol; nothing mutates them); docs/alfworld.md has the measured speed-up. A test plays the
+  same episodes with the fast paths off (`FEDAGENT_ALFWORLD_FAST_PATHS=0`, in a subprocess) and
+  compares every byte.
 """
 from __future__ import annotations
 
