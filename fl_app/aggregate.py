@@ -180,9 +180,9 @@ def fedavg_states(inputs: Sequence[tuple[Mapping[str, torch.Tensor], float]],
             xs = [(s[key].detach().cpu().contiguous(), f) for _, s, f in live]
             x0 = xs[0][0]
             for x, _ in xs[1:]:
-                if x.shape != x0.shape:
-                    raise WeightsError(f"{key!r} has shape {list(x.shape)} in one client and {list(x0.shape)} "
-                                       "in another: clients must export the same model")
+                if x.shape != x0.shape or x.dtype != x0.dtype:
+                    raise WeightsError(f"{key!r} has shape {list(x.shape)} ({x.dtype}) in one client and "
+                                       f"{list(x0.shape)} ({x0.dtype}) in another: clients must export the same model")
             acc = torch.empty_like(x0)
             flat = acc.view(-1)
             for off, n in _pieces(x0.numel() * x0.element_size(), x0.element_size()):
@@ -207,12 +207,12 @@ class _Readers:
     """Reader threads that fill each input's buffers with its next pieces, in order, hashing as
     they read (each input's stream is read by one thread, so its hash sees bytes in order)."""
 
-    def __init__(self, streams: list[ShardStream], pieces: list[int], buf_bytes: int):
+    def __init__(self, streams: list[ShardStream], pieces: list[int], buffers: list[list[torch.Tensor]]):
         self.free: list[queue.Queue] = [queue.Queue() for _ in streams]
         self.ready: list[queue.Queue] = [queue.Queue() for _ in streams]
-        for q in self.free:
-            for _ in range(_BUFFERS_PER_INPUT):
-                q.put(torch.empty(buf_bytes, dtype=torch.uint8))
+        for q, bufs in zip(self.free, buffers):
+            for b in bufs:
+                q.put(b)
         self.stop = threading.Event()
         n_threads = min(_READERS, len(streams))
         self.threads = [threading.Thread(target=self._run, name=f"fedavg-read-{r}", daemon=True,
@@ -248,7 +248,23 @@ class _Readers:
             t.join()
 
 
-def _fedavg_shard(writer: ShardWriter, live: list[_Input], s: int, verify: bool) -> None:
+@dataclass
+class _Buffers:
+    """Piece buffers, allocated once per aggregation and reused for every shard (no page faults
+    or allocator churn per shard): `_BUFFERS_PER_INPUT` per live input, `_OUT_BUFFERS` for output."""
+
+    inputs: list[list[torch.Tensor]]
+    out: list[torch.Tensor]
+
+    @classmethod
+    def for_model(cls, manifest: Manifest, n_inputs: int) -> _Buffers:
+        size = max([min(PIECE_BYTES, t.nbytes) for t in manifest.tensors] or [0])
+        new = lambda: torch.empty(size, dtype=torch.uint8)  # noqa: E731
+        return cls([[new() for _ in range(_BUFFERS_PER_INPUT)] for _ in range(n_inputs)],
+                   [new() for _ in range(_OUT_BUFFERS)])
+
+
+def _fedavg_shard(writer: ShardWriter, live: list[_Input], s: int, verify: bool, buffers: _Buffers) -> None:
     """Stream shard s of every live input into the writer's next shard; raises _NonFinite."""
     streams: list[ShardStream] = []
     readers = None
@@ -268,11 +284,10 @@ def _fedavg_shard(writer: ShardWriter, live: list[_Input], s: int, verify: bool)
                 st.finish()
             writer.end_shard()
             return
-        buf_bytes = max(n * sl.info.itemsize for sl, _, n in work)
-        readers = _Readers(streams, [n * sl.info.itemsize for sl, _, n in work], buf_bytes)
+        readers = _Readers(streams, [n * sl.info.itemsize for sl, _, n in work], buffers.inputs)
         out_free: queue.Queue = queue.Queue()
-        for _ in range(_OUT_BUFFERS):
-            out_free.put(torch.empty(buf_bytes, dtype=torch.uint8))
+        for b in buffers.out:
+            out_free.put(b)
         for sl, _, n in work:
             dtype, nbytes = sl.info.torch_dtype, n * sl.info.itemsize
             out = out_free.get()
@@ -319,10 +334,11 @@ def fedavg_manifests(inputs: Sequence[tuple[Manifest | Path, float]], out_dir: P
                            f"aggregate is asked for {max_shard_bytes}: server and clients must share run.shard_max_mb")
     _check_fp32([(t.name, t.torch_dtype) for t in manifests[0].tensors])
     live = [_Input(i, m, f) for i, (m, f) in enumerate(zip(manifests, factors)) if f > 0]
+    buffers = _Buffers.for_model(manifests[0], len(live))
     try:
         with ShardWriter(out_dir, max_shard_bytes) as writer, _one_torch_thread():
             for s in range(len(manifests[0].shards)):
-                _fedavg_shard(writer, live, s, verify)
+                _fedavg_shard(writer, live, s, verify, buffers)
             return writer.finish()
     except _NonFinite as e:
         culprits = {}

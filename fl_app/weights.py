@@ -504,7 +504,11 @@ class ShardWriter:
         self._cur = None
         try:
             for f in cur.pending:
-                f.result()
+                try:
+                    f.result()
+                except OSError as e:
+                    raise WeightsError(f"writing {cur.path} failed ({e}); nothing was published: free disk "
+                                       "space or fix the directory's permissions, then write again") from e
             expected = len(_header_bytes(cur.slots)) + (cur.slots[-1].end if cur.slots else 0)
             if cur.written != expected:
                 raise WeightsError(f"{cur.path}: wrote {cur.written} bytes, the layout needs {expected}")
