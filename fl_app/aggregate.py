@@ -37,7 +37,7 @@ import torch
 
 from fl_app.weights import Manifest, ShardStream, ShardWriter, WeightsError, read_shard, same_layout
 
-PIECE_BYTES = 4 << 20   # fold granularity: fits the last-level cache with its inputs; a multiple of 64
+PIECE_BYTES = 1 << 20   # fold granularity: all live buffers stay in the last-level cache; a multiple of 64
 _BUFFERS_PER_INPUT = 3  # one being folded, one read ahead, one being read
 _OUT_BUFFERS = 3        # one being folded, two being hashed/written
 _READERS = 2            # reader threads (each reads and hashes its share of the inputs)

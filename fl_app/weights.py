@@ -662,14 +662,13 @@ class ShardStream:
         self.close()
 
 
-def _anon_buffer(size: int) -> mmap.mmap:
-    # Anonymous mmap, not bytearray: unmapped as soon as the last tensor on it dies, so
-    # streaming readers do not leave freed shard buffers in malloc arenas (peak RSS);
-    # huge pages cut the page-fault cost of filling it (~3x faster reads measured).
-    buf = mmap.mmap(-1, max(size, 1))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return buf
+def anon_buffer(size: int) -> mmap.mmap:
+    """Fresh memory for a shard's data. An anonymous mmap, not bytearray: unmapped as soon as
+    the last tensor on it dies, so freed shard buffers do not linger in malloc arenas (peak
+    RSS). Private, not Python's default shared mapping (shmem), and without a huge-page hint:
+    loading 1 GB took 0.80 s of CPU this way against 1.05 s shared and 1.74 s with
+    MADV_HUGEPAGE (page zeroing and compaction), interleaved runs on the 2-core VM."""
+    return mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def read_shard(manifest: Manifest, index: int, verify: bool = True) -> dict[str, torch.Tensor]:
@@ -681,7 +680,7 @@ def read_shard(manifest: Manifest, index: int, verify: bool = True) -> dict[str,
     with ThreadPoolExecutor(1, thread_name_prefix="shard-verify") as pool:
         stream = ShardStream(manifest, index, verify, pool)
         with stream:
-            buf = _anon_buffer(stream.data_bytes)
+            buf = anon_buffer(stream.data_bytes)
             view = memoryview(buf)
             for pos in range(0, stream.data_bytes, IO_CHUNK):
                 stream.readinto(view[pos:min(pos + IO_CHUNK, stream.data_bytes)])
