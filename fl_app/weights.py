@@ -379,6 +379,7 @@ class _OpenShard:
         self.written = 0
         self.kicked = 0
         self.pending: list[Future] = []
+        self.error: BaseException | None = None  # the first failed write, raised at the next write
 
 
 class ShardWriter:
@@ -476,25 +477,29 @@ class ShardWriter:
         cur = self._cur
         if cur is None:
             raise WeightsError("write called with no open shard; call begin_shard first")
-        for f in cur.pending:  # surface a failed write (e.g. disk full) before queueing more
-            if f.done() and f.exception() is not None:
-                raise WeightsError(f"writing {cur.path} failed: {f.exception()}")
+        if cur.error is not None:  # stop early (e.g. disk full); end_shard reports it
+            self.end_shard()
         if data.format != "B" or data.ndim != 1:
             data = data.cast("B")
         hashed = self._hash_pool.submit(cur.hasher.update, data)
         written = self._io_pool.submit(self._append, cur, data, hashed)
-        cur.pending = [f for f in cur.pending if not f.done()] + [written]
+        cur.pending.append(written)
         return written
 
     def _append(self, cur: _OpenShard, data: memoryview, hashed: Future) -> None:
-        view = data
-        while view:
-            view = view[os.write(cur.fd, view):]
-        cur.written += len(data)
-        if self.durable and _start_writeback is not None and cur.written - cur.kicked >= _WRITEBACK_EVERY:
-            _start_writeback(cur.fd, cur.kicked, cur.written - cur.kicked)
-            cur.kicked = cur.written
-        hashed.result()  # done only when hashed too: the caller may then reuse the buffer
+        try:
+            view = data
+            while view:
+                view = view[os.write(cur.fd, view):]
+            cur.written += len(data)
+            if self.durable and _start_writeback is not None and cur.written - cur.kicked >= _WRITEBACK_EVERY:
+                _start_writeback(cur.fd, cur.kicked, cur.written - cur.kicked)
+                cur.kicked = cur.written
+        except BaseException as e:
+            cur.error = cur.error or e
+            raise
+        finally:
+            hashed.result()  # done only when hashed too: the caller may then reuse the buffer
 
     def end_shard(self) -> ShardInfo:
         """Wait for the open shard's writes, check it is complete, record it."""

@@ -264,3 +264,22 @@ def test_malformed_manifests_raise_weights_errors_naming_the_file(tmp_path, text
     with pytest.raises(WeightsError, match=match) as e:
         Manifest.from_dir(tmp_path)
     assert str(tmp_path / MANIFEST_NAME) in str(e.value)
+
+
+def test_a_disk_full_mid_shard_is_a_weights_error_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    import fl_app.weights as weights_module
+    real_write, calls = os.write, []
+
+    def write_until_full(fd, data):  # fault injection: the disk fills after two writes
+        calls.append(len(data))
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(weights_module.os, "write", write_until_full)
+    big = {"w": torch.randn(3 * weights_module.IO_CHUNK // 4)}
+    with pytest.raises(WeightsError, match="No space left on device.*free disk space"):
+        save_shards(big, tmp_path / "w", 1 << 30)
+    assert not (tmp_path / "w").exists()
