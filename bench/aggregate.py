@@ -28,6 +28,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -52,18 +53,26 @@ def _status_kb(field: str) -> int:
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
 
 
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return r.ru_utime + r.ru_stime
+
+
 class PeakRSS:
-    """High-water RSS growth of this process inside the `with` block."""
+    """Wall time, CPU time (all threads) and high-water RSS growth of this process inside the
+    `with` block. CPU time barely depends on what else runs on the machine: it is the work."""
 
     def __enter__(self) -> PeakRSS:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         self.start_kb = _status_kb("VmRSS")
+        self.cpu0 = _cpu_seconds()
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.t0
+        self.cpu_seconds = _cpu_seconds() - self.cpu0
         self.peak_bytes = (_status_kb("VmHWM") - self.start_kb) * 1024
 
 
@@ -96,18 +105,18 @@ def evict(paths: list[Path]) -> None:
         os.close(fd)
 
 
-def best_of(repeat: int, fn: Callable[[], object], setup: Callable[[], object] = lambda: None) -> tuple[float, int]:
-    """Fastest wall time and largest peak-RSS growth over `repeat` runs of fn (setup is untimed).
-
-    Best-of, because the machine is shared: the fastest run is the least disturbed one.
-    """
-    seconds, peak = float("inf"), 0
+def best_of(repeat: int, fn: Callable[[], object], setup: Callable[[], object] = lambda: None) -> dict:
+    """Fastest wall time, least CPU time and largest peak-RSS growth over `repeat` runs of fn
+    (setup is untimed). Best-of, because the machine is shared: the fastest run is the least
+    disturbed one."""
+    best = {"seconds": float("inf"), "cpu_seconds": float("inf"), "peak_bytes": 0}
     for _ in range(repeat):
         setup()
         with PeakRSS() as p:
             fn()
-        seconds, peak = min(seconds, p.seconds), max(peak, p.peak_bytes)
-    return seconds, peak
+        best = {"seconds": min(best["seconds"], p.seconds), "cpu_seconds": min(best["cpu_seconds"], p.cpu_seconds),
+                "peak_bytes": max(best["peak_bytes"], p.peak_bytes)}
+    return best
 
 
 def _weights(n: int) -> list[float]:
@@ -135,11 +144,11 @@ def child_ours(a: argparse.Namespace) -> dict:
         if a.cold:
             evict([m.shard_path(i) for m, _ in inputs for i in range(len(m.shards))])
 
-    seconds, peak = best_of(a.repeat, lambda: fedavg_manifests(inputs, out, int(a.shard_mb * 2**20),
-                                                               verify=not a.no_verify), setup)
+    m = best_of(a.repeat, lambda: fedavg_manifests(inputs, out, int(a.shard_mb * 2**20), verify=not a.no_verify),
+                setup)
     label = "baseline" if a.baseline else "ours"
     label += f" ({'cold' if a.cold else 'warm'} cache" + (", inputs not verified)" if a.no_verify else ")")
-    return {"name": label, "bytes": sum(m.tensor_bytes for m, _ in inputs), "seconds": seconds, "peak_bytes": peak}
+    return {"name": label, "bytes": sum(m.tensor_bytes for m, _ in inputs), **m}
 
 
 def child_limits(a: argparse.Namespace) -> dict:
@@ -157,11 +166,11 @@ def child_limits(a: argparse.Namespace) -> dict:
         for x, f in zip(xs[1:], factors[1:]):
             acc.add_(x, alpha=f)
 
-    seconds, peak = best_of(a.repeat, axpy)
+    m = best_of(a.repeat, axpy)
     raw = memoryview(xs[0].numpy()).cast("B")
-    copy_s, _ = best_of(a.repeat, lambda: acc.copy_(xs[-1]))
-    blake_s, _ = best_of(a.repeat, lambda: blake3.blake3(raw).digest())
-    sha_s, _ = best_of(a.repeat, lambda: hashlib.sha256(raw).digest())
+    copy_s = best_of(a.repeat, lambda: acc.copy_(xs[-1]))["seconds"]
+    blake_s = best_of(a.repeat, lambda: blake3.blake3(raw).digest())["seconds"]
+    sha_s = best_of(a.repeat, lambda: hashlib.sha256(raw).digest())["seconds"]
     scratch = Path(a.work) / "disk-floor.bin"
 
     def write_and_fsync() -> None:  # what writing one durable global model costs at the least
@@ -169,10 +178,10 @@ def child_limits(a: argparse.Namespace) -> dict:
             f.write(raw)
             os.fsync(f.fileno())
 
-    disk_s, _ = best_of(a.repeat, write_and_fsync, setup=lambda: scratch.unlink(missing_ok=True))
+    disk_s = best_of(a.repeat, write_and_fsync, setup=lambda: scratch.unlink(missing_ok=True))["seconds"]
     scratch.unlink()
-    return {"name": "axpy in RAM (same arithmetic, no IO)", "bytes": a.clients * size, "seconds": seconds,
-            "peak_bytes": peak, "inputs_held_bytes": held.peak_bytes, "memcpy_gbps": size / copy_s / 1e9,
+    return {"name": "axpy in RAM (same arithmetic, no IO)", "bytes": a.clients * size, **m,
+            "inputs_held_bytes": held.peak_bytes, "memcpy_gbps": size / copy_s / 1e9,
             "blake3_gbps": size / blake_s / 1e9, "sha256_gbps": size / sha_s / 1e9,
             "disk_write_gbps": size / disk_s / 1e9}
 
@@ -194,18 +203,16 @@ def child_flower(a: argparse.Namespace) -> dict:
     result: list = []
     inputs = [(Manifest.from_dir(Path(a.work) / f"client-{c}"), w) for c, w in enumerate(_weights(a.clients))]
     out = Path(a.work) / "global"
-    seconds, ours_s, peak = float("inf"), float("inf"), 0
+    flower = {"seconds": float("inf"), "cpu_seconds": float("inf"), "peak_bytes": 0}
+    ours = dict(flower)
     for _ in range(a.repeat):  # interleaved with ours, so slow drifts of the machine's load hit both alike
-        result.clear()
-        with PeakRSS() as p:
-            result.append(aggregate_arrayrecords(records, "num-examples"))
-        seconds, peak = min(seconds, p.seconds), max(peak, p.peak_bytes)
-        shutil.rmtree(out, ignore_errors=True)
-        t0 = time.perf_counter()
-        fedavg_manifests(inputs, out, int(a.shard_mb * 2**20))
-        ours_s = min(ours_s, time.perf_counter() - t0)
-    row = {"name": "flower aggregate_arrayrecords (all in RAM)", "bytes": nbytes, "seconds": seconds,
-           "peak_bytes": peak, "inputs_held_bytes": held.peak_bytes, "ours_interleaved_seconds": ours_s,
+        for row, fn, setup in ((flower, lambda: result.append(aggregate_arrayrecords(records, "num-examples")),
+                                result.clear),
+                               (ours, lambda: fedavg_manifests(inputs, out, int(a.shard_mb * 2**20)),
+                                lambda: shutil.rmtree(out, ignore_errors=True))):
+            row.update({k: (max if k == "peak_bytes" else min)(row[k], v) for k, v in best_of(1, fn, setup).items()})
+    row = {"name": "flower aggregate_arrayrecords (all in RAM)", "bytes": nbytes, **flower,
+           "inputs_held_bytes": held.peak_bytes, "ours_interleaved": ours,
            "ours_interleaved_bytes": sum(m.tensor_bytes for m, _ in inputs)}
     if full:  # the two aggregations must agree (within fp32 rounding)
         del records
@@ -259,7 +266,7 @@ def bench_n(a: argparse.Namespace) -> dict:
 def report(a: argparse.Namespace, n: int, rows: dict) -> dict:
     lim, ours, flower = rows["limits"], rows["ours"], rows["flower"]
     rows["ours_vs_flower"] = {"name": "ours (warm, interleaved with flower)", "bytes": flower["ours_interleaved_bytes"],
-                              "seconds": flower["ours_interleaved_seconds"]}
+                              **flower["ours_interleaved"], "peak_bytes": None}
     gbps = {k: r["bytes"] / r["seconds"] / 1e9 for k, r in rows.items()}
     size = a.size_gb * 1e9
     hash_floor = (n + 1) * size / (os.cpu_count() * lim["blake3_gbps"] * 1e9)
@@ -267,11 +274,12 @@ def report(a: argparse.Namespace, n: int, rows: dict) -> dict:
     floor_gbps = n * size / max(hash_floor, disk_floor) / 1e9
     print(f"\n## N = {n} clients x {a.size_gb} GB" + (f" (flower on {a.flower_size_gb:.2f} GB per client: "
           f"--flower-max-gb {a.flower_max_gb})" if a.flower_size_gb != a.size_gb else ""))
-    print(f"{'method':52s} {'GB in':>6s} {'s':>7s} {'GB/s':>6s} {'x ours':>7s} {'peak RSS':>9s}")
+    print(f"{'method':52s} {'GB in':>6s} {'s':>7s} {'GB/s':>6s} {'x ours':>7s} {'CPU s/GB':>9s} {'peak RSS':>9s}")
     for k, r in rows.items():
-        peak = f"{r['peak_bytes'] / 2**20:7.0f}Mi" if "peak_bytes" in r else "-"
+        peak = f"{r['peak_bytes'] / 2**20:7.0f}Mi" if r.get("peak_bytes") is not None else "-"
+        cpu = f"{r['cpu_seconds'] / (r['bytes'] / 1e9):9.2f}" if "cpu_seconds" in r else "        -"
         print(f"{r['name']:52s} {r['bytes'] / 1e9:6.2f} {r['seconds']:7.2f} {gbps[k]:6.2f} "
-              f"{gbps[k] / gbps['ours']:7.2f} {peak:>9s}")
+              f"{gbps[k] / gbps['ours']:7.2f} {cpu} {peak:>9s}")
     print(f"one model: memcpy {lim['memcpy_gbps']:.2f} GB/s, BLAKE3 {lim['blake3_gbps']:.2f} GB/s and sha256 "
           f"{lim['sha256_gbps']:.2f} GB/s on one core, write + fsync {lim['disk_write_gbps']:.2f} GB/s; integrity floor "
           f"(hash {n + 1} models on {os.cpu_count()} cores, or write 1 durably) {floor_gbps:.2f} GB/s of input")
@@ -280,6 +288,8 @@ def report(a: argparse.Namespace, n: int, rows: dict) -> dict:
                                                                 if "max_abs_diff_vs_ours" in flower else ""))
     return {"n": n, "ours": gbps["ours"], "flower": gbps["flower"], "memcpy": lim["memcpy_gbps"], "floor": floor_gbps,
             "vs_flower": gbps["ours_vs_flower"] / gbps["flower"],
+            "cpu_vs_flower": flower["cpu_seconds"] / flower["bytes"] / (rows["ours_vs_flower"]["cpu_seconds"]
+                                                                          / rows["ours_vs_flower"]["bytes"]),
             "vs_baseline": gbps["ours_vs_baseline"] / gbps["baseline"] if "baseline" in gbps else None,
             "ours_peak": ours["peak_bytes"], "flower_peak": flower["peak_bytes"] + flower["inputs_held_bytes"]}
 
@@ -318,14 +328,16 @@ def main() -> None:
         a.clients = n
         summary.append(report(a, n, bench_n(a)))
     print(f"\n## Summary (load average {load_before:.1f} -> {os.getloadavg()[0]:.1f})")
-    print(f"{'N':>3s} {'ours GB/s':>10s} {'flower':>7s} {'ours/flower':>12s} {'ours/memcpy':>12s} {'ours/floor':>11s} "
-          f"{'peak RSS ours / flower':>24s}" + (f" {'ours/baseline':>14s}" if a.baseline_src else ""))
+    print(f"{'N':>3s} {'ours GB/s':>10s} {'flower':>7s} {'ours/flower':>12s} {'CPU flower/ours':>16s} "
+          f"{'ours/memcpy':>12s} {'ours/floor':>11s} {'peak RSS ours / flower':>24s}"
+          + (f" {'ours/baseline':>14s}" if a.baseline_src else ""))
     for s in summary:
-        print(f"{s['n']:3d} {s['ours']:10.2f} {s['flower']:7.2f} {s['vs_flower']:12.2f} "
+        print(f"{s['n']:3d} {s['ours']:10.2f} {s['flower']:7.2f} {s['vs_flower']:12.2f} {s['cpu_vs_flower']:16.2f} "
               f"{s['ours'] / s['memcpy']:12.1%} {s['ours'] / s['floor']:11.1%} "
               f"{s['ours_peak'] / 2**20:9.0f} / {s['flower_peak'] / 2**20:6.0f} MiB"
               + (f" {s['vs_baseline']:14.2f}" if s["vs_baseline"] else ""))
-    print("ours/flower and ours/baseline compare runs interleaved in time (best of each); the other columns use the "
+    print("ours/flower and ours/baseline compare runs interleaved in time (best of each); CPU flower/ours is CPU "
+          "seconds per input GB (all threads), the work each does whatever the load; the other columns use the "
           "'ours (warm cache)' row")
 
 
