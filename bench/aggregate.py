@@ -105,7 +105,7 @@ def evict(paths: list[Path]) -> None:
         os.close(fd)
 
 
-def best_of(repeat: int, fn: Callable[[], object], setup: Callable[[], object] = lambda: None) -> dict:
+def best_of(repeat: int, fn: Callable[[], object], setup: Callable[[], object] = lambda: None) -> dict[str, float]:
     """Fastest wall time, least CPU time and largest peak-RSS growth over `repeat` runs of fn
     (setup is untimed). Best-of, because the machine is shared: the fastest run is the least
     disturbed one."""
@@ -167,7 +167,7 @@ def child_limits(a: argparse.Namespace) -> dict:
             acc.add_(x, alpha=f)
 
     m = best_of(a.repeat, axpy)
-    raw = memoryview(xs[0].numpy()).cast("B")
+    raw = xs[0].numpy().data.cast("B")
     copy_s = best_of(a.repeat, lambda: acc.copy_(xs[-1]))["seconds"]
     blake_s = best_of(a.repeat, lambda: blake3.blake3(raw).digest())["seconds"]
     sha_s = best_of(a.repeat, lambda: hashlib.sha256(raw).digest())["seconds"]
@@ -203,21 +203,21 @@ def child_flower(a: argparse.Namespace) -> dict:
     result: list = []
     inputs = [(Manifest.from_dir(Path(a.work) / f"client-{c}"), w) for c, w in enumerate(_weights(a.clients))]
     out = Path(a.work) / "global"
-    flower = {"seconds": float("inf"), "cpu_seconds": float("inf"), "peak_bytes": 0}
+    flower: dict[str, float] = {"seconds": float("inf"), "cpu_seconds": float("inf"), "peak_bytes": 0}
     ours = dict(flower)
+    runs: list[tuple[dict[str, float], Callable[[], object], Callable[[], object]]] = [
+        (flower, lambda: result.append(aggregate_arrayrecords(records, "num-examples")), result.clear),
+        (ours, lambda: fedavg_manifests(inputs, out, int(a.shard_mb * 2**20)), lambda: shutil.rmtree(out, True))]
     for _ in range(a.repeat):  # interleaved with ours, so slow drifts of the machine's load hit both alike
-        for row, fn, setup in ((flower, lambda: result.append(aggregate_arrayrecords(records, "num-examples")),
-                                result.clear),
-                               (ours, lambda: fedavg_manifests(inputs, out, int(a.shard_mb * 2**20)),
-                                lambda: shutil.rmtree(out, ignore_errors=True))):
-            row.update({k: (max if k == "peak_bytes" else min)(row[k], v) for k, v in best_of(1, fn, setup).items()})
-    row = {"name": "flower aggregate_arrayrecords (all in RAM)", "bytes": nbytes, **flower,
-           "inputs_held_bytes": held.peak_bytes, "ours_interleaved": ours,
-           "ours_interleaved_bytes": sum(m.tensor_bytes for m, _ in inputs)}
+        for best, fn, setup in runs:
+            best.update({k: (max if k == "peak_bytes" else min)(best[k], v) for k, v in best_of(1, fn, setup).items()})
+    row: dict = {"name": "flower aggregate_arrayrecords (all in RAM)", "bytes": nbytes, **flower,
+                 "inputs_held_bytes": held.peak_bytes, "ours_interleaved": ours,
+                 "ours_interleaved_bytes": sum(m.tensor_bytes for m, _ in inputs)}
     if full:  # the two aggregations must agree (within fp32 rounding)
         del records
-        ours = load_shards(Path(a.work) / "global")
-        row["max_abs_diff_vs_ours"] = max(float((ours[k] - torch.from_numpy(v.numpy())).abs().max())
+        avg = load_shards(out)
+        row["max_abs_diff_vs_ours"] = max(float((avg[k] - torch.from_numpy(v.numpy())).abs().max())
                                           for k, v in result[0].items())
     return row
 

@@ -15,6 +15,7 @@ MB/s = model bytes / seconds. Linux only (page-cache eviction by posix_fadvise).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import mmap
 import os
@@ -60,7 +61,7 @@ def run(a: argparse.Namespace) -> dict[str, float]:
     for d in durable:
         kwargs = {} if a.baseline else {"durable": d}
         rows[f"export save_shards{'' if d else ' (no fsync)'}"] = best(
-            a.repeat, lambda: save_shards(state, out, shard_bytes, **kwargs), lambda: shutil.rmtree(out, True))
+            a.repeat, functools.partial(save_shards, state, out, shard_bytes, **kwargs), lambda: shutil.rmtree(out, True))
     manifest = Manifest.from_dir(out)
     files = [out / s.file for s in manifest.shards]
     if not a.baseline:
@@ -77,7 +78,7 @@ def run(a: argparse.Namespace) -> dict[str, float]:
 
         for d in durable:
             rows[f"export raw write{' + fsync' if d else ''}"] = best(
-                a.repeat, lambda: write_raw(d), lambda: shutil.rmtree(raw, True))
+                a.repeat, functools.partial(write_raw, d), lambda: shutil.rmtree(raw, True))
         del blobs
 
     def read_raw() -> None:

@@ -27,6 +27,7 @@ Only then are the inputs scanned to name the culprits in a `NonFiniteWeightsErro
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -228,7 +229,7 @@ class _Readers:
                     buf = self.free[k].get()
                     if self.stop.is_set():
                         return
-                    stream.readinto(memoryview(buf.numpy())[:n])
+                    stream.readinto(buf.numpy().data[:n])
                     self.ready[k].put(buf)
         except Exception as e:  # handed to the main thread at its next get for these inputs
             for k, _ in mine:
@@ -298,8 +299,8 @@ def _fedavg_shard(writer: ShardWriter, live: list[_Input], s: int, verify: bool,
                 readers.free[k].put(buf)
             if not _finite(acc):
                 raise _NonFinite(repr(sl.info.name))
-            done = writer.write(memoryview(out.numpy())[:nbytes])
-            done.add_done_callback(lambda _, out=out: out_free.put(out))
+            done = writer.write(out.numpy().data[:nbytes])
+            done.add_done_callback(functools.partial(_give_back, out_free, out))
         for st in streams:
             st.finish()  # every byte of the shard was read: compare the digests
         writer.end_shard()
@@ -308,6 +309,10 @@ def _fedavg_shard(writer: ShardWriter, live: list[_Input], s: int, verify: bool,
             readers.close()
         for st in streams:
             st.close()
+
+
+def _give_back(pool: queue.Queue, buf: torch.Tensor, _written: object) -> None:
+    pool.put(buf)
 
 
 class _NonFinite(Exception):

@@ -2,8 +2,8 @@
 
 Standard library only at import time: the wheelhouse runs where torch and blake3 are not
 installed and needs `sha256_file` alone. BLAKE3 (the `blake3` package) is imported on first
-use; it is the weight shards' hash because it runs ~2.5x faster than sha256 per core on the
-machines we measured (docs/benchmarks.md) while staying a cryptographic hash.
+use; it is the weight shards' hash because it ran 2.2-4.8x faster than sha256 per core in
+every run of bench/aggregate.py (docs/benchmarks.md) while staying a cryptographic hash.
 """
 from __future__ import annotations
 

@@ -342,7 +342,7 @@ def tensor_views(t: torch.Tensor) -> Iterator[memoryview]:
     """A contiguous CPU tensor's bytes as memoryviews of at most IO_CHUNK bytes (no copy)."""
     if t.numel() == 0:
         return
-    raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    raw = t.reshape(-1).view(torch.uint8).numpy().data
     for pos in range(0, len(raw), IO_CHUNK):
         yield raw[pos:pos + IO_CHUNK]
 
