@@ -20,9 +20,10 @@ skipped (not even read). Non-floating buffers are not averaged: every client mus
 same values.
 
 Non-finite uploads (NaN/Inf) are refused (issue #18): NaN and Inf survive every later
-multiply-add, so the finished sum is finite exactly when every contributing input is, and one
-check per output piece (on data still in cache) detects them without a pass over the inputs.
-Only then are the inputs scanned to name the culprits in a `NonFiniteWeightsError`.
+multiply-add, so the finished sum is finite exactly when every contributing input is (unless
+the mean overflowed fp32, refused as well), and one check per output piece (on data still in
+cache) detects them without a pass over the inputs. Only then are the inputs scanned to name
+the culprits in a `NonFiniteWeightsError`.
 """
 from __future__ import annotations
 
