@@ -1,17 +1,26 @@
-"""Streaming fp32 FedAvg (fl_app.aggregate) next to in-memory axpy and Flower's own aggregation.
+"""Streaming fp32 FedAvg (fl_app.aggregate) next to Flower's own aggregation and physical limits.
 
-    python bench/aggregate.py --clients 2 --size-gb 1.0
+    python bench/aggregate.py --clients 2,4,8 --size-gb 0.5
+    python bench/aggregate.py --clients 2 --size-gb 1.0 --baseline-src /tmp/v1   # + the old code, same run
 
-Writes N random fp32 client models (LLM-like tensor shapes) as safetensors shards to a temp dir,
-then measures, each in a fresh child process so peak RSS is its own:
-  axpy      the same FedAvg arithmetic on in-memory buffers (memory-bandwidth ceiling)
-  ours      fedavg_manifests: read + sha256-verify + accumulate + write + fsync the global,
-            with the input files in the page cache (warm), evicted from it (cold), and warm
-            without sha256 verification (to show what verification costs)
+For each client count N, writes N random fp32 client models (LLM-like tensor shapes) as shards
+to a temp dir, then measures, each in a fresh child process so peak RSS is its own:
+  limits    one model's memcpy, BLAKE3 and sha256 on one core, write + fsync to disk; and the
+            same FedAvg arithmetic on buffers already in RAM (axpy)
+  ours      fedavg_manifests: read + verify every byte + accumulate + check finite + write, hash
+            and fsync the global; input files in the page cache (warm), evicted from it (cold),
+            and warm without input verification (what verification costs)
   flower    flwr's aggregate_arrayrecords on the same tensors held as ArrayRecords (all
-            clients in memory; run on a smaller model if that would exceed --flower-max-gb)
-GB/s = input bytes (N x model size) / seconds, best of --repeat runs. Peak RSS = high-water RSS above the RSS at the
-start of the measured phase (Linux: /proc/self/clear_refs resets the mark). Linux only.
+            clients in memory; run on a smaller model if that would exceed --flower-max-gb),
+            its runs interleaved with runs of ours in the same process (the ours/flower ratio)
+  baseline  (--baseline-src DIR: a checkout whose fl_app is the code to compare against) its
+            save_shards + fedavg_manifests on its own copy of the inputs, one run per child
+            process alternating with one of ours (the ours/baseline ratio)
+GB/s = input bytes (N x model size) / seconds, best of --repeat runs (the least disturbed run
+on a shared machine). Peak RSS = high-water RSS above the RSS at the start of the measured phase
+(Linux: /proc/self/clear_refs resets the mark). The integrity floor is the time to hash every
+input and output byte once on all cores, or to write the global durably, whichever is longer:
+no verified, durable aggregation can beat it on this machine. Linux only.
 """
 from __future__ import annotations
 
@@ -19,6 +28,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -28,7 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if "--baseline" not in sys.argv:  # a baseline child imports the fl_app its PYTHONPATH names
+    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
@@ -42,18 +53,26 @@ def _status_kb(field: str) -> int:
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
 
 
-class PeakRSS:
-    """High-water RSS growth of this process inside the `with` block."""
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return r.ru_utime + r.ru_stime
 
-    def __enter__(self) -> "PeakRSS":
+
+class PeakRSS:
+    """Wall time, CPU time (all threads) and high-water RSS growth of this process inside the
+    `with` block. CPU time barely depends on what else runs on the machine: it is the work."""
+
+    def __enter__(self) -> PeakRSS:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         self.start_kb = _status_kb("VmRSS")
+        self.cpu0 = _cpu_seconds()
         self.t0 = time.perf_counter()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.t0
+        self.cpu_seconds = _cpu_seconds() - self.cpu0
         self.peak_bytes = (_status_kb("VmHWM") - self.start_kb) * 1024
 
 
@@ -78,6 +97,32 @@ def random_model(size_bytes: int, seed: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g) for name, shape in model_shapes(size_bytes)}
 
 
+def evict(paths: list[Path]) -> None:
+    """Drop these files from the page cache (the next read comes from disk)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def best_of(repeat: int, fn: Callable[[], object], setup: Callable[[], object] = lambda: None) -> dict[str, float]:
+    """Fastest wall time, least CPU time and largest peak-RSS growth over `repeat` runs of fn
+    (setup is untimed). Best-of, because the machine is shared: the fastest run is the least
+    disturbed one."""
+    best = {"seconds": float("inf"), "cpu_seconds": float("inf"), "peak_bytes": 0}
+    for _ in range(repeat):
+        setup()
+        with PeakRSS() as p:
+            fn()
+        best = {"seconds": min(best["seconds"], p.seconds), "cpu_seconds": min(best["cpu_seconds"], p.cpu_seconds),
+                "peak_bytes": max(best["peak_bytes"], p.peak_bytes)}
+    return best
+
+
+def _weights(n: int) -> list[float]:
+    return [float(100 + 37 * c) for c in range(n)]
+
+
 # ---- child measurements (each runs in its own process) ---------------------------------------
 def child_write(a: argparse.Namespace) -> dict:
     size, total_s = int(a.size_gb * 1e9), 0.0
@@ -87,74 +132,57 @@ def child_write(a: argparse.Namespace) -> dict:
         save_shards(state, Path(a.work) / f"client-{c}", int(a.shard_mb * 2**20))
         total_s += time.perf_counter() - t0
         del state
-    return {"name": "save_shards (write + sha256 + fsync)", "bytes": a.clients * size, "seconds": total_s}
-
-
-def _inputs(a: argparse.Namespace) -> list[tuple[Manifest, float]]:
-    return [(Manifest.from_dir(Path(a.work) / f"client-{c}"), float(100 + 37 * c)) for c in range(a.clients)]
-
-
-def best_of(repeat: int, fn: Callable[[], object], setup: Callable[[], object] = lambda: None) -> tuple[float, int]:
-    """Fastest wall time and largest peak-RSS growth over `repeat` runs of fn (setup is untimed).
-
-    Best-of, because the machine is shared: the fastest run is the least disturbed one.
-    """
-    seconds, peak = float("inf"), 0
-    for _ in range(repeat):
-        setup()
-        with PeakRSS() as p:
-            fn()
-        seconds, peak = min(seconds, p.seconds), max(peak, p.peak_bytes)
-    return seconds, peak
+    return {"name": "save_shards (clients' export)", "bytes": a.clients * size, "seconds": total_s}
 
 
 def child_ours(a: argparse.Namespace) -> dict:
-    inputs = _inputs(a)
+    inputs = [(Manifest.from_dir(Path(a.work) / f"client-{c}"), w) for c, w in enumerate(_weights(a.clients))]
     out = Path(a.work) / "global"
 
     def setup() -> None:
         shutil.rmtree(out, ignore_errors=True)
-        for m, _ in inputs if a.cold else []:
-            for i in range(len(m.shards)):
-                fd = os.open(m.shard_path(i), os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drop our files from the page cache
-                os.close(fd)
+        if a.cold:
+            evict([m.shard_path(i) for m, _ in inputs for i in range(len(m.shards))])
 
-    seconds, peak = best_of(a.repeat, lambda: fedavg_manifests(inputs, out, int(a.shard_mb * 2**20),
-                                                               verify=not a.no_verify), setup)
-    label = f"ours, streaming ({'cold' if a.cold else 'warm'} cache, " + \
-            ("no sha256)" if a.no_verify else "sha256 verified)")
-    return {"name": label, "bytes": sum(m.tensor_bytes for m, _ in inputs), "seconds": seconds, "peak_bytes": peak}
+    m = best_of(a.repeat, lambda: fedavg_manifests(inputs, out, int(a.shard_mb * 2**20), verify=not a.no_verify),
+                setup)
+    label = "baseline" if a.baseline else "ours"
+    label += f" ({'cold' if a.cold else 'warm'} cache" + (", inputs not verified)" if a.no_verify else ")")
+    return {"name": label, "bytes": sum(m.tensor_bytes for m, _ in inputs), **m}
 
 
-def child_axpy(a: argparse.Namespace) -> dict:
+def child_limits(a: argparse.Namespace) -> dict:
+    import blake3
+
     size = int(a.size_gb * 1e9) // 4 * 4
-    factors = weight_factors([100 + 37 * c for c in range(a.clients)])
+    factors = weight_factors(_weights(a.clients))
     g = torch.Generator().manual_seed(0)
     with PeakRSS() as held:
         xs = [torch.rand(size // 4, generator=g) for _ in range(a.clients)]
+    acc = torch.empty_like(xs[0])  # preallocated, as a streaming sum reuses its buffers
 
     def axpy() -> None:
-        acc = xs[0].mul(factors[0])
+        torch.mul(xs[0], factors[0], out=acc)
         for x, f in zip(xs[1:], factors[1:]):
             acc.add_(x, alpha=f)
 
-    seconds, peak = best_of(a.repeat, axpy)
-    out = torch.empty_like(xs[0])
-    copy_s, _ = best_of(a.repeat, lambda: out.copy_(xs[-1]))
-    sha_s, _ = best_of(a.repeat, lambda: hashlib.sha256(memoryview(xs[0].numpy()).cast("B")).digest())
+    m = best_of(a.repeat, axpy)
+    raw = xs[0].numpy().data.cast("B")
+    copy_s = best_of(a.repeat, lambda: acc.copy_(xs[-1]))["seconds"]
+    blake_s = best_of(a.repeat, lambda: blake3.blake3(raw).digest())["seconds"]
+    sha_s = best_of(a.repeat, lambda: hashlib.sha256(raw).digest())["seconds"]
     scratch = Path(a.work) / "disk-floor.bin"
 
     def write_and_fsync() -> None:  # what writing one durable global model costs at the least
         with open(scratch, "wb") as f:
-            f.write(memoryview(xs[0].numpy()).cast("B"))
+            f.write(raw)
             os.fsync(f.fileno())
 
-    disk_s, _ = best_of(a.repeat, write_and_fsync, setup=lambda: scratch.unlink(missing_ok=True))
+    disk_s = best_of(a.repeat, write_and_fsync, setup=lambda: scratch.unlink(missing_ok=True))["seconds"]
     scratch.unlink()
-    return {"name": "axpy in RAM (acc = x0*f0; acc += xi*fi)", "bytes": a.clients * size, "seconds": seconds,
-            "peak_bytes": peak, "inputs_held_bytes": held.peak_bytes,
-            "memcpy_gbps": size / copy_s / 1e9, "sha256_gbps": size / sha_s / 1e9,
+    return {"name": "axpy in RAM (same arithmetic, no IO)", "bytes": a.clients * size, **m,
+            "inputs_held_bytes": held.peak_bytes, "memcpy_gbps": size / copy_s / 1e9,
+            "blake3_gbps": size / blake_s / 1e9, "sha256_gbps": size / sha_s / 1e9,
             "disk_write_gbps": size / disk_s / 1e9}
 
 
@@ -162,95 +190,155 @@ def child_flower(a: argparse.Namespace) -> dict:
     from flwr.app import ArrayRecord, MetricRecord, RecordDict
     from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-    weights = [100 + 37 * c for c in range(a.clients)]
     size = int(a.flower_size_gb * 1e9)
     full = a.flower_size_gb == a.size_gb
     records, nbytes = [], 0
     with PeakRSS() as held:
-        for c, w in enumerate(weights):
+        for c, w in enumerate(_weights(a.clients)):
             state = load_shards(Path(a.work) / f"client-{c}") if full else random_model(size, seed=c)
             nbytes += sum(t.nbytes for t in state.values())
-            records.append(RecordDict({"arrays": ArrayRecord(state),
-                                       "metrics": MetricRecord({"num-examples": w})}))
-            del state
-    result = []
-    seconds, peak = best_of(a.repeat, lambda: result.append(aggregate_arrayrecords(records, "num-examples")),
-                            setup=result.clear)
-    row = {"name": "flower aggregate_arrayrecords (all in RAM)", "bytes": nbytes, "seconds": seconds,
-           "peak_bytes": peak, "inputs_held_bytes": held.peak_bytes}
+            arrays = ArrayRecord(state)
+            records.append(RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": w})}))
+            del state, arrays
+    result: list = []
+    inputs = [(Manifest.from_dir(Path(a.work) / f"client-{c}"), w) for c, w in enumerate(_weights(a.clients))]
+    out = Path(a.work) / "global"
+    flower: dict[str, float] = {"seconds": float("inf"), "cpu_seconds": float("inf"), "peak_bytes": 0}
+    ours = dict(flower)
+    runs: list[tuple[dict[str, float], Callable[[], object], Callable[[], object]]] = [
+        (flower, lambda: result.append(aggregate_arrayrecords(records, "num-examples")), result.clear),
+        (ours, lambda: fedavg_manifests(inputs, out, int(a.shard_mb * 2**20)), lambda: shutil.rmtree(out, True))]
+    for _ in range(a.repeat):  # interleaved with ours, so slow drifts of the machine's load hit both alike
+        for best, fn, setup in runs:
+            best.update({k: (max if k == "peak_bytes" else min)(best[k], v) for k, v in best_of(1, fn, setup).items()})
+    row: dict = {"name": "flower aggregate_arrayrecords (all in RAM)", "bytes": nbytes, **flower,
+                 "inputs_held_bytes": held.peak_bytes, "ours_interleaved": ours,
+                 "ours_interleaved_bytes": sum(m.tensor_bytes for m, _ in inputs)}
     if full:  # the two aggregations must agree (within fp32 rounding)
         del records
-        ours = load_shards(Path(a.work) / "global")
-        row["max_abs_diff_vs_ours"] = max(float((ours[k] - torch.from_numpy(v.numpy())).abs().max())
+        avg = load_shards(out)
+        row["max_abs_diff_vs_ours"] = max(float((avg[k] - torch.from_numpy(v.numpy())).abs().max())
                                           for k, v in result[0].items())
     return row
 
 
-CHILDREN = {"write": child_write, "ours": child_ours, "axpy": child_axpy, "flower": child_flower}
+CHILDREN = {"write": child_write, "ours": child_ours, "limits": child_limits, "flower": child_flower}
 
 
 # ---- driver --------------------------------------------------------------------------------
-def run_child(a: argparse.Namespace, which: str, *extra: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", which, "--work", a.work, "--clients", str(a.clients),
+def run_child(a: argparse.Namespace, which: str, *extra: str, src: str | None = None, work: str | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--child", which, "--work", work or a.work, "--clients", str(a.clients),
            "--size-gb", str(a.size_gb), "--shard-mb", str(a.shard_mb), "--flower-size-gb",
            str(a.flower_size_gb), "--repeat", str(a.repeat), *extra]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if src:  # the baseline's fl_app first on the path
+        cmd.append("--baseline")
+        env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         raise SystemExit(f"child {which} failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def bench_n(a: argparse.Namespace) -> dict:
+    """Every row for one client count, in one work dir (removed afterwards)."""
+    a.flower_size_gb = min(a.size_gb, a.flower_max_gb / (a.clients + 2))
+    a.work = tempfile.mkdtemp(prefix="bench-aggregate-", dir=a.tmp_dir)
+    try:
+        rows = {"write": run_child(a, "write"), "limits": run_child(a, "limits"), "ours": run_child(a, "ours"),
+                "cold": run_child(a, "ours", "--cold"), "noverify": run_child(a, "ours", "--no-verify"),
+                "flower": run_child(a, "flower")}
+        if a.baseline_src:  # one run per child, alternating with ours, best of --repeat each
+            base_work = os.path.join(a.work, "baseline")
+            os.mkdir(base_work)
+            run_child(a, "write", src=a.baseline_src, work=base_work)
+            single = argparse.Namespace(**{**vars(a), "repeat": 1})
+            pairs = [(run_child(single, "ours", src=a.baseline_src, work=base_work), run_child(single, "ours"))
+                     for _ in range(a.repeat)]
+            rows["baseline"] = min((b for b, _ in pairs), key=lambda r: r["seconds"])
+            rows["ours_vs_baseline"] = {**min((o for _, o in pairs), key=lambda r: r["seconds"]),
+                                        "name": "ours (warm, alternating with the baseline)"}
+    finally:
+        shutil.rmtree(a.work, ignore_errors=True)
+    return rows
+
+
+def report(a: argparse.Namespace, n: int, rows: dict) -> dict:
+    lim, ours, flower = rows["limits"], rows["ours"], rows["flower"]
+    rows["ours_vs_flower"] = {"name": "ours (warm, interleaved with flower)", "bytes": flower["ours_interleaved_bytes"],
+                              **flower["ours_interleaved"], "peak_bytes": None}
+    gbps = {k: r["bytes"] / r["seconds"] / 1e9 for k, r in rows.items()}
+    size = a.size_gb * 1e9
+    hash_floor = (n + 1) * size / (os.cpu_count() * lim["blake3_gbps"] * 1e9)
+    disk_floor = size / (lim["disk_write_gbps"] * 1e9)
+    floor_gbps = n * size / max(hash_floor, disk_floor) / 1e9
+    print(f"\n## N = {n} clients x {a.size_gb} GB" + (f" (flower on {a.flower_size_gb:.2f} GB per client: "
+          f"--flower-max-gb {a.flower_max_gb})" if a.flower_size_gb != a.size_gb else ""))
+    print(f"{'method':52s} {'GB in':>6s} {'s':>7s} {'GB/s':>6s} {'x ours':>7s} {'CPU s/GB':>9s} {'peak RSS':>9s}")
+    for k, r in rows.items():
+        peak = f"{r['peak_bytes'] / 2**20:7.0f}Mi" if r.get("peak_bytes") is not None else "-"
+        cpu = f"{r['cpu_seconds'] / (r['bytes'] / 1e9):9.2f}" if "cpu_seconds" in r else "        -"
+        print(f"{r['name']:52s} {r['bytes'] / 1e9:6.2f} {r['seconds']:7.2f} {gbps[k]:6.2f} "
+              f"{gbps[k] / gbps['ours']:7.2f} {cpu} {peak:>9s}")
+    print(f"one model: memcpy {lim['memcpy_gbps']:.2f} GB/s, BLAKE3 {lim['blake3_gbps']:.2f} GB/s and sha256 "
+          f"{lim['sha256_gbps']:.2f} GB/s on one core, write + fsync {lim['disk_write_gbps']:.2f} GB/s; integrity floor "
+          f"(hash {n + 1} models on {os.cpu_count()} cores, or write 1 durably) {floor_gbps:.2f} GB/s of input")
+    print(f"inputs held in RAM: axpy {lim['inputs_held_bytes'] / 2**20:.0f} MiB, flower (as ArrayRecords) "
+          f"{flower['inputs_held_bytes'] / 2**20:.0f} MiB" + (f"; max |ours - flower| {flower['max_abs_diff_vs_ours']:.3g}"
+                                                                if "max_abs_diff_vs_ours" in flower else ""))
+    return {"n": n, "ours": gbps["ours"], "flower": gbps["flower"], "memcpy": lim["memcpy_gbps"], "floor": floor_gbps,
+            "vs_flower": gbps["ours_vs_flower"] / gbps["flower"],
+            "cpu_vs_flower": flower["cpu_seconds"] / flower["bytes"] / (rows["ours_vs_flower"]["cpu_seconds"]
+                                                                          / rows["ours_vs_flower"]["bytes"]),
+            "vs_baseline": gbps["ours_vs_baseline"] / gbps["baseline"] if "baseline" in gbps else None,
+            "ours_peak": ours["peak_bytes"], "flower_peak": flower["peak_bytes"] + flower["inputs_held_bytes"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--clients", default="2", help="client counts to bench, comma-separated (e.g. 2,4,8)")
     ap.add_argument("--size-gb", type=float, default=1.0, help="fp32 model size per client (1 GB = 1e9 bytes)")
     ap.add_argument("--shard-mb", type=float, default=512.0, help="max shard size (MiB), as run.shard_max_mb")
     ap.add_argument("--flower-max-gb", type=float, default=10.0,
                     help="memory budget for the Flower run; it uses a smaller model if (N+2) x size exceeds it")
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; the fastest is reported")
     ap.add_argument("--tmp-dir", default=None, help="where the client shards go (default: system temp)")
+    ap.add_argument("--baseline-src", default=None,
+                    help="a source tree whose fl_app to bench side by side (e.g. `git worktree add /tmp/v1 <commit>`)")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--flower-size-gb", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-verify", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
+        a.clients = int(a.clients)
         print(json.dumps(CHILDREN[a.child](a)))
         return
 
-    a.flower_size_gb = min(a.size_gb, a.flower_max_gb / (a.clients + 2))
-    a.work = tempfile.mkdtemp(prefix="bench-aggregate-", dir=a.tmp_dir)
+    counts = [int(c) for c in a.clients.split(",")]
     load_before = os.getloadavg()[0]
-    try:
-        rows = [run_child(a, "write"), run_child(a, "axpy"), run_child(a, "ours"),
-                run_child(a, "ours", "--cold"), run_child(a, "ours", "--no-verify"), run_child(a, "flower")]
-    finally:
-        shutil.rmtree(a.work, ignore_errors=True)
     print(f"# python bench/aggregate.py --clients {a.clients} --size-gb {a.size_gb} --shard-mb {a.shard_mb} "
-          f"--repeat {a.repeat}   (best of {a.repeat} runs per row; save_shards: one run)")
-    print(f"# {a.clients} clients x {a.size_gb} GB fp32, shards <= {a.shard_mb} MiB, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {load_before:.1f} -> "
-          f"{os.getloadavg()[0]:.1f} (other work on the machine slows every row alike)")
-    if a.flower_size_gb != a.size_gb:
-        print(f"# flower ran on {a.flower_size_gb:.2f} GB per client: ({a.clients}+2) x {a.size_gb} GB would "
-              f"exceed --flower-max-gb {a.flower_max_gb}")
-    ours = rows[2]["bytes"] / rows[2]["seconds"]
-    print(f"{'method':46s} {'GB in':>6s} {'s':>7s} {'GB/s':>6s} {'x ours':>7s} {'peak RSS':>9s}")
-    for r in rows:
-        gbps = r["bytes"] / r["seconds"]
-        peak = f"{r['peak_bytes'] / 2**20:7.0f}Mi" if "peak_bytes" in r else "-"
-        print(f"{r['name']:46s} {r['bytes'] / 1e9:6.2f} {r['seconds']:7.2f} {gbps / 1e9:6.2f} "
-              f"{gbps / ours:7.2f} {peak:>9s}")
-    axpy, flower = rows[1], rows[5]
-    print(f"one model: memcpy {axpy['memcpy_gbps']:.2f} GB/s (torch copy_), sha256 {axpy['sha256_gbps']:.2f} GB/s "
-          f"(one core; ours hashes every input and output byte), write + fsync to disk "
-          f"{axpy['disk_write_gbps']:.2f} GB/s (ours writes the global once: {a.size_gb} GB)")
-    print(f"axpy inputs held in RAM: "
-          f"{axpy['inputs_held_bytes'] / 2**20:.0f} MiB; flower inputs held as ArrayRecords: "
-          f"{flower['inputs_held_bytes'] / 2**20:.0f} MiB (peak while building them)")
-    if "max_abs_diff_vs_ours" in flower:
-        print(f"max |ours - flower| over all tensors: {flower['max_abs_diff_vs_ours']:.3g}")
+          f"--repeat {a.repeat}" + (f" --baseline-src {a.baseline_src}" if a.baseline_src else ""))
+    print(f"# shards <= {a.shard_mb} MiB, torch {torch.__version__}, {os.cpu_count()} CPUs, best of {a.repeat} runs "
+          "per row (save_shards: one run); other work on the machine slows every row alike")
+    summary = []
+    for n in counts:
+        a.clients = n
+        summary.append(report(a, n, bench_n(a)))
+    print(f"\n## Summary (load average {load_before:.1f} -> {os.getloadavg()[0]:.1f})")
+    print(f"{'N':>3s} {'ours GB/s':>10s} {'flower':>7s} {'ours/flower':>12s} {'CPU flower/ours':>16s} "
+          f"{'ours/memcpy':>12s} {'ours/floor':>11s} {'peak RSS ours / flower':>24s}"
+          + (f" {'ours/baseline':>14s}" if a.baseline_src else ""))
+    for s in summary:
+        print(f"{s['n']:3d} {s['ours']:10.2f} {s['flower']:7.2f} {s['vs_flower']:12.2f} {s['cpu_vs_flower']:16.2f} "
+              f"{s['ours'] / s['memcpy']:12.1%} {s['ours'] / s['floor']:11.1%} "
+              f"{s['ours_peak'] / 2**20:9.0f} / {s['flower_peak'] / 2**20:6.0f} MiB"
+              + (f" {s['vs_baseline']:14.2f}" if s["vs_baseline"] else ""))
+    print("ours/flower and ours/baseline compare runs interleaved in time (best of each); CPU flower/ours is CPU "
+          "seconds per input GB (all threads), the work each does whatever the load; the other columns use the "
+          "'ours (warm cache)' row")
 
 
 if __name__ == "__main__":

@@ -14,13 +14,17 @@ A round is complete only when its COMPLETE marker exists and every required memb
 and `critic` for PPO) still holds the exact weights the marker recorded. Resume (invariant 6,
 field-log "find_resume_round", "fabricated round T", "RESUME could FedAvg a dead attempt's
 checkpoint") scans the round dirs on disk instead of counting up to the configured total,
-refuses a dir that holds rounds beyond that total, and renames every incomplete round dir
-aside (never deletes it), so a re-run round starts from an empty dir and cannot pick up a dead
-attempt's uploads.
+refuses a dir that holds rounds beyond that total or a gap below its last complete round,
+reads every shard of the round it resumes from against its digests (a corrupt one is renamed
+aside and the round before it is tried), and renames every incomplete round dir aside (never
+deletes it), so a re-run round starts from an empty dir and cannot pick up a dead attempt's
+uploads. Every path below the run dir goes through `fl_app.paths.confine`: a round or client
+dir that is a symlink out of the run dir is neither read nor written through.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,7 +33,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fl_app.weights import Manifest, WeightsError
+from fl_app.paths import confine
+from fl_app.weights import Manifest, WeightsError, verify_shards
+
+log = logging.getLogger("fedagent.rundir")
 
 MARKER = "COMPLETE"
 _ROUND_DIR = re.compile(r"^round-(\d{4,})$")
@@ -48,7 +55,8 @@ def _json_default(obj: Any) -> Any:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    tmp.unlink(missing_ok=True)  # a dead write's leftover (or a planted link: unlink does not follow it)
+    with open(tmp, "x") as f:  # O_CREAT | O_EXCL: never opens through a symlink
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -69,6 +77,7 @@ class RunDir:
         self.path = Path(path)
         self.total_rounds = total_rounds
         self.members = tuple(members)
+        self.moved_aside: list[tuple[Path, str]] = []  # (where, why) for rounds prepare_resume set aside
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -77,31 +86,38 @@ class RunDir:
 
     @property
     def metrics_path(self) -> Path:
-        return self.path / "metrics.jsonl"
+        return self._inside(self.path / "metrics.jsonl", "metrics file")
 
     @property
     def summary_path(self) -> Path:
-        return self.path / "summary.json"
+        return self._inside(self.path / "summary.json", "summary file")
 
     @property
     def rounds_dir(self) -> Path:
         return self.path / "rounds"
 
+    def _inside(self, path: Path, what: str) -> Path:
+        """`path` (below self.path), after checking it resolves inside the run dir."""
+        confine(path, self.path, what=what)
+        return path
+
     def round_dir(self, r: int) -> Path:
         if r < 0:
             raise RunDirError(f"round must be >= 0 (got {r})")
-        return self.rounds_dir / f"round-{r:04d}"
+        return self._inside(self.rounds_dir / f"round-{r:04d}", f"round {r} dir")
 
     def member_dir(self, r: int, member: str = "actor") -> Path:
         """Where the global `member` weights of round r live (a weights dir)."""
-        return self.round_dir(r) / member
+        if not _CLIENT_ID.match(member):
+            raise RunDirError(f"bad member name {member!r}: use letters, digits, '.', '_', '-'")
+        return self._inside(self.round_dir(r) / member, f"round {r} {member} dir")
 
     def client_dir(self, r: int, client_id: int | str) -> Path:
         """Scratch space for one client's uploads in round r (members go in subdirs)."""
         cid = f"{client_id:04d}" if isinstance(client_id, int) else str(client_id)
         if not _CLIENT_ID.match(cid):
             raise RunDirError(f"bad client id {client_id!r}: use an int or letters, digits, '.', '_', '-'")
-        return self.round_dir(r) / "clients" / f"client-{cid}"
+        return self._inside(self.round_dir(r) / "clients" / f"client-{cid}", f"round {r} client dir")
 
     def store_key(self, path: Path) -> str:
         """The weight-store key of a path inside this run dir (for a DirStore rooted here)."""
@@ -115,15 +131,31 @@ class RunDir:
         return sorted(int(m.group(1)) for p in self.rounds_dir.iterdir()
                       if p.is_dir() and (m := _ROUND_DIR.match(p.name)))
 
+    def marker(self, r: int) -> dict[str, str] | None:
+        """member -> manifest sha256 as round r's COMPLETE marker records them (None: no marker).
+        A marker that cannot be read or has the wrong shape is a RunDirError naming it."""
+        path = self.round_dir(r) / MARKER
+        if not path.is_file():
+            return None
+        fix = (f"the marker was damaged after the round completed: move {self.round_dir(r)} aside "
+               f"(e.g. `mv {self.round_dir(r)} {self.round_dir(r)}.damaged`) to redo that round, or use a new run dir")
+        try:
+            members = json.loads(path.read_text())["members"]
+            digests = {m: d["manifest_sha256"] for m, d in members.items()}
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise RunDirError(f"{path} is not a valid {MARKER} marker ({type(e).__name__}: {e}); {fix}") from None
+        if not all(isinstance(m, str) and isinstance(d, str) for m, d in digests.items()):
+            raise RunDirError(f"{path}: members must map names to {{'manifest_sha256': <hex>}}; {fix}")
+        return digests
+
     def _round_state(self, r: int) -> tuple[str, str]:
         """('complete' | 'partial' | 'broken', why). Broken = a marker whose members do not match."""
-        marker = self.round_dir(r) / MARKER
-        if not marker.is_file():
-            return "partial", "no COMPLETE marker"
         try:
-            recorded = json.loads(marker.read_text())["members"]
-        except (ValueError, KeyError) as e:
-            return "broken", f"unreadable marker ({e})"
+            recorded = self.marker(r)
+        except RunDirError as e:
+            return "broken", str(e)
+        if recorded is None:
+            return "partial", "no COMPLETE marker"
         for m in self.members:
             if m not in recorded:
                 return "broken", f"completed without required member {m!r} (has {sorted(recorded)})"
@@ -131,16 +163,14 @@ class RunDir:
                 digest = Manifest.from_dir(self.member_dir(r, m)).sha256
             except WeightsError as e:
                 return "broken", str(e)
-            if digest != recorded[m]["manifest_sha256"]:
+            if digest != recorded[m]:
                 return "broken", f"member {m!r} was replaced after the round completed"
         return "complete", ""
 
     def recorded_members(self, r: int) -> list[str] | None:
-        """The members round r's COMPLETE marker records (None: no readable marker)."""
-        try:
-            return sorted(json.loads((self.round_dir(r) / MARKER).read_text())["members"])
-        except (OSError, ValueError, KeyError):
-            return None
+        """The members round r's COMPLETE marker records (None: no marker)."""
+        recorded = self.marker(r)
+        return None if recorded is None else sorted(recorded)
 
     def is_complete(self, r: int) -> bool:
         return self.round_dir(r).is_dir() and self._round_state(r)[0] == "complete"
@@ -167,22 +197,54 @@ class RunDir:
                 f"out of {self.rounds_dir} (e.g. `mv {self.round_dir(hi)} {self.round_dir(hi)}.moved`) "
                 "if you mean to redo them")
 
+    def _move_aside(self, r: int, why: str) -> Path:
+        """Rename round r's dir to `round-NNNN.<why>-<utc time>` (never deleted)."""
+        src = self.round_dir(r)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dst = src.with_name(f"{src.name}.{why}-{stamp}")
+        n = 1
+        while dst.exists():
+            dst = src.with_name(f"{src.name}.{why}-{stamp}-{n}")
+            n += 1
+        src.rename(dst)
+        return dst
+
     def quarantine_partials(self) -> list[Path]:
         """Rename every round dir without a COMPLETE marker to `round-NNNN.partial-<utc time>`."""
-        moved = []
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        for r in self.rounds_on_disk():
-            if self._round_state(r)[0] != "partial":
-                continue
-            src = self.round_dir(r)
-            dst = src.with_name(f"{src.name}.partial-{stamp}")
-            n = 1
-            while dst.exists():
-                dst = src.with_name(f"{src.name}.partial-{stamp}-{n}")
-                n += 1
-            src.rename(dst)
-            moved.append(dst)
-        return moved
+        return [self._move_aside(r, "partial") for r in self.rounds_on_disk() if self._round_state(r)[0] == "partial"]
+
+    def check_gaps(self, complete: Sequence[int]) -> None:
+        """Refuse missing or incomplete rounds below the last complete one: rounds complete in
+        order, so a gap means rounds were moved or deleted afterwards, and resuming would skip them."""
+        if not complete:
+            return
+        last = max(complete)
+        missing = sorted(set(range(last)) - set(complete))
+        if missing:
+            first = missing[0]
+            raise RunDirError(
+                f"{self.path}: round(s) {missing} are missing or incomplete below the last complete round {last}; "
+                "rounds complete in order, so they were moved or deleted afterwards. Refusing to resume (nothing was "
+                f"touched). Ways out: (1) put the missing round dirs back into {self.rounds_dir} (a dir renamed aside "
+                f"as round-NNNN.partial-* or .corrupt-* can be renamed back if it is complete); (2) to redo the rounds "
+                f"from {first} on, move rounds {first}..{last} aside (e.g. `mv {self.round_dir(last)} "
+                f"{self.round_dir(last)}.moved`, likewise for each); (3) use a new run dir")
+
+    def _verified_resume_round(self, last: int | None) -> int | None:
+        """The highest complete round whose every shard matches its digests, from `last` down;
+        a round that fails is renamed `round-NNNN.corrupt-<utc time>` (its weights cannot be trusted)."""
+        while last is not None:
+            try:
+                for m in self.members:
+                    verify_shards(Manifest.from_dir(self.member_dir(last, m)))
+                return last
+            except WeightsError as e:
+                moved = self._move_aside(last, "corrupt")
+                self.moved_aside.append((moved, str(e)))
+                log.warning("round %d is corrupt (%s); moved it to %s and resume from the round before it",
+                            last, e, moved)
+                last = last - 1 if last > 0 else None
+        return None
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """metrics.jsonl as dicts; a torn last line (a crash mid-append) is ignored."""
@@ -192,11 +254,15 @@ class RunDir:
         rows = []
         for i, line in enumerate(lines):
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except ValueError:
                 if i == len(lines) - 1:
                     break
                 raise RunDirError(f"{self.metrics_path}:{i + 1} is not JSON; fix or remove that line") from None
+            if not isinstance(row, dict) or not isinstance(row.get("round"), int):
+                raise RunDirError(f"{self.metrics_path}:{i + 1} is not a metrics row (a JSON object with an integer "
+                                  "'round'); fix or remove that line")
+            rows.append(row)
         return rows
 
     def trim_metrics(self) -> None:
@@ -211,20 +277,27 @@ class RunDir:
     def prepare_resume(self) -> int | None:
         """Make the disk consistent before the round loop; returns the last complete round.
 
-        Order matters: refuse first (nothing moved), then move partial rounds aside, then drop
-        metrics of rounds that are not complete. The loop resumes at the returned round + 1
-        (at round 0, the initial model, when None).
+        Order matters: refuse first (nothing moved: rounds beyond the total, a broken marker, a
+        gap), then read the resume round's shards against their digests (moving a corrupt round
+        aside and trying the one before), then move partial rounds aside, then drop metrics of
+        rounds that are not complete. The loop resumes at the returned round + 1 (at round 0,
+        the initial model, when None). `moved_aside` lists what was renamed and why.
         """
         self.check_total()
+        complete = []
         for r in self.rounds_on_disk():
             state, why = self._round_state(r)
             if state == "broken":
                 raise RunDirError(
                     f"round {r} in {self.path} has a COMPLETE marker but {why}; this run requires members "
                     f"{list(self.members)}. Use a new run dir, or move {self.round_dir(r)} aside if it is damaged")
-        self.quarantine_partials()
+            if state == "complete":
+                complete.append(r)
+        self.check_gaps(complete)
+        last = self._verified_resume_round(max(complete) if complete else None)
+        self.moved_aside += [(p, "partial round") for p in self.quarantine_partials()]
         self.trim_metrics()
-        return self.last_complete_round()
+        return last
 
     # ---- writing rounds -----------------------------------------------------------------
     def complete_round(self, r: int, metrics: Mapping[str, Any]) -> None:

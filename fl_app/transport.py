@@ -156,22 +156,23 @@ def receive_weights(ref: WeightsRef, arrays: Mapping[str, torch.Tensor], store: 
 
 def fedavg_received(items: Sequence[tuple[WeightsRef, Mapping[str, torch.Tensor], float]],
                     store: WeightStore | None, out_dir: Path, max_shard_bytes: int,
-                    cache_dir: Path | None = None) -> Manifest:
+                    cache_dir: Path | None = None, names: Sequence[str] | None = None) -> Manifest:
     """FedAvg of client replies (ref, inline state, num-examples) into the fresh weights dir `out_dir`.
 
     Inline replies are averaged in memory, store replies are streamed shard by shard; the two
     give identical bits. One round's replies all travel one way (same model, same threshold).
+    `names` label the replies in errors (a non-finite upload: `NonFiniteWeightsError`).
     """
     if not items:
         raise WeightsError("no client replies to aggregate")
     inline = {ref.inline for ref, _, _ in items}
     if inline == {True}:
-        avg = fedavg_states([(receive_weights(r, a, None), w) for r, a, w in items])
+        avg = fedavg_states([(receive_weights(r, a, None), w) for r, a, w in items], names=names)
         return save_shards(avg, out_dir, max_shard_bytes)
     if inline == {False}:
         if store is None or cache_dir is None:
             raise WeightsError("replies travel through the store but no store (and cache dir) was given")
         return fedavg_manifests([(receive_manifest(r, store, cache_dir), w) for r, _, w in items], out_dir,
-                                max_shard_bytes)
+                                max_shard_bytes, names=names)
     raise WeightsError("some replies are inline and some by reference; clients of one round must share "
                        "run.inline_max_mb (it is part of the run config)")

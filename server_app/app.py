@@ -39,6 +39,7 @@ from fl_app.plots import plot_validation
 from fl_app.rundir import RunDir
 from fl_app.store import DirStore, WeightStore
 from fl_app.transport import WeightsRef, receive_weights, send_members, write_disk_probe
+from fl_app.aggregate import NonFiniteWeightsError
 from fl_app.weights import Manifest, WeightsError, save_shards
 from server_app.dispatch import RoundDispatch, request_one
 from server_app.errors import one_line, strip_ansi
@@ -338,13 +339,9 @@ def _aggregate(run: Run, rnd: int, replies: dict[int, Message], failures: list[C
 
 
 def _bad_input(e: WeightsError) -> int | None:
-    """The index (in aggregation order) of the client input an aggregation error blames, when it
-    blames one (a non-finite upload); None for any other error.
-
-    Seam: fl_app.aggregate raises a WeightsError subclass for non-finite uploads that names the
-    input's index; when it lands, read it here (today: its `input_index` attribute)."""
-    index = getattr(e, "input_index", None)
-    return index if isinstance(index, int) else None
+    """The index (in aggregation order) of a client input an aggregation error blames (a
+    non-finite upload: the first culprit; the loop drops one at a time); None for any other error."""
+    return e.inputs[0] if isinstance(e, NonFiniteWeightsError) and e.inputs else None
 
 
 def _shutdown_lanes(run: Run) -> list[dict[str, Any]]:

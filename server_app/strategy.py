@@ -95,7 +95,8 @@ class StreamingAggregator:
         for member, out_dir in out_dirs.items():
             items = [(WeightsRef.from_config(m.content["config"], prefix=member), inline_state(m, member),
                       float(m.content["metrics"]["num-examples"])) for m in replies]
-            manifests[member] = fedavg_received(items, store, out_dir, self.shard_max_bytes, cache_dir)
+            names = [f"client {int(m.content['config']['client-id'])} ({member})" for m in replies]
+            manifests[member] = fedavg_received(items, store, out_dir, self.shard_max_bytes, cache_dir, names)
         return manifests, weighted_metrics([m.content["metrics"] for m in replies])
 
 

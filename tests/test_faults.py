@@ -31,7 +31,7 @@ KINDS = ("trainer service", "ClientApp", "server")
 
 
 def _digests(run_dir: Path) -> list[str]:
-    return [s.sha256 for s in Manifest.from_dir(RunDir(run_dir).member_dir(ROUNDS)).shards]
+    return [s.digest for s in Manifest.from_dir(RunDir(run_dir).member_dir(ROUNDS)).shards]
 
 
 def _targets(fr, kind: str) -> list[psutil.Process]:

@@ -97,7 +97,7 @@ def test_resume_continues_after_the_last_round_on_disk_and_matches_uninterrupted
     assert p2.returncode == 0
     resumed = Manifest.from_dir(RunDir(two_rounds).member_dir(3))
     uninterrupted = Manifest.from_dir(RunDir(fresh).member_dir(3))
-    assert [s.sha256 for s in resumed.shards] == [s.sha256 for s in uninterrupted.shards]
+    assert [s.digest for s in resumed.shards] == [s.digest for s in uninterrupted.shards]
 
 
 def test_run_dir_with_more_rounds_than_asked_is_refused(fl, two_rounds):

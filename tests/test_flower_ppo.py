@@ -26,7 +26,7 @@ def _run(fr, run_dir: Path, rounds: int) -> str:
 
 def _digests(run_dir: Path, r: int) -> dict[str, list[str]]:
     rd = RunDir(run_dir)
-    return {m: [s.sha256 for s in Manifest.from_dir(rd.member_dir(r, m)).shards] for m in MEMBERS}
+    return {m: [s.digest for s in Manifest.from_dir(rd.member_dir(r, m)).shards] for m in MEMBERS}
 
 
 @pytest.mark.slow

@@ -74,7 +74,7 @@ def test_critic_round_trip_export_aggregate_load_gives_identical_values(trainer,
     inline = fedavg_received([(ref, arrays, 3.0), (ref, arrays, 5.0)], None, tmp_path / "inline", SHARD_BYTES)
     clients = [save_shards(critic, tmp_path / f"client-{k}", SHARD_BYTES) for k in range(2)]
     stored = fedavg_manifests([(clients[0], 3.0), (clients[1], 5.0)], tmp_path / "stored", SHARD_BYTES)
-    assert [s.sha256 for s in inline.shards] == [s.sha256 for s in stored.shards]
+    assert [s.digest for s in inline.shards] == [s.digest for s in stored.shards]
     other = make_trainer(ppo_config(model_dir, run={"seed": 1}), env_url)     # another fresh value head
     try:
         assert not all(torch.equal(a, b) for a, b in zip(other.engine.values(rows), values))

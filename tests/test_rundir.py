@@ -3,15 +3,18 @@ aside (never deleted), rounds beyond the configured total are refused, no fabric
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import matplotlib.image
 import pytest
 import torch
 
+from fl_app.paths import PathEscapeError
 from fl_app.plots import plot_validation
-from fl_app.rundir import MARKER, RunDir, RunDirError
+from fl_app.rundir import MARKER, RunDir, RunDirError, sibling_member
 from fl_app.store import DirStore
-from fl_app.weights import save_shards
+from fl_app.weights import Manifest, save_shards
 
 SHARD = 1 << 16
 
@@ -194,3 +197,108 @@ def test_plot_validation_writes_a_png(tmp_path):
     assert width > 400 and height > 200
     with pytest.raises(ValueError, match="no 'val_reward' values"):
         plot_validation(run.metrics_path, tmp_path / "x.png", val_key="val_reward")
+
+
+def _flip_last_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x20
+    path.write_bytes(bytes(data))
+
+
+def _shard(run: RunDir, r: int, member: str = "actor"):
+    return run.member_dir(r, member) / Manifest.from_dir(run.member_dir(r, member)).shards[0].file
+
+
+def test_resume_reads_the_resume_rounds_shards_and_moves_a_corrupt_round_aside(tmp_path):
+    run = _run_with(tmp_path, complete=3, members=("actor", "critic"))
+    _flip_last_byte(_shard(run, 3, "critic"))     # bit rot: marker and manifest still match
+    _flip_last_byte(_shard(run, 2))
+    fresh = RunDir(run.path, total_rounds=10, members=run.members)
+    assert fresh.prepare_resume() == 1                # 3 and 2 are corrupt: resume after round 1
+    aside = sorted(p.name for p in run.rounds_dir.iterdir() if ".corrupt-" in p.name)
+    assert [n[:10] for n in aside] == ["round-0002", "round-0003"]  # renamed, never deleted
+    assert run.rounds_on_disk() == [0, 1]
+    assert [str(p.name)[:10] for p, _ in fresh.moved_aside] == ["round-0003", "round-0002"]
+    assert "corrupt" in fresh.moved_aside[0][1]
+    assert [row["round"] for row in run.read_metrics()] == [0, 1]
+    _finish(run, 2)                                   # the re-run round writes into a fresh dir
+    assert run.last_complete_round() == 2
+
+
+def test_a_corrupt_round_zero_restarts_from_scratch(tmp_path):
+    run = _run_with(tmp_path, complete=0)
+    (run.member_dir(0) / Manifest.from_dir(run.member_dir(0)).shards[0].file).unlink()
+    assert _relaunch(run, total_rounds=3) is None
+    assert run.rounds_on_disk() == [] and any(p.name.startswith("round-0000.corrupt-") for p in run.rounds_dir.iterdir())
+
+
+@pytest.mark.parametrize("how", ["deleted", "marker removed"])
+def test_a_gap_below_the_last_complete_round_is_refused_naming_the_ways_out(tmp_path, how):
+    run = _run_with(tmp_path, complete=3)
+    if how == "deleted":
+        shutil.rmtree(run.round_dir(2))
+    else:
+        (run.round_dir(2) / MARKER).unlink()
+    before = sorted(p.name for p in run.rounds_dir.iterdir())
+    with pytest.raises(RunDirError) as e:
+        _relaunch(run, total_rounds=10)
+    msg = str(e.value)
+    assert "round(s) [2] are missing or incomplete below the last complete round 3" in msg
+    assert "put the missing round dirs back" in msg and "move rounds 2..3 aside" in msg and "new run dir" in msg
+    assert sorted(p.name for p in run.rounds_dir.iterdir()) == before  # nothing touched
+    os.rename(run.round_dir(3), run.rounds_dir / "round-0003.moved")  # way out (2)
+    assert _relaunch(run, total_rounds=10) == 1
+
+
+@pytest.mark.parametrize("marker", ["{not json", "[]", '{"members": []}', '{"members": {"actor": 3}}',
+                                    '{"members": {"actor": {}}}', "{}", '{"members": {"actor": {"manifest_sha256": 5}}}',
+                                    "\udcff"])
+def test_malformed_markers_are_run_dir_errors_naming_the_file(tmp_path, marker):
+    run = _run_with(tmp_path, complete=1)
+    path = run.round_dir(1) / MARKER
+    path.write_bytes(marker.encode("utf-8", "surrogateescape"))
+    for call in (lambda: _relaunch(run, total_rounds=5), lambda: run.recorded_members(1),
+                 lambda: sibling_member(run.member_dir(1), "critic")):
+        with pytest.raises(RunDirError, match=str(path)):
+            call()
+    assert run.rounds_on_disk() == [0, 1]  # refused, nothing moved
+
+
+@pytest.mark.parametrize("manifest", ["{", '{"format": "fedagent-weights", "version": 2, "hash": "blake3", '
+                                            '"max_shard_bytes": 5, "shards": 7}', "null"])
+def test_a_malformed_member_manifest_is_a_run_dir_error_naming_it(tmp_path, manifest):
+    run = _run_with(tmp_path, complete=1)
+    (run.member_dir(1) / "manifest.json").write_text(manifest)
+    with pytest.raises(RunDirError, match=str(run.member_dir(1) / "manifest.json")):
+        _relaunch(run, total_rounds=5)
+
+
+def test_a_metrics_line_that_is_not_a_row_is_a_run_dir_error(tmp_path):
+    run = _run_with(tmp_path, complete=1)
+    with open(run.metrics_path, "a") as f:
+        f.write("[1, 2]\n" + json.dumps({"round": 1}) + "\n")
+    with pytest.raises(RunDirError, match=r"metrics.jsonl:3 is not a metrics row"):
+        _relaunch(run, total_rounds=5)
+
+
+def test_round_and_client_dirs_are_never_read_or_written_through_a_symlink_out_of_the_run_dir(tmp_path):
+    run = _run_with(tmp_path, complete=1)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, run.round_dir(2))            # a planted rounds/round-0002 -> outside
+    with pytest.raises(PathEscapeError):
+        run.member_dir(2)                             # the server's aggregate target
+    with pytest.raises(PathEscapeError):
+        run.client_dir(2, 3)                          # a client's upload dir
+    with pytest.raises(PathEscapeError):
+        _relaunch(run, total_rounds=5)                # resume does not read through it either
+    os.unlink(run.rounds_dir / "round-0002")
+    run.metrics_path.rename(run.path / "metrics.real")
+    os.symlink(outside / "m.jsonl", run.path / "metrics.jsonl")
+    with pytest.raises(PathEscapeError):
+        _finish(run, 2)
+    os.symlink(outside / "planted", run.path / "summary.json.tmp")
+    os.unlink(run.path / "metrics.jsonl")
+    run.write_summary({"status": "x"})                # a planted tmp link is replaced, not written through
+    assert not (outside / "planted").exists() and not (outside / "m.jsonl").exists()
+    assert json.loads(run.summary_path.read_text())["status"] == "x"
