@@ -30,6 +30,7 @@ from fl_app.rundir import RunDir
 from fl_app.store import DirStore
 from fl_app.transport import WeightsRef, arrays_key, receive_weights, send_members
 from fl_app.weights import save_shards
+from partitions.report import write_partition_report
 from server_app.strategy import RoundError, make_strategy
 
 app = ServerApp()
@@ -129,6 +130,7 @@ def main(grid: Grid, context: Context) -> None:
     fed = cfg.federation
     rd = RunDir(cfg.resolved_run_dir(), total_rounds=fed.rounds, members=cfg.weight_members())
     start = rd.prepare_resume()       # refuses too many rounds, quarantines partials, checks every member
+    partition = write_partition_report(rd.path, cfg, log)   # every client's shard, before any lane starts
     save_config(cfg, rd.path / "config.yaml")
     nodes = _wait_for_nodes(grid)
     w = Weights(rd, cfg)
@@ -147,7 +149,7 @@ def main(grid: Grid, context: Context) -> None:
     services = _shutdown_lanes(grid, nodes)
     rd.write_summary({"status": "complete", "final_round": fed.rounds, "run_id": context.run_id,
                       "wall_s": time.perf_counter() - t_run, "nodes": len(nodes), "services": services,
-                      "members": list(rd.members), **({"critic": critic} if critic else {}),
+                      "members": list(rd.members), **({"critic": critic} if critic else {}), "partition": partition,
                       "config": cfg.model_dump(mode="json")})
     plot_validation(rd.path / "metrics.jsonl", rd.path / "validation.png")
     log(f"done: {fed.rounds} rounds; checkpoints, metrics.jsonl, summary.json and validation.png in {rd.path}")
