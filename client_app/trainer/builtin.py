@@ -453,7 +453,8 @@ class BuiltinTrainer:
         episodes, stats = run_episodes(self.generator, self.env, specs, self.settings, self.cfg.rollout.val_temperature,
                                        derive_seed("eval", req.seed), self.max_sessions, desc="validate")
         metrics = {**episode_metrics(episodes, ""), "eval_s": stats.wall_s, **stats.as_metrics("rollout_")}
-        return EvalResult(num_examples=len(episodes), metrics=metrics)
+        return EvalResult(num_examples=len(episodes), metrics=metrics,
+                          outcomes={e.spec.task_index: e.won for e in episodes})
 
     def close(self) -> None:
         """Close the env client and drop the models (the env service is owned by whoever started it)."""

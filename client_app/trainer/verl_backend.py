@@ -635,7 +635,8 @@ class VerlTrainer:
                                                 derive_seed("eval", req.seed), "verl validate")
         return EvalResult(num_examples=len(episodes),
                           metrics={**episode_metrics(episodes, ""), "eval_s": stats.wall_s, "rollout_sync_s": sync_s,
-                                   **stats.as_metrics("rollout_")})
+                                   **stats.as_metrics("rollout_")},
+                          outcomes={e.spec.task_index: e.won for e in episodes})
 
     def _rollout(self, specs: Sequence[Any], temperature: float, seed: int, desc: str) -> tuple[list, Any, float]:
         """Play `specs` with the current actor weights: (episodes, stats, weight-sync seconds).
