@@ -117,7 +117,7 @@ def plot_partition(doc: dict[str, Any], out_png: Path, title: str = "") -> Path:
     cols = names + (["easy"] if "easy" in rows[0] else [])
     if "easy" in rows[0]:
         mix = np.hstack([mix, (np.array([r["easy"] for r in rows]) / sizes)[:, None]])
-    fig = Figure(figsize=(8.5, 4.2), dpi=100)
+    fig = Figure(figsize=(8, 3.6), dpi=80)
     FigureCanvasAgg(fig)
     ax_map, ax_hist = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.3, 1]})
     im = ax_map.imshow(mix, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
@@ -125,7 +125,11 @@ def plot_partition(doc: dict[str, Any], out_png: Path, title: str = "") -> Path:
     ax_map.set_ylabel("client")
     ax_map.set_title("share of each client's shard", fontsize=9)
     fig.colorbar(im, ax=ax_map, fraction=0.05)
-    ax_hist.hist(sizes, bins=min(30, max(5, len(set(sizes.tolist())))), color="tab:blue")
+    if sizes.min() == sizes.max():     # every shard the same size: one bar, not a zero-width bin
+        ax_hist.bar([sizes[0]], [len(sizes)], width=2, color="tab:blue")
+        ax_hist.set_xlim(sizes[0] - 10, sizes[0] + 10)
+    else:
+        ax_hist.hist(sizes, bins=min(30, len(set(sizes.tolist()))), color="tab:blue")
     ax_hist.set_xlabel("shard size (tasks)")
     ax_hist.set_ylabel("clients")
     ax_hist.set_title("shard sizes", fontsize=9)
@@ -136,7 +140,7 @@ def plot_partition(doc: dict[str, Any], out_png: Path, title: str = "") -> Path:
     fig.tight_layout()
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, format="png")
+    fig.savefig(out_png, format="png", pil_kwargs={"optimize": True})
     return out_png
 
 
