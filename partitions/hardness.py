@@ -45,14 +45,14 @@ def _check_buckets(quotas: np.ndarray, size: int, n_easy: int, n_hard: int) -> N
 def hardness_shards(pool: TaskPool, easy: frozenset[int], num_clients: int, size: int, xi_prime: float,
                     seed: int, rule: str = "intended") -> list[list[int]]:
     """Every client's shard (served indices, ascending). `easy`: served indices labelled solved."""
+    if rule not in ("intended", "executed"):
+        raise ValueError(f"unknown hardness rule {rule!r}; choose intended or executed")
     idx = np.asarray(pool.indices)
     is_easy = np.isin(idx, np.fromiter(easy, dtype=np.int64, count=len(easy)))
     easy_idx, hard_idx = idx[is_easy], idx[~is_easy]
     rng = np.random.default_rng(seed)
     quotas = easy_quotas(num_clients, size, xi_prime, len(pool), rng)
     _check_buckets(quotas, size, len(easy_idx), len(hard_idx))
-    if rule not in ("intended", "executed"):
-        raise ValueError(f"unknown hardness rule {rule!r}; choose intended or executed")
     if rule == "intended":
         placed = assign_with_overlap(len(easy_idx), quotas, rng)
         return [sorted(easy_idx[y].tolist() + rng.choice(hard_idx, size=size - int(k), replace=False).tolist())
