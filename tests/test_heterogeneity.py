@@ -401,3 +401,18 @@ def test_tiny_arms_are_the_default_with_only_the_partition_changed(recipe, arm):
     assert c.model_dump(exclude={"partition", "run", "extends"}) == default.model_dump(exclude={"partition", "run",
                                                                                                  "extends"})
     assert c.run.seed == default.run.seed
+
+
+def test_seed_band_plot_compares_arms_and_refuses_mismatched_rounds(tmp_path):
+    from fl_app.plots import plot_seed_bands
+
+    def run(name: str, values: list[float]) -> Path:
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"round": r, "val_success": v}) + "\n" for r, v in enumerate(values)))
+        return path
+
+    arms = {"uniform": [run("u0", [0.2, 0.3, 0.35]), run("u1", [0.25, 0.3, 0.4])],
+            "preference": [run("p0", [0.2, 0.28, 0.3]), run("p1", [0.25, 0.26, 0.33])]}
+    assert plot_seed_bands(arms, tmp_path / "bands.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="same rounds"):
+        plot_seed_bands({"x": [run("a", [0.1, 0.2]), run("b", [0.1])]}, tmp_path / "bad.png")
