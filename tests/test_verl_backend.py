@@ -214,6 +214,7 @@ def test_fit_and_evaluate_against_env_service(verl_trainer, builtin):
     assert not verl_trainer.engine.optimizer.state            # released with the fit
     ev = verl_trainer.evaluate(EvalRequest(task_indices=list(range(4)), seed=0))
     assert ev.num_examples == 4 and 0.0 <= ev.metrics["success"] <= 1.0
+    assert sorted(ev.outcomes) == [0, 1, 2, 3] and sum(ev.outcomes.values()) == round(4 * ev.metrics["success"])
     verl_trainer.load_weights(start)
 
 
