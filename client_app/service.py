@@ -47,7 +47,8 @@ from envs.registry import make_env
 from fl_app.config import Config, load_config
 from fl_app.paths import PathEscapeError, confine
 from fl_app.weights import WeightsError, load_shards, save_shards
-from partitions.uniform import client_shard
+from partitions.pool import TaskPool
+from partitions.registry import plan_partition
 
 log = logging.getLogger("fedagent.service")
 
@@ -137,6 +138,7 @@ class TrainerService:
         self.env_url = self._stack.enter_context(serve_in_subprocess(env.name, env.pool_size, env.params))
         probe = make_env(env.name, **env.params)
         self.num_tasks, self.val_size = probe.num_tasks, probe.val_size
+        self.partition = plan_partition(self.cfg, TaskPool.from_env(probe))   # every client's shard, once
         if self.cfg.federation.val_tasks > self.val_size:
             raise ValueError(f"federation.val_tasks={self.cfg.federation.val_tasks} exceeds the env's validation "
                              f"split ({self.val_size} tasks); lower val_tasks or raise env.params.val_size")
@@ -146,9 +148,7 @@ class TrainerService:
 
     def shard(self, client_id: int) -> list[int]:
         """This client's training tasks: every lane recomputes the same global assignment."""
-        f = self.cfg.federation
-        return client_shard(client_id, f.clients, f.tasks_per_client,
-                            range(self.val_size, self.num_tasks), self.cfg.run.seed)
+        return self.partition.shard(client_id)
 
     def confined(self, path: str, what: str) -> Path:
         """`path` resolved (symlinks followed) inside one of `self.roots`, else PathEscapeError."""

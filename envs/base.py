@@ -47,6 +47,11 @@ class Env(Protocol):
         """Task ids in served order: `task_ids()[i]` is what `reset(i)` plays."""
         ...
 
+    def task_categories(self) -> list[str]:
+        """Each task's category in served order (shop: the goal's product category; ALFWorld:
+        the game's task type), read-only, for the task-preference partition."""
+        ...
+
 
 def task_order_fingerprint(env: Env) -> str:
     """sha256 over the full served task order; pool members must agree on it."""

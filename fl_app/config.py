@@ -207,6 +207,63 @@ class FederationCfg(_Strict):
     client_timeout_s: float = Field(86400.0, gt=0, description="A sampled client whose reply has not arrived this long after its message was sent counts as failed (timed out). A lost SuperNode is reported sooner by Flower itself (Node Unavailable, after two missed heartbeats).")
 
 
+# Which partition owns which knob (partitions/registry.py implements them; docs/heterogeneity.md).
+PARTITION_KNOBS: dict[str, tuple[str, ...]] = {
+    "uniform": (),
+    "preference": ("omega", "downsample_category", "downsample_ratio"),
+    "coverage": ("xi", "center", "high"),
+    "hardness": ("xi_prime", "rule"),
+}
+PARTITION_REQUIRED = {"preference": "omega", "coverage": "xi", "hardness": "xi_prime"}
+# Filled in when unset: [code] the published hard-coded pool-size bounds, and the documented hardness rule.
+PARTITION_DEFAULTS: dict[str, dict[str, Any]] = {"coverage": {"center": 500, "high": 1000},
+                                                 "hardness": {"rule": "intended"}}
+
+
+class PartitionParams(_Strict):
+    """The knobs of the task-heterogeneity partitions. Each is a plain scalar (reachable as
+    `partition.params.<knob>` from the run config); a knob of another partition is an error."""
+
+    omega: float | None = Field(None, ge=1e-3, le=0.999, description="preference: Dirichlet dispersion omega in [0.001, 0.999] (the published clip range); client category mixtures q_i ~ Dirichlet(pi (1 - omega) / omega), so tr Cov(q_i) = omega (1 - ||pi||^2). ~0: IID shards, ~1: one category per client. Published sweep: 0.01, 0.99.")
+    downsample_category: str | None = Field(None, min_length=1, description="preference: a category thinned before the draw, per client (published WebShop: `fashion`, which dominates its pool). Unset: none.")
+    downsample_ratio: float | None = Field(None, gt=0, le=1, description="preference: fraction of `downsample_category` kept (at least 1 task; published 0.2), drawn per client.")
+    xi: float | None = Field(None, ge=2e-3, description="coverage: Beta concentration of the client pool sizes (not a standard deviation: larger = more uniform sizes; size variance (high - low)^2 mu (1 - mu) / (xi + 1) before rescaling). Published sweep: 256, 1.")
+    center: int | None = Field(None, gt=0, description="coverage: mean client pool size (default: the published 500); sizes run from federation.tasks_per_client to `high` and sum to clients x center, so each task sits in about clients x center / |pool| shards.")
+    high: int | None = Field(None, gt=0, description="coverage: largest client pool size (default: the published 1000); must not exceed the training pool.")
+    xi_prime: float | None = Field(None, ge=2e-3, description="hardness: Beta concentration of the clients' easy-task quotas k_i (mean tasks_per_client / 2); realized success-rate variance 0.25 / (xi_prime + 1). Published sweep: 256, 1. Needs `partition.labels`.")
+    rule: Literal["intended", "executed"] | None = Field(None, description="hardness: how a shard is filled around its quota. `intended` (default; the published docs and algorithm): k_i easy tasks placed by the coverage primitive on the easy pool + tasks_per_client - k_i hard tasks. `executed`: what the published code ran: k_i easy + k_i hard + random rest, cut to tasks_per_client (success rates floored near the pool's rate). Both draw fills from one global stream in client order.")
+
+
+class PartitionCfg(_Strict):
+    name: Literal["uniform", "preference", "coverage", "hardness"] = Field("uniform", description="How the training pool is split into client shards (partitions/, docs/heterogeneity.md): `uniform` (one seeded permutation, equal blocks), `preference` (Dirichlet category mixtures, knob omega), `coverage` (Beta-sized overlapping pools, knob xi), `hardness` (Beta-sized easy-task quotas under success labels, knob xi_prime). All are pure functions of (client, clients, tasks_per_client, training pool, run.seed, knobs); the server writes every client's realized shard statistics to `partition.json` before round 1.")
+    params: PartitionParams = PartitionParams()
+    labels: str = Field("", description="Success labels of the training pool (written by `python -m client_app.label_tasks`). Required by `hardness`; with another partition it adds the easy/hard counts to partition.json. A labels file made on another task order (env fingerprint) or rollout mode is refused, as is one that misses more than half the pool; misses count as hard and are reported.")
+
+    @model_validator(mode="after")
+    def _knobs(self) -> "PartitionCfg":
+        """Fail closed on knobs the chosen partition does not read, and on its missing knob."""
+        owned = PARTITION_KNOBS[self.name]
+        for knob, value in self.params.model_dump().items():
+            if value is not None and knob not in owned:
+                owner = next(n for n, ks in PARTITION_KNOBS.items() if knob in ks)
+                raise ValueError(f"partition.params.{knob} is a knob of partition {owner!r}, but partition.name="
+                                 f"{self.name!r} (its knobs: {', '.join(owned) or 'none'}); remove it or set "
+                                 f"partition.name={owner}")
+        required = PARTITION_REQUIRED.get(self.name)
+        if required and getattr(self.params, required) is None:
+            raise ValueError(f"partition.name={self.name!r} needs partition.params.{required}")
+        for knob, default in PARTITION_DEFAULTS.get(self.name, {}).items():
+            if getattr(self.params, knob) is None:
+                setattr(self.params, knob, default)
+        if (self.params.downsample_category is None) != (self.params.downsample_ratio is None):
+            raise ValueError("partition.params.downsample_category and downsample_ratio go together; "
+                             "set both or neither")
+        if self.name == "hardness" and not self.labels:
+            raise ValueError("partition.name='hardness' needs partition.labels: a labels file from "
+                             "`python -m client_app.label_tasks --recipe <recipe> --out labels.json`")
+        return self
+
+
 class RunCfg(_Strict):
     name: str = Field("tiny-shop-grpo", description="Run name; the run dir is `<run_dir>` if set, else `runs/<name>`.")
     run_dir: str = Field("", description="Run directory (resume happens when it already holds rounds).")
@@ -241,6 +298,7 @@ class Config(_Strict):
     rollout: RolloutCfg = RolloutCfg()
     algo: AlgoCfg = AlgoCfg()
     federation: FederationCfg = FederationCfg()
+    partition: PartitionCfg = PartitionCfg()
     run: RunCfg = RunCfg()
 
     @model_validator(mode="before")
@@ -269,6 +327,7 @@ class Config(_Strict):
                                  f"{f.clients_per_round} distinct ids; fix one or the other")
             if not all(0 <= c < f.clients for c in f.only_clients):
                 raise ValueError(f"federation.only_clients={f.only_clients} holds ids outside [0, {f.clients})")
+        self._check_partition()
         tiny = self.model.tiny
         if self.model.path == "tiny" and tiny.sft_shortcut > 0 and self.env.name != "shop":
             # Fail closed: the habit is the shop's buy-now action; elsewhere it would silently do nothing.
@@ -324,6 +383,13 @@ class Config(_Strict):
             # invariant 14 / field log 2026-07-23: the pool size must be the recipe's explicit choice
             raise ValueError(f"env_partition.name={part.name} needs env.params.search_return_n set explicitly "
                              "(the published environment-heterogeneity runs used 200)")
+
+    def _check_partition(self) -> None:
+        """Coverage's size bounds against |X_i| (the pool-size checks run once the pool is known)."""
+        p, low = self.partition.params, self.federation.tasks_per_client
+        if self.partition.name == "coverage" and not (low <= p.center <= p.high and p.high > low):
+            raise ValueError(f"partition coverage needs federation.tasks_per_client={low} <= partition.params."
+                             f"center={p.center} <= partition.params.high={p.high}, with high > tasks_per_client")
 
     def weight_members(self) -> tuple[str, ...]:
         """The weights a round federates: the policy, plus the critic for PPO (invariant 7)."""

@@ -43,3 +43,32 @@ def plot_validation(metrics_jsonl: Path, out_png: Path, val_key: str = "val_succ
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, format="png")
     return out_png
+
+
+def plot_seed_bands(arms: dict[str, list[Path]], out_png: Path, key: str = "val_success",
+                    title: str = "") -> Path:
+    """Per arm (label -> the metrics.jsonl of its seeds): the mean over seeds per round and a band
+    from the lowest to the highest seed, so two arms are compared against their seed noise.
+    Raises ValueError when an arm has no run or its runs validated different rounds."""
+    fig = Figure(figsize=(7, 4.2), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for label, paths in arms.items():
+        series = [_series([json.loads(x) for x in Path(p).read_text().splitlines() if x.strip()], key) for p in paths]
+        if not series or any(s[0] != series[0][0] or not s[0] for s in series):
+            raise ValueError(f"arm {label!r}: need >= 1 run, all with {key!r} on the same rounds ({paths})")
+        ys = [s[1] for s in series]
+        lo, hi = [min(v) for v in zip(*ys)], [max(v) for v in zip(*ys)]
+        mean = [sum(v) / len(v) for v in zip(*ys)]
+        (line,) = ax.plot(series[0][0], mean, marker="o", label=f"{label} (mean of {len(paths)} seeds)")
+        ax.fill_between(series[0][0], lo, hi, color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("federated round (0 = initial model)")
+    ax.set_ylabel(key.replace("_", " "))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    ax.set_title(title or f"{key}: mean over seeds, band = seed min..max")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, format="png")
+    return out_png

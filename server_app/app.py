@@ -34,13 +34,14 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from fl_app.aggregate import NonFiniteWeightsError
 from fl_app.config import Config, load_config, recipe_sha256, save_config
 from fl_app.plots import plot_validation
 from fl_app.rundir import RunDir
 from fl_app.store import DirStore, WeightStore
 from fl_app.transport import WeightsRef, receive_weights, send_members, write_disk_probe
-from fl_app.aggregate import NonFiniteWeightsError
 from fl_app.weights import Manifest, WeightsError, save_shards
+from partitions.report import write_partition_report
 from server_app.dispatch import RoundDispatch, request_one
 from server_app.errors import one_line, strip_ansi
 from server_app.strategy import ClientFailure, ClientSampler, RoundError, StreamingAggregator, inline_state
@@ -191,6 +192,7 @@ def main(grid: Grid, context: Context) -> None:
     fed = cfg.federation
     rd = RunDir(cfg.resolved_run_dir(), total_rounds=fed.rounds, members=cfg.weight_members())
     start = rd.prepare_resume()       # refuses too many rounds, quarantines partials, checks every member
+    partition = write_partition_report(rd.path, cfg, log)   # every client's shard, before any lane starts
     save_config(cfg, rd.path / "config.yaml")
     t_run = time.perf_counter()
     base = {"run_id": context.run_id, "target_rounds": fed.rounds, "members": list(rd.members)}
@@ -213,7 +215,7 @@ def main(grid: Grid, context: Context) -> None:
         raise
     services = _shutdown_lanes(run)
     rd.write_summary({"status": "complete", **base, "final_round": fed.rounds, "wall_s": time.perf_counter() - t_run,
-                      "nodes": _node_table(run), "services": services,
+                      "nodes": _node_table(run), "services": services, "partition": partition,
                       **({"critic": critic} if critic else {}), "config": cfg.model_dump(mode="json")})
     plot_validation(rd.path / "metrics.jsonl", rd.path / "validation.png")
     log(f"done: {fed.rounds} rounds; checkpoints, metrics.jsonl, summary.json and validation.png in {rd.path}")

@@ -333,6 +333,8 @@ def test_validation_is_never_penalised(kind, env_url, model_dir, mode):  # noqa:
         assert runs[0.0].metrics["invalid_action_rate"] > 0, "the penalty must have had something to act on"
         assert {k: runs[0.0].metrics[k] for k in keys} == {k: runs[5.0].metrics[k] for k in keys}
         assert 0.0 <= runs[5.0].metrics["reward"] <= 1.0 and runs[0.0].num_examples == 8
+        outcomes = runs[0.0].outcomes              # per task (hardness labels): agree with the success rate
+        assert sorted(outcomes) == list(range(8)) and sum(outcomes.values()) / 8 == runs[0.0].metrics["success"]
     finally:
         t.close()
 

@@ -59,6 +59,10 @@ def test_flwr_run_completes_rounds_and_writes_the_run_dir(two_rounds, fl):
     assert summary["status"] == "complete" and summary["final_round"] == 2
     assert (two_rounds / "validation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (two_rounds / "config.yaml").exists()
+    partition = json.loads((two_rounds / "partition.json").read_text())      # written before round 1 (issue 15)
+    assert len(partition["clients"]) == summary["config"]["federation"]["clients"]
+    assert summary["partition"]["digest"] == partition["digest"]
+    assert summary["partition"]["partition"]["name"] == "uniform"
     for r in range(3):
         assert Manifest.from_dir(rd.member_dir(r)).tensor_bytes > 0
 
@@ -112,6 +116,18 @@ def test_bad_config_fails_before_anything_starts(fl, tmp_path):
     out = p.stdout + p.stderr
     assert "exceeds federation.clients" in out, out[-4000:]
     assert not run_dir.exists()                         # nothing was created
+    assert not _service_pids(fl) or all(not psutil.pid_exists(p) for p in _service_pids(fl))
+
+
+def test_labels_of_another_env_fail_the_run_before_any_lane_starts(fl, tmp_path):
+    """Hardness labels made on another task order are refused by the server before round 0 (issue 15)."""
+    recipe = tmp_path / "hardness.yaml"
+    labels = ROOT / "configs" / "labels" / "tiny-shop.json"         # the tiny default's pool, not this recipe's
+    recipe.write_text(f"extends: {RECIPE}\npartition: {{name: hardness, params: {{xi_prime: 1}}, labels: {labels}}}\n")
+    p = fl.run(run_config(recipe, tmp_path / "run"), timeout_s=600)
+    out = p.stdout + p.stderr
+    assert "task order" in out and "label_tasks" in out, out[-4000:]
+    assert not (tmp_path / "run" / "partition.json").exists()
     assert not _service_pids(fl) or all(not psutil.pid_exists(p) for p in _service_pids(fl))
 
 

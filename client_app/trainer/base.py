@@ -43,6 +43,7 @@ class EvalRequest:
 class EvalResult:
     num_examples: int
     metrics: dict[str, float] = field(default_factory=dict)   # success, reward, per-type breakdowns
+    outcomes: dict[int, bool] = field(default_factory=dict)   # task index -> won (labelling; one episode per task)
 
 
 class Trainer(Protocol):

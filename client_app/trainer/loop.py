@@ -134,7 +134,8 @@ class RLTrainer:
                                              derive_seed("eval", req.seed), "validate")
         return EvalResult(num_examples=len(episodes),
                           metrics={**episode_metrics(episodes, ""), "eval_s": stats.wall_s,
-                                   "rollout_sync_s": sync_s, **stats.as_metrics("rollout_")})
+                                   "rollout_sync_s": sync_s, **stats.as_metrics("rollout_")},
+                          outcomes={e.spec.task_index: e.won for e in episodes})
 
     def close(self) -> None:
         """Close the env client, the rollout engine and the training engine (the env service is

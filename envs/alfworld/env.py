@@ -90,6 +90,9 @@ class AlfworldEnv:
     def task_ids(self) -> list[str]:
         return [g.task_id for g in self._games]
 
+    def task_categories(self) -> list[str]:
+        return [g.task_type for g in self._games]
+
     def game(self, task: int) -> Game:
         return self._games[task % self.num_tasks]
 

@@ -92,6 +92,9 @@ class ShopEnv:
     def task_ids(self) -> list[str]:
         return [self._task_id(i) for i in range(self.num_tasks)]
 
+    def task_categories(self) -> list[str]:
+        return [g.category for g in self._world.goals]
+
     def _task_id(self, index: int) -> str:
         return f"{index:06d}-{self._world.goals[index].asin}"
 
