@@ -36,9 +36,10 @@ import torch
 from client_app.algos import ActorLossSpec, AggNorm, FedProxAnchor, actor_loss, clipped_value_loss, \
     entropy_from_logits, gae_advantage_return, grpo_outcome_advantage, masked_mean, token_log_probs
 from client_app.critic import CriticStart, build_critic, resolve_start_critic
+from client_app.models import model_dirs
 from client_app.rollout import BatchedGenerator, Episode, RolloutSettings, TrainRow, autocast, derive_seed, \
     draw_tasks, episode_metrics, group_specs, run_episodes, training_rows
-from client_app.tiny_model import build_tiny_model, load_causal_lm
+from client_app.tiny_model import load_causal_lm
 from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
 from envs.client import SyncEnvClient
 from envs.registry import system_prompt
@@ -97,9 +98,8 @@ class BuiltinTrainer:
         self.cfg = cfg
         self.device = resolve_device(cfg.run.device)
         avoid_cudnn_attention(self.device)
-        path = build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout) if cfg.model.path == "tiny" \
-            else Path(cfg.model.path)
-        self.model, self.tokenizer = load_causal_lm(path, self.device)
+        dirs = model_dirs(cfg)
+        self.model, self.tokenizer = load_causal_lm(dirs.policy, self.device)
         self.model.eval()                 # no dropout: rollout and update score the same policy
         self.model.requires_grad_(True)
         self.params = dict(self.model.named_parameters())     # the exchanged names (tied weights once)
@@ -107,11 +107,13 @@ class BuiltinTrainer:
         for name, p in self.params.items():
             if p.dtype != torch.float32:
                 raise TypeError(f"parameter {name} is {p.dtype}; the trainer keeps fp32 master weights")
-        # Reference: the ORIGINAL backbone for `base` (also under model.init_from), overwritten per
-        # fit for `round`, none at kl_coef 0.
+        # Reference: the ORIGINAL backbone for `base` (also under model.init_from; the warmed or the
+        # unwarmed one per model.reference), overwritten per fit for `round`, none at kl_coef 0.
         self.ref = None
         if cfg.algo.kl_coef > 0:
-            self.ref = copy.deepcopy(self.model).requires_grad_(False).eval()
+            ref = copy.deepcopy(self.model) if dirs.reference == dirs.policy else \
+                load_causal_lm(dirs.reference, self.device)[0]
+            self.ref = ref.requires_grad_(False).eval()
         if cfg.model.init_from:
             self._load_start("actor", cfg.model.init_from, "model.init_from")
         # The critic (ppo): the policy's architecture and current backbone plus a value head,

@@ -54,9 +54,9 @@ import torch
 
 from client_app.algos import FedProxAnchor
 from client_app.critic import CriticStart, resolve_start_critic, seeded_value_head
+from client_app.models import hf_parameters, model_dirs
 from client_app.rollout import BatchedGenerator, RolloutSettings, TrainRow, derive_seed, draw_tasks, \
     episode_metrics, group_specs, run_episodes, training_rows
-from client_app.tiny_model import build_tiny_model
 from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
 from client_app.trainer.builtin import CPU_MAX_PADDING, advantages_and_critic_pass, avoid_cudnn_attention, \
     release_memory, resolve_device
@@ -294,9 +294,8 @@ class VerlTrainer:
         self.device = resolve_device(cfg.run.device)
         avoid_cudnn_attention(self.device)
         isolate_from_outer_ray()
-        path = build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout) if cfg.model.path == "tiny" \
-            else Path(cfg.model.path)
-        self.model_path = Path(path)
+        dirs = model_dirs(cfg)
+        self.model_path = dirs.policy
         # 1. the verl config: composed and validated before anything is built, then recorded
         self.verl_cfg = verl_config.compose(cfg, self.model_path, self.device.type)
         verl_config.check_resolved(cfg, self.verl_cfg)
@@ -319,6 +318,9 @@ class VerlTrainer:
         self.ref = None
         if cfg.algo.kl_coef > 0:
             self.ref = self._worker(self.actor_config, model_config, forward_only=True)
+            if dirs.reference != dirs.policy:       # model.reference: backbone (the unwarmed model)
+                _inject(self.ref.engine.module, [n for n, _ in self.ref.engine.module.named_parameters()],
+                        hf_parameters(dirs.reference))
         # the critic (ppo): verl's value-model engine (AutoModelForTokenClassification, as builtin's)
         self.critic = None
         if cfg.algo.name == "ppo":
