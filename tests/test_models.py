@@ -285,3 +285,21 @@ def test_outcome_breakdown_names_each_failure(backbone, tmp_path):
                                "ended_not_won": 0, "timeout": 1}
     assert out["success"] == 0.25 and out["episodes_with_invalid_action"] == 1
     assert out["invalid_action_rate"] == pytest.approx(2 / sum(len(e.turns) for e in episodes))
+
+
+def test_verl_reference_engine_takes_the_backbone_when_configured(warmed, backbone, env_url, tmp_path):
+    pytest.importorskip("verl")
+    from client_app.models import hf_parameters
+    from client_app.trainer.verl_backend import VerlTrainer
+
+    data = _warm_cfg(backbone, warmed.policy.parent, reference="backbone").model_dump()
+    trainer = VerlTrainer(Config.model_validate(data | {"backend": "verl"}), env_url, run_dir=tmp_path)
+    try:
+        ref = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+               for n, p in trainer.ref.engine.module.named_parameters()}
+        expected, policy = hf_parameters(backbone), hf_parameters(warmed.policy)
+        assert ref.keys() == expected.keys() and all(torch.equal(ref[n], expected[n]) for n in expected)
+        exported = trainer.export_weights()
+        assert all(torch.equal(exported[n], policy[n]) for n in policy)
+    finally:
+        trainer.close()
