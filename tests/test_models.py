@@ -208,7 +208,7 @@ def test_warm_start_key_follows_the_model_files_and_settings(backbone, tmp_path)
     assert model_digest(copy) != digest
 
 
-def test_round_zero_is_the_warmed_model_and_the_reference_as_configured(warmed, backbone, env_url):
+def test_round_zero_is_the_warmed_model_and_the_reference_as_configured(warmed, backbone, env_url):  # noqa: F811
     for reference, ref_dir in (("warmed", warmed.policy), ("backbone", backbone)):
         cfg = _warm_cfg(backbone, warmed.policy.parent, reference=reference)
         assert model_dirs(cfg).reference == ref_dir
@@ -287,7 +287,7 @@ def test_outcome_breakdown_names_each_failure(backbone, tmp_path):
     assert out["invalid_action_rate"] == pytest.approx(2 / sum(len(e.turns) for e in episodes))
 
 
-def test_verl_reference_engine_takes_the_backbone_when_configured(warmed, backbone, env_url, tmp_path):
+def test_verl_reference_engine_takes_the_backbone_when_configured(warmed, backbone, env_url, tmp_path):  # noqa: F811
     pytest.importorskip("verl")
     from client_app.models import hf_parameters
     from client_app.trainer.verl_backend import VerlTrainer
