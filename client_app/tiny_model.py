@@ -21,28 +21,19 @@ safetensors bytes. `load_causal_lm` is the one loader for tiny and real model di
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import math
-import os
-import random
-import re
-import shutil
-import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-import psutil
 import torch
 import torch.nn.functional as F
 
 from client_app import prompts
-from envs.registry import make_env, system_prompt
+from client_app.sft import (Demo, cached_build, collect_demonstrations, cpu_build_settings, demo_rows,
+                            supervised_finetune)
+from envs.registry import make_env
 from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg
 
 log = logging.getLogger(__name__)
@@ -58,34 +49,16 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-# An admissible entry whose argument is a <placeholder> (`search[<your query>]`) is a template.
-PLACEHOLDER = re.compile(r"\[<[^\]]*>\]$")
-# The shortcut habit: buy at once; never taken where the expert navigates (wrong item, paging).
-SHORTCUT_ACTION = "click[buy now]"
-NAVIGATION = ("click[< prev]", "click[back to search]", "click[next >]")
-
 MLP_RATIO = 4              # intermediate_size = MLP_RATIO * hidden_size
 INIT_STD = 0.02            # normal init of every matrix (Qwen2's initializer_range)
 SFT_LR = 3e-3              # AdamW peak LR, linear warmup then linear decay to 0
 SFT_BATCH = 8              # (prompt, reply) rows per optimizer step
-SFT_WARMUP_FRACTION = 0.05
 COPY_SPANS_PER_ROW = 12    # copy warm-up length, in spans per demonstration row (see `copy_warmup`)
 COPY_BATCH = 32
-MAX_BUILD_THREADS = 4      # torch intra-op threads during the build: the idle CPUs, 1 to 4
 
 
 class ModelDirError(ValueError):
     """A model directory cannot be used as a policy; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class Demo:
-    """One demonstrated turn: the windowed prompt and the action the policy should emit."""
-
-    task: int                          # env task index the episode played
-    messages: list[dict[str, str]]
-    action: str                        # what the policy is trained to emit (and was played)
-    expert: str                        # the oracle's action in that state (== action unless noised)
 
 
 # ----------------------------------------------------------------------------- cache
@@ -106,55 +79,26 @@ def tiny_model_dir(tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_cfg: Rollout
     return Path(tiny_cfg.cache_dir).expanduser() / cache_key(tiny_cfg, env_cfg, rollout_cfg)
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive lock across processes, so concurrent first runs build once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def build_tiny_model(tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_cfg: RolloutCfg) -> Path:
     """The cached tiny model directory for this config; builds it on first use."""
-    final = tiny_model_dir(tiny_cfg, env_cfg, rollout_cfg)
-    if (final / "config.json").exists():
-        log.info("tiny model: cached at %s", final)
-        return final
-    with _file_lock(final.parent / f"{final.name}.lock"):
-        if (final / "config.json").exists():       # another process built it while we waited
-            log.info("tiny model: cached at %s", final)
-            return final
-        t0 = time.perf_counter()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name[:16]}.building-", dir=final.parent))
-        try:
-            build_into(tmp, tiny_cfg, env_cfg, rollout_cfg)
-            os.rename(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-    log.info("tiny model: built in %.0f s -> %s", time.perf_counter() - t0, final)
-    return final
+    return cached_build(tiny_model_dir(tiny_cfg, env_cfg, rollout_cfg),
+                        lambda tmp: build_into(tmp, tiny_cfg, env_cfg, rollout_cfg), "tiny model")
 
 
 # ----------------------------------------------------------------------------- build steps
 
 def build_into(out_dir: Path, tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_cfg: RolloutCfg) -> None:
     """Build the model directory in `out_dir` (no caching; `build_tiny_model` wraps this)."""
-    with _build_torch_settings():
+    with cpu_build_settings("tiny model"):
         demos = collect_demonstrations(env_cfg, rollout_cfg.history_length, tiny_cfg.sft_episodes,
                                        tiny_cfg.sft_noise, tiny_cfg.seed, tiny_cfg.sft_shortcut)
         tokenizer = train_tokenizer(tokenizer_corpus(demos), tiny_cfg.vocab_size,
                                     whole_tokens(make_env(env_cfg.name, **env_cfg.params)))
         max_positions = rollout_cfg.max_prompt_tokens + rollout_cfg.max_response_tokens
         model = init_model(tiny_cfg, tokenizer, max_positions)
-        rows = [(prompts.prompt_ids(tokenizer, d.messages, rollout_cfg.max_prompt_tokens),
-                 prompts.response_ids(tokenizer, d.action)[:rollout_cfg.max_response_tokens]) for d in demos]
+        rows = demo_rows(tokenizer, demos, rollout_cfg)
         copy_warmup(model, rows, math.ceil(COPY_SPANS_PER_ROW * len(rows) / COPY_BATCH), tiny_cfg.seed)
-        final_loss = supervised_finetune(model, rows, tiny_cfg.sft_epochs, tiny_cfg.seed)
+        final_loss = supervised_finetune(model, rows, tiny_cfg.sft_epochs, tiny_cfg.seed, SFT_LR, SFT_BATCH)
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
         (out_dir / "tiny_model.json").write_text(json.dumps({
@@ -166,70 +110,6 @@ def build_into(out_dir: Path, tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_c
             "demonstrations": len(rows),
             "sft_final_loss": round(final_loss, 6),
         }, indent=2, sort_keys=True) + "\n")
-
-
-def build_threads() -> int:
-    """Torch threads for the build: the CPUs other processes leave idle (sampled over 0.5 s while
-    this one sleeps), 1 to MAX_BUILD_THREADS. On an idle 2-core machine two threads build 1.56x
-    faster than one, while on a busy one two spinning OpenMP threads ran 10x slower than one.
-    The weights do not depend on the count (tests/test_tiny_model.py)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    idle = cpus * (1.0 - psutil.cpu_percent(interval=0.5) / 100.0)
-    return max(1, min(MAX_BUILD_THREADS, int(idle + 0.5)))
-
-
-@contextlib.contextmanager
-def _build_torch_settings() -> Iterator[None]:
-    """Deterministic CPU kernels and a bounded thread count, restored afterwards."""
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(build_threads())
-    log.info("tiny model: building with %d torch thread(s)", torch.get_num_threads())
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
-
-
-def collect_demonstrations(env_cfg: EnvCfg, history_length: int, episodes: int, noise: float,
-                           seed: int, shortcut: float = 0.0) -> list[Demo]:
-    """Windowed (prompt, action) turns of the expert on training tasks, imperfect on purpose.
-
-    Two kinds of imperfection, both played (so the expert's recoveries are demonstrated too):
-    - `noise`: each action is replaced by a random valid one with this probability. Sampling at
-      a low validation temperature mostly hides it: the mass is spread over many actions.
-    - `shortcut`: this fraction of the episodes buys as soon as the target's page is open,
-      skipping the goal's options. A coherent habit survives low-temperature decoding, costs
-      reward on every goal with options, and is the kind of defect RL fixes from reward alone.
-    Template entries such as `search[<your query>]` are never drawn as the random action.
-    """
-    env, system = make_env(env_cfg.name, **env_cfg.params), system_prompt(env_cfg.name)
-    if env.num_tasks <= env.val_size:
-        raise ValueError(f"env has {env.num_tasks} tasks and val_size={env.val_size}: no training task "
-                         "is left for the SFT warm start; raise the task count or lower val_size")
-    rng = random.Random(f"tiny-sft-{seed}")
-    demos: list[Demo] = []
-    for _ in range(episodes):
-        task = rng.randrange(env.val_size, env.num_tasks)
-        hasty = rng.random() < shortcut
-        obs, info = env.reset(task)
-        history: list[tuple[str, str]] = []
-        for _turn in range(env_cfg.max_turns):
-            expert = action = env.expert_action()
-            others = [a for a in info["valid_actions"] if a != expert and not PLACEHOLDER.search(a)]
-            if hasty and SHORTCUT_ACTION in info["valid_actions"] and expert not in NAVIGATION:
-                action = SHORTCUT_ACTION
-            elif others and rng.random() < noise:
-                action = rng.choice(others)
-            messages = prompts.build_messages(info["instruction"], history, obs, info["valid_actions"],
-                                              history_length, system)
-            demos.append(Demo(task, messages, action, expert))
-            history.append((obs, action))
-            obs, _reward, done, info = env.step(action)
-            if done:
-                break
-    return demos
 
 
 def whole_tokens(env) -> list[str]:
@@ -315,38 +195,6 @@ def init_model(tiny_cfg: TinyModelCfg, tokenizer, max_positions: int):
     return model.float()
 
 
-def supervised_finetune(model, rows: list[tuple[list[int], list[int]]], epochs: int, seed: int) -> float:
-    """Cross-entropy on reply tokens only; seeded data order. Returns the last epoch's mean loss."""
-    if not rows or epochs == 0:
-        return float("nan")
-    gen = torch.Generator().manual_seed(seed + 1)
-    steps = epochs * math.ceil(len(rows) / SFT_BATCH)
-    warmup = max(1, int(SFT_WARMUP_FRACTION * steps))
-    opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup))))
-    pad, device = model.config.pad_token_id, next(model.parameters()).device
-    model.train()
-    epoch_loss = float("nan")
-    for _epoch in range(epochs):
-        total, count = 0.0, 0
-        for batch in _length_bucketed_batches(rows, gen):
-            ids, mask, targets = (t.to(device) for t in sft_batch([rows[i] for i in batch], pad))
-            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-            picked = targets != -100
-            loss = F.cross_entropy(model.lm_head(hidden[picked]), targets[picked])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            total, count = total + loss.item() * len(batch), count + len(batch)
-        epoch_loss = total / count
-        log.info("tiny model: SFT epoch %d/%d loss %.4f", _epoch + 1, epochs, epoch_loss)
-    model.eval()
-    return epoch_loss
-
-
 def copy_warmup(model, rows: list[tuple[list[int], list[int]]], steps: int, seed: int) -> None:
     """Teach copying before SFT: predict the second half of `span + span` for random spans of
     the demonstration token stream. Copying (the task into the query, an id from the admissible
@@ -373,33 +221,6 @@ def copy_warmup(model, rows: list[tuple[list[int], list[int]]], steps: int, seed
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     log.info("tiny model: copy warm-up %d steps, last loss %.4f", steps, loss.item())
-
-
-def sft_batch(rows: list[tuple[list[int], list[int]]], pad_id: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, attention_mask, targets); targets are -100 except where the
-    next token is a reply token, so the loss never trains on prompt text."""
-    width = max(len(p) + len(r) for p, r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    targets = torch.full((len(rows), width), -100, dtype=torch.long)
-    for k, (prompt, reply) in enumerate(rows):
-        n = len(prompt) + len(reply)
-        ids[k, :n] = torch.tensor(prompt + reply)
-        mask[k, :n] = 1
-        targets[k, len(prompt) - 1:n - 1] = torch.tensor(reply)   # position t predicts token t+1
-    return ids, mask, targets
-
-
-def _length_bucketed_batches(rows: list[tuple[list[int], list[int]]], gen: torch.Generator) -> list[list[int]]:
-    """Seeded shuffle, then batches of similar length (less padding), in a seeded batch order."""
-    order = torch.randperm(len(rows), generator=gen).tolist()
-    chunk = 8 * SFT_BATCH
-    batches = []
-    for start in range(0, len(order), chunk):
-        part = sorted(order[start:start + chunk], key=lambda i: len(rows[i][0]) + len(rows[i][1]))
-        batches += [part[j:j + SFT_BATCH] for j in range(0, len(part), SFT_BATCH)]
-    return [batches[k] for k in torch.randperm(len(batches), generator=gen).tolist()]
 
 
 # ----------------------------------------------------------------------------- loading

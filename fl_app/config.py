@@ -71,6 +71,25 @@ class _Strict(BaseModel):
         return value
 
 
+def default_model_cache() -> str:
+    return str(Path(os.environ.get("FEDAGENT_CACHE_DIR", "~/.cache/fedagent-flower")) / "models")
+
+
+CACHE_PREFIX = "cache:"
+
+
+def model_directory(path: str) -> Path:
+    """`model.path` as a directory on this machine: `cache:<name>` resolves in the model cache
+    here (each node has its own), any other value is a path (`tiny` is the caller's to build)."""
+    if path.startswith(CACHE_PREFIX):
+        name = path.removeprefix(CACHE_PREFIX)
+        if not name or "/" in name or name in (".", ".."):
+            raise ConfigError(f"model.path={path!r}: name one directory of the model cache, e.g. "
+                              f"{CACHE_PREFIX}smollm2-135m-instruct.q4_1")
+        return Path(default_model_cache()).expanduser() / name
+    return Path(path).expanduser()
+
+
 class TinyModelCfg(_Strict):
     """The locally built default model (used when `model.path` is `tiny`)."""
 
@@ -83,13 +102,28 @@ class TinyModelCfg(_Strict):
     sft_noise: float = Field(0.1, ge=0, le=1, description="Fraction of demonstration actions replaced by a random valid action, so the warm start is imperfect.")
     sft_shortcut: float = Field(0.5, ge=0, le=1, description="Fraction of SFT episodes that demonstrate a bad habit (buying without choosing the goal's options), a defect RL can fix from reward.")
     seed: int = Field(0, description="Seed of tokenizer training, init and SFT (the build is a pure function of it).")
-    cache_dir: str = Field(default_factory=lambda: str(Path(os.environ.get("FEDAGENT_CACHE_DIR", "~/.cache/fedagent-flower")) / "models"),
-                           description="Where built tiny models are cached (keyed by a hash of this section and the env); default `$FEDAGENT_CACHE_DIR/models`, else ~/.cache/fedagent-flower/models.")
+    cache_dir: str = Field(default_factory=default_model_cache, description="Where built tiny models are cached (keyed by a hash of this section and the env); default `$FEDAGENT_CACHE_DIR/models`, else ~/.cache/fedagent-flower/models.")
+
+
+class WarmStartCfg(_Strict):
+    """SFT warm start of the model at `model.path` on the env's expert (client_app/warm_start.py,
+    docs/models.md): demonstrations rendered with the RL prompts, fine-tuned, cached by content hash."""
+
+    episodes: int = Field(0, ge=0, description="Expert episodes demonstrated (training tasks only); 0 = no warm start, round 0 starts from `model.path` as is.")
+    epochs: int = Field(2, gt=0, description="Passes over the demonstrated (prompt, reply) rows.")
+    lr: float = Field(2e-5, gt=0, description="AdamW peak learning rate (5% linear warmup, then linear decay to 0), loss on reply tokens only.")
+    batch_size: int = Field(8, gt=0, description="Demonstrated rows per optimizer step (batches of similar length, seeded order).")
+    noise: float = Field(0.1, ge=0, le=1, description="Fraction of demonstrated actions replaced by a random valid action (and played), so the imitation is imperfect and the expert's recoveries are shown.")
+    shortcut: float = Field(0.0, ge=0, le=1, description="Fraction of episodes that demonstrate the shop's buy-now habit (buying without choosing the goal's options), a defect RL can fix from reward; shop only.")
+    seed: int = Field(0, description="Seed of the demonstrations and the SFT data order (the warmed weights are a pure function of it on CPU).")
+    cache_dir: str = Field(default_factory=default_model_cache, description="Where warmed models are cached, keyed by a hash of the model files, the env, the prompt-shaping rollout keys and this section (not `cache_dir`); default `$FEDAGENT_CACHE_DIR/models`, else ~/.cache/fedagent-flower/models.")
 
 
 class ModelCfg(_Strict):
-    path: str = Field("tiny", description="`tiny` builds the local default; otherwise a local Hugging Face model directory (e.g. Qwen2.5-1.5B-Instruct). It gives the architecture, the tokenizer and the KL reference model (the original backbone), also when `init_from` is set.")
+    path: str = Field("tiny", description="`tiny` builds the local default; `cache:<name>` is the model directory `<name>` in this machine's model cache (`$FEDAGENT_CACHE_DIR/models`, where `python -m client_app.models import-gguf` writes; docs/models.md); otherwise a local Hugging Face model directory (e.g. Qwen2.5-1.5B-Instruct). It gives the architecture, the tokenizer and the KL reference model, also when `init_from` is set.")
     init_from: str = Field("", description="Warm start: a weights dir of an earlier run (e.g. `runs/x/rounds/round-0007/actor`) loaded over `path` before round 0. For ppo its sibling `critic` dir is picked up as the critic (see `algo.critic.path`). It must be readable by the node that builds round 0.")
+    warm_start: WarmStartCfg = WarmStartCfg()
+    reference: Literal["warmed", "backbone"] = Field("warmed", description="KL reference under `algo.ref_anchor: base` when `warm_start` is on: `warmed` = the warm-started model round 0 starts from (default: the policy RL starts from, as verl-agent's reference is its initial actor; a zero-shot backbone that never emits a valid action would pull the policy back to invalid actions), `backbone` = `model.path` before the warm start. Without a warm start both are `model.path`.")
     tiny: TinyModelCfg = TinyModelCfg()
 
 
@@ -333,6 +367,7 @@ class Config(_Strict):
             # Fail closed: the habit is the shop's buy-now action; elsewhere it would silently do nothing.
             raise ValueError(f"model.tiny.sft_shortcut={tiny.sft_shortcut} demonstrates the shop's buy-now habit, "
                              f"and env {self.env.name!r} has no such action; set model.tiny.sft_shortcut: 0")
+        self._check_model()
         self._check_rollout_engine()
         self._check_env_partition()
         algo = self.algo
@@ -390,6 +425,19 @@ class Config(_Strict):
         if self.partition.name == "coverage" and not (low <= p.center <= p.high and p.high > low):
             raise ValueError(f"partition coverage needs federation.tasks_per_client={low} <= partition.params."
                              f"center={p.center} <= partition.params.high={p.high}, with high > tasks_per_client")
+
+    def _check_model(self) -> None:
+        """Fail closed on warm-start settings that would silently do nothing (docs/models.md)."""
+        ws, m = self.model.warm_start, self.model
+        if ws.episodes and m.path == "tiny":
+            raise ValueError("model.warm_start is set but model.path=tiny already warm-starts with model.tiny.sft_*; "
+                             "set model.warm_start.episodes: 0 or point model.path at a model directory")
+        if ws.episodes and ws.shortcut > 0 and self.env.name != "shop":
+            raise ValueError(f"model.warm_start.shortcut={ws.shortcut} demonstrates the shop's buy-now habit, and env "
+                             f"{self.env.name!r} has no such action; set model.warm_start.shortcut: 0")
+        if m.reference == "backbone" and (self.algo.kl_coef == 0 or self.algo.ref_anchor == "round"):
+            raise ValueError("model.reference=backbone picks the KL reference, but there is none to pick (algo.kl_coef=0 "
+                             "or algo.ref_anchor=round); remove model.reference")
 
     def weight_members(self) -> tuple[str, ...]:
         """The weights a round federates: the policy, plus the critic for PPO (invariant 7)."""

@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DistilBertConfig
 
 from client_app import prompts
-from client_app.tiny_model import (SHORTCUT_ACTION, ModelDirError, build_tiny_model, cache_key,
-                                   collect_demonstrations, load_causal_lm, sft_batch, tokenizer_corpus,
+from client_app.sft import SHORTCUT_ACTION, collect_demonstrations, sft_batch
+from client_app.tiny_model import (ModelDirError, build_tiny_model, cache_key, load_causal_lm, tokenizer_corpus,
                                    train_tokenizer, whole_tokens)
 from envs.registry import make_env, system_prompt
 from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg, load_config
@@ -47,12 +47,12 @@ def test_tiny_model_build_is_deterministic(tiny_dir, tmp_path):
 
 
 def test_tiny_model_bits_do_not_depend_on_build_threads(tiny_dir, tmp_path, monkeypatch):
-    """The build uses the machine's idle CPUs (tiny_model.build_threads), which the cache key does
+    """The build uses the machine's idle CPUs (sft.build_threads), which the cache key does
     not cover: one thread and two must give the same weights."""
-    import client_app.tiny_model as tm
+    import client_app.sft as sft
 
     for threads in (1, 2):
-        monkeypatch.setattr(tm, "build_threads", lambda n=threads: n)
+        monkeypatch.setattr(sft, "build_threads", lambda n=threads: n)
         other = build_tiny_model(small_tiny(tmp_path / f"threads-{threads}"), SMALL_ENV, SMALL_ROLLOUT)
         assert (other / "model.safetensors").read_bytes() == (tiny_dir / "model.safetensors").read_bytes(), threads
 
@@ -100,7 +100,7 @@ def test_saved_tokenizer_tokenizes_like_the_one_sft_trained_with(tiny_dir):
 
 
 def test_build_is_cached_and_says_where(tiny_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="client_app.tiny_model"):
+    with caplog.at_level(logging.INFO, logger="client_app.sft"):
         again = build_tiny_model(small_tiny(tiny_dir.parent), SMALL_ENV, SMALL_ROLLOUT)
     assert again == tiny_dir
     assert f"tiny model: cached at {tiny_dir}" in caplog.text
@@ -121,7 +121,7 @@ def test_cache_key_follows_what_the_weights_depend_on(tmp_path):
 def test_concurrent_builds_produce_one_directory(tmp_path, caplog):
     tiny = small_tiny(tmp_path, sft_episodes=2)
     results: list[Path] = []
-    with caplog.at_level(logging.INFO, logger="client_app.tiny_model"):
+    with caplog.at_level(logging.INFO, logger="client_app.sft"):
         threads = [threading.Thread(target=lambda: results.append(build_tiny_model(tiny, SMALL_ENV, SMALL_ROLLOUT)))
                    for _ in range(2)]
         for t in threads:

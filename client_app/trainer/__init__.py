@@ -13,20 +13,15 @@ if TYPE_CHECKING:
     from client_app.trainer.loop import RLTrainer
 
 
-def resolve_model_path(cfg: Config) -> Path:
-    """The model directory the lane trains: the locally built tiny model, or `model.path`."""
-    from client_app.tiny_model import build_tiny_model
-
-    return build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout) if cfg.model.path == "tiny" else Path(cfg.model.path)
-
-
-def make_engine(cfg: Config, model_path: Path, run_dir: Path | None = None) -> TrainingEngine:
-    """The training engine `cfg.backend` names (verl is imported only when chosen: an optional extra)."""
+def make_engine(cfg: Config, model_path: Path, run_dir: Path | None = None,
+                reference_path: Path | None = None) -> TrainingEngine:
+    """The training engine `cfg.backend` names (verl is imported only when chosen: an optional
+    extra). `reference_path`: the KL reference's model dir when it is not the policy's."""
     if cfg.backend == "verl":
         from client_app.trainer.verl_backend import VerlEngine
-        return VerlEngine(cfg, model_path, run_dir=run_dir)
+        return VerlEngine(cfg, model_path, run_dir=run_dir, reference_path=reference_path)
     from client_app.trainer.builtin import BuiltinEngine
-    return BuiltinEngine(cfg, model_path)
+    return BuiltinEngine(cfg, model_path, reference_path=reference_path)
 
 
 def make_trainer(cfg: Config, env_url: str | None, run_dir: Path | None = None) -> RLTrainer:
@@ -37,6 +32,8 @@ def make_trainer(cfg: Config, env_url: str | None, run_dir: Path | None = None) 
         raise NotImplementedError(f"env_partition.name={cfg.env_partition.name!r}: the env service does not serve "
                                   "per-client env variants yet (docs/env-heterogeneity.md, 'Serving'); "
                                   "use env_partition.name: uniform")
-    model_path = resolve_model_path(cfg)
-    engine = make_engine(cfg, model_path, run_dir)
-    return RLTrainer(cfg, engine, model_path, env_url)
+    from client_app.models import model_dirs
+
+    dirs = model_dirs(cfg)       # the tiny build or model.path, warm-started when configured
+    engine = make_engine(cfg, dirs.policy, run_dir, reference_path=dirs.reference)
+    return RLTrainer(cfg, engine, dirs.policy, env_url)

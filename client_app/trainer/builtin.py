@@ -36,7 +36,7 @@ log = logging.getLogger("fedagent.trainer.builtin")
 class BuiltinEngine:
     """`engine.TrainingEngine` on torch + transformers."""
 
-    def __init__(self, cfg: Config, model_path: Path) -> None:
+    def __init__(self, cfg: Config, model_path: Path, reference_path: Path | None = None) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.run.device)
         avoid_cudnn_attention(self.device)
@@ -56,9 +56,14 @@ class BuiltinEngine:
         self.vocab_size = rows if cfg.rollout.engine == "vllm" else len(self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
         self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" else None
-        # Reference: the ORIGINAL backbone for `base` (also under model.init_from), overwritten per
-        # fit for `round`, none at kl_coef 0.
-        self.ref = copy.deepcopy(self.model).requires_grad_(False).eval() if cfg.algo.kl_coef > 0 else None
+        # Reference: the ORIGINAL starting model for `base` (also under model.init_from; the
+        # backbone instead of a warm start with model.reference: backbone), overwritten per fit
+        # for `round`, none at kl_coef 0.
+        self.ref = None
+        if cfg.algo.kl_coef > 0:
+            same = reference_path is None or Path(reference_path) == Path(model_path)
+            ref = copy.deepcopy(self.model) if same else load_causal_lm(reference_path, self.device)[0]
+            self.ref = ref.requires_grad_(False).eval()
         if cfg.model.init_from:
             self._load_start("actor", cfg.model.init_from, "model.init_from")
         # The critic: the policy's architecture and current backbone plus a value head, replaced by

@@ -27,14 +27,27 @@ from fl_app.config import Config
 CPU_MAX_PADDING = 0.25
 
 
+def rollout_settings(cfg: Config) -> RolloutSettings:
+    """How the recipe's episodes are played and prompted (every generator alike)."""
+    r = cfg.rollout
+    return RolloutSettings(cfg.env.max_turns, r.history_length, r.max_prompt_tokens, system_prompt(cfg.env.name),
+                           mode=r.mode)
+
+
+def hf_generator(model: Any, tokenizer: Any, cfg: Config, device: torch.device) -> BatchedGenerator:
+    """Hugging Face `generate` on `model`: bf16 autocast on CUDA; on the CPU length-grouped batches."""
+    on_cpu = device.type == "cpu"
+    return BatchedGenerator(model, tokenizer, cfg.rollout.max_response_tokens, None if on_cpu else torch.bfloat16,
+                            max_padding=CPU_MAX_PADDING if on_cpu else None)
+
+
 class Rollouts:
     """Plays episodes with the policy the training engine holds right now."""
 
     def __init__(self, cfg: Config, engine: TrainingEngine, model_path: Path) -> None:
         r = cfg.rollout
         self.engine = engine
-        self.settings = RolloutSettings(cfg.env.max_turns, r.history_length, r.max_prompt_tokens,
-                                        system_prompt(cfg.env.name), mode=r.mode)
+        self.settings = rollout_settings(cfg)
         self.generator: Any
         if r.engine == "vllm":
             from client_app.trainer.vllm_rollout import VllmGenerator
@@ -43,10 +56,7 @@ class Rollouts:
                                            max_model_len=r.max_prompt_tokens + r.max_response_tokens,
                                            gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.run.seed)
         else:
-            on_cpu = engine.device.type == "cpu"
-            self.generator = BatchedGenerator(engine.generation_model(), engine.tokenizer, r.max_response_tokens,
-                                              None if on_cpu else torch.bfloat16,
-                                              max_padding=CPU_MAX_PADDING if on_cpu else None)
+            self.generator = hf_generator(engine.generation_model(), engine.tokenizer, cfg, engine.device)
 
     @property
     def syncs_weights(self) -> bool:

@@ -279,7 +279,8 @@ class VerlEngine:
 
     critic_start: CriticStart | None = None    # set when the algorithm trains a critic
 
-    def __init__(self, cfg: Config, model_path: Path, run_dir: Path | str | None = None) -> None:
+    def __init__(self, cfg: Config, model_path: Path, run_dir: Path | str | None = None,
+                 reference_path: Path | None = None) -> None:
         if cfg.backend != "verl":
             raise ValueError(f"VerlEngine needs backend=verl, got backend={cfg.backend!r}")
         self.cfg = cfg
@@ -331,6 +332,10 @@ class VerlEngine:
                              "backend=verl with rollout.engine=hf needs them equal (verl scores over every "
                              "row). Use backend: builtin for this model, or rollout.engine: vllm on a GPU")
         self._names = {"actor": [n for n, _ in self.engine.module.named_parameters()]}
+        if self.ref is not None and reference_path is not None and Path(reference_path) != self.model_path:
+            from client_app.models import hf_parameters     # model.reference: backbone under a warm start
+
+            _inject(self.ref.engine.module, self._names["actor"], hf_parameters(Path(reference_path)))
         if cfg.model.init_from:
             self._load_start(cfg.model.init_from, "actor")
         if self.critic is not None and self.critic_start is not None:
