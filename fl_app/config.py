@@ -71,8 +71,21 @@ class _Strict(BaseModel):
         return value
 
 
+def node_cache(sub: str) -> str:
+    """This machine's cache dir `sub`: `$FEDAGENT_CACHE_DIR/<sub>`, else ~/.cache/fedagent-flower/<sub>."""
+    return str(Path(os.environ.get("FEDAGENT_CACHE_DIR", "~/.cache/fedagent-flower")) / sub)
+
+
 def default_model_cache() -> str:
-    return str(Path(os.environ.get("FEDAGENT_CACHE_DIR", "~/.cache/fedagent-flower")) / "models")
+    return node_cache("models")
+
+
+def default_weight_cache() -> str:
+    return node_cache("weights")
+
+
+# the docs show these defaults unexpanded: their value depends on the machine that resolves them
+_NODE_DEFAULTS = {default_model_cache: "$FEDAGENT_CACHE_DIR/models", default_weight_cache: "$FEDAGENT_CACHE_DIR/weights"}
 
 
 CACHE_PREFIX = "cache:"
@@ -306,7 +319,7 @@ class RunCfg(_Strict):
     inline_max_mb: float = Field(64.0, ge=0, description="Models up to this size travel inline in Flower messages; larger ones through the weight store.")
     shard_max_mb: float = Field(512.0, gt=0, description="Upper bound on one safetensors shard.")
     service_idle_timeout_s: float = Field(900.0, gt=0, description="A trainer service with no request for this long exits.")
-    weight_cache_dir: str = Field(default_factory=lambda: str(Path(os.environ.get("FEDAGENT_CACHE_DIR", "~/.cache/fedagent-flower")) / "weights"),
+    weight_cache_dir: str = Field(default_factory=default_weight_cache,
                                   description="Node-local root for weights a node fetched from or stages for a remote weight store (no shared disk); the trainer service reads and writes weights only inside the run dir and this root. Node-local: resolved on each node (default `$FEDAGENT_CACHE_DIR/weights`, else ~/.cache/fedagent-flower/weights) and not part of the recipe digest.")
 
     @field_validator("run_dir")
@@ -652,9 +665,7 @@ def _describe(model: type[BaseModel], prefix: str = "") -> list[str]:
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows += _describe(ann, f"{prefix}{name}.")
             continue
-        default = field.get_default(call_default_factory=True)
-        if name == "cache_dir":
-            default = "$FEDAGENT_CACHE_DIR/models"      # not this machine's expansion
+        default = _NODE_DEFAULTS.get(field.default_factory) or field.get_default(call_default_factory=True)  # type: ignore[call-overload]
         kind = re.sub(r"typing\.|<class '([^']+)'>", r"\1", str(ann)).replace("|", "or")
         rows.append(f"| `{prefix}{name}` | {kind} | `{default!r}` | {(field.description or '').replace('|', '/')} |")
     return rows
