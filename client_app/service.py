@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from client_app import memory_debug
 from client_app.runtime_dir import NodeOwner
 from client_app.trainer.base import EvalRequest, FitRequest, Trainer
+from client_app.variant_envs import VariantEnvServices
 from envs.registry import make_env
 from fl_app.config import Config, load_config
 from fl_app.paths import PathEscapeError, confine
@@ -126,6 +128,7 @@ class TrainerService:
         self._stack = contextlib.ExitStack()
         self.trainer: Trainer | None = None
         self.env_url = ""
+        self.variants: VariantEnvServices | None = None
         # FEDAGENT_MEMORY_DEBUG=1: after each fit, log which tensors grew and who holds them
         self.memory_report = memory_debug.MemoryGrowthReport() if memory_debug.enabled() else None
 
@@ -144,7 +147,20 @@ class TrainerService:
                              f"split ({self.val_size} tasks); lower val_tasks or raise env.params.val_size")
         self.trainer = make_trainer(self.cfg, self.env_url, run_dir=self.run_dir)
         self._stack.callback(self.trainer.close)
+        if self.cfg.env_partition.name != "uniform":     # each client trains on its own env variant
+            self.variants = VariantEnvServices(self.cfg)
+            self._stack.callback(self.variants.close)
         self.last_request = time.monotonic()   # the idle clock starts when the service can serve
+
+    def fit_request(self, body: FitBody) -> FitRequest:
+        """The trainer's request for this client: its shard, and under env heterogeneity the
+        service of its env variant (started on first use)."""
+        req = FitRequest(round=body.round, client_id=body.client_id, task_indices=self.shard(body.client_id),
+                         local_epochs=body.local_epochs, seed=body.seed, proximal_mu=body.proximal_mu)
+        if self.variants is None:
+            return req
+        env = self.variants.for_client(body.client_id, req.task_indices)
+        return dataclasses.replace(req, task_indices=env.tasks, env_url=env.url, env_variant=env.variant.content_hash)
 
     def shard(self, client_id: int) -> list[int]:
         """This client's training tasks: every lane recomputes the same global assignment."""
@@ -218,9 +234,7 @@ class TrainerService:
             t0 = time.perf_counter()
             self.load(ins)
             t_load = time.perf_counter() - t0
-            res = self.trainer.fit(FitRequest(
-                round=body.round, client_id=body.client_id, task_indices=self.shard(body.client_id),
-                local_epochs=body.local_epochs, seed=body.seed, proximal_mu=body.proximal_mu))
+            res = self.trainer.fit(self.fit_request(body))
             t1 = time.perf_counter()
             bytes_out = self.save(outs)
             t_export = time.perf_counter() - t1
@@ -232,6 +246,8 @@ class TrainerService:
                 "bytes_in": float(sum(_dir_bytes(d) for d in ins.values())),
                 "bytes_out": float(bytes_out),
             })
+            if self.variants is not None:
+                metrics["env_variant_services_started"] = float(self.variants.started)
             self.last_request = time.monotonic()
             if self.memory_report is not None:
                 memory_debug.log_growth(self.memory_report, log, f"fit {self.fits}")

@@ -37,6 +37,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import urllib.request
 from collections import deque
@@ -249,12 +250,14 @@ class EnvPool:
         }
 
 
-def build_pool(env_name: str, pool_size: int, env_params: dict) -> list[Env]:
-    """Build the engines concurrently (as production does) so construction races would show."""
+def build_pool(env_name: str, pool_size: int, env_params: dict,
+               variant: dict[str, Any] | None = None) -> list[Env]:
+    """Build the engines concurrently (as production does) so construction races would show.
+    `variant`: one client's env variant (partitions.env_variants), applied to every engine."""
     if pool_size < 1:
         raise ValueError(f"pool_size must be >= 1, got {pool_size}")
     with ThreadPoolExecutor(max_workers=min(pool_size, 8), thread_name_prefix="env-build") as ex:
-        return list(ex.map(lambda _: make_env(env_name, **env_params), range(pool_size)))
+        return list(ex.map(lambda _: make_env(env_name, variant=variant, **env_params), range(pool_size)))
 
 
 def check_same_task_order(envs: list[Env]) -> str:
@@ -392,7 +395,8 @@ def _json_verb(handler: Verb, shape: _Shape, limit: int) -> Callable[[Request], 
 
 
 def create_app(env_name: str, pool_size: int, env_params: dict,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, offload: bool = False) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, offload: bool = False,
+               variant: dict[str, Any] | None = None) -> FastAPI:
     """Build the pool (refusing mismatched task orders) and the app serving it.
 
     The pool is built here, not in a lifespan hook, so a bad configuration fails before any port
@@ -404,8 +408,11 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
     (pure-Python engine, one GIL). True runs them in worker threads, for engines whose calls take
     milliseconds (the loop then stays responsive to /create, /close and /health meanwhile); the
     per-session lock keeps one call at a time per session either way.
+
+    `variant`: serve one client's env variant (its hash and label are in `/info`, so a client
+    can check it talks to the variant it asked for); None serves the unperturbed env.
     """
-    pool = EnvPool(build_pool(env_name, pool_size, env_params))
+    pool = EnvPool(build_pool(env_name, pool_size, env_params, variant))
     fingerprint = check_same_task_order(pool.envs)
     first = pool.envs[0]
     app = FastAPI(title=f"{env_name} env service", docs_url=None, redoc_url=None, openapi_url=None)
@@ -493,6 +500,8 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
     async def info(_: Request) -> Response:
         return _json({"env": env_name, "params": env_params, "pid": os.getpid(),
                       "fingerprint": fingerprint,
+                      "variant": variant and {"hash": variant.get("hash"), "label": variant.get("label"),
+                                              "client_id": variant.get("client_id")},
                       "num_tasks": first.num_tasks, "val_size": first.val_size, **pool.stats()})
 
     app.add_route("/info", info, methods=["GET"])
@@ -629,6 +638,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="move to a free private-band port if --port is busy or ephemeral")
     ap.add_argument("--pool-size", type=int, default=16)
     ap.add_argument("--params", default="{}", help="engine parameters as a JSON object")
+    ap.add_argument("--variant-file", default=None,
+                    help="a JSON file holding one client's env variant (partitions.env_variants "
+                         "EnvVariant.to_dict()); omitted: the unperturbed env")
     ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     ap.add_argument("--parent-pid", type=int, default=None,
                     help="exit when this process is no longer our parent (set by launchers)")
@@ -646,6 +658,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--params is not valid JSON ({e}); example: --params '{{\"seed\": 0}}'")
     if not isinstance(params, dict):
         ap.error("--params must be a JSON object, e.g. '{\"seed\": 0}'")
+    variant = None
+    if args.variant_file is not None:
+        try:
+            variant = json.loads(Path(args.variant_file).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            ap.error(f"--variant-file {args.variant_file}: {e}")
+        if not isinstance(variant, dict):
+            ap.error(f"--variant-file {args.variant_file} must hold a JSON object (EnvVariant.to_dict())")
     try:
         if args.port is not None and not args.relocate:
             # Fail in milliseconds, before the (slow) pool build; the bind re-checks for real.
@@ -657,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
                             ("--body-timeout", args.body_timeout)):
             if not 0 < value < float("inf"):
                 ap.error(f"{flag} must be a positive number of seconds, got {value}")
-        app = create_app(args.env, args.pool_size, params, args.max_body_bytes, args.offload)
+        app = create_app(args.env, args.pool_size, params, args.max_body_bytes, args.offload, variant)
         serve(app, args.host, args.port, args.relocate, args.parent_pid, args.header_timeout,
               args.body_timeout)
     except (PortError, PoolMismatchError, ValueError, TypeError) as e:
@@ -675,14 +695,17 @@ def serve_in_subprocess(env_name: str, pool_size: int, env_params: dict, port: i
                         host: str = "127.0.0.1", offload: bool = False,
                         startup_timeout_s: float = 180.0, stop_timeout_s: float = 10.0,
                         header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-                        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> Iterator[str]:
+                        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                        variant: dict[str, Any] | None = None) -> Iterator[str]:
     """Run the service CLI in a child process for the `with` block; yields its base URL.
 
     The child exists only inside this scope (invariant 22): whatever happens, on exit exactly
     this PID gets SIGTERM, then SIGKILL after `stop_timeout_s`; and if this process dies
     without cleanup (SIGKILL), the child notices its parent is gone and exits by itself.
     `port=None` lets the child pick a free private-band port (with its one clean retry); the
-    URL comes from its ready line.
+    URL comes from its ready line. `variant` (one client's env variant) travels in a private
+    temporary file (a catalog split's product list can outgrow a command-line argument), removed
+    once the child has read it.
     """
     cmd = [sys.executable, "-m", "envs.service", "--env", env_name, "--pool-size", str(pool_size),
            "--params", json.dumps(env_params), "--host", host, "--parent-pid", str(os.getpid()),
@@ -691,11 +714,22 @@ def serve_in_subprocess(env_name: str, pool_size: int, env_params: dict, port: i
         cmd += ["--port", str(port)]
     if offload:
         cmd.append("--offload")
+    variant_file = None
+    if variant is not None:
+        fd, variant_file = tempfile.mkstemp(prefix="env-variant-", suffix=".json")   # mode 0600
+        with os.fdopen(fd, "w") as f:
+            json.dump(variant, f)
+        cmd += ["--variant-file", variant_file]
     root = str(Path(__file__).resolve().parents[1])
     child_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=child_env)
+    except BaseException:
+        if variant_file is not None:
+            os.unlink(variant_file)
+        raise
     tail: deque[str] = deque(maxlen=50)
     url: list[str] = []
     got_ready = threading.Event()
@@ -712,7 +746,11 @@ def serve_in_subprocess(env_name: str, pool_size: int, env_params: dict, port: i
     reader = threading.Thread(target=drain, name=f"env-service-{proc.pid}-stdout", daemon=True)
     reader.start()
     try:
-        if not got_ready.wait(startup_timeout_s) or not url:
+        ready = got_ready.wait(startup_timeout_s)
+        if variant_file is not None:       # read (or failed) by now; never left behind
+            os.unlink(variant_file)
+            variant_file = None
+        if not ready or not url:
             raise ServiceStartError(
                 f"env service (pid {proc.pid}, rc {proc.poll()}) did not become ready within "
                 f"{startup_timeout_s:.0f}s; its output:\n" + "\n".join(tail))
@@ -721,6 +759,8 @@ def serve_in_subprocess(env_name: str, pool_size: int, env_params: dict, port: i
                 raise ServiceStartError(f"{url[0]}/health answered {resp.status}")
         yield url[0]
     finally:
+        if variant_file is not None:
+            os.unlink(variant_file)
         if proc.poll() is None:
             proc.terminate()
             try:

@@ -139,12 +139,14 @@ def variant_counts(variants: Sequence[EnvVariant], pool_size: int) -> list[int]:
 
 
 def realized_env_heterogeneity(cfg: Any, clients: int | None = None, queries: int = 200,
-                               expert: bool = True) -> dict[str, Any]:
+                               expert: bool = True, shard_of: Callable[[int], Sequence[int]] | None = None
+                               ) -> dict[str, Any]:
     """The realized heterogeneity of `cfg` (a fl_app.config.Config) over its first `clients`
     clients (all by default): variants, their hashes and the measures of its env_partition.
     Search agreement uses a fixed query set: the expert's query (the instruction without its
     price clause) of the first `queries` training tasks; `expert` plays the expert on every
-    measured client's training tasks under its variant."""
+    measured client's training tasks under its variant. `shard_of`: each client's training tasks
+    (default: the uniform split, as the published env variants use; a run passes its plan's)."""
     from envs.registry import make_env
 
     part = EnvPartition.of(cfg.env_partition.model_dump())
@@ -154,13 +156,14 @@ def realized_env_heterogeneity(cfg: Any, clients: int | None = None, queries: in
     facts = engine_facts(base)
 
     def variant(c: int) -> EnvVariant:
-        shard = client_shard(c, f.clients, f.tasks_per_client, train, cfg.run.seed)
+        shard = shard_of(c) if shard_of else client_shard(c, f.clients, f.tasks_per_client, train, cfg.run.seed)
         return client_variant(part, env_name, c, f.clients, shard, facts, base.val_size)
 
     n = f.clients if clients is None else min(clients, f.clients)
     variants = [variant(c) for c in range(n)]
     out: dict[str, Any] = {"env_partition": vars(part), "clients_measured": n,
-                           "variant_hashes": {v.client_id: v.content_hash for v in variants}}
+                           "variant_hashes": {v.client_id: v.content_hash for v in variants},
+                           "variant_of_client": {v.client_id: v.label for v in variants}}
     if part.name in POOLS:
         labels = [label for label, _ in POOLS[part.name][: part.num_variants]]
         out["variant_labels"], out["variant_counts"] = labels, variant_counts(variants, part.num_variants)

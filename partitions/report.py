@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from fl_app.config import Config, ConfigError, load_config
+from partitions.env_realized import format_report as format_env_report
+from partitions.env_realized import realized_env_heterogeneity
 from partitions.labels import FORMAT, Labels, LabelsError
 from partitions.pool import TaskPool, build_pool, pool_from_counts
 from partitions.realized import client_rows, closed_forms, realized
@@ -54,9 +56,15 @@ def describe(plan: PartitionPlan, cfg: Config) -> dict[str, Any]:
     return doc
 
 
+PER_CLIENT = ("variant_hashes", "variant_of_client")     # partition.json only, not summary.json
+
+
 def headline(doc: dict[str, Any]) -> dict[str, Any]:
-    """The summary.json entry: everything but the per-client rows."""
-    return {k: v for k, v in doc.items() if k != "clients"}
+    """The summary.json entry: everything but the per-client rows and maps."""
+    out = {k: v for k, v in doc.items() if k != "clients"}
+    if "env_partition" in doc:
+        out["env_partition"] = {k: v for k, v in doc["env_partition"].items() if k not in PER_CLIENT}
+    return out
 
 
 def write_partition_report(run_dir: Path, cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -71,12 +79,17 @@ def write_partition_report(run_dir: Path, cfg: Config, log: Callable[[str], None
                 "resuming would train later rounds on other shards. Resume with the original partition settings "
                 "(and labels), or start a fresh run.run_dir")
     doc = describe(plan, cfg)
+    if cfg.env_partition.name != "uniform":     # each client's env variant, as its lane will serve it
+        doc["env_partition"] = realized_env_heterogeneity(cfg, expert=False, shard_of=plan.shard)
     doc["written"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
-    for line in format_report(doc).splitlines():
+    lines = format_report(doc).splitlines()
+    if "env_partition" in doc:
+        lines += ["  env variants: " + line.removeprefix("- ") for line in format_env_report(doc["env_partition"]).splitlines()]
+    for line in lines:
         log(line)
     return headline(doc)
 

@@ -28,10 +28,6 @@ def make_trainer(cfg: Config, env_url: str | None, run_dir: Path | None = None) 
     """The lane's persistent trainer: the fit loop over the configured engines."""
     from client_app.trainer.loop import RLTrainer
 
-    if cfg.env_partition.name != "uniform":     # fail closed: every client would train on the plain env
-        raise NotImplementedError(f"env_partition.name={cfg.env_partition.name!r}: the env service does not serve "
-                                  "per-client env variants yet (docs/env-heterogeneity.md, 'Serving'); "
-                                  "use env_partition.name: uniform")
     from client_app.models import model_dirs
 
     dirs = model_dirs(cfg)       # the tiny build or model.path, warm-started when configured

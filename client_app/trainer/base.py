@@ -25,6 +25,10 @@ class FitRequest:
     local_epochs: int                # E: RL iterations (rollout batch + update) in this fit
     seed: int                        # master seed; row seeds derive from (seed, round, client, epoch, index)
     proximal_mu: float = 0.0         # FedProx mu; anchor = the weights loaded for this fit; policy only
+    # the client's env variant (issue 19): the env service serving it and the variant's content
+    # hash that service must report; empty: the trainer's own (unperturbed) env service
+    env_url: str = ""
+    env_variant: str = ""
 
 
 @dataclass

@@ -21,10 +21,11 @@ verl (FSDP2); the rollout engine (hf or vllm) is chosen separately.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,13 +103,36 @@ class RLTrainer:
         if req.local_epochs < 1:
             raise ValueError(f"local_epochs must be >= 1, got {req.local_epochs}")
         self._need_env()
+        with self._env_for(req) as (env, sessions):
+            return self._fit(req, env, sessions, on_iteration)
+
+    @contextlib.contextmanager
+    def _env_for(self, req: FitRequest) -> Iterator[tuple[SyncEnvClient, int]]:
+        """The env this fit plays on: the client's variant service when the request names one
+        (checked to serve exactly that variant before any episode), else the trainer's own."""
+        assert self.env is not None
+        if not req.env_url:
+            if req.env_variant:
+                raise ValueError("FitRequest.env_variant without env_url: which service serves it?")
+            yield self.env, self.max_sessions
+            return
+        with SyncEnvClient(req.env_url) as env:
+            info = env.info()
+            served = (info.get("variant") or {}).get("hash")
+            if served != req.env_variant:
+                raise RuntimeError(f"env service {req.env_url} serves variant {served!r}, not client "
+                                   f"{req.client_id}'s {req.env_variant!r}: refusing to train on another env")
+            yield env, int(info["pool_size"])
+
+    def _fit(self, req: FitRequest, env: SyncEnvClient, sessions: int,
+             on_iteration: IterationCallback | None) -> FitResult:
         self.engine.begin_fit(reference_from_policy=self.cfg.algo.ref_anchor == "round")
         anchor = FedProxAnchor.snapshot(self.engine.parameters("actor")) if req.proximal_mu > 0 else None
         per_epoch: list[dict[str, float]] = []
         episodes_trained = 0
         try:
             for epoch in range(req.local_epochs):
-                metrics, n_episodes = self._iteration(req, epoch, anchor)
+                metrics, n_episodes = self._iteration(req, epoch, anchor, env, sessions)
                 per_epoch.append(metrics)
                 episodes_trained += n_episodes
                 if on_iteration is not None:
@@ -150,14 +174,16 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one iteration
 
-    def _iteration(self, req: FitRequest, epoch: int, anchor: FedProxAnchor | None) -> tuple[dict[str, float], int]:
+    def _iteration(self, req: FitRequest, epoch: int, anchor: FedProxAnchor | None, env: SyncEnvClient,
+                   sessions: int) -> tuple[dict[str, float], int]:
         a, r = self.cfg.algo, self.cfg.rollout
         seed = (req.seed, req.round, req.client_id, epoch)
         # 1. draw tasks, 2. rollout
         tasks = draw_tasks(req.task_indices, a.tasks_per_step, req.seed, req.round, req.client_id, epoch)
         t0 = time.perf_counter()
         episodes, stats, sync_s = self._play(group_specs(tasks, int(a.group_size)), r.temperature,
-                                             derive_seed("sample", *seed), f"r{req.round} c{req.client_id} e{epoch}")
+                                             derive_seed("sample", *seed), f"r{req.round} c{req.client_id} e{epoch}",
+                                             env, sessions)
         rollout_s = time.perf_counter() - t0
         # 3. rows
         rows = training_rows(episodes, r.invalid_action_penalty)
@@ -174,10 +200,14 @@ class RLTrainer:
                    **stats.as_metrics("rollout_"), **update, **critic_metrics}
         return metrics, len(episodes)
 
-    def _play(self, specs: Any, temperature: float, seed: int, desc: str) -> tuple[list[Episode], Any, float]:
+    def _play(self, specs: Any, temperature: float, seed: int, desc: str, env: SyncEnvClient | None = None,
+              sessions: int = 0) -> tuple[list[Episode], Any, float]:
+        """Play `specs` on `env` (default: the trainer's own, unperturbed env: validation)."""
         self._need_env()
         assert self.rollouts is not None and self.env is not None
-        return self.rollouts.play(self.env, specs, temperature, seed, self.max_sessions, desc)
+        if env is None:
+            env, sessions = self.env, self.max_sessions
+        return self.rollouts.play(env, specs, temperature, seed, sessions, desc)
 
     def _advantages(self, episodes: Sequence[Episode], rows: Sequence[TrainRow], seed: int
                     ) -> tuple[list[torch.Tensor], dict[str, float]]:
