@@ -28,11 +28,16 @@ from client_app.lane import LaneService
 from fl_app.config import Config, ConfigError, load_config, recipe_sha256
 from fl_app.rundir import RunDir
 from fl_app.store import DirStore, WeightStore
+from fl_app.store_open import open_store
+from fl_app.store_remote import prune_cache
 from fl_app.transport import (WeightsRef, arrays_key, receive_manifest, receive_weights, sees_disk_probe,
                               send_local)
 from fl_app.weights import Manifest, WeightsError, save_shards
 
 app = ClientApp()
+# fetched global models a node keeps (newest first; the members of the last few rounds): the
+# rest is pruned, so a long run of a large model does not fill the node's disk
+CACHE_KEEP = 8
 
 
 @dataclass
@@ -59,12 +64,16 @@ class _Node:
 
     def require_store(self, nbytes: int) -> None:
         """Weights of `nbytes` must travel through the store: make sure this node can reach it."""
-        if isinstance(self.store, DirStore) and not sees_disk_probe(self.run_dir, self.token):
+        if self.store_is_run_dir and not sees_disk_probe(self.run_dir, self.token):
             raise WeightsError(
                 f"node {self.node_id} ({socket.gethostname()}) cannot see the run dir at {self.run_dir}: the server "
                 f"and this node do not share a disk, so weights of {nbytes / 2**20:.1f} MiB (above run.inline_max_mb="
                 f"{self.cfg.run.inline_max_mb:g}) cannot travel through it. Set run.weight_store=http (the weight "
                 "channel), mount the run dir at the same path on every node, or raise run.inline_max_mb")
+
+    @property
+    def store_is_run_dir(self) -> bool:
+        return isinstance(self.store, DirStore) and self.store.root == self.run_dir
 
     def info(self) -> dict[str, str]:
         """Where this node's trainer service logs (the server lists it in summary.json)."""
@@ -85,10 +94,19 @@ def _node(msg: Message, context: Context) -> _Node:
                              f"{got[:12]}... vs {want[:12]}...): server and nodes must run the same app (FAB) and "
                              "run config; check the recipe files and environment on this node")
     run_dir = Path(str(conf["run-dir"]))
-    # Seam for the remote weight channel: open the configured store here (a DirStore on the run
-    # dir = today's shared disk) and, for a remote one, write under a node-local work dir.
-    store = DirStore(run_dir, int(cfg.run.shard_max_mb * 2**20))
-    work = RunDir(run_dir)
+    spec = str(conf.get("weight-store", ""))     # '' = the run dir; else what the server says nodes open
+    shard_bytes = int(cfg.run.shard_max_mb * 2**20)
+    if not spec:
+        store: WeightStore = DirStore(run_dir, shard_bytes)
+        work = RunDir(run_dir)
+    else:
+        store = open_store(spec, run_dir=run_dir, max_shard_bytes=shard_bytes,
+                           token=str(conf.get("weight-store-token", "")),
+                           ca_file=cfg.run.weight_store_ca_file or None, parallel=cfg.run.weight_store_parallel,
+                           node=f"node {context.node_id} ({socket.gethostname()})")
+        # what this node writes stays node-local until published: never the server's run dir,
+        # which a node on the same machine would otherwise write under the keys the store installs
+        work = RunDir(Path(cfg.run.weight_cache_dir).expanduser() / "work" / f"run-{context.run_id}")
     lane = LaneService(context.run_id, run_config, log_dir=work.path / "logs", run_dir=run_dir)
     return _Node(cfg, context.node_id, run_dir, str(conf["run-dir-token"]), store, work, lane)
 
@@ -100,6 +118,8 @@ def _weights_dir(node: _Node, msg: Message, member: str, scratch: Path) -> Path:
     if not ref.inline:
         node.require_store(ref.nbytes)
         local = receive_manifest(ref, node.store, node.cache_dir).root
+        if not node.store_is_run_dir:
+            prune_cache(node.cache_dir, keep=CACHE_KEEP)
         if local is None:
             raise WeightsError(f"the weight store returned no local copy of {ref.key!r}")
         return local

@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import psutil
 import uvicorn
@@ -51,6 +52,12 @@ from fl_app.paths import PathEscapeError, confine
 from fl_app.weights import WeightsError, load_shards, save_shards
 from partitions.pool import TaskPool
 from partitions.registry import plan_partition
+
+
+def shared_store_root(cfg: Config) -> tuple[Path, ...]:
+    """A `file://` weight store's dir (global models are read there in place), else nothing."""
+    parts = urlsplit(cfg.run.weight_store.strip())
+    return (Path(parts.path),) if parts.scheme == "file" else ()
 
 log = logging.getLogger("fedagent.service")
 
@@ -120,7 +127,7 @@ class TrainerService:
         self.cfg, self.run_id, self.lane = cfg, run_id, lane
         self.run_dir = Path(run_dir) if run_dir is not None else cfg.resolved_run_dir()
         # where request paths may point: the run dir, and the node's cache of fetched/staged weights
-        self.roots = (self.run_dir, Path(cfg.run.weight_cache_dir).expanduser())
+        self.roots = (self.run_dir, Path(cfg.run.weight_cache_dir).expanduser(), *shared_store_root(cfg))
         self.lock = threading.Lock()
         self.last_request = time.monotonic()
         self.fits = 0
@@ -174,8 +181,10 @@ class TrainerService:
             except PathEscapeError:
                 continue
         raise PathEscapeError(f"{what} {path!r} lies outside the run dir {self.roots[0]} and the node's weight "
-                              f"cache {self.roots[1]} (run.weight_cache_dir); the trainer service reads and writes "
-                              "weights only there (a symlink out of them is refused too)")
+                              f"cache {self.roots[1]} (run.weight_cache_dir)"
+                              + (f" and the shared weight store {self.roots[2]}" if len(self.roots) > 2 else "")
+                              + "; the trainer service reads and writes weights only there (a symlink out of them "
+                              "is refused too)")
 
     def _check_members(self, dirs: dict[str, str]) -> None:
         """A request must name exactly the members the trainer holds: a PPO fit without its critic

@@ -22,6 +22,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from omegaconf import OmegaConf
@@ -321,6 +322,39 @@ class RunCfg(_Strict):
     service_idle_timeout_s: float = Field(900.0, gt=0, description="A trainer service with no request for this long exits.")
     weight_cache_dir: str = Field(default_factory=default_weight_cache,
                                   description="Node-local root for weights a node fetched from or stages for a remote weight store (no shared disk); the trainer service reads and writes weights only inside the run dir and this root. Node-local: resolved on each node (default `$FEDAGENT_CACHE_DIR/weights`, else ~/.cache/fedagent-flower/weights) and not part of the recipe digest.")
+    weight_store: str = Field("", description="How weights above `inline_max_mb` travel (docs/weight-store.md): `''` = through the run dir, which every node must see at the same path (simulation, a shared disk); `http` = the built-in store the ServerApp serves over its run dir (no shared disk: nodes fetch and upload shards over HTTP(S) with a per-run token); `file:///abs/path` = a disk every machine mounts; `s3://bucket/prefix` (or another fsspec URL) = your object store, credentials and endpoint from the environment (`AWS_*`), never from the config.")
+    weight_store_host: str = Field("127.0.0.1", description="`weight_store: http`: the address the store binds (loopback unless configured; `0.0.0.0` serves other machines and then needs `weight_store_url`).")
+    weight_store_port: int = Field(0, ge=0, le=65535, description="`weight_store: http`: its port; 0 = a free port of the private band (a fixed one must lie outside the ephemeral range).")
+    weight_store_url: str = Field("", description="`weight_store: http`: the URL nodes reach the store at (e.g. `https://10.0.0.1:9400`), when it differs from the bound address; its host is advertised, the port is the bound one.")
+    weight_store_certfile: str = Field("", description="`weight_store: http`: TLS certificate (PEM) of the store; with `weight_store_keyfile` the store serves HTTPS (use the SuperLink's when it runs TLS).")
+    weight_store_keyfile: str = Field("", description="`weight_store: http`: the TLS certificate's private key (PEM).")
+    weight_store_ca_file: str = Field("", description="The CA file (PEM) nodes verify the store's certificate with, when the system does not trust it. Node-local (not part of the recipe digest).")
+    weight_store_parallel: int = Field(4, ge=1, le=64, description="Shards in flight per transfer to or from a remote weight store.")
+
+    @model_validator(mode="after")
+    def _weight_store(self) -> RunCfg:
+        """Refuse, before anything starts, a weight store nobody could open."""
+        spec, scheme = self.weight_store.strip(), urlsplit(self.weight_store.strip()).scheme
+        if spec not in ("", "http") and not scheme:
+            raise ValueError(f"run.weight_store={spec!r} is none of '' (the run dir), 'http' (the built-in store) "
+                             "or a URL such as file:///shared/dir or s3://bucket/prefix")
+        if scheme in ("http", "https"):
+            raise ValueError(f"run.weight_store={spec!r}: the built-in store is `http` (the ServerApp serves it and "
+                             "tells the nodes its URL and token); set run.weight_store_url for the address nodes use")
+        if scheme == "file" and not urlsplit(spec).path.startswith("/"):
+            raise ValueError(f"run.weight_store={spec!r}: a shared disk is file:///absolute/path")
+        served = ("weight_store_url", "weight_store_certfile", "weight_store_keyfile")
+        if spec != "http" and any(getattr(self, k) for k in served):
+            raise ValueError(f"run.{'/'.join(served)} configure the built-in store: set run.weight_store=http, "
+                             "or drop them")
+        if bool(self.weight_store_certfile) != bool(self.weight_store_keyfile):
+            raise ValueError("run.weight_store_certfile and run.weight_store_keyfile go together (TLS needs both)")
+        if self.weight_store_host in ("0.0.0.0", "::") and not self.weight_store_url:
+            raise ValueError(f"run.weight_store_host={self.weight_store_host} listens on every interface: set "
+                             "run.weight_store_url to the address nodes reach it at")
+        if self.weight_store_url and urlsplit(self.weight_store_url).scheme not in ("http", "https"):
+            raise ValueError(f"run.weight_store_url={self.weight_store_url!r} must be an http(s):// URL")
+        return self
 
     @field_validator("run_dir")
     @classmethod
@@ -466,7 +500,7 @@ class Config(_Strict):
 
 
 # Keys resolved on each node (paths on that machine), left out of `recipe_sha256`.
-NODE_LOCAL_KEYS = ("model.tiny.cache_dir", "run.weight_cache_dir")
+NODE_LOCAL_KEYS = ("model.tiny.cache_dir", "run.weight_cache_dir", "run.weight_store_ca_file")
 
 
 def recipe_sha256(cfg: Config) -> str:

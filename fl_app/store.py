@@ -87,7 +87,9 @@ class WeightStore(ABC):
         """Make the complete weights dir `local_dir` (written by fl_app.weights) the entry `key`.
         Nothing moves when `local_dir` already is the key's dir; otherwise it is copied or
         uploaded, and the entry appears only once all of it is there and verified. Publishing the
-        same bytes again is a no-op; different bytes under an existing key are an error."""
+        same bytes again is a no-op; different bytes under an existing key are an error. The
+        manifest returned has the entry's dir as `root` for a store on this machine, None for a
+        remote one (the sender may then drop `local_dir`)."""
 
 
 class DirStore(WeightStore):

@@ -10,6 +10,7 @@ environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws), never from the run co
 """
 from __future__ import annotations
 
+import dataclasses
 import concurrent.futures
 import functools
 import uuid
@@ -159,7 +160,7 @@ class FsspecWeightStore(RemoteStore):
         if (text := self._manifest_or_none(key)) is not None:
             existing = Manifest.from_json(text)
             if existing.sha256 == local.sha256:
-                return local
+                return dataclasses.replace(local, root=None)   # the entry is not on this machine
             raise WeightsError(f"{self.url}/{key} already holds other weights (manifest sha256 "
                                f"{existing.sha256[:12]}... != {local.sha256[:12]}...); entries are immutable: "
                                "publish under a new key")
@@ -182,4 +183,4 @@ class FsspecWeightStore(RemoteStore):
         with self._errors(f"publishing {key!r}"):
             self.fs.pipe_file(tmp, local.to_json().encode())
             self.fs.mv(tmp, self._path(key, MANIFEST_NAME))
-        return local
+        return dataclasses.replace(local, root=None)   # the entry is not on this machine

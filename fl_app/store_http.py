@@ -9,6 +9,7 @@ loop in a worker thread, so it works the same from plain code and from inside a 
 """
 from __future__ import annotations
 
+import dataclasses
 import asyncio
 import concurrent.futures
 import os
@@ -258,7 +259,7 @@ class HttpWeightStore(RemoteStore):
                     raise WeightsError(f"the weight store published {key!r} with manifest sha256 "
                                        f"{done['manifest_sha256'][:12]}..., not the uploaded {local.sha256[:12]}...")
         _run(go())
-        return local
+        return dataclasses.replace(local, root=None)   # the entry is not on this machine
 
     async def _put_shard(self, s: aiohttp.ClientSession, uid: str, local_dir: Path, index: int,
                          manifest: Manifest, what: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
+import re
 import shutil
 import tempfile
 from abc import abstractmethod
@@ -87,6 +88,9 @@ class CacheSlot:
         return install_entry(self.partial, self.manifest, self.entry, durable=False)
 
 
+_DIGEST = re.compile(r"[0-9a-f]{64}")    # a cache entry's name: its manifest's sha256
+
+
 def cached(cache_dir: Path, manifest_sha256: str) -> Manifest | None:
     """The complete cache entry for a digest, or None."""
     entry = Path(cache_dir) / manifest_sha256
@@ -133,6 +137,7 @@ class RemoteStore(WeightStore):
     def fetch(self, key: str, expected_manifest_sha256: str, cache_dir: Path) -> Manifest:
         check_key(key)
         if hit := cached(cache_dir, check_digest(expected_manifest_sha256)):
+            os.utime(Path(cache_dir) / hit.sha256)          # recently used: kept by prune_cache
             return hit
         manifest = check_pinned(key, self.manifest(key), expected_manifest_sha256)
         with _locked(cache_dir, manifest.sha256):
@@ -154,6 +159,29 @@ class RemoteStore(WeightStore):
         with tempfile.TemporaryDirectory(prefix="fa-put-") as tmp:
             save_shards(state, Path(tmp) / "w", self.max_shard_bytes)
             return dataclasses.replace(self.publish(Path(tmp) / "w", key), root=None)
+
+
+def prune_cache(cache_dir: Path, keep: int) -> list[str]:
+    """Drop all but the `keep` most recently fetched or used entries of a node's cache (a 70-round
+    run of a 6 GB model must not keep 70 global models on every node); an entry another process
+    is fetching right now (its lock held) is skipped. Returns the digests dropped."""
+    root = Path(cache_dir)
+    if not root.is_dir():
+        return []
+    entries = sorted((p for p in root.iterdir() if p.is_dir() and _DIGEST.fullmatch(p.name)),
+                     key=lambda p: p.stat().st_mtime, reverse=True)
+    dropped = []
+    for entry in entries[keep:]:
+        with open(root / f"{entry.name}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            shutil.rmtree(entry, ignore_errors=True)
+            shutil.rmtree(root / f"{entry.name}.partial", ignore_errors=True)
+        (root / f"{entry.name}.lock").unlink(missing_ok=True)
+        dropped.append(entry.name)
+    return dropped
 
 
 def drop_cached(cache_dir: Path, manifest_sha256: str) -> None:

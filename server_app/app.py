@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
@@ -38,7 +39,10 @@ from fl_app.aggregate import NonFiniteWeightsError
 from fl_app.config import Config, load_config, recipe_sha256, save_config
 from fl_app.plots import plot_validation
 from fl_app.rundir import RunDir
+from envs.ports import bind_listener
 from fl_app.store import DirStore, WeightStore
+from fl_app.store_open import open_store
+from fl_app.store_server import WeightStoreServer, new_token
 from fl_app.transport import WeightsRef, receive_weights, send_members, write_disk_probe
 from fl_app.weights import Manifest, WeightsError, save_shards
 from partitions.report import write_partition_report
@@ -89,24 +93,57 @@ def _wait_for_nodes(grid: Grid) -> list[int]:
 class Weights:
     """The run's weight store and the rule for how weights travel (inline when small).
 
-    The server's own copy of every entry is its run dir (a DirStore); `store` is what nodes
-    reach: the same DirStore on a shared disk. (Seam for the remote weight channel: open the
-    configured store here, e.g. an HTTP store served from this process over the run dir.)
+    The server's own copy of every entry is its run dir. `store` is where nodes put and get what
+    does not travel inline (`run.weight_store`, docs/weight-store.md): the run dir itself on a
+    shared disk (''), the run dir served over HTTP(S) from this process ('http': nodes get its
+    URL and a per-run token in every message), or a disk or object store everybody reaches
+    (file://, s3://: the global model is published there before a message names it). `close()`
+    stops the served store; the run calls it on every path.
     """
 
     def __init__(self, rd: RunDir, cfg: Config) -> None:
         self.rd = rd
-        self.shard_bytes = int(cfg.run.shard_max_mb * 2**20)
-        self.inline_bytes = int(cfg.run.inline_max_mb * 2**20)
-        self.store: WeightStore = DirStore(rd.path, self.shard_bytes)
+        r = cfg.run
+        self.shard_bytes = int(r.shard_max_mb * 2**20)
+        self.inline_bytes = int(r.inline_max_mb * 2**20)
         self.cache_dir = rd.path / "scratch" / "fetched"
+        self.server: WeightStoreServer | None = None
+        spec = r.weight_store.strip()
+        self.node_store: dict[str, str] = {"weight-store": spec, "weight-store-token": ""}
+        if spec in ("", "http"):
+            self.store: WeightStore = DirStore(rd.path, self.shard_bytes)
+        else:
+            self.store = open_store(spec, run_dir=rd.path, max_shard_bytes=self.shard_bytes,
+                                    parallel=r.weight_store_parallel, node="server")
+        if spec == "http":
+            token = new_token()
+            advertise = urlsplit(r.weight_store_url).hostname if r.weight_store_url else None
+            sock = bind_listener(r.weight_store_host, r.weight_store_port or None)
+            self.server = WeightStoreServer(rd.path, token, sock, certfile=r.weight_store_certfile or None,
+                                            keyfile=r.weight_store_keyfile or None, advertise_host=advertise).start()
+            self.node_store = {"weight-store": self.server.url, "weight-store-token": token}
+            log(f"weight store: serving {rd.path} at {self.server.url} (nodes fetch and upload shards there)")
+
+    @property
+    def remote(self) -> bool:
+        """True when the nodes' store is not the server's run dir (entries must be published)."""
+        return not isinstance(self.store, DirStore) or Path(self.store.root).resolve() != self.rd.path.resolve()
 
     def payload(self, r: int, members: tuple[str, ...]) -> tuple[dict[str, ArrayRecord], dict[str, Any]]:
         """What a message carries to name the global `members` of round r: per member its
         ArrayRecord (RecordDict key `arrays_key(member)`) and its WeightsRef config entries."""
         keys = {m: self.rd.store_key(self.rd.member_dir(r, m)) for m in members}
+        if self.remote:
+            for m, key in keys.items():
+                if Manifest.from_dir(self.rd.member_dir(r, m)).tensor_bytes > self.inline_bytes:
+                    self.store.publish(self.rd.member_dir(r, m), key)    # a no-op once there
         arrays, config, _refs = send_members(self.store, keys, self.inline_bytes)
         return {k: ArrayRecord(v) for k, v in arrays.items()}, config
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
 
 
 class Nodes:
@@ -134,14 +171,19 @@ class Run:
     def __init__(self, grid: Grid, context: Context, cfg: Config, rd: RunDir) -> None:
         self.grid, self.context, self.cfg, self.rd = grid, context, cfg, rd
         self.w = Weights(rd, cfg)
-        self.nodes = Nodes()
-        self.sampler = ClientSampler(seed=cfg.run.seed, num_clients=cfg.federation.clients,
-                                     per_round=cfg.federation.clients_per_round,
-                                     only_clients=cfg.federation.only_clients)
-        self.aggregator = StreamingAggregator(cfg.federation.strategy, cfg.federation.proximal_mu,
-                                              self.w.shard_bytes)
-        self.token = write_disk_probe(rd.path)
-        self.common = {"run-dir": str(rd.path), "run-dir-token": self.token, "recipe-sha256": recipe_sha256(cfg)}
+        try:
+            self.nodes = Nodes()
+            self.sampler = ClientSampler(seed=cfg.run.seed, num_clients=cfg.federation.clients,
+                                         per_round=cfg.federation.clients_per_round,
+                                         only_clients=cfg.federation.only_clients)
+            self.aggregator = StreamingAggregator(cfg.federation.strategy, cfg.federation.proximal_mu,
+                                                  self.w.shard_bytes)
+            self.token = write_disk_probe(rd.path)
+        except BaseException:
+            self.w.close()
+            raise
+        self.common = {"run-dir": str(rd.path), "run-dir-token": self.token, "recipe-sha256": recipe_sha256(cfg),
+                       **self.w.node_store}
 
     def message(self, node: int, mtype: str, arrays: dict[str, ArrayRecord], config: dict[str, Any]) -> Message:
         ttl = self.cfg.federation.client_timeout_s + 60.0
@@ -206,6 +248,8 @@ def main(grid: Grid, context: Context) -> None:
             f"{fed.strategy}, {len(nodes)} node(s); run dir {rd.path}")
         critic = _rounds(run, start)
     except BaseException as e:
+        if run is not None:
+            run.w.close()
         # A run that dies mid-loop labels no final round (invariant 6); resume picks up from disk.
         error_log = _write_error_log(rd, e)
         services = _shutdown_lanes(run) if run else []
@@ -213,6 +257,7 @@ def main(grid: Grid, context: Context) -> None:
                           "error_log": str(error_log), "wall_s": time.perf_counter() - t_run,
                           "nodes": _node_table(run), "services": services})
         raise
+    run.w.close()
     services = _shutdown_lanes(run)
     rd.write_summary({"status": "complete", **base, "final_round": fed.rounds, "wall_s": time.perf_counter() - t_run,
                       "nodes": _node_table(run), "services": services, "partition": partition,

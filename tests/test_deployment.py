@@ -104,8 +104,6 @@ def test_store_path_without_a_shared_disk_fails_naming_the_missing_disk(tmp_path
 
 @pytest.mark.slow
 @needs_netns
-@pytest.mark.xfail(strict=True, reason="needs the channel branch (run.weight_store=http, WeightStore.fetch/publish "
-                                       "over HTTP): flip at merge")
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls+auth"])
 def test_store_path_through_the_weight_channel_without_a_shared_disk(tmp_path, tls):
     """Issue 14's must-show: separate network + mount namespaces, a model above the inline limit,

@@ -286,3 +286,24 @@ def test_delete_over_http_and_short_tokens_are_refused(served, run_dir):
     with pytest.raises(WeightsError, match="token must have"):
         WeightStoreServer(run_dir, "short", served.sock)
     shutil.rmtree(run_dir / "scratch")
+
+
+def test_prune_cache_keeps_the_newest_entries_and_skips_one_being_fetched(tmp_path):
+    """A node's cache of fetched global models stays bounded (a 70-round run of a large model must
+    not keep every round), and never removes an entry whose fetch is in progress (lock held)."""
+    import fcntl
+    import os
+
+    from fl_app.store_remote import prune_cache
+
+    names = [f"{i:064x}" for i in range(5)]
+    for age, name in enumerate(names):                     # names[0] newest ... names[-1] oldest
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+        os.utime(tmp_path / name, (1000 - age, 1000 - age))
+    (tmp_path / "work").mkdir()                            # not an entry: never touched
+    with open(tmp_path / f"{names[4]}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        dropped = prune_cache(tmp_path, keep=2)
+    assert sorted(dropped) == sorted(names[2:4])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == sorted([names[0], names[1], names[4], "work"])
