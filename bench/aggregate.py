@@ -22,6 +22,7 @@ on a shared machine). Peak RSS = high-water RSS above the RSS at the start of th
 input and output byte once on all cores, or to write the global durably, whichever is longer:
 no verified, durable aggregation can beat it on this machine. Linux only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,8 +84,10 @@ def model_shapes(size_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, HIDDEN))]
     left, layer = numel - vocab * HIDDEN, 0
     while left >= 4 * HIDDEN * HIDDEN + HIDDEN:
-        shapes += [(f"model.layers.{layer}.mlp.up_proj.weight", (4 * HIDDEN, HIDDEN)),
-                   (f"model.layers.{layer}.input_layernorm.weight", (HIDDEN,))]
+        shapes += [
+            (f"model.layers.{layer}.mlp.up_proj.weight", (4 * HIDDEN, HIDDEN)),
+            (f"model.layers.{layer}.input_layernorm.weight", (HIDDEN,)),
+        ]
         left -= 4 * HIDDEN * HIDDEN + HIDDEN
         layer += 1
     if left > 0:
@@ -114,8 +117,11 @@ def best_of(repeat: int, fn: Callable[[], object], setup: Callable[[], object] =
         setup()
         with PeakRSS() as p:
             fn()
-        best = {"seconds": min(best["seconds"], p.seconds), "cpu_seconds": min(best["cpu_seconds"], p.cpu_seconds),
-                "peak_bytes": max(best["peak_bytes"], p.peak_bytes)}
+        best = {
+            "seconds": min(best["seconds"], p.seconds),
+            "cpu_seconds": min(best["cpu_seconds"], p.cpu_seconds),
+            "peak_bytes": max(best["peak_bytes"], p.peak_bytes),
+        }
     return best
 
 
@@ -144,8 +150,7 @@ def child_ours(a: argparse.Namespace) -> dict:
         if a.cold:
             evict([m.shard_path(i) for m, _ in inputs for i in range(len(m.shards))])
 
-    m = best_of(a.repeat, lambda: fedavg_manifests(inputs, out, int(a.shard_mb * 2**20), verify=not a.no_verify),
-                setup)
+    m = best_of(a.repeat, lambda: fedavg_manifests(inputs, out, int(a.shard_mb * 2**20), verify=not a.no_verify), setup)
     label = "baseline" if a.baseline else "ours"
     label += f" ({'cold' if a.cold else 'warm'} cache" + (", inputs not verified)" if a.no_verify else ")")
     return {"name": label, "bytes": sum(m.tensor_bytes for m, _ in inputs), **m}
@@ -180,10 +185,16 @@ def child_limits(a: argparse.Namespace) -> dict:
 
     disk_s = best_of(a.repeat, write_and_fsync, setup=lambda: scratch.unlink(missing_ok=True))["seconds"]
     scratch.unlink()
-    return {"name": "axpy in RAM (same arithmetic, no IO)", "bytes": a.clients * size, **m,
-            "inputs_held_bytes": held.peak_bytes, "memcpy_gbps": size / copy_s / 1e9,
-            "blake3_gbps": size / blake_s / 1e9, "sha256_gbps": size / sha_s / 1e9,
-            "disk_write_gbps": size / disk_s / 1e9}
+    return {
+        "name": "axpy in RAM (same arithmetic, no IO)",
+        "bytes": a.clients * size,
+        **m,
+        "inputs_held_bytes": held.peak_bytes,
+        "memcpy_gbps": size / copy_s / 1e9,
+        "blake3_gbps": size / blake_s / 1e9,
+        "sha256_gbps": size / sha_s / 1e9,
+        "disk_write_gbps": size / disk_s / 1e9,
+    }
 
 
 def child_flower(a: argparse.Namespace) -> dict:
@@ -207,18 +218,25 @@ def child_flower(a: argparse.Namespace) -> dict:
     ours = dict(flower)
     runs: list[tuple[dict[str, float], Callable[[], object], Callable[[], object]]] = [
         (flower, lambda: result.append(aggregate_arrayrecords(records, "num-examples")), result.clear),
-        (ours, lambda: fedavg_manifests(inputs, out, int(a.shard_mb * 2**20)), lambda: shutil.rmtree(out, True))]
+        (ours, lambda: fedavg_manifests(inputs, out, int(a.shard_mb * 2**20)), lambda: shutil.rmtree(out, True)),
+    ]
     for _ in range(a.repeat):  # interleaved with ours, so slow drifts of the machine's load hit both alike
         for best, fn, setup in runs:
             best.update({k: (max if k == "peak_bytes" else min)(best[k], v) for k, v in best_of(1, fn, setup).items()})
-    row: dict = {"name": "flower aggregate_arrayrecords (all in RAM)", "bytes": nbytes, **flower,
-                 "inputs_held_bytes": held.peak_bytes, "ours_interleaved": ours,
-                 "ours_interleaved_bytes": sum(m.tensor_bytes for m, _ in inputs)}
+    row: dict = {
+        "name": "flower aggregate_arrayrecords (all in RAM)",
+        "bytes": nbytes,
+        **flower,
+        "inputs_held_bytes": held.peak_bytes,
+        "ours_interleaved": ours,
+        "ours_interleaved_bytes": sum(m.tensor_bytes for m, _ in inputs),
+    }
     if full:  # the two aggregations must agree (within fp32 rounding)
         del records
         avg = load_shards(out)
-        row["max_abs_diff_vs_ours"] = max(float((avg[k] - torch.from_numpy(v.numpy())).abs().max())
-                                          for k, v in result[0].items())
+        row["max_abs_diff_vs_ours"] = max(
+            float((avg[k] - torch.from_numpy(v.numpy())).abs().max()) for k, v in result[0].items()
+        )
     return row
 
 
@@ -227,9 +245,25 @@ CHILDREN = {"write": child_write, "ours": child_ours, "limits": child_limits, "f
 
 # ---- driver --------------------------------------------------------------------------------
 def run_child(a: argparse.Namespace, which: str, *extra: str, src: str | None = None, work: str | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--child", which, "--work", work or a.work, "--clients", str(a.clients),
-           "--size-gb", str(a.size_gb), "--shard-mb", str(a.shard_mb), "--flower-size-gb",
-           str(a.flower_size_gb), "--repeat", str(a.repeat), *extra]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        which,
+        "--work",
+        work or a.work,
+        "--clients",
+        str(a.clients),
+        "--size-gb",
+        str(a.size_gb),
+        "--shard-mb",
+        str(a.shard_mb),
+        "--flower-size-gb",
+        str(a.flower_size_gb),
+        "--repeat",
+        str(a.repeat),
+        *extra,
+    ]
     env = dict(os.environ)
     if src:  # the baseline's fl_app first on the path
         cmd.append("--baseline")
@@ -245,19 +279,28 @@ def bench_n(a: argparse.Namespace) -> dict:
     a.flower_size_gb = min(a.size_gb, a.flower_max_gb / (a.clients + 2))
     a.work = tempfile.mkdtemp(prefix="bench-aggregate-", dir=a.tmp_dir)
     try:
-        rows = {"write": run_child(a, "write"), "limits": run_child(a, "limits"), "ours": run_child(a, "ours"),
-                "cold": run_child(a, "ours", "--cold"), "noverify": run_child(a, "ours", "--no-verify"),
-                "flower": run_child(a, "flower")}
+        rows = {
+            "write": run_child(a, "write"),
+            "limits": run_child(a, "limits"),
+            "ours": run_child(a, "ours"),
+            "cold": run_child(a, "ours", "--cold"),
+            "noverify": run_child(a, "ours", "--no-verify"),
+            "flower": run_child(a, "flower"),
+        }
         if a.baseline_src:  # one run per child, alternating with ours, best of --repeat each
             base_work = os.path.join(a.work, "baseline")
             os.mkdir(base_work)
             run_child(a, "write", src=a.baseline_src, work=base_work)
             single = argparse.Namespace(**{**vars(a), "repeat": 1})
-            pairs = [(run_child(single, "ours", src=a.baseline_src, work=base_work), run_child(single, "ours"))
-                     for _ in range(a.repeat)]
+            pairs = [
+                (run_child(single, "ours", src=a.baseline_src, work=base_work), run_child(single, "ours"))
+                for _ in range(a.repeat)
+            ]
             rows["baseline"] = min((b for b, _ in pairs), key=lambda r: r["seconds"])
-            rows["ours_vs_baseline"] = {**min((o for _, o in pairs), key=lambda r: r["seconds"]),
-                                        "name": "ours (warm, alternating with the baseline)"}
+            rows["ours_vs_baseline"] = {
+                **min((o for _, o in pairs), key=lambda r: r["seconds"]),
+                "name": "ours (warm, alternating with the baseline)",
+            }
     finally:
         shutil.rmtree(a.work, ignore_errors=True)
     return rows
@@ -265,33 +308,57 @@ def bench_n(a: argparse.Namespace) -> dict:
 
 def report(a: argparse.Namespace, n: int, rows: dict) -> dict:
     lim, ours, flower = rows["limits"], rows["ours"], rows["flower"]
-    rows["ours_vs_flower"] = {"name": "ours (warm, interleaved with flower)", "bytes": flower["ours_interleaved_bytes"],
-                              **flower["ours_interleaved"], "peak_bytes": None}
+    rows["ours_vs_flower"] = {
+        "name": "ours (warm, interleaved with flower)",
+        "bytes": flower["ours_interleaved_bytes"],
+        **flower["ours_interleaved"],
+        "peak_bytes": None,
+    }
     gbps = {k: r["bytes"] / r["seconds"] / 1e9 for k, r in rows.items()}
     size = a.size_gb * 1e9
     hash_floor = (n + 1) * size / (os.cpu_count() * lim["blake3_gbps"] * 1e9)
     disk_floor = size / (lim["disk_write_gbps"] * 1e9)
     floor_gbps = n * size / max(hash_floor, disk_floor) / 1e9
-    print(f"\n## N = {n} clients x {a.size_gb} GB" + (f" (flower on {a.flower_size_gb:.2f} GB per client: "
-          f"--flower-max-gb {a.flower_max_gb})" if a.flower_size_gb != a.size_gb else ""))
+    print(
+        f"\n## N = {n} clients x {a.size_gb} GB"
+        + (
+            f" (flower on {a.flower_size_gb:.2f} GB per client: --flower-max-gb {a.flower_max_gb})"
+            if a.flower_size_gb != a.size_gb
+            else ""
+        )
+    )
     print(f"{'method':52s} {'GB in':>6s} {'s':>7s} {'GB/s':>6s} {'x ours':>7s} {'CPU s/GB':>9s} {'peak RSS':>9s}")
     for k, r in rows.items():
         peak = f"{r['peak_bytes'] / 2**20:7.0f}Mi" if r.get("peak_bytes") is not None else "-"
         cpu = f"{r['cpu_seconds'] / (r['bytes'] / 1e9):9.2f}" if "cpu_seconds" in r else "        -"
-        print(f"{r['name']:52s} {r['bytes'] / 1e9:6.2f} {r['seconds']:7.2f} {gbps[k]:6.2f} "
-              f"{gbps[k] / gbps['ours']:7.2f} {cpu} {peak:>9s}")
-    print(f"one model: memcpy {lim['memcpy_gbps']:.2f} GB/s, BLAKE3 {lim['blake3_gbps']:.2f} GB/s and sha256 "
-          f"{lim['sha256_gbps']:.2f} GB/s on one core, write + fsync {lim['disk_write_gbps']:.2f} GB/s; integrity floor "
-          f"(hash {n + 1} models on {os.cpu_count()} cores, or write 1 durably) {floor_gbps:.2f} GB/s of input")
-    print(f"inputs held in RAM: axpy {lim['inputs_held_bytes'] / 2**20:.0f} MiB, flower (as ArrayRecords) "
-          f"{flower['inputs_held_bytes'] / 2**20:.0f} MiB" + (f"; max |ours - flower| {flower['max_abs_diff_vs_ours']:.3g}"
-                                                                if "max_abs_diff_vs_ours" in flower else ""))
-    return {"n": n, "ours": gbps["ours"], "flower": gbps["flower"], "memcpy": lim["memcpy_gbps"], "floor": floor_gbps,
-            "vs_flower": gbps["ours_vs_flower"] / gbps["flower"],
-            "cpu_vs_flower": flower["cpu_seconds"] / flower["bytes"] / (rows["ours_vs_flower"]["cpu_seconds"]
-                                                                          / rows["ours_vs_flower"]["bytes"]),
-            "vs_baseline": gbps["ours_vs_baseline"] / gbps["baseline"] if "baseline" in gbps else None,
-            "ours_peak": ours["peak_bytes"], "flower_peak": flower["peak_bytes"] + flower["inputs_held_bytes"]}
+        print(
+            f"{r['name']:52s} {r['bytes'] / 1e9:6.2f} {r['seconds']:7.2f} {gbps[k]:6.2f} "
+            f"{gbps[k] / gbps['ours']:7.2f} {cpu} {peak:>9s}"
+        )
+    print(
+        f"one model: memcpy {lim['memcpy_gbps']:.2f} GB/s, BLAKE3 {lim['blake3_gbps']:.2f} GB/s and sha256 "
+        f"{lim['sha256_gbps']:.2f} GB/s on one core, write + fsync {lim['disk_write_gbps']:.2f} GB/s; integrity floor "
+        f"(hash {n + 1} models on {os.cpu_count()} cores, or write 1 durably) {floor_gbps:.2f} GB/s of input"
+    )
+    print(
+        f"inputs held in RAM: axpy {lim['inputs_held_bytes'] / 2**20:.0f} MiB, flower (as ArrayRecords) "
+        f"{flower['inputs_held_bytes'] / 2**20:.0f} MiB"
+        + (f"; max |ours - flower| {flower['max_abs_diff_vs_ours']:.3g}" if "max_abs_diff_vs_ours" in flower else "")
+    )
+    return {
+        "n": n,
+        "ours": gbps["ours"],
+        "flower": gbps["flower"],
+        "memcpy": lim["memcpy_gbps"],
+        "floor": floor_gbps,
+        "vs_flower": gbps["ours_vs_flower"] / gbps["flower"],
+        "cpu_vs_flower": flower["cpu_seconds"]
+        / flower["bytes"]
+        / (rows["ours_vs_flower"]["cpu_seconds"] / rows["ours_vs_flower"]["bytes"]),
+        "vs_baseline": gbps["ours_vs_baseline"] / gbps["baseline"] if "baseline" in gbps else None,
+        "ours_peak": ours["peak_bytes"],
+        "flower_peak": flower["peak_bytes"] + flower["inputs_held_bytes"],
+    }
 
 
 def main() -> None:
@@ -299,12 +366,19 @@ def main() -> None:
     ap.add_argument("--clients", default="2", help="client counts to bench, comma-separated (e.g. 2,4,8)")
     ap.add_argument("--size-gb", type=float, default=1.0, help="fp32 model size per client (1 GB = 1e9 bytes)")
     ap.add_argument("--shard-mb", type=float, default=512.0, help="max shard size (MiB), as run.shard_max_mb")
-    ap.add_argument("--flower-max-gb", type=float, default=10.0,
-                    help="memory budget for the Flower run; it uses a smaller model if (N+2) x size exceeds it")
+    ap.add_argument(
+        "--flower-max-gb",
+        type=float,
+        default=10.0,
+        help="memory budget for the Flower run; it uses a smaller model if (N+2) x size exceeds it",
+    )
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; the fastest is reported")
     ap.add_argument("--tmp-dir", default=None, help="where the client shards go (default: system temp)")
-    ap.add_argument("--baseline-src", default=None,
-                    help="a source tree whose fl_app to bench side by side (e.g. `git worktree add /tmp/v1 <commit>`)")
+    ap.add_argument(
+        "--baseline-src",
+        default=None,
+        help="a source tree whose fl_app to bench side by side (e.g. `git worktree add /tmp/v1 <commit>`)",
+    )
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--flower-size-gb", type=float, help=argparse.SUPPRESS)
@@ -319,26 +393,36 @@ def main() -> None:
 
     counts = [int(c) for c in a.clients.split(",")]
     load_before = os.getloadavg()[0]
-    print(f"# python bench/aggregate.py --clients {a.clients} --size-gb {a.size_gb} --shard-mb {a.shard_mb} "
-          f"--repeat {a.repeat}" + (f" --baseline-src {a.baseline_src}" if a.baseline_src else ""))
-    print(f"# shards <= {a.shard_mb} MiB, torch {torch.__version__}, {os.cpu_count()} CPUs, best of {a.repeat} runs "
-          "per row (save_shards: one run); other work on the machine slows every row alike")
+    print(
+        f"# python bench/aggregate.py --clients {a.clients} --size-gb {a.size_gb} --shard-mb {a.shard_mb} "
+        f"--repeat {a.repeat}" + (f" --baseline-src {a.baseline_src}" if a.baseline_src else "")
+    )
+    print(
+        f"# shards <= {a.shard_mb} MiB, torch {torch.__version__}, {os.cpu_count()} CPUs, best of {a.repeat} runs "
+        "per row (save_shards: one run); other work on the machine slows every row alike"
+    )
     summary = []
     for n in counts:
         a.clients = n
         summary.append(report(a, n, bench_n(a)))
     print(f"\n## Summary (load average {load_before:.1f} -> {os.getloadavg()[0]:.1f})")
-    print(f"{'N':>3s} {'ours GB/s':>10s} {'flower':>7s} {'ours/flower':>12s} {'CPU flower/ours':>16s} "
-          f"{'ours/memcpy':>12s} {'ours/floor':>11s} {'peak RSS ours / flower':>24s}"
-          + (f" {'ours/baseline':>14s}" if a.baseline_src else ""))
+    print(
+        f"{'N':>3s} {'ours GB/s':>10s} {'flower':>7s} {'ours/flower':>12s} {'CPU flower/ours':>16s} "
+        f"{'ours/memcpy':>12s} {'ours/floor':>11s} {'peak RSS ours / flower':>24s}"
+        + (f" {'ours/baseline':>14s}" if a.baseline_src else "")
+    )
     for s in summary:
-        print(f"{s['n']:3d} {s['ours']:10.2f} {s['flower']:7.2f} {s['vs_flower']:12.2f} {s['cpu_vs_flower']:16.2f} "
-              f"{s['ours'] / s['memcpy']:12.1%} {s['ours'] / s['floor']:11.1%} "
-              f"{s['ours_peak'] / 2**20:9.0f} / {s['flower_peak'] / 2**20:6.0f} MiB"
-              + (f" {s['vs_baseline']:14.2f}" if s["vs_baseline"] else ""))
-    print("ours/flower and ours/baseline compare runs interleaved in time (best of each); CPU flower/ours is CPU "
-          "seconds per input GB (all threads), the work each does whatever the load; the other columns use the "
-          "'ours (warm cache)' row")
+        print(
+            f"{s['n']:3d} {s['ours']:10.2f} {s['flower']:7.2f} {s['vs_flower']:12.2f} {s['cpu_vs_flower']:16.2f} "
+            f"{s['ours'] / s['memcpy']:12.1%} {s['ours'] / s['floor']:11.1%} "
+            f"{s['ours_peak'] / 2**20:9.0f} / {s['flower_peak'] / 2**20:6.0f} MiB"
+            + (f" {s['vs_baseline']:14.2f}" if s["vs_baseline"] else "")
+        )
+    print(
+        "ours/flower and ours/baseline compare runs interleaved in time (best of each); CPU flower/ours is CPU "
+        "seconds per input GB (all threads), the work each does whatever the load; the other columns use the "
+        "'ours (warm cache)' row"
+    )
 
 
 if __name__ == "__main__":

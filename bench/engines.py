@@ -26,6 +26,7 @@ Arms (`--arms`, comma-separated; all by default):
 Qwen2.5-0.5B-shaped one (`--make-qwen05b DIR`). A random policy never ends a turn early, so
 every turn generates the whole budget: the rollout arms measure the engines, not the policy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,14 @@ def peak_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
 
 
 def bench_config(args: argparse.Namespace, engine: str, backend: str = "builtin") -> Config:
-    overrides = [f"model.path={args.model}", f"run.device={args.device}", f"backend={backend}",
-                 f"env.max_turns={args.turns}", f"rollout.engine={engine}", *args.overrides]
+    overrides = [
+        f"model.path={args.model}",
+        f"run.device={args.device}",
+        f"backend={backend}",
+        f"env.max_turns={args.turns}",
+        f"rollout.engine={engine}",
+        *args.overrides,
+    ]
     if engine == "vllm":
         overrides.append(f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}")
     return load_config(args.recipe, dotlist=overrides)
@@ -93,12 +100,23 @@ def rollout_arm(cfg: Config, url: str, args: argparse.Namespace, device: torch.d
     wall = time.perf_counter() - t0
     rows = training_rows(episodes, cfg.rollout.invalid_action_penalty)
     prompt = statistics.mean(len(t.prompt_ids) for e in episodes for t in e.turns)
-    return trainer, {
-        "episodes": len(episodes), "turns": stats.steps, "tokens": stats.tokens, "wall_s": round(wall, 3),
-        "generate_s": round(stats.generate_s, 3), "env_s": round(stats.env_s, 3), "weight_sync_s": round(sync_s, 3),
-        "tokens_per_s": round(stats.tokens / wall, 1),
-        "generate_tokens_per_s": round(stats.tokens / max(stats.generate_s, 1e-9), 1),
-        "mean_prompt_tokens": round(prompt, 1), "rows": len(rows)}, [episodes, rows]
+    return (
+        trainer,
+        {
+            "episodes": len(episodes),
+            "turns": stats.steps,
+            "tokens": stats.tokens,
+            "wall_s": round(wall, 3),
+            "generate_s": round(stats.generate_s, 3),
+            "env_s": round(stats.env_s, 3),
+            "weight_sync_s": round(sync_s, 3),
+            "tokens_per_s": round(stats.tokens / wall, 1),
+            "generate_tokens_per_s": round(stats.tokens / max(stats.generate_s, 1e-9), 1),
+            "mean_prompt_tokens": round(prompt, 1),
+            "rows": len(rows),
+        },
+        [episodes, rows],
+    )
 
 
 def vllm_fixed_shape(trainer: RLTrainer, episodes: int, prompt_tokens: int, new_tokens: int) -> dict:
@@ -112,8 +130,9 @@ def vllm_fixed_shape(trainer: RLTrainer, episodes: int, prompt_tokens: int, new_
     gen = trainer.rollouts.generator
     rng = random.Random(0)
     vocab = len(trainer.engine.tokenizer)
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(vocab) for _ in range(prompt_tokens)])
-               for _ in range(episodes)]
+    prompts = [
+        TokensPrompt(prompt_token_ids=[rng.randrange(vocab) for _ in range(prompt_tokens)]) for _ in range(episodes)
+    ]
     params = SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True, detokenize=False)
     gen.load_weights(trainer.engine.policy_tensors())
     try:
@@ -125,8 +144,13 @@ def vllm_fixed_shape(trainer: RLTrainer, episodes: int, prompt_tokens: int, new_
     finally:
         gen.sleep()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"batch": episodes, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "seconds": round(dt, 3),
-            "tokens_per_s": round(tokens / dt, 1)}
+    return {
+        "batch": episodes,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "seconds": round(dt, 3),
+        "tokens_per_s": round(tokens / dt, 1),
+    }
 
 
 def update_arm(trainer: RLTrainer, episodes: list, rows: list, device: torch.device, peak: float) -> dict:
@@ -153,13 +177,21 @@ def update_arm(trainer: RLTrainer, episodes: list, rows: list, device: torch.dev
     finally:
         e.end_fit()
         trainer.load_weights(start)
-    t_steps = max(t_pass - t_score, 1e-9)      # the pass recomputes the log-probs first
-    return {"rows": len(rows), "tokens": tokens, "params_m": round(params / 1e6, 1),
-            "optimizer_steps": metrics["optimizer_steps"], "pass_s": round(t_pass, 3), "score_s": round(t_score, 3),
-            "steps_s": round(t_steps, 3), "train_tokens_per_s": round(tokens / t_steps, 1),
-            "mfu_steps": round(6 * params * tokens / t_steps / (peak * 1e12), 4),
-            "mfu_pass": round((6 + 2 * (1 + (trainer.policy_loss.kl_coef > 0))) * params * tokens / t_pass
-                              / (peak * 1e12), 4)}
+    t_steps = max(t_pass - t_score, 1e-9)  # the pass recomputes the log-probs first
+    return {
+        "rows": len(rows),
+        "tokens": tokens,
+        "params_m": round(params / 1e6, 1),
+        "optimizer_steps": metrics["optimizer_steps"],
+        "pass_s": round(t_pass, 3),
+        "score_s": round(t_score, 3),
+        "steps_s": round(t_steps, 3),
+        "train_tokens_per_s": round(tokens / t_steps, 1),
+        "mfu_steps": round(6 * params * tokens / t_steps / (peak * 1e12), 4),
+        "mfu_pass": round(
+            (6 + 2 * (1 + (trainer.policy_loss.kl_coef > 0))) * params * tokens / t_pass / (peak * 1e12), 4
+        ),
+    }
 
 
 def io_arm(trainer: RLTrainer, tmp: Path) -> dict:
@@ -193,10 +225,17 @@ def io_arm(trainer: RLTrainer, tmp: Path) -> dict:
             pass
     t_raw_read = time.perf_counter() - t0
     mb = nbytes / 2**20
-    return {"model_mb": round(mb, 1), "load_weights_mb_s": round(mb / t_load), "export_weights_mb_s": round(mb / t_export),
-            "save_shards_mb_s": round(mb / t_save), "load_shards_mb_s": round(mb / t_read),
-            "raw_write_fsync_mb_s": round(mb / t_raw_write), "raw_read_mb_s": round(mb / t_raw_read),
-            "save_vs_raw_write": round(t_raw_write / t_save, 2), "load_vs_raw_read": round(t_raw_read / t_read, 2)}
+    return {
+        "model_mb": round(mb, 1),
+        "load_weights_mb_s": round(mb / t_load),
+        "export_weights_mb_s": round(mb / t_export),
+        "save_shards_mb_s": round(mb / t_save),
+        "load_shards_mb_s": round(mb / t_read),
+        "raw_write_fsync_mb_s": round(mb / t_raw_write),
+        "raw_read_mb_s": round(mb / t_raw_read),
+        "save_vs_raw_write": round(t_raw_write / t_save, 2),
+        "load_vs_raw_read": round(t_raw_read / t_read, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,8 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=15)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     ap.add_argument("--update-rows", type=int, default=320, help="rows the update arms train on (the rollout's first)")
-    ap.add_argument("--verl-variant", default="actor_rollout_ref.actor.use_torch_compile=False",
-                    help="verl overrides (comma-separated Hydra a.b=c) for the arm's second verl engine")
+    ap.add_argument(
+        "--verl-variant",
+        default="actor_rollout_ref.actor.use_torch_compile=False",
+        help="verl overrides (comma-separated Hydra a.b=c) for the arm's second verl engine",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("overrides", nargs="*", help="recipe overrides, a.b=c")
     args = ap.parse_args(argv)
@@ -229,15 +271,22 @@ def main(argv: list[str] | None = None) -> int:
         args.model = qwen05b_dir(args.make_qwen05b, tok, device)
     if args.model is None:
         ap.error("--model or --make-qwen05b is required")
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                              "torch": torch.__version__, "model": str(args.model), "episodes": args.episodes,
-                              "turns": args.turns, "overrides": args.overrides}
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": str(args.model),
+        "episodes": args.episodes,
+        "turns": args.turns,
+        "overrides": args.overrides,
+    }
     peak = peak_tflops(device) if arms & {"peak", "update", "verl"} else 0.0
     report["peak_tflops"] = round(peak, 1)
     print(json.dumps({"peak_tflops": report["peak_tflops"]}), flush=True)
     base = bench_config(args, "hf")
-    with serve_in_subprocess(base.env.name, max(base.env.pool_size, args.episodes), base.env.params) as url, \
-            tempfile.TemporaryDirectory() as tmp:
+    with (
+        serve_in_subprocess(base.env.name, max(base.env.pool_size, args.episodes), base.env.params) as url,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
         rollout_data = None
         if "hf" in arms:
             trainer, report["hf"], rollout_data = rollout_arm(base, url, args, device)
@@ -249,17 +298,21 @@ def main(argv: list[str] | None = None) -> int:
         update_trainer = None
         if "vllm" in arms:
             update_trainer, report["vllm"], rollout_data = rollout_arm(bench_config(args, "vllm"), url, args, device)
-            report["vllm_fixed_shape"] = vllm_fixed_shape(update_trainer, args.episodes,
-                                                          int(report["vllm"]["mean_prompt_tokens"]),
-                                                          update_trainer.cfg.rollout.max_response_tokens)
-            report["vllm_vs_fixed_shape"] = round(report["vllm"]["tokens_per_s"]
-                                                  / report["vllm_fixed_shape"]["tokens_per_s"], 3)
+            report["vllm_fixed_shape"] = vllm_fixed_shape(
+                update_trainer,
+                args.episodes,
+                int(report["vllm"]["mean_prompt_tokens"]),
+                update_trainer.cfg.rollout.max_response_tokens,
+            )
+            report["vllm_vs_fixed_shape"] = round(
+                report["vllm"]["tokens_per_s"] / report["vllm_fixed_shape"]["tokens_per_s"], 3
+            )
             print(json.dumps({k: report[k] for k in ("vllm", "vllm_fixed_shape", "vllm_vs_fixed_shape")}), flush=True)
         if arms & {"update", "verl"}:
             if rollout_data is None:
                 ap.error("the update arms train on a rollout's rows: add hf or vllm to --arms")
             episodes, rows = rollout_data
-            rows = rows[:args.update_rows]
+            rows = rows[: args.update_rows]
             if update_trainer is None:
                 update_trainer = RLTrainer(base, make_engine(base, args.model), args.model, None)
             if "update" in arms:
@@ -274,17 +327,24 @@ def main(argv: list[str] | None = None) -> int:
                 for label, extra in (("update_verl", []), ("update_verl_variant", args.verl_variant.split(","))):
                     verl_config.recipe_overrides = lambda *a, extra=extra: compose(*a) + extra
                     cfg = bench_config(args, "vllm" if device.type == "cuda" else "hf", backend="verl")
-                    engine = make_engine(cfg, args.model, Path(tmp) / label)      # no rollout engine: one vLLM per process
-                    verl = SimpleNamespace(engine=engine, cfg=cfg, policy_loss=loss_specs(cfg)[0], close=engine.close,
-                                           export_weights=engine.export_weights, load_weights=engine.load_weights)
+                    engine = make_engine(cfg, args.model, Path(tmp) / label)  # no rollout engine: one vLLM per process
+                    verl = SimpleNamespace(
+                        engine=engine,
+                        cfg=cfg,
+                        policy_loss=loss_specs(cfg)[0],
+                        close=engine.close,
+                        export_weights=engine.export_weights,
+                        load_weights=engine.load_weights,
+                    )
                     verl.load_weights(start)
                     report[label] = {"overrides": extra, **update_arm(verl, episodes, rows, device, peak)}
                     verl.close()
                     print(json.dumps({label: report[label]}), flush=True)
                 verl_config.recipe_overrides = compose
                 if "update" in arms:
-                    report["verl_over_builtin_pass_s"] = round(report["update_verl"]["pass_s"]
-                                                               / report["update_builtin"]["pass_s"], 2)
+                    report["verl_over_builtin_pass_s"] = round(
+                        report["update_verl"]["pass_s"] / report["update_builtin"]["pass_s"], 2
+                    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

@@ -31,6 +31,7 @@ This process's engines and trajectories are frozen out of the cyclic garbage col
 before measuring (as the service freezes its pool), so a client's collections cost what they
 would in a process without 512 engines in it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,20 +75,27 @@ class Setup:
     """Per-engine defaults: what a row plays and how long it is measured."""
 
     params: dict
-    tasks: int                 # tasks played (validation tasks come first)
+    tasks: int  # tasks played (validation tasks come first)
     sessions: tuple[int, ...]
-    duration_s: float          # per service row
-    baseline_s: float          # in-process, before each round
-    offload: bool              # the service's recommended mode for this engine (docs/env-service.md)
+    duration_s: float  # per service row
+    baseline_s: float  # in-process, before each round
+    offload: bool  # the service's recommended mode for this engine (docs/env-service.md)
 
 
 SETUPS = {
-    "shop": Setup({"num_products": 300, "num_goals": 1000, "val_size": 64, "seed": 0},
-                  tasks=200, sessions=(64, 256, 512), duration_s=3.0, baseline_s=1.0, offload=False),
+    "shop": Setup(
+        {"num_products": 300, "num_goals": 1000, "val_size": 64, "seed": 0},
+        tasks=200,
+        sessions=(64, 256, 512),
+        duration_s=3.0,
+        baseline_s=1.0,
+        offload=False,
+    ),
     # ALFWorld: a step ~10 ms, a warm reset ~0.15 s of CPU; the default generated game set
     # (generated on first use, docs/alfworld.md), its 24 validation games.
-    "alfworld": Setup({"data_dir": "generated"}, tasks=24, sessions=(64,), duration_s=20.0,
-                      baseline_s=10.0, offload=True),
+    "alfworld": Setup(
+        {"data_dir": "generated"}, tasks=24, sessions=(64,), duration_s=20.0, baseline_s=10.0, offload=True
+    ),
 }
 
 
@@ -111,6 +119,7 @@ def pct(xs: list[float], q: float) -> float:
 
 # -------------------------------------------------------------------------- in-process
 
+
 def in_process(envs: list[Env], trajs: list[list[str]], duration: float) -> dict:
     """`len(envs)` sessions played in this process, one turn at a time across all of them."""
     task = [i % len(trajs) for i in range(len(envs))]
@@ -129,8 +138,12 @@ def in_process(envs: list[Env], trajs: list[list[str]], duration: float) -> dict
                 task[i], pos[i], nxt = nxt % len(trajs), 0, nxt + 1
                 env.reset(task[i])
     el, cpu = time.perf_counter() - start, time.process_time() - cpu0
-    return {"steps_per_s": steps / el, "p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99),
-            "cpu_us_per_step": cpu / steps * 1e6}
+    return {
+        "steps_per_s": steps / el,
+        "p50_ms": pct(lat, 0.5),
+        "p99_ms": pct(lat, 0.99),
+        "cpu_us_per_step": cpu / steps * 1e6,
+    }
 
 
 async def inline_vs_threadpool(env: Env, trajs: list[list[str]], n: int = 3000) -> dict:
@@ -154,6 +167,7 @@ async def inline_vs_threadpool(env: Env, trajs: list[list[str]], n: int = 3000) 
 
 # ------------------------------------------------------------------------------ via HTTP
 
+
 class CPU:
     """CPU seconds of the service process and of this process over a measured window."""
 
@@ -168,12 +182,15 @@ class CPU:
         self.used = [sum(p.cpu_times()[:2]) - t for p, t in zip(self.procs, self.t0)]
 
     def per_step(self, steps: int) -> dict:
-        return {"server_cpu_us_per_step": self.used[0] / steps * 1e6,
-                "client_cpu_us_per_step": self.used[1] / steps * 1e6}
+        return {
+            "server_cpu_us_per_step": self.used[0] / steps * 1e6,
+            "client_cpu_us_per_step": self.used[1] / steps * 1e6,
+        }
 
 
-async def per_session(c: Any, pid: int, trajs: list[list[str]], sessions: int,
-                      duration: float, think_s: float = 0.0) -> dict:
+async def per_session(
+    c: Any, pid: int, trajs: list[list[str]], sessions: int, duration: float, think_s: float = 0.0
+) -> dict:
     """Each session: reset, replay its trajectory step by step (+ optional think time)."""
     lat: list[float] = []
     steps = 0
@@ -202,12 +219,10 @@ async def per_session(c: Any, pid: int, trajs: list[list[str]], sessions: int,
         await asyncio.gather(*[run(i, s, start + duration) for i, s in enumerate(ids)])
         el = time.perf_counter() - start
     await c.close_many(ids)
-    return {"steps_per_s": steps / el, "p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99),
-            **cpu.per_step(steps)}
+    return {"steps_per_s": steps / el, "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), **cpu.per_step(steps)}
 
 
-async def batched(c: Any, pid: int, trajs: list[list[str]], sessions: int,
-                  duration: float) -> dict:
+async def batched(c: Any, pid: int, trajs: list[list[str]], sessions: int, duration: float) -> dict:
     """A rollout loop: one /step_batch per turn for all sessions; finished ones are reset
     together in one /reset_batch before the next turn."""
     lat: list[float] = []
@@ -236,11 +251,17 @@ async def batched(c: Any, pid: int, trajs: list[list[str]], sessions: int,
                 await c.reset_batch(finished)
         el = time.perf_counter() - start
     await c.close_many(ids)
-    return {"steps_per_s": steps / el, "p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99),
-            "serial": True, **cpu.per_step(steps)}
+    return {
+        "steps_per_s": steps / el,
+        "p50_ms": pct(lat, 0.5),
+        "p99_ms": pct(lat, 0.99),
+        "serial": True,
+        **cpu.per_step(steps),
+    }
 
 
 # ---------------------------------------------------------------------------- the baseline
+
 
 @dataclasses.dataclass
 class Target:
@@ -260,11 +281,14 @@ def baseline_code(ref: str, into: Path) -> ModuleType:
     (pkg / "__init__.py").write_text("")
     for name in ("service.py", "client.py"):
         try:
-            code = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:envs/{name}"],
-                                  check=True, capture_output=True).stdout
+            code = subprocess.run(
+                ["git", "-C", str(ROOT), "show", f"{ref}:envs/{name}"], check=True, capture_output=True
+            ).stdout
         except (OSError, subprocess.CalledProcessError) as e:
-            raise SystemExit(f"cannot read envs/{name} at {ref!r} from git ({e}); pass "
-                             f"--baseline-ref with a commit of this repository, or --no-baseline")
+            raise SystemExit(
+                f"cannot read envs/{name} at {ref!r} from git ({e}); pass "
+                f"--baseline-ref with a commit of this repository, or --no-baseline"
+            ) from e
         (pkg / name).write_bytes(code)
     spec = importlib.util.spec_from_file_location("envsvc_baseline.client", pkg / "client.py")
     module = importlib.util.module_from_spec(spec)
@@ -273,24 +297,37 @@ def baseline_code(ref: str, into: Path) -> ModuleType:
 
 
 @contextmanager
-def baseline_service(into: Path, env: str, pool: int, params: dict, offload: bool,
-                     timeout_s: float = 600.0) -> Iterator[str]:
+def baseline_service(
+    into: Path, env: str, pool: int, params: dict, offload: bool, timeout_s: float = 600.0
+) -> Iterator[str]:
     """The baseline service (`python -m envsvc_baseline.service`) for the `with` block; its URL.
     Stopped by PID on every path; it also exits by itself if this process dies."""
-    cmd = [sys.executable, "-m", "envsvc_baseline.service", "--env", env, "--pool-size", str(pool),
-           "--params", json.dumps(params), "--parent-pid", str(os.getpid())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "envsvc_baseline.service",
+        "--env",
+        env,
+        "--pool-size",
+        str(pool),
+        "--params",
+        json.dumps(params),
+        "--parent-pid",
+        str(os.getpid()),
+    ]
     if offload:
         cmd.append("--offload")
     path = os.pathsep.join([str(into), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": path})
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": path}
+    )
     url: list[str] = []
     ready = threading.Event()
 
     def drain() -> None:
         for line in proc.stdout:
             if line.startswith(READY_PREFIX) and not url:
-                url.append(json.loads(line[len(READY_PREFIX):])["url"])
+                url.append(json.loads(line[len(READY_PREFIX) :])["url"])
                 ready.set()
         ready.set()
 
@@ -317,18 +354,19 @@ async def _pid(client: Callable[..., Any], url: str) -> int:
 
 # ---------------------------------------------------------------------------------- main
 
+
 def cpu_note(r: dict) -> str:
     if "server_cpu_us_per_step" not in r:
         return ""
     return f"cpu/step service {r['server_cpu_us_per_step']:4.0f} + client {r['client_cpu_us_per_step']:4.0f} us"
 
 
-async def measure_rows(args: argparse.Namespace, setup: Setup, targets: list[Target],
-                       envs: list[Env], trajs: list[list[str]]) -> dict:
+async def measure_rows(
+    args: argparse.Namespace, setup: Setup, targets: list[Target], envs: list[Env], trajs: list[list[str]]
+) -> dict:
     """Every (mode, sessions) row: `args.rounds` rounds of in-process + each target."""
     res: dict = {}
-    clients = {t.name: t.client(t.url, max_connections=max(args.sessions) + 8, timeout_s=600)
-               for t in targets}
+    clients = {t.name: t.client(t.url, max_connections=max(args.sessions) + 8, timeout_s=600) for t in targets}
     try:
         for t in targets:
             c = clients[t.name]
@@ -342,23 +380,34 @@ async def measure_rows(args: argparse.Namespace, setup: Setup, targets: list[Tar
                 rounds = []
                 for r in range(args.rounds):
                     row = {"in_process": in_process(envs[:n], trajs, setup.baseline_s)}
-                    for t in (targets if r % 2 == 0 else targets[::-1]):
+                    for t in targets if r % 2 == 0 else targets[::-1]:
                         row[t.name] = await fn(clients[t.name], t.pid, trajs, n, args.duration)
                     rounds.append(row)
                 res[f"{mode}_{n}"] = summary = summarize(rounds, [t.name for t in targets])
-                print(f"{mode:<11} {n:4d}  " + "  |  ".join(
-                    f"{name} {s['steps_per_s']:7.0f}/s x{s['of_in_process']:.2f} p50 {s['p50_ms']:5.1f} "
-                    f"p99 {s['p99_ms']:6.1f} ms {cpu_note(s)}" for name, s in summary.items()
-                    if name != "ratios") + "  |  " + "  ".join(
-                    f"{k} x{v:.2f}" for k, v in summary["ratios"].items()), flush=True)
+                print(
+                    f"{mode:<11} {n:4d}  "
+                    + "  |  ".join(
+                        f"{name} {s['steps_per_s']:7.0f}/s x{s['of_in_process']:.2f} p50 {s['p50_ms']:5.1f} "
+                        f"p99 {s['p99_ms']:6.1f} ms {cpu_note(s)}"
+                        for name, s in summary.items()
+                        if name != "ratios"
+                    )
+                    + "  |  "
+                    + "  ".join(f"{k} x{v:.2f}" for k, v in summary["ratios"].items()),
+                    flush=True,
+                )
         if args.env == "shop" and "per_session" in args.modes:
             n, after = max(args.sessions), targets[-1]
-            out = await per_session(clients[after.name], after.pid, trajs, n, args.duration,
-                                    think_s=n / args.open_loop_rate)
+            out = await per_session(
+                clients[after.name], after.pid, trajs, n, args.duration, think_s=n / args.open_loop_rate
+            )
             res[f"open_loop_{n}"] = out
-            print(f"open loop, {after.name}, {n} sessions @ {args.open_loop_rate:.0f}/s offered: "
-                  f"{out['steps_per_s']:.0f}/s p50 {out['p50_ms']:.1f} p99 {out['p99_ms']:.1f} ms "
-                  f"{cpu_note(out)}", flush=True)
+            print(
+                f"open loop, {after.name}, {n} sessions @ {args.open_loop_rate:.0f}/s offered: "
+                f"{out['steps_per_s']:.0f}/s p50 {out['p50_ms']:.1f} p99 {out['p99_ms']:.1f} ms "
+                f"{cpu_note(out)}",
+                flush=True,
+            )
     finally:
         for c in clients.values():
             await c.aclose()
@@ -367,6 +416,7 @@ async def measure_rows(args: argparse.Namespace, setup: Setup, targets: list[Tar
 
 def summarize(rounds: list[dict], names: list[str]) -> dict:
     """Medians over rounds; each ratio is taken within its round first."""
+
     def med(key: str, name: str) -> float:
         return statistics.median(r[name][key] for r in rounds)
 
@@ -374,11 +424,15 @@ def summarize(rounds: list[dict], names: list[str]) -> dict:
     for name in ["in_process", *names]:
         out[name] = {k: med(k, name) for k in rounds[0][name] if k != "serial"}
         out[name]["of_in_process"] = statistics.median(
-            r[name]["steps_per_s"] / r["in_process"]["steps_per_s"] for r in rounds)
+            r[name]["steps_per_s"] / r["in_process"]["steps_per_s"] for r in rounds
+        )
         out[name]["per_round"] = [r[name]["steps_per_s"] for r in rounds]
     if len(names) == 2:
-        out["ratios"] = {f"{names[1]}/{names[0]}": statistics.median(
-            r[names[1]]["steps_per_s"] / r[names[0]]["steps_per_s"] for r in rounds)}
+        out["ratios"] = {
+            f"{names[1]}/{names[0]}": statistics.median(
+                r[names[1]]["steps_per_s"] / r[names[0]]["steps_per_s"] for r in rounds
+            )
+        }
     else:
         out["ratios"] = {}
     return out
@@ -387,20 +441,38 @@ def summarize(rounds: list[dict], names: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", choices=sorted(SETUPS), default="shop")
-    ap.add_argument("--sessions", default=None, type=lambda s: [int(x) for x in s.split(",")],
-                    help="session counts (default: shop 64,256,512; alfworld 64)")
+    ap.add_argument(
+        "--sessions",
+        default=None,
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="session counts (default: shop 64,256,512; alfworld 64)",
+    )
     ap.add_argument("--duration", type=float, default=None, help="seconds per service row")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per row (medians)")
-    ap.add_argument("--modes", default="batched,per_session",
-                    help="which rows, comma-separated: batched, per_session (default both)")
-    ap.add_argument("--baseline-ref", default=DEFAULT_BASELINE,
-                    help="git revision whose envs/service.py + envs/client.py are 'before'")
+    ap.add_argument(
+        "--modes",
+        default="batched,per_session",
+        help="which rows, comma-separated: batched, per_session (default both)",
+    )
+    ap.add_argument(
+        "--baseline-ref",
+        default=DEFAULT_BASELINE,
+        help="git revision whose envs/service.py + envs/client.py are 'before'",
+    )
     ap.add_argument("--no-baseline", action="store_true", help="measure this checkout only")
-    ap.add_argument("--engine-calls", choices=("inline", "offload"), default=None,
-                    help="where the services run engine calls (default: shop inline, alfworld "
-                         "offload, as docs/env-service.md recommends)")
-    ap.add_argument("--params", type=json.loads, default={},
-                    help="engine parameters over the defaults, e.g. '{\"cache_dir\": \"/x\"}'")
+    ap.add_argument(
+        "--engine-calls",
+        choices=("inline", "offload"),
+        default=None,
+        help="where the services run engine calls (default: shop inline, alfworld "
+        "offload, as docs/env-service.md recommends)",
+    )
+    ap.add_argument(
+        "--params",
+        type=json.loads,
+        default={},
+        help='engine parameters over the defaults, e.g. \'{"cache_dir": "/x"}\'',
+    )
     ap.add_argument("--open-loop-rate", type=float, default=3000.0)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
@@ -424,28 +496,31 @@ def main() -> None:
     # more per request; the env service freezes its own engines the same way).
     gc.collect()
     gc.freeze()
-    print(f"{platform.node()}: {psutil.cpu_count()} cores, load avg "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {args.env}, {len(trajs)} tasks, "
-          f"{sum(map(len, trajs)) / len(trajs):.2f} steps/episode; engine calls "
-          f"{'offloaded' if offload else 'inline'}; before = "
-          f"{'none' if args.no_baseline else args.baseline_ref}", flush=True)
-    res: dict = {"baseline_ref": None if args.no_baseline else args.baseline_ref,
-                 "load_avg_before": os.getloadavg()}
+    print(
+        f"{platform.node()}: {psutil.cpu_count()} cores, load avg "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {args.env}, {len(trajs)} tasks, "
+        f"{sum(map(len, trajs)) / len(trajs):.2f} steps/episode; engine calls "
+        f"{'offloaded' if offload else 'inline'}; before = "
+        f"{'none' if args.no_baseline else args.baseline_ref}",
+        flush=True,
+    )
+    res: dict = {"baseline_ref": None if args.no_baseline else args.baseline_ref, "load_avg_before": os.getloadavg()}
     with ExitStack() as stack:
-        url = stack.enter_context(serve_in_subprocess(args.env, pool, params, offload=offload,
-                                                      startup_timeout_s=600))
+        url = stack.enter_context(serve_in_subprocess(args.env, pool, params, offload=offload, startup_timeout_s=600))
         targets = []
         if not args.no_baseline:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="envsvc-before-")))
             old = baseline_code(args.baseline_ref, tmp)
             old_url = stack.enter_context(baseline_service(tmp, args.env, pool, params, offload))
-            targets.append(Target("before", old_url, uvloop.run(_pid(old.EnvClient, old_url)),
-                                  old.EnvClient))
+            targets.append(Target("before", old_url, uvloop.run(_pid(old.EnvClient, old_url)), old.EnvClient))
         targets.append(Target("after", url, uvloop.run(_pid(EnvClient, url)), EnvClient))
         if args.env == "shop":
             res["engine_call"] = uvloop.run(inline_vs_threadpool(envs[0], trajs))
-            print(f"engine step inline {res['engine_call']['inline_us']:.0f} us vs through a "
-                  f"threadpool {res['engine_call']['threadpool_us']:.0f} us", flush=True)
+            print(
+                f"engine step inline {res['engine_call']['inline_us']:.0f} us vs through a "
+                f"threadpool {res['engine_call']['threadpool_us']:.0f} us",
+                flush=True,
+            )
         res.update(uvloop.run(measure_rows(args, setup, targets, envs, trajs)))
     res["load_avg_after"] = os.getloadavg()
     print(f"load avg after: {' '.join(f'{x:.2f}' for x in res['load_avg_after'])}")

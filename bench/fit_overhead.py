@@ -17,6 +17,7 @@ override says otherwise; trailing `a.b=c` arguments override it):
 The ratio printed last is the fresh process's start-up over the persistent trainer's mean
 per-fit overhead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,19 @@ def startup_only(overrides: list[str], device: str, env_url: str, weights: Path)
 
 
 def fresh_process_s(overrides: list[str], device: str, env_url: str, weights: Path) -> float:
-    cmd = [sys.executable, "-m", "bench.fit_overhead", "--startup-only", "--env-url", env_url,
-           "--weights", str(weights), "--device", device, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.fit_overhead",
+        "--startup-only",
+        "--env-url",
+        env_url,
+        "--weights",
+        str(weights),
+        "--device",
+        device,
+        *overrides,
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -75,24 +87,36 @@ def persistent_fits(cfg: Config, env_url: str, fits: int, weights: Path) -> tupl
         begin(reference_from_policy)
         resets.append(time.perf_counter() - t)
 
-    trainer.engine.begin_fit = timed_begin        # fit() resets the optimizers once per fit; time that call
+    trainer.engine.begin_fit = timed_begin  # fit() resets the optimizers once per fit; time that call
     val = int(cfg.env.params.get("val_size", 64))
     records = []
     try:
         global_w = load_shards(weights)
         for i in range(fits):
             start = val + i * TASKS_PER_CLIENT
-            req = FitRequest(round=i // 2 + 1, client_id=i, task_indices=list(range(start, start + TASKS_PER_CLIENT)),
-                             local_epochs=cfg.federation.local_epochs, seed=cfg.run.seed)
+            req = FitRequest(
+                round=i // 2 + 1,
+                client_id=i,
+                task_indices=list(range(start, start + TASKS_PER_CLIENT)),
+                local_epochs=cfg.federation.local_epochs,
+                seed=cfg.run.seed,
+            )
             t0 = time.perf_counter()
             trainer.load_weights(global_w)
             t1 = time.perf_counter()
             res = trainer.fit(req)
             t2 = time.perf_counter()
-            global_w = trainer.export_weights()          # the next client starts from this one's result
+            global_w = trainer.export_weights()  # the next client starts from this one's result
             t3 = time.perf_counter()
-            rec = {"fit": i, "load_s": t1 - t0, "reset_s": resets[-1], "train_s": t2 - t1 - resets[-1],
-                   "export_s": t3 - t2, "fit_total_s": t3 - t0, "episodes": float(res.num_examples)}
+            rec = {
+                "fit": i,
+                "load_s": t1 - t0,
+                "reset_s": resets[-1],
+                "train_s": t2 - t1 - resets[-1],
+                "export_s": t3 - t2,
+                "fit_total_s": t3 - t0,
+                "episodes": float(res.num_examples),
+            }
             rec["overhead_s"] = rec["load_s"] + rec["reset_s"] + rec["export_s"]
             rec["overhead_frac"] = rec["overhead_s"] / rec["fit_total_s"]
             records.append(rec)
@@ -118,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.fits < 1:
         ap.error("--fits must be >= 1")
     cfg = bench_config(args.overrides, args.device)
-    with serve_in_subprocess(cfg.env.name, cfg.env.pool_size, cfg.env.params) as url, \
-            tempfile.TemporaryDirectory() as tmp:
+    with (
+        serve_in_subprocess(cfg.env.name, cfg.env.pool_size, cfg.env.params) as url,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
         # the global weights both arms load: the recipe's initial model, as fp32 shards
         seed = make_trainer(cfg, None)
         try:
@@ -130,20 +156,32 @@ def main(argv: list[str] | None = None) -> int:
         fresh = fresh_process_s(args.overrides, args.device, url, weights)
         build_s, records = persistent_fits(cfg, url, args.fits, weights)
     steady = records[1:] or records
-    mean = {k: sum(r[k] for r in steady) / len(steady) for k in ("load_s", "reset_s", "export_s", "overhead_s",
-                                                               "fit_total_s", "overhead_frac")}
-    report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
-              "torch": torch.__version__, "overrides": args.overrides, "fits": records,
-              "persistent_build_s": round(build_s, 3), "fresh_process_startup_s": round(fresh, 3),
-              "mean_after_first_fit": {k: round(v, 5) for k, v in mean.items()},
-              "fresh_over_persistent_overhead": round(fresh / mean["overhead_s"], 1),
-              "fresh_startup_over_fit": round(fresh / mean["fit_total_s"], 3)}
-    print(f"persistent trainer, mean over fits 1..{len(records) - 1 or 1}: load {mean['load_s'] * 1e3:.1f} ms + "
-          f"optimizer reset {mean['reset_s'] * 1e3:.1f} ms + export {mean['export_s'] * 1e3:.1f} ms = "
-          f"{mean['overhead_s'] * 1e3:.1f} ms per fit, {100 * mean['overhead_frac']:.2f}% of a {mean['fit_total_s']:.1f} s fit")
-    print(f"fresh {cfg.backend} process per client: {fresh:.1f} s to start, build and load "
-          f"({100 * fresh / mean['fit_total_s']:.0f}% of the same fit) -> x{report['fresh_over_persistent_overhead']} "
-          f"the persistent trainer's per-fit overhead")
+    mean = {
+        k: sum(r[k] for r in steady) / len(steady)
+        for k in ("load_s", "reset_s", "export_s", "overhead_s", "fit_total_s", "overhead_frac")
+    }
+    report = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "overrides": args.overrides,
+        "fits": records,
+        "persistent_build_s": round(build_s, 3),
+        "fresh_process_startup_s": round(fresh, 3),
+        "mean_after_first_fit": {k: round(v, 5) for k, v in mean.items()},
+        "fresh_over_persistent_overhead": round(fresh / mean["overhead_s"], 1),
+        "fresh_startup_over_fit": round(fresh / mean["fit_total_s"], 3),
+    }
+    print(
+        f"persistent trainer, mean over fits 1..{len(records) - 1 or 1}: load {mean['load_s'] * 1e3:.1f} ms + "
+        f"optimizer reset {mean['reset_s'] * 1e3:.1f} ms + export {mean['export_s'] * 1e3:.1f} ms = "
+        f"{mean['overhead_s'] * 1e3:.1f} ms per fit, {100 * mean['overhead_frac']:.2f}% of a "
+        f"{mean['fit_total_s']:.1f} s fit"
+    )
+    print(
+        f"fresh {cfg.backend} process per client: {fresh:.1f} s to start, build and load "
+        f"({100 * fresh / mean['fit_total_s']:.0f}% of the same fit) -> x{report['fresh_over_persistent_overhead']} "
+        f"the persistent trainer's per-fit overhead"
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -14,6 +14,7 @@ token with the per-sequence arm).
 heads, 151,936-row tied embedding) and the tiny tokenizer: it never stops early, so every
 turn generates `--max-new-tokens` tokens; that measures the engine, not the policy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,18 @@ from envs.registry import system_prompt
 from envs.service import serve_in_subprocess
 from fl_app.config import load_config
 
-QWEN05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1_000_000.0,
-               rms_norm_eps=1e-6, max_position_embeddings=32768)
+QWEN05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32768,
+)
 
 
 def build_policy(size: str, model_dir: str, cfg, device: torch.device):
@@ -72,13 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = build_policy(args.size, args.model, cfg, device)
     amp = torch.bfloat16 if device.type == "cuda" else None
     new_tokens = args.max_new_tokens or cfg.rollout.max_response_tokens
-    settings = RolloutSettings(args.max_turns, cfg.rollout.history_length, cfg.rollout.max_prompt_tokens,
-                               system_prompt(cfg.env.name))
+    settings = RolloutSettings(
+        args.max_turns, cfg.rollout.history_length, cfg.rollout.max_prompt_tokens, system_prompt(cfg.env.name)
+    )
     val_size = int(cfg.env.params.get("val_size", 64))
     specs = group_specs([k % val_size for k in range(args.episodes)], 1)
-    arms = {"batched": BatchedGenerator(model, tok, new_tokens, amp),
-            "batched, length-grouped": BatchedGenerator(model, tok, new_tokens, amp, max_padding=0.25),
-            "per-sequence": BatchedGenerator(model, tok, new_tokens, amp, max_batch=1)}
+    arms = {
+        "batched": BatchedGenerator(model, tok, new_tokens, amp),
+        "batched, length-grouped": BatchedGenerator(model, tok, new_tokens, amp, max_padding=0.25),
+        "per-sequence": BatchedGenerator(model, tok, new_tokens, amp, max_batch=1),
+    }
     results, turns = {}, {}
     with serve_in_subprocess(cfg.env.name, args.episodes, cfg.env.params) as url, SyncEnvClient(url) as env:
         run_episodes(arms["batched"], env, specs[:2], settings, 0.0, 0, args.episodes, desc="warm-up")
@@ -89,22 +102,41 @@ def main(argv: list[str] | None = None) -> int:
             episodes, stats = run_episodes(gen, env, specs, settings, 0.0, 0, args.episodes, desc=name)
             wall = time.perf_counter() - t0
             turns[name] = [t.response_ids for e in episodes for t in e.turns]
-            results[name] = {"episodes": len(episodes), "steps": stats.steps, "tokens": stats.tokens,
-                             "generate_s": round(stats.generate_s, 3), "env_s": round(stats.env_s, 3),
-                             "wall_s": round(wall, 3), "tokens_per_s": round(stats.tokens / stats.generate_s, 1),
-                             "steps_per_s": round(stats.steps / wall, 2)}
+            results[name] = {
+                "episodes": len(episodes),
+                "steps": stats.steps,
+                "tokens": stats.tokens,
+                "generate_s": round(stats.generate_s, 3),
+                "env_s": round(stats.env_s, 3),
+                "wall_s": round(wall, 3),
+                "tokens_per_s": round(stats.tokens / stats.generate_s, 1),
+                "steps_per_s": round(stats.steps / wall, 2),
+            }
     b = turns["per-sequence"]
-    same = {name: f"{sum(x == y for x, y in zip(a, b))}/{max(len(a), len(b))}" for name, a in turns.items()
-            if name != "per-sequence"}
+    same = {
+        name: f"{sum(x == y for x, y in zip(a, b))}/{max(len(a), len(b))}"
+        for name, a in turns.items()
+        if name != "per-sequence"
+    }
     report = {
-        "size": args.size, "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(),
-        "threads": torch.get_num_threads(), "episodes": args.episodes, "max_turns": args.max_turns,
-        "max_new_tokens": new_tokens, "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
-        "python": platform.python_version(), "torch": torch.__version__, **{k: v for k, v in results.items()},
-        "ratios_vs_per_sequence": {name: {
-            "tokens_per_s": round(r["tokens_per_s"] / results["per-sequence"]["tokens_per_s"], 2),
-            "steps_per_s": round(r["steps_per_s"] / results["per-sequence"]["steps_per_s"], 2)}
-            for name, r in results.items() if name != "per-sequence"},
+        "size": args.size,
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(),
+        "threads": torch.get_num_threads(),
+        "episodes": args.episodes,
+        "max_turns": args.max_turns,
+        "max_new_tokens": new_tokens,
+        "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        **{k: v for k, v in results.items()},
+        "ratios_vs_per_sequence": {
+            name: {
+                "tokens_per_s": round(r["tokens_per_s"] / results["per-sequence"]["tokens_per_s"], 2),
+                "steps_per_s": round(r["steps_per_s"] / results["per-sequence"]["steps_per_s"], 2),
+            }
+            for name, r in results.items()
+            if name != "per-sequence"
+        },
         "identical_turns_vs_per_sequence": same,
     }
     print(json.dumps(report, indent=2))

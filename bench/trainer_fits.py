@@ -26,6 +26,7 @@ arguments override it.
 
     python -m bench.trainer_fits --recipe tiny-shop-grpo-verl-vllm --size qwen0.5b --fits 10 --device cuda
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,8 @@ import torch
 
 from bench.rollout import QWEN05B
 from client_app.tiny_model import build_tiny_model
-from client_app.trainer.base import FitRequest
 from client_app.trainer import make_trainer
+from client_app.trainer.base import FitRequest
 from client_app.trainer.device import resolve_device
 from envs.service import serve_in_subprocess
 from fl_app.config import Config, load_config
@@ -60,8 +61,9 @@ def qwen05b_dir(out: Path, tokenizer_dir: Path, device: torch.device) -> Path:
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if len(tok) > QWEN05B["vocab_size"]:
-        raise ValueError(f"the tokenizer in {tokenizer_dir} has {len(tok)} ids; the 0.5B embedding has "
-                         f"{QWEN05B['vocab_size']} rows")
+        raise ValueError(
+            f"the tokenizer in {tokenizer_dir} has {len(tok)} ids; the 0.5B embedding has {QWEN05B['vocab_size']} rows"
+        )
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(Qwen2Config(**QWEN05B, eos_token_id=eos, pad_token_id=pad, bos_token_id=None))
@@ -85,10 +87,12 @@ def _memory(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
-        out |= {"device_used_mb": (total - free) / MB,        # every process, non-PyTorch memory too
-                "allocated_mb": torch.cuda.memory_allocated() / MB,
-                "max_allocated_mb": torch.cuda.max_memory_allocated() / MB,
-                "reserved_mb": torch.cuda.memory_reserved() / MB}
+        out |= {
+            "device_used_mb": (total - free) / MB,  # every process, non-PyTorch memory too
+            "allocated_mb": torch.cuda.memory_allocated() / MB,
+            "max_allocated_mb": torch.cuda.max_memory_allocated() / MB,
+            "reserved_mb": torch.cuda.memory_reserved() / MB,
+        }
     return out
 
 
@@ -106,13 +110,18 @@ def run_fits(cfg: Config, fits: int, warmup: int) -> dict:
         try:
             global_w = trainer.export_weights()
             model_mb = sum(t.numel() * t.element_size() for t in global_w.values()) / MB
-            total = {k: torch.zeros_like(t) for k, t in global_w.items()}    # this round's running sum
+            total = {k: torch.zeros_like(t) for k, t in global_w.items()}  # this round's running sum
             in_round = 0
             for i in range(fits):
                 start = (i * TASKS_PER_CLIENT) % max(n_train - TASKS_PER_CLIENT, 1)
-                req = FitRequest(round=i // per_round + 1, client_id=i,
-                                 task_indices=[val + start + k for k in range(TASKS_PER_CLIENT)],
-                                 local_epochs=cfg.federation.local_epochs, seed=cfg.run.seed, proximal_mu=0.0)
+                req = FitRequest(
+                    round=i // per_round + 1,
+                    client_id=i,
+                    task_indices=[val + start + k for k in range(TASKS_PER_CLIENT)],
+                    local_epochs=cfg.federation.local_epochs,
+                    seed=cfg.run.seed,
+                    proximal_mu=0.0,
+                )
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
@@ -124,21 +133,37 @@ def run_fits(cfg: Config, fits: int, warmup: int) -> dict:
                 t3 = time.perf_counter()
                 for k, t in total.items():
                     t.add_(export[k])
-                del export                              # the phase point holds global + sum, every fit
+                del export  # the phase point holds global + sum, every fit
                 in_round += 1
                 m = res.metrics
-                records.append({
-                    "fit": i, "client": i, "round": req.round, "episodes": res.num_examples,
-                    "load_s": t1 - t0, "fit_s": t2 - t1, "export_s": t3 - t2,
-                    "rollout_s": m["rollout_s"], "rollout_generate_s": m["rollout_generate_s"],
-                    "rollout_env_s": m["rollout_env_s"], "rollout_sync_s": m.get("rollout_sync_s", 0.0),
-                    "update_s": m["update_s"],
-                    "rollout_tokens": m["rollout_tokens"], "rollout_steps": m["rollout_steps"],
-                    "tokens_per_s": m["tokens_per_s"], "rows": m["rows"], "optimizer_steps": m["optimizer_steps"],
-                    "train_success": m["train_success"], **_memory(device)})
-                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in records[-1].items()}),
-                      flush=True)
-                if in_round == per_round:           # FedAvg (equal weights) -> next round's global, in place
+                records.append(
+                    {
+                        "fit": i,
+                        "client": i,
+                        "round": req.round,
+                        "episodes": res.num_examples,
+                        "load_s": t1 - t0,
+                        "fit_s": t2 - t1,
+                        "export_s": t3 - t2,
+                        "rollout_s": m["rollout_s"],
+                        "rollout_generate_s": m["rollout_generate_s"],
+                        "rollout_env_s": m["rollout_env_s"],
+                        "rollout_sync_s": m.get("rollout_sync_s", 0.0),
+                        "update_s": m["update_s"],
+                        "rollout_tokens": m["rollout_tokens"],
+                        "rollout_steps": m["rollout_steps"],
+                        "tokens_per_s": m["tokens_per_s"],
+                        "rows": m["rows"],
+                        "optimizer_steps": m["optimizer_steps"],
+                        "train_success": m["train_success"],
+                        **_memory(device),
+                    }
+                )
+                print(
+                    json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in records[-1].items()}),
+                    flush=True,
+                )
+                if in_round == per_round:  # FedAvg (equal weights) -> next round's global, in place
                     for k, t in global_w.items():
                         torch.div(total[k], in_round, out=t)
                         total[k].zero_()
@@ -146,13 +171,22 @@ def run_fits(cfg: Config, fits: int, warmup: int) -> dict:
         finally:
             trainer.close()
     steady = records[warmup:]
-    growth = {key: _slope([r[key] for r in steady])
-              for key in ("allocated_mb", "max_allocated_mb", "reserved_mb", "device_used_mb", "rss_mb") if key in records[0]}
-    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "python": platform.python_version(),
-            "params_m": round(sum(t.numel() for t in global_w.values()) / 1e6, 1), "model_mb": round(model_mb, 1),
-            "trainer_build_s": round(build_s, 2), "fits": records, "warmup_fits": warmup,
-            "growth_mb_per_fit": {k: round(v, 3) for k, v in growth.items()}}
+    growth = {
+        key: _slope([r[key] for r in steady])
+        for key in ("allocated_mb", "max_allocated_mb", "reserved_mb", "device_used_mb", "rss_mb")
+        if key in records[0]
+    }
+    return {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "params_m": round(sum(t.numel() for t in global_w.values()) / 1e6, 1),
+        "model_mb": round(model_mb, 1),
+        "trainer_build_s": round(build_s, 2),
+        "fits": records,
+        "warmup_fits": warmup,
+        "growth_mb_per_fit": {k: round(v, 3) for k, v in growth.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,8 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipe", default="tiny-shop-grpo")
     ap.add_argument("--size", choices=("tiny", "qwen0.5b"), default="tiny")
     ap.add_argument("--model", default="", help="use this model directory as the policy (overrides --size)")
-    ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen05b-random",
-                    help="where --size qwen0.5b writes (or finds) its model directory")
+    ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "qwen05b-random",
+        help="where --size qwen0.5b writes (or finds) its model directory",
+    )
     ap.add_argument("--fits", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2, help="fits left out of the growth slope")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -174,21 +212,32 @@ def main(argv: list[str] | None = None) -> int:
     elif args.size == "qwen0.5b":
         tiny = build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout)
         cfg.model.path = str(qwen05b_dir(args.model_dir, tiny, resolve_device(args.device)))
-    report = {"recipe": args.recipe, "size": args.size, "model": cfg.model.path, "overrides": args.overrides,
-              **run_fits(cfg, args.fits, args.warmup)}
+    report = {
+        "recipe": args.recipe,
+        "size": args.size,
+        "model": cfg.model.path,
+        "overrides": args.overrides,
+        **run_fits(cfg, args.fits, args.warmup),
+    }
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     fits = report["fits"]
-    print(f"\n{report['device']}, {report['params_m']} M params, {len(fits)} fits, growth per fit after "
-          f"{args.warmup} warm-up fits: {report['growth_mb_per_fit']}")
-    print("| fit | load s | rollout s (sync / generate / env) | update s | export s | tokens/s | allocated MB | "
-          "max allocated MB | device used MB | RSS MB |")
+    print(
+        f"\n{report['device']}, {report['params_m']} M params, {len(fits)} fits, growth per fit after "
+        f"{args.warmup} warm-up fits: {report['growth_mb_per_fit']}"
+    )
+    print(
+        "| fit | load s | rollout s (sync / generate / env) | update s | export s | tokens/s | allocated MB | "
+        "max allocated MB | device used MB | RSS MB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in fits:
-        print(f"| {r['fit']} | {r['load_s']:.2f} | {r['rollout_s']:.1f} ({r['rollout_sync_s']:.1f} / "
-              f"{r['rollout_generate_s']:.1f} / {r['rollout_env_s']:.1f}) | {r['update_s']:.1f} | {r['export_s']:.2f} | "
-              f"{r['tokens_per_s']:.0f} | {r.get('allocated_mb', 0):.1f} | {r.get('max_allocated_mb', 0):.1f} | "
-              f"{r.get('device_used_mb', 0):.0f} | {r['rss_mb']:.0f} |")
+        print(
+            f"| {r['fit']} | {r['load_s']:.2f} | {r['rollout_s']:.1f} ({r['rollout_sync_s']:.1f} / "
+            f"{r['rollout_generate_s']:.1f} / {r['rollout_env_s']:.1f}) | {r['update_s']:.1f} | {r['export_s']:.2f} | "
+            f"{r['tokens_per_s']:.0f} | {r.get('allocated_mb', 0):.1f} | {r.get('max_allocated_mb', 0):.1f} | "
+            f"{r.get('device_used_mb', 0):.0f} | {r['rss_mb']:.0f} |"
+        )
     return 0
 
 

@@ -19,6 +19,7 @@ of the same bytes, and next to Flower's inline transport, all in one run.
 Legs run interleaved (raw down, store down, raw up, store up) so load swings on a shared
 machine hit both; every number printed is from this one run. Files are removed at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,7 +81,7 @@ def node_main() -> None:
     """A node: runs one JSON command per stdin line, answers with its wall-clock start and end."""
     from fl_app.store_http import HttpWeightStore
 
-    print(json.dumps({"ready": True}), flush=True)     # imports done: legs time transfers, not start-up
+    print(json.dumps({"ready": True}), flush=True)  # imports done: legs time transfers, not start-up
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
@@ -103,8 +104,13 @@ def node_main() -> None:
 
 class Node:
     def __init__(self, i: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--node"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--node"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         self.i = i
         assert self.reply()["ready"]
 
@@ -153,6 +159,7 @@ def _leg(nodes: list[Node], cmds: list[dict[str, Any]], local: list[threading.Th
 
 def raw_down(nodes: list[Node], src: Path, files: list[str], outs: list[Path]) -> float:
     from envs.ports import bind_listener
+
     lsock = bind_listener("127.0.0.1", None)
 
     def serve() -> None:
@@ -166,8 +173,11 @@ def raw_down(nodes: list[Node], src: Path, files: list[str], outs: list[Path]) -
             c.close()
 
     try:
-        dt, _ = _leg(nodes, [{"op": "raw-recv", "port": lsock.getsockname()[1], "dir": str(o), "files": files}
-                             for o in outs], [threading.Thread(target=serve)])
+        dt, _ = _leg(
+            nodes,
+            [{"op": "raw-recv", "port": lsock.getsockname()[1], "dir": str(o), "files": files} for o in outs],
+            [threading.Thread(target=serve)],
+        )
     finally:
         lsock.close()
     return dt
@@ -175,21 +185,26 @@ def raw_down(nodes: list[Node], src: Path, files: list[str], outs: list[Path]) -
 
 def raw_up(nodes: list[Node], srcs: list[Path], files: list[str], outs: list[Path]) -> float:
     from envs.ports import bind_listener
+
     lsock = bind_listener("127.0.0.1", None)
     port = lsock.getsockname()[1]
 
     def receive() -> None:
         conns = [lsock.accept()[0] for _ in nodes]
-        receivers = [threading.Thread(target=_recv_files, args=(c, out, files))
-                     for c, out in zip(conns, outs, strict=True)]
+        receivers = [
+            threading.Thread(target=_recv_files, args=(c, out, files)) for c, out in zip(conns, outs, strict=True)
+        ]
         for t in receivers:
             t.start()
         for t in receivers:
             t.join()
 
     try:
-        dt, _ = _leg(nodes, [{"op": "raw-send", "port": port, "dir": str(s), "files": files} for s in srcs],
-                     [threading.Thread(target=receive)])
+        dt, _ = _leg(
+            nodes,
+            [{"op": "raw-send", "port": port, "dir": str(s), "files": files} for s in srcs],
+            [threading.Thread(target=receive)],
+        )
     finally:
         lsock.close()
     return dt
@@ -201,6 +216,7 @@ def build_model(dest: Path, gb: float, shard_bytes: int) -> Any:
     import torch
 
     from fl_app.weights import ShardWriter
+
     total, tensor = int(gb * 1e9), 64 << 20
     writer = ShardWriter(dest, shard_bytes)
     g = torch.Generator().manual_seed(0)
@@ -211,7 +227,7 @@ def build_model(dest: Path, gb: float, shard_bytes: int) -> Any:
 
 # ---- Flower inline -----------------------------------------------------------------------
 _FLOWER_APP = {
-    "pyproject.toml": '''
+    "pyproject.toml": """
         [build-system]
         requires = ["hatchling"]
         build-backend = "hatchling.build"
@@ -229,8 +245,8 @@ _FLOWER_APP = {
         [tool.flwr.app.config]
         mb = 1
         out = ""
-        ''',
-    "fa_inline_bench/__init__.py": '''
+        """,
+    "fa_inline_bench/__init__.py": """
         import json, time
         import numpy as np
         from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
@@ -266,7 +282,7 @@ _FLOWER_APP = {
             w = msg.content["arrays"]["w"].numpy()
             back = w + np.float32(context.node_id % 997 + 1)    # a different result per node, like a fit
             return Message(RecordDict({"arrays": ArrayRecord({"w": Array(back)})}), reply_to=msg)
-        ''',
+        """,
 }
 
 
@@ -275,41 +291,86 @@ def flower_inline(work: Path, mb: int, timeout_s: float) -> dict[str, Any]:
     1 MB: the fixed cost, a ClientApp process per message); the seconds the ServerApp's
     send_and_receive took, or why it failed."""
     from envs.ports import choose_free_port
+
     app, home, out = work / "flower-app", work / "flower-home", work / "flower-result.json"
     for name, text in _FLOWER_APP.items():
         (app / name).parent.mkdir(parents=True, exist_ok=True)
         (app / name).write_text(textwrap.dedent(text).lstrip())
     home.mkdir(parents=True, exist_ok=True)
     link = choose_free_port()
-    (home / "config.toml").write_text(f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\n'
-                                      f'address = "127.0.0.1:{link}"\ninsecure = true\n')
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
+    )
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }
     bindir = Path(sys.executable).parent
     procs: list[subprocess.Popen] = []
     logs = [open(work / f"flower-{n}.log", "w") for n in ("superlink", "node0", "node1")]
     try:
-        procs.append(subprocess.Popen([str(bindir / "flower-superlink"), "--insecure", "--port", str(link),
-                                       "--disable-runtime-dependency-installation"], env=env, stdout=logs[0],
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    str(bindir / "flower-superlink"),
+                    "--insecure",
+                    "--port",
+                    str(link),
+                    "--disable-runtime-dependency-installation",
+                ],
+                env=env,
+                stdout=logs[0],
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
         time.sleep(3)
         for i in range(2):
-            procs.append(subprocess.Popen([str(bindir / "flower-supernode"), "--insecure", "--superlink",
-                                           f"127.0.0.1:{link}", "--port", str(choose_free_port())], env=env,
-                                          stdout=logs[1 + i], stderr=subprocess.STDOUT, start_new_session=True))
-        run = subprocess.run([str(bindir / "flwr"), "run", str(app), "bench", "--stream", "--run-config",
-                              f'mb={mb} out="{out}"'], env=env, cwd=app, capture_output=True, text=True,
-                             timeout=timeout_s)
+            procs.append(
+                subprocess.Popen(
+                    [
+                        str(bindir / "flower-supernode"),
+                        "--insecure",
+                        "--superlink",
+                        f"127.0.0.1:{link}",
+                        "--port",
+                        str(choose_free_port()),
+                    ],
+                    env=env,
+                    stdout=logs[1 + i],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        run = subprocess.run(
+            [str(bindir / "flwr"), "run", str(app), "bench", "--stream", "--run-config", f'mb={mb} out="{out}"'],
+            env=env,
+            cwd=app,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if not out.exists():
-            return {"mb": mb, "ok": False, "error": f"no result (flwr run exit {run.returncode}): "
-                                                    f"{(run.stdout + run.stderr)[-1500:]}"}
+            return {
+                "mb": mb,
+                "ok": False,
+                "error": f"no result (flwr run exit {run.returncode}): {(run.stdout + run.stderr)[-1500:]}",
+            }
         res = json.loads(out.read_text())
-        return {"mb": mb, "ok": res["small"]["ok"] and res["big"]["ok"], "s": res["big"]["s"],
-                "s_1mb": res["small"]["s"], "errors": res["small"]["errors"] + res["big"]["errors"]}
+        return {
+            "mb": mb,
+            "ok": res["small"]["ok"] and res["big"]["ok"],
+            "s": res["big"]["s"],
+            "s_1mb": res["small"]["s"],
+            "errors": res["small"]["errors"] + res["big"]["errors"],
+        }
     except subprocess.TimeoutExpired:
         return {"mb": mb, "ok": False, "error": f"no result within {timeout_s:.0f} s"}
     finally:
-        for p in reversed(procs):            # each started in its own session: stop its whole group by its id
+        for p in reversed(procs):  # each started in its own session: stop its whole group by its id
             try:
                 os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -351,30 +412,53 @@ def main() -> None:
         t = time.perf_counter()
         model = build_model(run_dir / KEY, args.gb, int(args.shard_mb * 2**20))
         files, nbytes = [s.file for s in model.shards], model.total_bytes
-        print(f"model: {nbytes / 1e9:.2f} GB in {len(files)} shards ({time.perf_counter() - t:.0f} s to write)",
-              flush=True)
+        print(
+            f"model: {nbytes / 1e9:.2f} GB in {len(files)} shards ({time.perf_counter() - t:.0f} s to write)",
+            flush=True,
+        )
         nodes = [Node(i) for i in range(2)]
         token = new_token()
         server = WeightStoreServer(run_dir, token, bind_listener("127.0.0.1", None)).start()
         legs: dict[str, dict[str, float]] = {}
         try:
-            legs["down"] = {"raw": raw_down(nodes, model.root, files, [work / f"raw-node{i}" for i in range(2)]),
-                            "raw_cpu": LEG_CPU[-1]}
+            legs["down"] = {
+                "raw": raw_down(nodes, model.root, files, [work / f"raw-node{i}" for i in range(2)]),
+                "raw_cpu": LEG_CPU[-1],
+            }
             for i in range(2):
                 shutil.rmtree(work / f"raw-node{i}")
-            fetch = [{"op": "fetch", "url": server.url, "token": token, "sha": model.sha256,
-                      "cache": str(work / f"node{i}-cache"), "parallel": args.parallel} for i in range(2)]
+            fetch = [
+                {
+                    "op": "fetch",
+                    "url": server.url,
+                    "token": token,
+                    "sha": model.sha256,
+                    "cache": str(work / f"node{i}-cache"),
+                    "parallel": args.parallel,
+                }
+                for i in range(2)
+            ]
             legs["down"]["store"], replies = _leg(nodes, fetch, [])
             legs["down"]["store_cpu"] = LEG_CPU[-1]
             fetched = [Path(r["dir"]) for r in replies]
             print(f"down: raw {legs['down']['raw']:.1f} s, store {legs['down']['store']:.1f} s", flush=True)
-            legs["up"] = {"raw": raw_up(nodes, fetched, files, [work / f"raw-up{i}" for i in range(2)]),
-                          "raw_cpu": LEG_CPU[-1]}
+            legs["up"] = {
+                "raw": raw_up(nodes, fetched, files, [work / f"raw-up{i}" for i in range(2)]),
+                "raw_cpu": LEG_CPU[-1],
+            }
             for i in range(2):
                 shutil.rmtree(work / f"raw-up{i}")
-            publish = [{"op": "publish", "url": server.url, "token": token, "dir": str(fetched[i]),
-                        "key": f"rounds/round-0001/clients/client-{i:04d}/actor", "parallel": args.parallel}
-                       for i in range(2)]
+            publish = [
+                {
+                    "op": "publish",
+                    "url": server.url,
+                    "token": token,
+                    "dir": str(fetched[i]),
+                    "key": f"rounds/round-0001/clients/client-{i:04d}/actor",
+                    "parallel": args.parallel,
+                }
+                for i in range(2)
+            ]
             legs["up"]["store"], _ = _leg(nodes, publish, [])
             legs["up"]["store_cpu"] = LEG_CPU[-1]
             print(f"up: raw {legs['up']['raw']:.1f} s, store {legs['up']['store']:.1f} s", flush=True)
@@ -385,9 +469,20 @@ def main() -> None:
             leg.update({f"{k}_gbps": moved / leg[k] / 1e9 for k in ("raw", "store")})  # type: ignore[operator]
             leg["ratio"] = leg["raw"] / leg["store"]
         raw_s, store_s = (sum(leg[k] for leg in legs.values()) for k in ("raw", "store"))
-        result.update({"bytes": nbytes, "shards": len(files), "legs": legs,
-                       "round_trip": {"raw_s": raw_s, "store_s": store_s, "raw_gbps": 2 * moved / raw_s / 1e9,
-                                      "store_gbps": 2 * moved / store_s / 1e9, "ratio": raw_s / store_s}})
+        result.update(
+            {
+                "bytes": nbytes,
+                "shards": len(files),
+                "legs": legs,
+                "round_trip": {
+                    "raw_s": raw_s,
+                    "store_s": store_s,
+                    "raw_gbps": 2 * moved / raw_s / 1e9,
+                    "store_gbps": 2 * moved / store_s / 1e9,
+                    "ratio": raw_s / store_s,
+                },
+            }
+        )
         for i in range(2):
             shutil.rmtree(work / f"node{i}-cache")
         shutil.rmtree(run_dir)
@@ -408,27 +503,37 @@ def main() -> None:
 
 
 def _report(r: dict[str, Any]) -> None:
-    print(f"\n{r['bytes'] / 1e9:.2f} GB fp32 model, {r['shards']} shards, 2 nodes, {r['parallel']} shards in flight "
-          f"per node; load average {r['load_start']:.1f} -> {r['load_end']:.1f}")
+    print(
+        f"\n{r['bytes'] / 1e9:.2f} GB fp32 model, {r['shards']} shards, 2 nodes, {r['parallel']} shards in flight "
+        f"per node; load average {r['load_start']:.1f} -> {r['load_end']:.1f}"
+    )
     print(f"{'leg':<22}{'raw loopback copy':>20}{'HTTP weight store':>20}{'store / raw':>14}")
     for name, leg in r["legs"].items():
         what = "server -> 2 nodes" if name == "down" else "2 nodes -> server"
-        print(f"{what:<22}{leg['raw']:>9.1f} s {leg['raw_gbps']:>5.2f} GB/s{leg['store']:>9.1f} s "
-              f"{leg['store_gbps']:>5.2f} GB/s{leg['ratio']:>13.0%}")
+        print(
+            f"{what:<22}{leg['raw']:>9.1f} s {leg['raw_gbps']:>5.2f} GB/s{leg['store']:>9.1f} s "
+            f"{leg['store_gbps']:>5.2f} GB/s{leg['ratio']:>13.0%}"
+        )
     for name, leg in r["legs"].items():
         cpu = {k: leg[f"{k}_cpu"] for k in ("raw", "store")}
         gb = 2 * r["bytes"] / 1e9
-        print(f"  CPU s per GB moved, {name}: raw server {cpu['raw']['server'] / gb:.2f} + nodes "
-              f"{cpu['raw']['nodes'] / gb:.2f}; store server {cpu['store']['server'] / gb:.2f} + nodes "
-              f"{cpu['store']['nodes'] / gb:.2f}")
+        print(
+            f"  CPU s per GB moved, {name}: raw server {cpu['raw']['server'] / gb:.2f} + nodes "
+            f"{cpu['raw']['nodes'] / gb:.2f}; store server {cpu['store']['server'] / gb:.2f} + nodes "
+            f"{cpu['store']['nodes'] / gb:.2f}"
+        )
     rt = r["round_trip"]
-    print(f"{'round trip':<22}{rt['raw_s']:>9.1f} s {rt['raw_gbps']:>5.2f} GB/s{rt['store_s']:>9.1f} s "
-          f"{rt['store_gbps']:>5.2f} GB/s{rt['ratio']:>13.0%}")
+    print(
+        f"{'round trip':<22}{rt['raw_s']:>9.1f} s {rt['raw_gbps']:>5.2f} GB/s{rt['store_s']:>9.1f} s "
+        f"{rt['store_gbps']:>5.2f} GB/s{rt['ratio']:>13.0%}"
+    )
     if fl := r.get("flower_inline"):
         if fl.get("ok"):
-            print(f"Flower inline, {fl['mb']} MB round trip (capped; 2.6 GB fails): {fl['s']:.1f} s "
-                  f"(1 MB: {fl['s_1mb']:.1f} s), {fl['gbps']:.3f} GB/s, {fl['marginal_gbps']:.3f} GB/s without the "
-                  f"fixed cost = {fl['marginal_gbps'] / rt['store_gbps']:.1%} of the store's bandwidth")
+            print(
+                f"Flower inline, {fl['mb']} MB round trip (capped; 2.6 GB fails): {fl['s']:.1f} s "
+                f"(1 MB: {fl['s_1mb']:.1f} s), {fl['gbps']:.3f} GB/s, {fl['marginal_gbps']:.3f} GB/s without the "
+                f"fixed cost = {fl['marginal_gbps'] / rt['store_gbps']:.1%} of the store's bandwidth"
+            )
         else:
             print(f"Flower inline, {fl['mb']} MB: FAILED: {fl.get('error') or fl.get('errors')}")
 

@@ -10,6 +10,7 @@ temperature 1.0, so tokens/s measures the engine, not the policy. The engine is 
 size is timed once. Without FlashInfer (the lean install, docs/offline-gpu.md) set
 VLLM_USE_FLASHINFER_SAMPLER=0, or vLLM's sampler fails to import it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,16 +43,23 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-              gpu_memory_utilization=args.gpu_memory_utilization,
-              max_model_len=args.prompt_tokens + args.new_tokens + 64)
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        seed=0,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.prompt_tokens + args.new_tokens + 64,
+    )
     startup_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, detokenize=False)
     rng = random.Random(0)
 
     def prompts(n: int) -> list[TokensPrompt]:
-        return [TokensPrompt(prompt_token_ids=[rng.randrange(args.vocab) for _ in range(args.prompt_tokens)])
-                for _ in range(n)]
+        return [
+            TokensPrompt(prompt_token_ids=[rng.randrange(args.vocab) for _ in range(args.prompt_tokens)])
+            for _ in range(n)
+        ]
 
     llm.generate(prompts(8), params, use_tqdm=False)
     rows = []
@@ -63,9 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append({"batch": b, "seconds": round(dt, 3), "tokens": tokens, "tokens_per_s": round(tokens / dt, 1)})
         print(json.dumps(rows[-1]), flush=True)
-    report = {"vllm": vllm.__version__, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-              "model": args.model, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-              "engine_startup_s": round(startup_s, 1), "rows": rows}
+    report = {
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+        "model": args.model,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "engine_startup_s": round(startup_s, 1),
+        "rows": rows,
+    }
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

@@ -12,6 +12,7 @@ Rows, each the best of --repeat runs:
            same files into the same kind of fresh buffer with plain readinto()
 MB/s = model bytes / seconds. Linux only (page-cache eviction by posix_fadvise).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,7 +62,10 @@ def run(a: argparse.Namespace) -> dict[str, float]:
     for d in durable:
         kwargs = {} if a.baseline else {"durable": d}
         rows[f"export save_shards{'' if d else ' (no fsync)'}"] = best(
-            a.repeat, functools.partial(save_shards, state, out, shard_bytes, **kwargs), lambda: shutil.rmtree(out, True))
+            a.repeat,
+            functools.partial(save_shards, state, out, shard_bytes, **kwargs),
+            lambda: shutil.rmtree(out, True),
+        )
     manifest = Manifest.from_dir(out)
     files = [out / s.file for s in manifest.shards]
     if not a.baseline:
@@ -78,7 +82,8 @@ def run(a: argparse.Namespace) -> dict[str, float]:
 
         for d in durable:
             rows[f"export raw write{' + fsync' if d else ''}"] = best(
-                a.repeat, functools.partial(write_raw, d), lambda: shutil.rmtree(raw, True))
+                a.repeat, functools.partial(write_raw, d), lambda: shutil.rmtree(raw, True)
+            )
         del blobs
 
     def read_raw() -> None:
@@ -119,24 +124,50 @@ def main() -> None:
         if a.baseline_src:
             bwork = Path(a.work) / "baseline"
             bwork.mkdir()
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([a.baseline_src, str(ROOT), os.environ.get("PYTHONPATH", "")])}
-            res = subprocess.run([sys.executable, __file__, "--baseline", "--work", str(bwork), "--size-gb",
-                                  str(a.size_gb), "--shard-mb", str(a.shard_mb), "--repeat", str(a.repeat)],
-                                 capture_output=True, text=True, env=env)
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([a.baseline_src, str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            }
+            res = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--baseline",
+                    "--work",
+                    str(bwork),
+                    "--size-gb",
+                    str(a.size_gb),
+                    "--shard-mb",
+                    str(a.shard_mb),
+                    "--repeat",
+                    str(a.repeat),
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             if res.returncode:
                 raise SystemExit(f"baseline failed:\n{res.stderr[-3000:]}")
             base = json.loads(res.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(a.work, ignore_errors=True)
     mb = a.size_gb * 1e9 / 1e6
-    print(f"# python bench/weights_io.py --size-gb {a.size_gb} --shard-mb {a.shard_mb} --repeat {a.repeat}"
-          + (f" --baseline-src {a.baseline_src}" if a.baseline_src else ""))
+    print(
+        f"# python bench/weights_io.py --size-gb {a.size_gb} --shard-mb {a.shard_mb} --repeat {a.repeat}"
+        + (f" --baseline-src {a.baseline_src}" if a.baseline_src else "")
+    )
     print(f"# {os.cpu_count()} CPUs, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; best of {a.repeat}")
-    ref = {"export save_shards": "export raw write + fsync", "export save_shards (no fsync)": "export raw write",
-           "load load_shards (warm)": "load raw readinto (warm)", "load load_shards (cold)": "load raw readinto (cold)",
-           "load load_shards (warm, not verified)": "load raw readinto (warm)"}
-    print(f"{'row':42s} {'s':>7s} {'MB/s':>8s} {'vs raw':>7s}" + (f" {'baseline MB/s':>14s} {'x baseline':>11s}"
-                                                                  if base else ""))
+    ref = {
+        "export save_shards": "export raw write + fsync",
+        "export save_shards (no fsync)": "export raw write",
+        "load load_shards (warm)": "load raw readinto (warm)",
+        "load load_shards (cold)": "load raw readinto (cold)",
+        "load load_shards (warm, not verified)": "load raw readinto (warm)",
+    }
+    print(
+        f"{'row':42s} {'s':>7s} {'MB/s':>8s} {'vs raw':>7s}"
+        + (f" {'baseline MB/s':>14s} {'x baseline':>11s}" if base else "")
+    )
     for name, s in rows.items():
         vs = f"{rows[ref[name]] / s:7.1%}" if name in ref else ""
         extra = f" {mb / base[name]:14.0f} {base[name] / s:11.2f}" if name in base else ""

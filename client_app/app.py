@@ -13,6 +13,7 @@ from the run config and refuses to train a different recipe. It also names the s
 and the token of its shared-disk probe: a node that must pass weights through the run dir but
 cannot read the probe is told so (no shared disk), instead of failing later on a missing file.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -30,8 +31,7 @@ from fl_app.rundir import RunDir
 from fl_app.store import DirStore, WeightStore
 from fl_app.store_open import open_store
 from fl_app.store_remote import prune_cache
-from fl_app.transport import (WeightsRef, arrays_key, receive_manifest, receive_weights, sees_disk_probe,
-                              send_local)
+from fl_app.transport import WeightsRef, arrays_key, receive_manifest, receive_weights, sees_disk_probe, send_local
 from fl_app.weights import Manifest, WeightsError, save_shards
 
 app = ClientApp()
@@ -44,10 +44,10 @@ CACHE_KEEP = 8
 class _Node:
     cfg: Config
     node_id: int
-    run_dir: Path        # the server's run dir
-    token: str           # its shared-disk probe
-    store: WeightStore   # where weights travel by reference
-    work: RunDir         # where this node writes (the run dir itself when it is the store)
+    run_dir: Path  # the server's run dir
+    token: str  # its shared-disk probe
+    store: WeightStore  # where weights travel by reference
+    work: RunDir  # where this node writes (the run dir itself when it is the store)
     lane: LaneService
 
     @property
@@ -69,7 +69,8 @@ class _Node:
                 f"node {self.node_id} ({socket.gethostname()}) cannot see the run dir at {self.run_dir}: the server "
                 f"and this node do not share a disk, so weights of {nbytes / 2**20:.1f} MiB (above run.inline_max_mb="
                 f"{self.cfg.run.inline_max_mb:g}) cannot travel through it. Set run.weight_store=http (the weight "
-                "channel), mount the run dir at the same path on every node, or raise run.inline_max_mb")
+                "channel), mount the run dir at the same path on every node, or raise run.inline_max_mb"
+            )
 
     @property
     def store_is_run_dir(self) -> bool:
@@ -90,20 +91,27 @@ def _node(msg: Message, context: Context) -> _Node:
     conf = msg.content["config"]
     want, got = str(conf["recipe-sha256"]), recipe_sha256(cfg)
     if want != got:
-        raise RecipeMismatch(f"node {context.node_id} resolved a different recipe than the server (sha256 "
-                             f"{got[:12]}... vs {want[:12]}...): server and nodes must run the same app (FAB) and "
-                             "run config; check the recipe files and environment on this node")
+        raise RecipeMismatch(
+            f"node {context.node_id} resolved a different recipe than the server (sha256 "
+            f"{got[:12]}... vs {want[:12]}...): server and nodes must run the same app (FAB) and "
+            "run config; check the recipe files and environment on this node"
+        )
     run_dir = Path(str(conf["run-dir"]))
-    spec = str(conf.get("weight-store", ""))     # '' = the run dir; else what the server says nodes open
+    spec = str(conf.get("weight-store", ""))  # '' = the run dir; else what the server says nodes open
     shard_bytes = int(cfg.run.shard_max_mb * 2**20)
     if not spec:
         store: WeightStore = DirStore(run_dir, shard_bytes)
         work = RunDir(run_dir)
     else:
-        store = open_store(spec, run_dir=run_dir, max_shard_bytes=shard_bytes,
-                           token=str(conf.get("weight-store-token", "")),
-                           ca_file=cfg.run.weight_store_ca_file or None, parallel=cfg.run.weight_store_parallel,
-                           node=f"node {context.node_id} ({socket.gethostname()})")
+        store = open_store(
+            spec,
+            run_dir=run_dir,
+            max_shard_bytes=shard_bytes,
+            token=str(conf.get("weight-store-token", "")),
+            ca_file=cfg.run.weight_store_ca_file or None,
+            parallel=cfg.run.weight_store_parallel,
+            node=f"node {context.node_id} ({socket.gethostname()})",
+        )
         # what this node writes stays node-local until published: never the server's run dir,
         # which a node on the same machine would otherwise write under the keys the store installs
         work = RunDir(Path(cfg.run.weight_cache_dir).expanduser() / "work" / f"run-{context.run_id}")
@@ -129,8 +137,9 @@ def _weights_dir(node: _Node, msg: Message, member: str, scratch: Path) -> Path:
     return scratch
 
 
-def _reply(msg: Message, node: _Node, outs: dict[str, Path], metrics: dict[str, Any],
-           config: dict[str, Any]) -> Message:
+def _reply(
+    msg: Message, node: _Node, outs: dict[str, Path], metrics: dict[str, Any], config: dict[str, Any]
+) -> Message:
     """Ship each member's freshly written dir: inline, or published to the store under its key."""
     content = RecordDict()
     refs: dict[str, Any] = {}
@@ -158,10 +167,19 @@ def train(msg: Message, context: Context) -> Message:
     spills = {m: base / f"global-{m}" for m in members}
     w_in = {m: _weights_dir(node, msg, m, spills[m]) for m in members}
     outs = {m: base / m for m in members}
-    reply = node.lane.request("/fit", {
-        "run_id": context.run_id, "round": rnd, "client_id": cid, "local_epochs": int(conf["local-epochs"]),
-        "seed": int(conf["seed"]), "proximal_mu": float(conf.get("proximal-mu", 0.0)),
-        "weights_in": {m: str(p) for m, p in w_in.items()}, "weights_out": {m: str(p) for m, p in outs.items()}})
+    reply = node.lane.request(
+        "/fit",
+        {
+            "run_id": context.run_id,
+            "round": rnd,
+            "client_id": cid,
+            "local_epochs": int(conf["local-epochs"]),
+            "seed": int(conf["seed"]),
+            "proximal_mu": float(conf.get("proximal-mu", 0.0)),
+            "weights_in": {m: str(p) for m, p in w_in.items()},
+            "weights_out": {m: str(p) for m, p in outs.items()},
+        },
+    )
     for m in members:
         if w_in[m] == spills[m]:
             shutil.rmtree(spills[m])
@@ -176,13 +194,16 @@ def evaluate(msg: Message, context: Context) -> Message:
     rnd = int(msg.content["config"]["server-round"])
     scratch = node.work.path / "scratch" / f"eval-{rnd:04d}"
     w_in = _weights_dir(node, msg, "actor", scratch)
-    reply = node.lane.request("/evaluate", {"run_id": context.run_id, "round": rnd,
-                                            "seed": int(msg.content["config"]["seed"]), "weights_in": str(w_in)})
+    reply = node.lane.request(
+        "/evaluate",
+        {"run_id": context.run_id, "round": rnd, "seed": int(msg.content["config"]["seed"]), "weights_in": str(w_in)},
+    )
     shutil.rmtree(scratch, ignore_errors=True)
     metrics = {k: float(v) for k, v in reply["metrics"].items()}
     metrics["num-examples"] = int(reply["num_examples"])
-    return Message(content=RecordDict({"metrics": MetricRecord(metrics), "config": ConfigRecord(node.info())}),
-                   reply_to=msg)
+    return Message(
+        content=RecordDict({"metrics": MetricRecord(metrics), "config": ConfigRecord(node.info())}), reply_to=msg
+    )
 
 
 @app.query("init")
@@ -193,8 +214,7 @@ def init_weights(msg: Message, context: Context) -> Message:
     outs = {m: node.work.path / "scratch" / f"init-{m}" for m in node.cfg.weight_members()}
     for out in outs.values():
         shutil.rmtree(out, ignore_errors=True)
-    reply = node.lane.request("/init", {"run_id": context.run_id,
-                                        "weights_out": {m: str(p) for m, p in outs.items()}})
+    reply = node.lane.request("/init", {"run_id": context.run_id, "weights_out": {m: str(p) for m, p in outs.items()}})
     critic = {f"critic-start-{k}": str(v) for k, v in (reply.get("critic_start") or {}).items()}
     return _reply(msg, node, outs, {}, {"fits": int(reply["fits"]), **critic})
 
@@ -203,7 +223,20 @@ def init_weights(msg: Message, context: Context) -> Message:
 def shutdown(msg: Message, context: Context) -> Message:
     """End of run: stop this node's lane service and report what it served."""
     node = _node(msg, context)
-    h = node.lane.shutdown()      # None: another node of this lane stopped it (simulation)
-    return Message(content=RecordDict({"metrics": MetricRecord({
-        "stopped": int(h is not None), "fits": int((h or {}).get("fits", 0)), "evals": int((h or {}).get("evals", 0)),
-        "rss_mb": float((h or {}).get("rss_mb", 0.0))}), "config": ConfigRecord(node.info())}), reply_to=msg)
+    h = node.lane.shutdown()  # None: another node of this lane stopped it (simulation)
+    return Message(
+        content=RecordDict(
+            {
+                "metrics": MetricRecord(
+                    {
+                        "stopped": int(h is not None),
+                        "fits": int((h or {}).get("fits", 0)),
+                        "evals": int((h or {}).get("evals", 0)),
+                        "rss_mb": float((h or {}).get("rss_mb", 0.0)),
+                    }
+                ),
+                "config": ConfigRecord(node.info()),
+            }
+        ),
+        reply_to=msg,
+    )

@@ -16,6 +16,7 @@ continuation run inherited a trained policy and opened with a random value basel
 A warm start (`model.init_from`) whose round has no critic, without `algo.critic.path`, is an
 error: nobody gets a random value head by accident.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,7 +40,7 @@ FRESH = "fresh"
 class CriticStart:
     """Where the starting critic comes from; `path` is empty for a fresh value head."""
 
-    mode: str            # explicit | auto-sibling | fresh
+    mode: str  # explicit | auto-sibling | fresh
     path: str
     reason: str
 
@@ -63,7 +64,8 @@ def resolve_start_critic(init_from: str, critic_path: str) -> CriticStart:
             raise ValueError(
                 f"algo.critic.path={critic_path!r} holds no value head ({', '.join(VALUE_HEAD)}): it is not a "
                 "critic (an actor checkpoint?). Point it at a critic weights dir (e.g. runs/x/rounds/round-0007/"
-                "critic), set it to `fresh` to start a new value head deliberately, or leave it empty")
+                "critic), set it to `fresh` to start a new value head deliberately, or leave it empty"
+            )
         return CriticStart("explicit", str(path.resolve()), "algo.critic.path")
     if init_from:
         sibling = sibling_member(Path(init_from), "critic")
@@ -72,10 +74,12 @@ def resolve_start_critic(init_from: str, critic_path: str) -> CriticStart:
                 f"model.init_from={init_from!r} has no critic beside it, so this PPO run would start a trained "
                 "policy with a random value baseline (field log: 'PPO warm start silently RESET the critic'). "
                 "Set algo.critic.path to a critic weights dir, or to `fresh` to start a new value head "
-                "deliberately")
+                "deliberately"
+            )
         if not has_value_head(sibling):
-            raise ValueError(f"{sibling} (the critic beside model.init_from) holds no value head; "
-                             "set algo.critic.path explicitly")
+            raise ValueError(
+                f"{sibling} (the critic beside model.init_from) holds no value head; set algo.critic.path explicitly"
+            )
         return CriticStart("auto-sibling", str(sibling.resolve()), f"the critic beside model.init_from={init_from}")
     return CriticStart("fresh", "", "a fresh run from the pretrained backbone: new value head (expected)")
 

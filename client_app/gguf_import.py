@@ -20,6 +20,7 @@ config) goes into a temporary directory next to `out` and is renamed into place,
 Both models hold the same dequantized weights: their logits are bit-identical
 (tests/test_models_import.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -56,8 +57,10 @@ def package_gguf(package: str) -> tuple[Path, str]:
         raise GGUFImportError(f"package {package!r} is not installed; install it with `{how}`") from None
     files = [Path(str(dist.locate_file(f))) for f in dist.files or [] if str(f).endswith(".gguf")]
     if len(files) != 1:
-        raise GGUFImportError(f"package {package!r} {dist.version} ships {len(files)} .gguf files "
-                           f"({', '.join(f.name for f in files) or 'none'}); pass the file itself to import-gguf")
+        raise GGUFImportError(
+            f"package {package!r} {dist.version} ships {len(files)} .gguf files "
+            f"({', '.join(f.name for f in files) or 'none'}); pass the file itself to import-gguf"
+        )
     if not files[0].is_file():
         raise GGUFImportError(f"{files[0]} is listed by package {package!r} but missing; reinstall the package")
     return files[0], dist.version
@@ -72,27 +75,31 @@ def template_turn_end(tokenizer: Any) -> str:
     """The special token the chat template writes right after an assistant reply."""
     probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": GLUE_PLACEHOLDER}]
     text = tokenizer.apply_chat_template(probe, tokenize=False)
-    tail = text[text.rfind(GLUE_PLACEHOLDER) + len(GLUE_PLACEHOLDER):]
+    tail = text[text.rfind(GLUE_PLACEHOLDER) + len(GLUE_PLACEHOLDER) :]
     specials = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
     for token in specials:
         if tail.startswith(token):
             return token
-    raise GGUFImportError(f"the chat template ends an assistant turn with {tail[:24]!r}, not with a special token, "
-                       "so no eos can end a generated reply; this GGUF file cannot serve as a chat policy")
+    raise GGUFImportError(
+        f"the chat template ends an assistant turn with {tail[:24]!r}, not with a special token, "
+        "so no eos can end a generated reply; this GGUF file cannot serve as a chat policy"
+    )
 
 
 def fix_special_tokens(tokenizer: Any, config: Any) -> dict[str, Any]:
     """Make the tokenizer's eos the template's turn end; pad from the file (else eos). Returns what changed."""
     if not getattr(tokenizer, "chat_template", None):
-        raise GGUFImportError("the GGUF file has no chat template (tokenizer.chat_template), and prompts are built "
-                           "with it; import an instruct/chat model")
+        raise GGUFImportError(
+            "the GGUF file has no chat template (tokenizer.chat_template), and prompts are built "
+            "with it; import an instruct/chat model"
+        )
     before = tokenizer.eos_token
     tokenizer.eos_token = template_turn_end(tokenizer)
     if config.pad_token_id is not None:
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(int(config.pad_token_id))
     elif tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.clean_up_tokenization_spaces = False      # BPE: the cleanup would eat spaces before punctuation
+    tokenizer.clean_up_tokenization_spaces = False  # BPE: the cleanup would eat spaces before punctuation
     tokenizer.model_max_length = int(config.max_position_embeddings)
     return {"converted_eos": before, "eos": tokenizer.eos_token, "pad": tokenizer.pad_token}
 
@@ -109,8 +116,10 @@ def load_gguf(gguf: Path) -> tuple[Any, Any]:
     from transformers.utils import is_gguf_available
 
     if not is_gguf_available():
-        raise GGUFImportError("transformers needs the `gguf` package to read GGUF files: pip install gguf==0.19.0 "
-                           "(or the `gguf` extra: pip install -e .[gguf])")
+        raise GGUFImportError(
+            "transformers needs the `gguf` package to read GGUF files: pip install gguf==0.19.0 "
+            "(or the `gguf` extra: pip install -e .[gguf])"
+        )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     return model.eval(), tokenizer
@@ -124,7 +133,7 @@ def plain_model(loaded: Any) -> Any:
     config = copy.deepcopy(loaded.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    with torch.random.fork_rng(devices=[]):         # the random init is overwritten; leave the global RNG alone
+    with torch.random.fork_rng(devices=[]):  # the random init is overwritten; leave the global RNG alone
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.generation_config = copy.deepcopy(loaded.generation_config)
@@ -153,22 +162,38 @@ def import_gguf(gguf: Path, out: Path, dtype: str = "float32", package: tuple[st
     model.config.eos_token_id = eos[0] if len(eos) == 1 else eos
     model.config.pad_token_id = int(tokenizer.pad_token_id)
     model.generation_config = GenerationConfig(
-        bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id,
-        pad_token_id=model.config.pad_token_id)
+        bos_token_id=model.config.bos_token_id,
+        eos_token_id=model.config.eos_token_id,
+        pad_token_id=model.config.pad_token_id,
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
     try:
         model.to(DTYPES[dtype]).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / PROVENANCE).write_text(json.dumps({
-            "source": {"file": gguf.name, "sha256": sha256_file(gguf), "bytes": gguf.stat().st_size,
-                       "package": {"name": package[0], "version": package[1]} if package else None},
-            "dtype": dtype,
-            "tokens": tokens | {"generation_eos_ids": model.config.eos_token_id},
-            "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
-                         "gguf": importlib.metadata.version("gguf")},
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }, indent=2, sort_keys=True) + "\n")
+        (tmp / PROVENANCE).write_text(
+            json.dumps(
+                {
+                    "source": {
+                        "file": gguf.name,
+                        "sha256": sha256_file(gguf),
+                        "bytes": gguf.stat().st_size,
+                        "package": {"name": package[0], "version": package[1]} if package else None,
+                    },
+                    "dtype": dtype,
+                    "tokens": tokens | {"generation_eos_ids": model.config.eos_token_id},
+                    "versions": {
+                        "transformers": transformers.__version__,
+                        "torch": torch.__version__,
+                        "gguf": importlib.metadata.version("gguf"),
+                    },
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                },
+                indent=2,
+                sort_keys=True,
+            )
+            + "\n"
+        )
         tmp.rename(out)
     finally:
         if tmp.exists():

@@ -14,6 +14,7 @@ actually rolled out, the env fingerprint (its whole served task order), rollout 
 length, temperature, seed and date; a run whose env or rollout mode differs refuses it
 (partitions/labels.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,9 @@ def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def label_tasks(cfg: Config, out: Path, weights: str = "", seed: int | None = None, limit: int = 0,
-                recipe: str = "") -> dict[str, Any]:
+def label_tasks(
+    cfg: Config, out: Path, weights: str = "", seed: int | None = None, limit: int = 0, recipe: str = ""
+) -> dict[str, Any]:
     """Roll the reference policy out once on each training task; write and return the labels body."""
     from client_app.trainer import make_trainer
     from client_app.trainer.base import EvalRequest
@@ -51,7 +53,7 @@ def label_tasks(cfg: Config, out: Path, weights: str = "", seed: int | None = No
     from fl_app.weights import load_shards
 
     pool = build_pool(cfg.env.name, cfg.env.params)
-    tasks = list(pool.indices[:limit or None])
+    tasks = list(pool.indices[: limit or None])
     seed = cfg.run.seed if seed is None else seed
     t0 = time.perf_counter()
     with serve_in_subprocess(cfg.env.name, cfg.env.pool_size, cfg.env.params) as url:
@@ -60,32 +62,48 @@ def label_tasks(cfg: Config, out: Path, weights: str = "", seed: int | None = No
             if weights:
                 trainer.load_weights(load_shards(Path(weights)), "actor")
             digest = weights_sha256(trainer.export_weights("actor"))
-            print(f"labelling {len(tasks)} of {len(pool)} training tasks of {cfg.env.name} "
-                  f"(weights {digest[:12]}, {cfg.rollout.mode}, T={cfg.rollout.val_temperature}, seed {seed})",
-                  flush=True)
+            print(
+                f"labelling {len(tasks)} of {len(pool)} training tasks of {cfg.env.name} "
+                f"(weights {digest[:12]}, {cfg.rollout.mode}, T={cfg.rollout.val_temperature}, seed {seed})",
+                flush=True,
+            )
             res = trainer.evaluate(EvalRequest(task_indices=tasks, seed=seed))
         finally:
             trainer.close()
     if set(res.outcomes) != set(tasks):
-        raise RuntimeError(f"the trainer returned outcomes for {len(res.outcomes)} tasks, not the {len(tasks)} "
-                           "asked for; its evaluate must fill EvalResult.outcomes")
+        raise RuntimeError(
+            f"the trainer returned outcomes for {len(res.outcomes)} tasks, not the {len(tasks)} "
+            "asked for; its evaluate must fill EvalResult.outcomes"
+        )
     ids = dict(zip(pool.indices, pool.task_ids))
     success = {ids[t]: bool(res.outcomes[t]) for t in tasks}
     init = f"{cfg.model.path}" + (f" + init_from {cfg.model.init_from}" if cfg.model.init_from else "")
     provenance = {
-        "recipe": recipe, "env": cfg.env.name, "env_params": cfg.env.params, "env_fingerprint": pool.fingerprint,
-        "rollout_mode": cfg.rollout.mode, "history_length": cfg.rollout.history_length,
-        "max_turns": cfg.env.max_turns, "temperature": cfg.rollout.val_temperature, "seed": seed,
+        "recipe": recipe,
+        "env": cfg.env.name,
+        "env_params": cfg.env.params,
+        "env_fingerprint": pool.fingerprint,
+        "rollout_mode": cfg.rollout.mode,
+        "history_length": cfg.rollout.history_length,
+        "max_turns": cfg.env.max_turns,
+        "temperature": cfg.rollout.val_temperature,
+        "seed": seed,
         "weights": str(Path(weights).resolve()) if weights else f"initial model: {init}",
-        "weights_sha256": digest, "backend": cfg.backend,
+        "weights_sha256": digest,
+        "backend": cfg.backend,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "pool_size": len(pool), "tasks_labelled": len(tasks), "successes": sum(success.values()),
+        "pool_size": len(pool),
+        "tasks_labelled": len(tasks),
+        "successes": sum(success.values()),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     write_labels(out, success, provenance)
     n = len(success)
-    print(f"labelled {n} tasks: {provenance['successes']} solved ({provenance['successes'] / n:.1%}) in "
-          f"{provenance['wall_s']:.0f} s; wrote {out}", flush=True)
+    print(
+        f"labelled {n} tasks: {provenance['successes']} solved ({provenance['successes'] / n:.1%}) in "
+        f"{provenance['wall_s']:.0f} s; wrote {out}",
+        flush=True,
+    )
     return {"provenance": provenance, "labels": success}
 
 
@@ -93,11 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m client_app.label_tasks", description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default="tiny-shop-grpo", help="recipe name in configs/ or a YAML path")
     ap.add_argument("--out", required=True, type=Path, help="the labels file to write (JSON)")
-    ap.add_argument("--weights", default="", help="reference policy: an fp32 weights dir (default: the recipe's "
-                                                  "initial model)")
+    ap.add_argument(
+        "--weights", default="", help="reference policy: an fp32 weights dir (default: the recipe's initial model)"
+    )
     ap.add_argument("--seed", type=int, default=None, help="decoding seed (default: run.seed)")
-    ap.add_argument("--limit", type=int, default=0, help="label only the first N training tasks (a smoke test; a "
-                                                         "run refuses labels that miss more than half its pool)")
+    ap.add_argument(
+        "--limit",
+        type=int,
+        default=0,
+        help="label only the first N training tasks (a smoke test; a "
+        "run refuses labels that miss more than half its pool)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("overrides", nargs="*", help="recipe overrides as a.b=c, e.g. rollout.val_temperature=0")
     args = ap.parse_args(argv)

@@ -11,6 +11,7 @@ Errors cross the process boundary with their message: the service answers a fail
 with `{"error": {"type", "message"}}` and `LaneService.request` raises `ServiceRequestError`
 carrying both, so the ClientApp's error names the root cause (e.g. `WeightsError: ...`).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -29,7 +30,7 @@ import httpx
 
 from client_app.runtime_dir import NodeOwner, node_owner, open_lock, read_private, write_private
 
-START_TIMEOUT_S = 1800.0    # first start may build the tiny model (minutes on 2 cores)
+START_TIMEOUT_S = 1800.0  # first start may build the tiny model (minutes on 2 cores)
 REQUEST_TIMEOUT_S = 24 * 3600.0
 
 
@@ -59,7 +60,7 @@ def _file_lock(path: Path) -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)      # releases the lock
+        os.close(fd)  # releases the lock
 
 
 def error_of(response: httpx.Response) -> tuple[str, str]:
@@ -77,8 +78,15 @@ def error_of(response: httpx.Response) -> tuple[str, str]:
 class LaneService:
     """Client-side handle of the trainer service for (node, run id, lane)."""
 
-    def __init__(self, run_id: int, run_config: dict[str, Any], log_dir: Path, lane: str | None = None,
-                 owner: NodeOwner | None = None, run_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        run_id: int,
+        run_config: dict[str, Any],
+        log_dir: Path,
+        lane: str | None = None,
+        owner: NodeOwner | None = None,
+        run_dir: Path | None = None,
+    ) -> None:
         self.run_id, self.run_config, self.run_dir = run_id, run_config, run_dir
         self.lane = lane or current_lane()
         self.owner = owner or node_owner()
@@ -92,8 +100,7 @@ class LaneService:
         self.log_path = log_dir / f"service-{node}{self.lane}.log"
 
     def _client(self, timeout: float) -> httpx.Client:
-        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://svc",
-                            timeout=timeout)
+        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://svc", timeout=timeout)
 
     def health(self) -> dict[str, Any] | None:
         if not self.socket.exists():
@@ -128,22 +135,41 @@ class LaneService:
                 # Started by another ClientApp and still building: wait for it below.
                 return self._wait_ready(old)
             if old is not None:
-                print(f"[lane {self.lane}] trainer service pid {old} died; restarting. Its log ends:\n"
-                      f"{self._log_tail()}", file=sys.stderr)
+                print(
+                    f"[lane {self.lane}] trainer service pid {old} died; restarting. Its log ends:\n{self._log_tail()}",
+                    file=sys.stderr,
+                )
             return self._start()
 
     def _start(self) -> dict[str, Any]:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.socket.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "client_app.service", "--socket", str(self.socket),
-               "--run-id", str(self.run_id), "--lane", self.lane,
-               "--run-config", json.dumps(self.run_config), "--owner", self.owner.as_arg()]
+        cmd = [
+            sys.executable,
+            "-m",
+            "client_app.service",
+            "--socket",
+            str(self.socket),
+            "--run-id",
+            str(self.run_id),
+            "--lane",
+            self.lane,
+            "--run-config",
+            json.dumps(self.run_config),
+            "--owner",
+            self.owner.as_arg(),
+        ]
         if self.run_dir is not None:
             cmd += ["--run-dir", str(self.run_dir)]
         with open(self.log_path, "ab") as log:
             # A new session: the service must outlive this (possibly per-message) ClientApp process.
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    cwd=Path(__file__).resolve().parent.parent)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=Path(__file__).resolve().parent.parent,
+            )
         write_private(self.pid_path, str(proc.pid))
         return self._wait_ready(proc.pid)
 
@@ -154,11 +180,14 @@ class LaneService:
             if h is not None:
                 return h
             if not _alive(pid):
-                raise ServiceError(f"trainer service for lane {self.lane} exited during start-up "
-                                   f"(log: {self.log_path}):\n{self._log_tail()}")
+                raise ServiceError(
+                    f"trainer service for lane {self.lane} exited during start-up "
+                    f"(log: {self.log_path}):\n{self._log_tail()}"
+                )
             time.sleep(0.5)
-        raise ServiceError(f"trainer service for lane {self.lane} not ready after {START_TIMEOUT_S:.0f} s "
-                           f"(log: {self.log_path})")
+        raise ServiceError(
+            f"trainer service for lane {self.lane} not ready after {START_TIMEOUT_S:.0f} s (log: {self.log_path})"
+        )
 
     def request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.ensure_started()
@@ -166,8 +195,10 @@ class LaneService:
             with self._client(REQUEST_TIMEOUT_S) as c:
                 r = c.post(path, json=body)
         except httpx.TransportError as e:
-            raise ServiceError(f"trainer service for lane {self.lane} failed during {path}: {e} (its log: "
-                               f"{self.log_path}); the log ends:\n{self._log_tail()}") from e
+            raise ServiceError(
+                f"trainer service for lane {self.lane} failed during {path}: {e} (its log: "
+                f"{self.log_path}); the log ends:\n{self._log_tail()}"
+            ) from e
         if r.status_code != 200:
             raise ServiceRequestError(path, r.status_code, *error_of(r))
         return r.json()

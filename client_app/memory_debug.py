@@ -9,6 +9,7 @@ leaks were each one retired weight copy, optimizer state or anchor kept alive by
 exactly what a group of +N tensors shaped like the model's parameters, held by a named owner,
 shows. Off by default: the census walks every object the garbage collector tracks.
 """
+
 from __future__ import annotations
 
 import gc
@@ -27,6 +28,7 @@ Key = tuple[str, str, tuple[int, ...]]
 @dataclass(slots=True)
 class Group:
     """One (device, dtype, shape) group of a census: tensor ids, and bytes of distinct storages."""
+
     ids: set[int]
     bytes: int
 
@@ -38,7 +40,7 @@ def enabled() -> bool:
 def tensor_census() -> dict[Key, list[torch.Tensor]]:
     """Every live tensor the garbage collector tracks (parameters included), grouped."""
     groups: dict[Key, list[torch.Tensor]] = {}
-    with warnings.catch_warnings():        # isinstance() on torch's deprecated lazy aliases warns
+    with warnings.catch_warnings():  # isinstance() on torch's deprecated lazy aliases warns
         warnings.simplefilter("ignore", FutureWarning)
         objects = [obj for obj in gc.get_objects() if _is_tensor(obj)]
     for obj in objects:
@@ -49,7 +51,7 @@ def tensor_census() -> dict[Key, list[torch.Tensor]]:
 def _is_tensor(obj: object) -> bool:
     try:
         return isinstance(obj, torch.Tensor) and not obj.is_meta
-    except ReferenceError:              # a dead weakref proxy
+    except ReferenceError:  # a dead weakref proxy
         return False
 
 
@@ -59,8 +61,8 @@ def _summary(members: list[torch.Tensor]) -> Group:
         try:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):    # no real storage (sparse, functional wrappers,
-            continue                                   # a released FSDP shard's invalid storage)
+        except (RuntimeError, NotImplementedError):  # no real storage (sparse, functional wrappers,
+            continue  # a released FSDP shard's invalid storage)
         if ptr:
             storages[ptr] = storage.nbytes()
     return Group({id(t) for t in members}, sum(storages.values()))
@@ -109,7 +111,7 @@ class MemoryGrowthReport:
                 grown.append((g.bytes - before.bytes, len(g.ids) - len(before.ids), key, g, before))
         grown.sort(key=lambda x: (-x[0], -x[1]))
         lines = []
-        for dbytes, dcount, key, g, before in grown[:self.top]:
+        for dbytes, dcount, key, g, before in grown[: self.top]:
             new = now[key][-1]
             for t in now[key]:
                 if id(t) not in before.ids:
@@ -117,8 +119,10 @@ class MemoryGrowthReport:
                     break
             held = ", ".join(holders(new, now)) or "no tracked referrer"
             device, dtype, shape = key
-            lines.append(f"+{dcount} x {dtype} {list(shape)} on {device} (+{dbytes / 2**20:.1f} MB; now "
-                         f"{len(g.ids)} tensors, {g.bytes / 2**20:.1f} MB), a new one held by: {held}")
+            lines.append(
+                f"+{dcount} x {dtype} {list(shape)} on {device} (+{dbytes / 2**20:.1f} MB; now "
+                f"{len(g.ids)} tensors, {g.bytes / 2**20:.1f} MB), a new one held by: {held}"
+            )
         return lines
 
 

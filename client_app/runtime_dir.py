@@ -12,6 +12,7 @@ of its own (`node-<pid>-<start time>` of the SuperNode process), so two SuperNod
 never share a trainer service, and the service's owner is the SuperNode itself: it outlives the
 per-message ClientApp processes and stops when its node stops.
 """
+
 from __future__ import annotations
 
 import errno
@@ -52,11 +53,15 @@ def private_dir(path: Path) -> Path:
     if not stat.S_ISDIR(st.st_mode):
         raise RuntimeDirError(f"runtime dir {path} is not a directory (a symlink or a file); {fix}")
     if st.st_uid != os.geteuid():
-        raise RuntimeDirError(f"runtime dir {path} is owned by uid {st.st_uid}, not by this user "
-                              f"(uid {os.geteuid()}): another user could control its sockets; {fix}")
+        raise RuntimeDirError(
+            f"runtime dir {path} is owned by uid {st.st_uid}, not by this user "
+            f"(uid {os.geteuid()}): another user could control its sockets; {fix}"
+        )
     if st.st_mode & 0o022:
-        raise RuntimeDirError(f"runtime dir {path} is writable by group or others (mode "
-                              f"{stat.S_IMODE(st.st_mode):o}); {fix}, or `chmod 700` it")
+        raise RuntimeDirError(
+            f"runtime dir {path} is writable by group or others (mode "
+            f"{stat.S_IMODE(st.st_mode):o}); {fix}, or `chmod 700` it"
+        )
     return path
 
 
@@ -66,8 +71,7 @@ def _open_private(path: Path, flags: int) -> int:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise RuntimeDirError(f"{path} is a symlink; refusing to open it (someone planted it: "
-                                  "remove it)") from None
+            raise RuntimeDirError(f"{path} is a symlink; refusing to open it (someone planted it: remove it)") from None
         raise
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():

@@ -18,6 +18,7 @@ else the request is refused (403). A failed request is answered with the excepti
 message (`{"error": {"type", "message"}}`; 4xx for a bad request, 500 for a service failure),
 so the caller's error names the root cause instead of a bare `Internal Server Error`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,6 +60,7 @@ def shared_store_root(cfg: Config) -> tuple[Path, ...]:
     parts = urlsplit(cfg.run.weight_store.strip())
     return (Path(parts.path),) if parts.scheme == "file" else ()
 
+
 log = logging.getLogger("fedagent.service")
 
 
@@ -72,7 +74,7 @@ class Refused(Exception):
 
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
 Count = Annotated[int, Field(ge=0, lt=2**31)]
-DirPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]   # no NUL: not a path
+DirPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]  # no NUL: not a path
 
 
 class _Body(BaseModel):
@@ -86,20 +88,20 @@ class FitBody(_Body):
     local_epochs: Annotated[int, Field(gt=0, le=10_000)]
     seed: Seed
     proximal_mu: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
-    weights_in: dict[str, DirPath]    # member -> manifest directory of the global weights
-    weights_out: dict[str, DirPath]   # member -> directory to write this client's fp32 shards into
+    weights_in: dict[str, DirPath]  # member -> manifest directory of the global weights
+    weights_out: dict[str, DirPath]  # member -> directory to write this client's fp32 shards into
 
 
 class EvalBody(_Body):
     run_id: int
     round: Count
     seed: Seed
-    weights_in: DirPath               # the global actor (validation needs no critic)
+    weights_in: DirPath  # the global actor (validation needs no critic)
 
 
 class InitBody(_Body):
     run_id: int
-    weights_out: dict[str, DirPath]   # member -> directory for the initial weights
+    weights_out: dict[str, DirPath]  # member -> directory for the initial weights
 
 
 def rss_mb() -> float:
@@ -116,8 +118,10 @@ def cuda_memory_mb() -> dict[str, float]:
         return {}
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
-    return {"service_cuda_allocated_mb": torch.cuda.memory_allocated() / 2**20,
-            "service_device_used_mb": (total - free) / 2**20}
+    return {
+        "service_cuda_allocated_mb": torch.cuda.memory_allocated() / 2**20,
+        "service_device_used_mb": (total - free) / 2**20,
+    }
 
 
 class TrainerService:
@@ -148,22 +152,30 @@ class TrainerService:
         self.env_url = self._stack.enter_context(serve_in_subprocess(env.name, env.pool_size, env.params))
         probe = make_env(env.name, **env.params)
         self.num_tasks, self.val_size = probe.num_tasks, probe.val_size
-        self.partition = plan_partition(self.cfg, TaskPool.from_env(probe))   # every client's shard, once
+        self.partition = plan_partition(self.cfg, TaskPool.from_env(probe))  # every client's shard, once
         if self.cfg.federation.val_tasks > self.val_size:
-            raise ValueError(f"federation.val_tasks={self.cfg.federation.val_tasks} exceeds the env's validation "
-                             f"split ({self.val_size} tasks); lower val_tasks or raise env.params.val_size")
+            raise ValueError(
+                f"federation.val_tasks={self.cfg.federation.val_tasks} exceeds the env's validation "
+                f"split ({self.val_size} tasks); lower val_tasks or raise env.params.val_size"
+            )
         self.trainer = make_trainer(self.cfg, self.env_url, run_dir=self.run_dir)
         self._stack.callback(self.trainer.close)
-        if self.cfg.env_partition.name != "uniform":     # each client trains on its own env variant
+        if self.cfg.env_partition.name != "uniform":  # each client trains on its own env variant
             self.variants = VariantEnvServices(self.cfg)
             self._stack.callback(self.variants.close)
-        self.last_request = time.monotonic()   # the idle clock starts when the service can serve
+        self.last_request = time.monotonic()  # the idle clock starts when the service can serve
 
     def fit_request(self, body: FitBody) -> FitRequest:
         """The trainer's request for this client: its shard, and under env heterogeneity the
         service of its env variant (started on first use)."""
-        req = FitRequest(round=body.round, client_id=body.client_id, task_indices=self.shard(body.client_id),
-                         local_epochs=body.local_epochs, seed=body.seed, proximal_mu=body.proximal_mu)
+        req = FitRequest(
+            round=body.round,
+            client_id=body.client_id,
+            task_indices=self.shard(body.client_id),
+            local_epochs=body.local_epochs,
+            seed=body.seed,
+            proximal_mu=body.proximal_mu,
+        )
         if self.variants is None:
             return req
         env = self.variants.for_client(body.client_id, req.task_indices)
@@ -180,19 +192,24 @@ class TrainerService:
                 return confine(path, root, what)
             except PathEscapeError:
                 continue
-        raise PathEscapeError(f"{what} {path!r} lies outside the run dir {self.roots[0]} and the node's weight "
-                              f"cache {self.roots[1]} (run.weight_cache_dir)"
-                              + (f" and the shared weight store {self.roots[2]}" if len(self.roots) > 2 else "")
-                              + "; the trainer service reads and writes weights only there (a symlink out of them "
-                              "is refused too)")
+        raise PathEscapeError(
+            f"{what} {path!r} lies outside the run dir {self.roots[0]} and the node's weight "
+            f"cache {self.roots[1]} (run.weight_cache_dir)"
+            + (f" and the shared weight store {self.roots[2]}" if len(self.roots) > 2 else "")
+            + "; the trainer service reads and writes weights only there (a symlink out of them "
+            "is refused too)"
+        )
 
     def _check_members(self, dirs: dict[str, str]) -> None:
         """A request must name exactly the members the trainer holds: a PPO fit without its critic
         (or a critic the trainer lacks) fails closed instead of training half a model."""
         assert self.trainer is not None
         if set(dirs) != set(self.trainer.members):
-            raise Refused(409, f"the request carries weights for {sorted(dirs)} but this trainer federates "
-                               f"{list(self.trainer.members)}; server and client must run the same algo.name")
+            raise Refused(
+                409,
+                f"the request carries weights for {sorted(dirs)} but this trainer federates "
+                f"{list(self.trainer.members)}; server and client must run the same algo.name",
+            )
 
     def member_dirs(self, dirs: dict[str, str], what: str) -> dict[str, Path]:
         """Every member's dir of a request, checked (members, confinement) before any work."""
@@ -234,8 +251,11 @@ class TrainerService:
         self._check_run(body.run_id)
         assert self.trainer is not None
         if body.client_id >= self.cfg.federation.clients:
-            raise Refused(422, f"client_id {body.client_id} is not a client of this run "
-                               f"(federation.clients={self.cfg.federation.clients})")
+            raise Refused(
+                422,
+                f"client_id {body.client_id} is not a client of this run "
+                f"(federation.clients={self.cfg.federation.clients})",
+            )
         ins = self.member_dirs(body.weights_in, "weights_in")
         outs = self.member_dirs(body.weights_out, "weights_out")
         with self.lock:
@@ -249,23 +269,38 @@ class TrainerService:
             t_export = time.perf_counter() - t1
             self.fits += 1
             metrics = dict(res.metrics)
-            metrics.update({
-                "load_s": t_load, "export_s": t_export, "fit_total_s": time.perf_counter() - t0,
-                "service_fits": float(self.fits), "service_rss_mb": rss_mb(), **cuda_memory_mb(),
-                "bytes_in": float(sum(_dir_bytes(d) for d in ins.values())),
-                "bytes_out": float(bytes_out),
-            })
+            metrics.update(
+                {
+                    "load_s": t_load,
+                    "export_s": t_export,
+                    "fit_total_s": time.perf_counter() - t0,
+                    "service_fits": float(self.fits),
+                    "service_rss_mb": rss_mb(),
+                    **cuda_memory_mb(),
+                    "bytes_in": float(sum(_dir_bytes(d) for d in ins.values())),
+                    "bytes_out": float(bytes_out),
+                }
+            )
             if self.variants is not None:
                 metrics["env_variant_services_started"] = float(self.variants.started)
             self.last_request = time.monotonic()
             if self.memory_report is not None:
                 memory_debug.log_growth(self.memory_report, log, f"fit {self.fits}")
-            log.info("fit %d (round %d, client %d): load %.2f s, rollout %.1f s (weight sync %.2f s), update %.1f s, "
-                     "export %.2f s; after export: RSS %.0f MB, CUDA allocated %.0f MB, device used %.0f MB",
-                     self.fits, body.round, body.client_id, t_load, metrics.get("rollout_s", 0.0),
-                     metrics.get("rollout_sync_s", 0.0), metrics.get("update_s", 0.0), t_export,
-                     metrics["service_rss_mb"], metrics.get("service_cuda_allocated_mb", 0.0),
-                     metrics.get("service_device_used_mb", 0.0))
+            log.info(
+                "fit %d (round %d, client %d): load %.2f s, rollout %.1f s (weight sync %.2f s), update %.1f s, "
+                "export %.2f s; after export: RSS %.0f MB, CUDA allocated %.0f MB, device used %.0f MB",
+                self.fits,
+                body.round,
+                body.client_id,
+                t_load,
+                metrics.get("rollout_s", 0.0),
+                metrics.get("rollout_sync_s", 0.0),
+                metrics.get("update_s", 0.0),
+                t_export,
+                metrics["service_rss_mb"],
+                metrics.get("service_cuda_allocated_mb", 0.0),
+                metrics.get("service_device_used_mb", 0.0),
+            )
             return {"num_examples": res.num_examples, "metrics": metrics}
 
     def evaluate(self, body: EvalBody) -> dict[str, Any]:
@@ -275,8 +310,9 @@ class TrainerService:
         with self.lock:
             self.last_request = time.monotonic()
             self.trainer.load_weights(load_shards(weights_in))
-            res = self.trainer.evaluate(EvalRequest(task_indices=list(range(self.cfg.federation.val_tasks)),
-                                                    seed=body.seed))
+            res = self.trainer.evaluate(
+                EvalRequest(task_indices=list(range(self.cfg.federation.val_tasks)), seed=body.seed)
+            )
             self.evals += 1
             self.last_request = time.monotonic()
             return {"num_examples": res.num_examples, "metrics": dict(res.metrics)}
@@ -292,8 +328,9 @@ REQUEST_ERRORS: tuple[tuple[type[Exception], int], ...] = ((PathEscapeError, 403
 
 def error_response(status: int, exc: BaseException | str, error_type: str | None = None) -> JSONResponse:
     """The one error body every failed request gets: the exception's type and message."""
-    return JSONResponse(status_code=status, content={"error": {
-        "type": error_type or type(exc).__name__, "message": str(exc)}})
+    return JSONResponse(
+        status_code=status, content={"error": {"type": error_type or type(exc).__name__, "message": str(exc)}}
+    )
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -304,6 +341,7 @@ def _refusal(status: int) -> Any:
     async def handler(request: Request, exc: Exception) -> JSONResponse:
         log.warning("%s %s refused: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
         return error_response(status, exc)
+
     return handler
 
 
@@ -328,8 +366,15 @@ def create_app(svc: TrainerService, stop: threading.Event) -> FastAPI:
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"ok": True, "run_id": svc.run_id, "lane": svc.lane, "pid": os.getpid(),
-                "fits": svc.fits, "evals": svc.evals, "rss_mb": rss_mb()}
+        return {
+            "ok": True,
+            "run_id": svc.run_id,
+            "lane": svc.lane,
+            "pid": os.getpid(),
+            "fits": svc.fits,
+            "evals": svc.evals,
+            "rss_mb": rss_mb(),
+        }
 
     @app.post("/fit")
     def fit(body: FitBody) -> dict[str, Any]:
@@ -351,8 +396,15 @@ def create_app(svc: TrainerService, stop: threading.Event) -> FastAPI:
     return app
 
 
-def _watchdog(svc: TrainerService, server: uvicorn.Server, stop: threading.Event, terminated: threading.Event,
-              owner: NodeOwner | None, idle_timeout_s: float, sock: Path) -> None:
+def _watchdog(
+    svc: TrainerService,
+    server: uvicorn.Server,
+    stop: threading.Event,
+    terminated: threading.Event,
+    owner: NodeOwner | None,
+    idle_timeout_s: float,
+    sock: Path,
+) -> None:
     """Stop the server when asked, when idle too long, when the owner process is gone, or on SIGTERM.
 
     Runs from the first moment (start-up can take minutes). When the owner is gone or SIGTERM came,
@@ -363,8 +415,13 @@ def _watchdog(svc: TrainerService, server: uvicorn.Server, stop: threading.Event
         if stop.wait(0.5):
             log.info("shutdown requested")
             break
-        reason = ("SIGTERM" if terminated.is_set() else
-                  f"owner process {owner.pid} is gone" if owner is not None and not owner.alive() else "")
+        reason = (
+            "SIGTERM"
+            if terminated.is_set()
+            else f"owner process {owner.pid} is gone"
+            if owner is not None and not owner.alive()
+            else ""
+        )
         if reason:
             if svc.lock.locked():
                 _exit_now(reason, sock)
@@ -422,12 +479,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(run_config.get("recipe") or "tiny-shop-grpo", overrides=run_config)
     svc = TrainerService(cfg, args.run_id, args.lane, Path(args.run_dir) if args.run_dir else None)
     stop, terminated = threading.Event(), threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: terminated.set())   # uvicorn's own handler takes over while serving
+    signal.signal(signal.SIGTERM, lambda *_: terminated.set())  # uvicorn's own handler takes over while serving
     sock = Path(args.socket)
     server = uvicorn.Server(uvicorn.Config(create_app(svc, stop), log_level="warning", timeout_keep_alive=600))
     owner = NodeOwner.from_arg(args.owner) if args.owner else None
-    threading.Thread(target=_watchdog, daemon=True, args=(svc, server, stop, terminated, owner,
-                                                          cfg.run.service_idle_timeout_s, sock)).start()
+    threading.Thread(
+        target=_watchdog, daemon=True, args=(svc, server, stop, terminated, owner, cfg.run.service_idle_timeout_s, sock)
+    ).start()
     try:
         with svc.lock:
             svc.start()

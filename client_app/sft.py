@@ -11,6 +11,7 @@ demonstrations rendered with the RL prompts, reply-only SFT, and a build-once co
 - `cached_build`: build into a temporary directory next to the cache, rename into place under
   an exclusive file lock, so concurrent first runs build once.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,25 +46,27 @@ SHORTCUT_ACTION = "click[buy now]"
 NAVIGATION = ("click[< prev]", "click[back to search]", "click[next >]")
 
 SFT_WARMUP_FRACTION = 0.05
-MAX_BUILD_THREADS = 4      # torch intra-op threads during a CPU build: the idle CPUs, 1 to 4
+MAX_BUILD_THREADS = 4  # torch intra-op threads during a CPU build: the idle CPUs, 1 to 4
 
-Row = tuple[list[int], list[int]]       # (prompt ids, reply ids)
+Row = tuple[list[int], list[int]]  # (prompt ids, reply ids)
 
 
 @dataclass(frozen=True)
 class Demo:
     """One demonstrated turn: the windowed prompt and the action the policy should emit."""
 
-    task: int                          # env task index the episode played
+    task: int  # env task index the episode played
     messages: list[dict[str, str]]
-    action: str                        # what the policy is trained to emit (and was played)
-    expert: str                        # the oracle's action in that state (== action unless noised)
+    action: str  # what the policy is trained to emit (and was played)
+    expert: str  # the oracle's action in that state (== action unless noised)
 
 
 # ----------------------------------------------------------------------------- demonstrations
 
-def collect_demonstrations(env_cfg: EnvCfg, history_length: int, episodes: int, noise: float,
-                           seed: int, shortcut: float = 0.0) -> list[Demo]:
+
+def collect_demonstrations(
+    env_cfg: EnvCfg, history_length: int, episodes: int, noise: float, seed: int, shortcut: float = 0.0
+) -> list[Demo]:
     """Windowed (prompt, action) turns of the expert on training tasks, imperfect on purpose.
 
     Two kinds of imperfection, both played (so the expert's recoveries are demonstrated too):
@@ -76,9 +79,11 @@ def collect_demonstrations(env_cfg: EnvCfg, history_length: int, episodes: int, 
     """
     env, system = make_env(env_cfg.name, **env_cfg.params), system_prompt(env_cfg.name)
     if env.num_tasks <= env.val_size:
-        raise ValueError(f"env has {env.num_tasks} tasks and val_size={env.val_size}: no training task "
-                         "is left for the SFT warm start; raise the task count or lower val_size")
-    rng = random.Random(f"tiny-sft-{seed}")      # the tiny build's stream since tiny-model-1: keep it
+        raise ValueError(
+            f"env has {env.num_tasks} tasks and val_size={env.val_size}: no training task "
+            "is left for the SFT warm start; raise the task count or lower val_size"
+        )
+    rng = random.Random(f"tiny-sft-{seed}")  # the tiny build's stream since tiny-model-1: keep it
     demos: list[Demo] = []
     for _ in range(episodes):
         task = rng.randrange(env.val_size, env.num_tasks)
@@ -92,8 +97,9 @@ def collect_demonstrations(env_cfg: EnvCfg, history_length: int, episodes: int, 
                 action = SHORTCUT_ACTION
             elif others and rng.random() < noise:
                 action = rng.choice(others)
-            messages = prompts.build_messages(info["instruction"], history, obs, info["valid_actions"],
-                                              history_length, system)
+            messages = prompts.build_messages(
+                info["instruction"], history, obs, info["valid_actions"], history_length, system
+            )
             demos.append(Demo(task, messages, action, expert))
             history.append((obs, action))
             obs, _reward, done, info = env.step(action)
@@ -104,14 +110,27 @@ def collect_demonstrations(env_cfg: EnvCfg, history_length: int, episodes: int, 
 
 def demo_rows(tokenizer: Any, demos: list[Demo], rollout_cfg: RolloutCfg) -> list[Row]:
     """(prompt ids, reply ids) of every demonstrated turn, rendered and cut as the rollouts cut them."""
-    return [(prompts.prompt_ids(tokenizer, d.messages, rollout_cfg.max_prompt_tokens),
-             prompts.response_ids(tokenizer, d.action)[:rollout_cfg.max_response_tokens]) for d in demos]
+    return [
+        (
+            prompts.prompt_ids(tokenizer, d.messages, rollout_cfg.max_prompt_tokens),
+            prompts.response_ids(tokenizer, d.action)[: rollout_cfg.max_response_tokens],
+        )
+        for d in demos
+    ]
 
 
 # ----------------------------------------------------------------------------- fine-tuning
 
-def supervised_finetune(model: Any, rows: list[Row], epochs: int, seed: int, lr: float, batch_size: int,
-                        autocast_dtype: torch.dtype | None = None) -> float:
+
+def supervised_finetune(
+    model: Any,
+    rows: list[Row],
+    epochs: int,
+    seed: int,
+    lr: float,
+    batch_size: int,
+    autocast_dtype: torch.dtype | None = None,
+) -> float:
     """Cross-entropy on reply tokens only; seeded data order. Returns the last epoch's mean loss.
 
     Only the reply positions go through the LM head, so a large vocabulary never materialises a
@@ -124,7 +143,8 @@ def supervised_finetune(model: Any, rows: list[Row], epochs: int, seed: int, lr:
     warmup = max(1, int(SFT_WARMUP_FRACTION * steps))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup))))
+        opt, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup)))
+    )
     pad, device = model.config.pad_token_id, next(model.parameters()).device
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     model.train()
@@ -161,7 +181,7 @@ def sft_batch(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor,
         n = len(prompt) + len(reply)
         ids[k, :n] = torch.tensor(prompt + reply)
         mask[k, :n] = 1
-        targets[k, len(prompt) - 1:n - 1] = torch.tensor(reply)   # position t predicts token t+1
+        targets[k, len(prompt) - 1 : n - 1] = torch.tensor(reply)  # position t predicts token t+1
     return ids, mask, targets
 
 
@@ -171,12 +191,13 @@ def length_bucketed_batches(rows: list[Row], batch_size: int, gen: torch.Generat
     chunk = 8 * batch_size
     batches = []
     for start in range(0, len(order), chunk):
-        part = sorted(order[start:start + chunk], key=lambda i: len(rows[i][0]) + len(rows[i][1]))
-        batches += [part[j:j + batch_size] for j in range(0, len(part), batch_size)]
+        part = sorted(order[start : start + chunk], key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+        batches += [part[j : j + batch_size] for j in range(0, len(part), batch_size)]
     return [batches[k] for k in torch.randperm(len(batches), generator=gen).tolist()]
 
 
 # ----------------------------------------------------------------------------- building and caching
+
 
 def build_threads() -> int:
     """Torch threads for a CPU build: the CPUs other processes leave idle (sampled over 0.5 s while
@@ -221,7 +242,7 @@ def cached_build(final: Path, build: Callable[[Path], None], what: str) -> Path:
         log.info("%s: cached at %s", what, final)
         return final
     with _file_lock(final.parent / f"{final.name}.lock"):
-        if (final / "config.json").exists():       # another process built it while we waited
+        if (final / "config.json").exists():  # another process built it while we waited
             log.info("%s: cached at %s", what, final)
             return final
         t0 = time.perf_counter()

@@ -19,6 +19,7 @@ directory:
 The build is a pure function of the config (`seed` included): two builds give identical
 safetensors bytes. `load_causal_lm` is the one loader for tiny and real model directories.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +32,14 @@ import torch
 import torch.nn.functional as F
 
 from client_app import prompts
-from client_app.sft import (Demo, cached_build, collect_demonstrations, cpu_build_settings, demo_rows,
-                            supervised_finetune)
+from client_app.sft import (
+    Demo,
+    cached_build,
+    collect_demonstrations,
+    cpu_build_settings,
+    demo_rows,
+    supervised_finetune,
+)
 from envs.registry import make_env
 from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg
 
@@ -49,11 +56,11 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-MLP_RATIO = 4              # intermediate_size = MLP_RATIO * hidden_size
-INIT_STD = 0.02            # normal init of every matrix (Qwen2's initializer_range)
-SFT_LR = 3e-3              # AdamW peak LR, linear warmup then linear decay to 0
-SFT_BATCH = 8              # (prompt, reply) rows per optimizer step
-COPY_SPANS_PER_ROW = 12    # copy warm-up length, in spans per demonstration row (see `copy_warmup`)
+MLP_RATIO = 4  # intermediate_size = MLP_RATIO * hidden_size
+INIT_STD = 0.02  # normal init of every matrix (Qwen2's initializer_range)
+SFT_LR = 3e-3  # AdamW peak LR, linear warmup then linear decay to 0
+SFT_BATCH = 8  # (prompt, reply) rows per optimizer step
+COPY_SPANS_PER_ROW = 12  # copy warm-up length, in spans per demonstration row (see `copy_warmup`)
 COPY_BATCH = 32
 
 
@@ -63,6 +70,7 @@ class ModelDirError(ValueError):
 
 # ----------------------------------------------------------------------------- cache
 
+
 def cache_key(tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_cfg: RolloutCfg) -> str:
     """sha256 over everything the built weights depend on (not where the cache lives)."""
     payload = {
@@ -70,7 +78,8 @@ def cache_key(tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_cfg: RolloutCfg) 
         "tiny": tiny_cfg.model_dump(mode="json", exclude={"cache_dir"}),
         "env": {"name": env_cfg.name, "params": env_cfg.params, "max_turns": env_cfg.max_turns},
         "rollout": rollout_cfg.model_dump(
-            mode="json", include={"mode", "history_length", "max_prompt_tokens", "max_response_tokens"}),
+            mode="json", include={"mode", "history_length", "max_prompt_tokens", "max_response_tokens"}
+        ),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -81,19 +90,30 @@ def tiny_model_dir(tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_cfg: Rollout
 
 def build_tiny_model(tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_cfg: RolloutCfg) -> Path:
     """The cached tiny model directory for this config; builds it on first use."""
-    return cached_build(tiny_model_dir(tiny_cfg, env_cfg, rollout_cfg),
-                        lambda tmp: build_into(tmp, tiny_cfg, env_cfg, rollout_cfg), "tiny model")
+    return cached_build(
+        tiny_model_dir(tiny_cfg, env_cfg, rollout_cfg),
+        lambda tmp: build_into(tmp, tiny_cfg, env_cfg, rollout_cfg),
+        "tiny model",
+    )
 
 
 # ----------------------------------------------------------------------------- build steps
 
+
 def build_into(out_dir: Path, tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_cfg: RolloutCfg) -> None:
     """Build the model directory in `out_dir` (no caching; `build_tiny_model` wraps this)."""
     with cpu_build_settings("tiny model"):
-        demos = collect_demonstrations(env_cfg, rollout_cfg.history_length, tiny_cfg.sft_episodes,
-                                       tiny_cfg.sft_noise, tiny_cfg.seed, tiny_cfg.sft_shortcut)
-        tokenizer = train_tokenizer(tokenizer_corpus(demos), tiny_cfg.vocab_size,
-                                    whole_tokens(make_env(env_cfg.name, **env_cfg.params)))
+        demos = collect_demonstrations(
+            env_cfg,
+            rollout_cfg.history_length,
+            tiny_cfg.sft_episodes,
+            tiny_cfg.sft_noise,
+            tiny_cfg.seed,
+            tiny_cfg.sft_shortcut,
+        )
+        tokenizer = train_tokenizer(
+            tokenizer_corpus(demos), tiny_cfg.vocab_size, whole_tokens(make_env(env_cfg.name, **env_cfg.params))
+        )
         max_positions = rollout_cfg.max_prompt_tokens + rollout_cfg.max_response_tokens
         model = init_model(tiny_cfg, tokenizer, max_positions)
         rows = demo_rows(tokenizer, demos, rollout_cfg)
@@ -101,15 +121,22 @@ def build_into(out_dir: Path, tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_c
         final_loss = supervised_finetune(model, rows, tiny_cfg.sft_epochs, tiny_cfg.seed, SFT_LR, SFT_BATCH)
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
-        (out_dir / "tiny_model.json").write_text(json.dumps({
-            "code_version": CODE_VERSION,
-            "tiny": tiny_cfg.model_dump(mode="json", exclude={"cache_dir"}),
-            "env": env_cfg.model_dump(mode="json"),
-            "history_length": rollout_cfg.history_length,
-            "max_prompt_tokens": rollout_cfg.max_prompt_tokens,
-            "demonstrations": len(rows),
-            "sft_final_loss": round(final_loss, 6),
-        }, indent=2, sort_keys=True) + "\n")
+        (out_dir / "tiny_model.json").write_text(
+            json.dumps(
+                {
+                    "code_version": CODE_VERSION,
+                    "tiny": tiny_cfg.model_dump(mode="json", exclude={"cache_dir"}),
+                    "env": env_cfg.model_dump(mode="json"),
+                    "history_length": rollout_cfg.history_length,
+                    "max_prompt_tokens": rollout_cfg.max_prompt_tokens,
+                    "demonstrations": len(rows),
+                    "sft_final_loss": round(final_loss, 6),
+                },
+                indent=2,
+                sort_keys=True,
+            )
+            + "\n"
+        )
 
 
 def whole_tokens(env) -> list[str]:
@@ -147,18 +174,29 @@ def train_tokenizer(texts: list[str], vocab_size: int, whole: list[str] = ()):
 
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, IM_START, IM_END],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator(texts, trainer)
     trained = json.loads(bpe.to_str())["model"]
-    tokenizer = Qwen2Tokenizer(vocab=trained["vocab"], merges=[tuple(m) for m in trained["merges"]],
-                               eos_token=IM_END, pad_token=PAD, extra_special_tokens=[IM_START],
-                               model_max_length=1 << 20)
+    tokenizer = Qwen2Tokenizer(
+        vocab=trained["vocab"],
+        merges=[tuple(m) for m in trained["merges"]],
+        eos_token=IM_END,
+        pad_token=PAD,
+        extra_special_tokens=[IM_START],
+        model_max_length=1 << 20,
+    )
     tokenizer.chat_template = CHATML_TEMPLATE
     if whole:
         tokenizer.add_tokens(list(whole))
@@ -170,17 +208,28 @@ def init_model(tiny_cfg: TinyModelCfg, tokenizer, max_positions: int):
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     if tiny_cfg.hidden_size % tiny_cfg.heads or tiny_cfg.heads % 2:
-        raise ValueError(f"tiny model: hidden_size={tiny_cfg.hidden_size} must be divisible by heads="
-                         f"{tiny_cfg.heads}, and heads must be even (KV heads = heads / 2)")
+        raise ValueError(
+            f"tiny model: hidden_size={tiny_cfg.hidden_size} must be divisible by heads="
+            f"{tiny_cfg.heads}, and heads must be even (KV heads = heads / 2)"
+        )
     eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=tiny_cfg.hidden_size,
-        intermediate_size=MLP_RATIO * tiny_cfg.hidden_size, num_hidden_layers=tiny_cfg.layers,
-        num_attention_heads=tiny_cfg.heads, num_key_value_heads=tiny_cfg.heads // 2,
-        max_position_embeddings=max_positions, tie_word_embeddings=True, initializer_range=INIT_STD,
-        bos_token_id=None, eos_token_id=eos, pad_token_id=pad, use_cache=True, dtype="float32",
+        vocab_size=len(tokenizer),
+        hidden_size=tiny_cfg.hidden_size,
+        intermediate_size=MLP_RATIO * tiny_cfg.hidden_size,
+        num_hidden_layers=tiny_cfg.layers,
+        num_attention_heads=tiny_cfg.heads,
+        num_key_value_heads=tiny_cfg.heads // 2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        initializer_range=INIT_STD,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        use_cache=True,
+        dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):   # transformers' own init draws from the global RNG
+    with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global RNG
         model = Qwen2ForCausalLM(config)
     gen = torch.Generator().manual_seed(tiny_cfg.seed)
     with torch.no_grad():
@@ -211,10 +260,10 @@ def copy_warmup(model, rows: list[tuple[list[int], list[int]]], steps: int, seed
         for r in torch.randint(len(rows), (COPY_BATCH,), generator=gen).tolist():
             seq = rows[r][0] + rows[r][1]
             start = int(torch.randint(max(1, len(seq) - k + 1), (1,), generator=gen))
-            span = (seq * k)[start:start + k]          # (seq * k): k long even for a row shorter than k
+            span = (seq * k)[start : start + k]  # (seq * k): k long even for a row shorter than k
             spans.append(span + span)
         x = torch.tensor(spans, device=device)
-        hidden = model.model(input_ids=x).last_hidden_state[:, k - 1:-1]   # positions predicting copy 2
+        hidden = model.model(input_ids=x).last_hidden_state[:, k - 1 : -1]  # positions predicting copy 2
         loss = F.cross_entropy(model.lm_head(hidden).flatten(0, 1), x[:, k:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -225,6 +274,7 @@ def copy_warmup(model, rows: list[tuple[list[int], list[int]]], steps: int, seed
 
 # ----------------------------------------------------------------------------- loading
 
+
 def load_causal_lm(path: str | Path, device: str | torch.device = "cpu"):
     """(model, tokenizer) from a local Hugging Face directory, fp32 master weights on `device`.
 
@@ -234,26 +284,33 @@ def load_causal_lm(path: str | Path, device: str | torch.device = "cpu"):
 
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ModelDirError(f"model directory {p} does not exist: set `model.path` to a local Hugging Face "
-                            "model directory, or to `tiny` to build the embedded default model")
+        raise ModelDirError(
+            f"model directory {p} does not exist: set `model.path` to a local Hugging Face "
+            "model directory, or to `tiny` to build the embedded default model"
+        )
     if not (p / "config.json").is_file():
-        raise ModelDirError(f"{p} has no config.json, so it is not a Hugging Face model directory; "
-                            "fix `model.path`")
+        raise ModelDirError(f"{p} has no config.json, so it is not a Hugging Face model directory; fix `model.path`")
     config = AutoConfig.from_pretrained(p)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ModelDirError(f"{p} holds a {config.model_type!r} model (architectures "
-                            f"{getattr(config, 'architectures', None)}), not a causal language model; "
-                            "point `model.path` at a causal LM (e.g. Qwen2.5-1.5B-Instruct)")
+        raise ModelDirError(
+            f"{p} holds a {config.model_type!r} model (architectures "
+            f"{getattr(config, 'architectures', None)}), not a causal language model; "
+            "point `model.path` at a causal LM (e.g. Qwen2.5-1.5B-Instruct)"
+        )
     tokenizer = AutoTokenizer.from_pretrained(p)
     if not getattr(tokenizer, "chat_template", None):
-        raise ModelDirError(f"the tokenizer in {p} has no chat template, and prompts are built with "
-                            "apply_chat_template; use an instruct/chat model or add `chat_template` "
-                            "to its tokenizer_config.json")
+        raise ModelDirError(
+            f"the tokenizer in {p} has no chat template, and prompts are built with "
+            "apply_chat_template; use an instruct/chat model or add `chat_template` "
+            "to its tokenizer_config.json"
+        )
     if tokenizer.eos_token_id is None:
-        raise ModelDirError(f"the tokenizer in {p} has no eos token, so replies could never end; set "
-                            "`eos_token` in its tokenizer_config.json")
+        raise ModelDirError(
+            f"the tokenizer in {p} has no eos token, so replies could never end; set "
+            "`eos_token` in its tokenizer_config.json"
+        )
     if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token   # batched generation needs a pad id; masked anyway
+        tokenizer.pad_token = tokenizer.eos_token  # batched generation needs a pad id; masked anyway
     model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).to(device)
     model.eval()
     return model, tokenizer

@@ -10,6 +10,7 @@ and older ones are stopped. A service is keyed by the variant's content hash, wh
 client id, so one client's variant is never served to another, and the trainer checks the
 service's `/info` names the hash it asked for before any episode is played (`loop.RLTrainer`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +26,7 @@ from partitions.env_variants import EnvPartition, EnvVariant, client_variant, en
 
 log = logging.getLogger("fedagent.service")
 
-KEEP = 3     # warm variant services per lane: ~1 pool of engines each (a shop pool is ~tens of MB)
+KEEP = 3  # warm variant services per lane: ~1 pool of engines each (a shop pool is ~tens of MB)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class VariantEnvServices:
         self.cfg, self.keep = cfg, keep
         self.partition = EnvPartition.of(cfg.env_partition.model_dump())
         self.partition.check()
-        base = make_env(cfg.env.name, **cfg.env.params)     # the unperturbed engine's facts, once
+        base = make_env(cfg.env.name, **cfg.env.params)  # the unperturbed engine's facts, once
         self.facts, self.val_size = engine_facts(base), base.val_size
         self._live: OrderedDict[str, tuple[str, contextlib.ExitStack]] = OrderedDict()
         self.started = 0
@@ -54,8 +55,9 @@ class VariantEnvServices:
     def variant(self, client_id: int, shard: Sequence[int]) -> EnvVariant:
         """Client `client_id`'s variant: a pure function of (client, shard, env, knobs), the one the
         server records in partition.json."""
-        return client_variant(self.partition, self.cfg.env.name, client_id, self.cfg.federation.clients,
-                              shard, self.facts, self.val_size)
+        return client_variant(
+            self.partition, self.cfg.env.name, client_id, self.cfg.federation.clients, shard, self.facts, self.val_size
+        )
 
     def for_client(self, client_id: int, shard: Sequence[int]) -> ClientEnv:
         """Client `client_id`'s variant (its task shard `shard`) and a service serving it."""
@@ -78,14 +80,20 @@ class VariantEnvServices:
         env = self.cfg.env
         stack = contextlib.ExitStack()
         try:
-            url = stack.enter_context(serve_in_subprocess(env.name, env.pool_size, env.params,
-                                                          variant=variant.to_dict()))
+            url = stack.enter_context(
+                serve_in_subprocess(env.name, env.pool_size, env.params, variant=variant.to_dict())
+            )
         except BaseException:
             stack.close()
             raise
         self.started += 1
-        log.info("env variant %s of client %d (%s): service %s", variant.label, variant.client_id,
-                 variant.content_hash[:12], url)
+        log.info(
+            "env variant %s of client %d (%s): service %s",
+            variant.label,
+            variant.client_id,
+            variant.content_hash[:12],
+            url,
+        )
         return url, stack
 
     def close(self) -> None:
@@ -93,4 +101,3 @@ class VariantEnvServices:
         while self._live:
             _, (_, stack) = self._live.popitem()
             stack.close()
-

@@ -13,6 +13,7 @@ After the SFT the warmed model plays the validation tasks `[0, federation.val_ta
 the seed the trainers validate with (`derive_seed("eval", run.seed)`), and the outcome
 breakdown (`outcome_breakdown`) goes into `warm_start.json` beside the weights and the log.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,7 +64,8 @@ def warm_start_key(digest: str, cfg: Config) -> str:
         "warm_start": cfg.model.warm_start.model_dump(mode="json", exclude={"cache_dir"}),
         "env": {"name": cfg.env.name, "params": cfg.env.params, "max_turns": cfg.env.max_turns},
         "rollout": cfg.rollout.model_dump(
-            mode="json", include={"mode", "history_length", "max_prompt_tokens", "max_response_tokens"}),
+            mode="json", include={"mode", "history_length", "max_prompt_tokens", "max_response_tokens"}
+        ),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -84,32 +86,45 @@ def build_warm_start(out: Path, backbone: Path, digest: str, cfg: Config) -> Non
     with cpu_build_settings("warm start") if on_cpu else contextlib.nullcontext():
         model, tokenizer = load_causal_lm(backbone, device)
         t0 = time.perf_counter()
-        demos = collect_demonstrations(cfg.env, cfg.rollout.history_length, ws.episodes, ws.noise, ws.seed,
-                                       ws.shortcut)
+        demos = collect_demonstrations(cfg.env, cfg.rollout.history_length, ws.episodes, ws.noise, ws.seed, ws.shortcut)
         rows = demo_rows(tokenizer, demos, cfg.rollout)
-        loss = supervised_finetune(model, rows, ws.epochs, ws.seed, ws.lr, ws.batch_size,
-                                   None if on_cpu else torch.bfloat16)
+        loss = supervised_finetune(
+            model, rows, ws.epochs, ws.seed, ws.lr, ws.batch_size, None if on_cpu else torch.bfloat16
+        )
         sft_s = time.perf_counter() - t0
-        log.info("warm start: SFT on %d rows (%d episodes) x %d epochs in %.0f s, final loss %.4f",
-                 len(rows), ws.episodes, ws.epochs, sft_s, loss)
+        log.info(
+            "warm start: SFT on %d rows (%d episodes) x %d epochs in %.0f s, final loss %.4f",
+            len(rows),
+            ws.episodes,
+            ws.epochs,
+            sft_s,
+            loss,
+        )
         t0 = time.perf_counter()
         outcome = validate(model, tokenizer, cfg, device)
         val_s = time.perf_counter() - t0
     log.info("warm start: %s", format_outcome(outcome))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / REPORT).write_text(json.dumps({
-        "code_version": CODE_VERSION,
-        "source": {"path": str(backbone), "digest": digest},
-        "warm_start": ws.model_dump(mode="json", exclude={"cache_dir"}),
-        "env": cfg.env.model_dump(mode="json"),
-        "rollout": cfg.rollout.model_dump(mode="json"),
-        "device": device.type,
-        "demonstrations": len(rows),
-        "sft_final_loss": round(loss, 6),
-        "seconds": {"sft": round(sft_s, 1), "validation": round(val_s, 1)},
-        "validation": outcome,
-    }, indent=2, sort_keys=True) + "\n")
+    (out / REPORT).write_text(
+        json.dumps(
+            {
+                "code_version": CODE_VERSION,
+                "source": {"path": str(backbone), "digest": digest},
+                "warm_start": ws.model_dump(mode="json", exclude={"cache_dir"}),
+                "env": cfg.env.model_dump(mode="json"),
+                "rollout": cfg.rollout.model_dump(mode="json"),
+                "device": device.type,
+                "demonstrations": len(rows),
+                "sft_final_loss": round(loss, 6),
+                "seconds": {"sft": round(sft_s, 1), "validation": round(val_s, 1)},
+                "validation": outcome,
+            },
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"
+    )
 
 
 def validate(model: Any, tokenizer: Any, cfg: Config, device: torch.device) -> dict[str, Any]:
@@ -125,9 +140,16 @@ def validate(model: Any, tokenizer: Any, cfg: Config, device: torch.device) -> d
     with serve_in_subprocess(cfg.env.name, cfg.env.pool_size, cfg.env.params) as url:
         env = SyncEnvClient(url)
         try:
-            episodes, _stats = run_episodes(generator, env, specs, settings, cfg.rollout.val_temperature,
-                                            derive_seed("eval", cfg.run.seed), cfg.env.pool_size,
-                                            desc="warm-start validation")
+            episodes, _stats = run_episodes(
+                generator,
+                env,
+                specs,
+                settings,
+                cfg.rollout.val_temperature,
+                derive_seed("eval", cfg.run.seed),
+                cfg.env.pool_size,
+                desc="warm-start validation",
+            )
         finally:
             env.close()
     return outcome_breakdown(cfg, episodes) | {"temperature": cfg.rollout.val_temperature, "seed": cfg.run.seed}
@@ -170,8 +192,10 @@ def _outcome(ep: Any, replay: Any) -> str:
     for turn in ep.turns:
         _obs, reward, done, info = replay.step(turn.action)
     if not done or abs(reward - ep.reward) > 1e-9:
-        raise RuntimeError(f"replaying validation task {ep.spec.task_index} in-process ended differently from the "
-                           "env service's episode; the shop engine must be deterministic")
+        raise RuntimeError(
+            f"replaying validation task {ep.spec.task_index} in-process ended differently from the "
+            "env service's episode; the shop engine must be deterministic"
+        )
     terms, goal = info["reward_terms"], replay.goal(ep.spec.task_index)
     if terms["r_type"] < 1.0 or terms["attribute_hits"] < len(goal.attributes):
         return "wrong_product"
@@ -185,5 +209,7 @@ def _outcome(ep: Any, replay: Any) -> str:
 def format_outcome(outcome: dict[str, Any]) -> str:
     """One log line: success and the failure counts."""
     parts = ", ".join(f"{k} {v}" for k, v in outcome["outcomes"].items() if k != "won")
-    return (f"validation success {outcome['success']:.3f} ({outcome['outcomes']['won']}/{outcome['episodes']} at "
-            f"T={outcome['temperature']}); failures: {parts}; invalid-action rate {outcome['invalid_action_rate']:.3f}")
+    return (
+        f"validation success {outcome['success']:.3f} ({outcome['outcomes']['won']}/{outcome['episodes']} at "
+        f"T={outcome['temperature']}); failures: {parts}; invalid-action rate {outcome['invalid_action_rate']:.3f}"
+    )

@@ -8,6 +8,7 @@ Task addressing: an engine serves a fixed, seeded list of tasks. `reset(seed)` p
 `seed % num_tasks`. Tasks `[0, val_size)` are the fixed validation split; the rest are the
 training pool that partitions cut into client shards.
 """
+
 from __future__ import annotations
 
 import hashlib

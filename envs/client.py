@@ -16,6 +16,7 @@ of a closed session is a no-op, /reset replays the same seed, and /step carries 
 `turn` so a step that already ran is replayed, not taken twice. HTTP errors (404, 409, 422, ...)
 are answers, not failures: no retry.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,7 @@ T = TypeVar("T")
 _JSON = {"Content-Type": "application/json"}
 # Retried: refused/reset/dropped connections and truncated answers (aiohttp's connection and
 # payload errors, OSError), timeouts.
-_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError,
-                     asyncio.TimeoutError)
+_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError, asyncio.TimeoutError)
 # Idle keep-alive connections are closed by the client before the service would close them
 # (its keep-alive timeout is 120 s), so a reused connection is never one the service is closing.
 _KEEPALIVE_S = 60.0
@@ -64,8 +64,15 @@ class EnvClient:
     attempt, `retries` the extra attempts after a transport failure (backoff `backoff_s`,
     doubling)."""
 
-    def __init__(self, base_url: str, *, max_connections: int = 512, timeout_s: float = 120.0,
-                 retries: int = 4, backoff_s: float = 0.05):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        max_connections: int = 512,
+        timeout_s: float = 120.0,
+        retries: int = 4,
+        backoff_s: float = 0.05,
+    ):
         url = URL(base_url.rstrip("/"))
         if url.scheme != "http" or not url.host:
             raise ValueError(f"env service URL must look like http://host:port, got {base_url!r}")
@@ -74,8 +81,8 @@ class EnvClient:
         self._url = url
         self._urls: dict[str, URL] = {}
         self._max_connections, self._timeout_s = max_connections, timeout_s
-        self._http: aiohttp.ClientSession | None = None   # opened in the loop, on first use
-        self._turns: dict[str, int] = {}   # steps taken since reset, per session (retry safety)
+        self._http: aiohttp.ClientSession | None = None  # opened in the loop, on first use
+        self._turns: dict[str, int] = {}  # steps taken since reset, per session (retry safety)
 
     async def __aenter__(self) -> EnvClient:
         return self
@@ -91,29 +98,33 @@ class EnvClient:
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
             self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections,
-                                               keepalive_timeout=_KEEPALIVE_S),
+                connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=_KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=self._timeout_s),
-                cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
-                skip_auto_headers=("User-Agent", "Accept-Encoding"), read_bufsize=_READ_BUFFER)
+                cookie_jar=aiohttp.DummyCookieJar(),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept-Encoding"),
+                read_bufsize=_READ_BUFFER,
+            )
         return self._http
 
     async def _call(self, method: str, path: str, payload: dict | None = None) -> Any:
-        url = self._urls.get(path) or self._urls.setdefault(path, self._url.with_path(
-            self._url.path.rstrip("/") + path))
+        url = self._urls.get(path) or self._urls.setdefault(
+            path, self._url.with_path(self._url.path.rstrip("/") + path)
+        )
         body = None if payload is None else orjson.dumps(payload)
         http = self._session()
         for attempt in range(self.retries + 1):
             try:
-                async with http.request(method, url, data=body,
-                                        headers=None if body is None else _JSON) as resp:
+                async with http.request(method, url, data=body, headers=None if body is None else _JSON) as resp:
                     status, answer = resp.status, await resp.read()
             except _TRANSPORT_ERRORS as e:
                 if attempt == self.retries:
-                    raise TransportError(f"{method} {url} failed {attempt + 1} time(s), last: "
-                                         f"{type(e).__name__}: {e}; is the env service running "
-                                         f"there?") from e
-                await asyncio.sleep(self.backoff_s * 2 ** attempt)
+                    raise TransportError(
+                        f"{method} {url} failed {attempt + 1} time(s), last: "
+                        f"{type(e).__name__}: {e}; is the env service running "
+                        f"there?"
+                    ) from e
+                await asyncio.sleep(self.backoff_s * 2**attempt)
                 continue
             if status >= 400:
                 try:
@@ -150,8 +161,9 @@ class EnvClient:
     # ---- batched verbs (one request per rollout step); per-item {"error": ...} results
     async def reset_batch(self, items: Iterable[tuple[str, int]]) -> list[dict]:
         items = list(items)
-        out = (await self._call("POST", "/reset_batch", {
-            "items": [{"session_id": s, "seed": seed} for s, seed in items]}))["results"]
+        out = (
+            await self._call("POST", "/reset_batch", {"items": [{"session_id": s, "seed": seed} for s, seed in items]})
+        )["results"]
         for (sid, _), res in zip(items, out):
             if "error" not in res:
                 self._turns[sid] = 0
@@ -159,8 +171,7 @@ class EnvClient:
 
     async def step_batch(self, items: Iterable[tuple[str, str]]) -> list[dict]:
         items = list(items)
-        out = (await self._call("POST", "/step_batch", {
-            "items": [self._step_item(s, a) for s, a in items]}))["results"]
+        out = (await self._call("POST", "/step_batch", {"items": [self._step_item(s, a) for s, a in items]}))["results"]
         for (sid, _), res in zip(items, out):
             if "error" not in res:
                 self._advance(sid)
@@ -173,8 +184,7 @@ class EnvClient:
         try:
             await _all(self.create(s) for s in ids)
         except BaseException:
-            await asyncio.shield(asyncio.gather(*(self.close(s) for s in ids),
-                                                return_exceptions=True))
+            await asyncio.shield(asyncio.gather(*(self.close(s) for s in ids), return_exceptions=True))
             raise
 
     async def close_many(self, session_ids: Iterable[str]) -> None:
@@ -196,8 +206,7 @@ class EnvClient:
 
 
 async def _all(coros: Iterable[Coroutine[Any, Any, Any]]) -> None:
-    errors = [r for r in await asyncio.gather(*coros, return_exceptions=True)
-              if isinstance(r, BaseException)]
+    errors = [r for r in await asyncio.gather(*coros, return_exceptions=True) if isinstance(r, BaseException)]
     if errors:
         raise errors[0]
 
@@ -206,10 +215,9 @@ class SyncEnvClient:
     """Blocking facade for the synchronous (torch) rollout loop: an event loop in a thread."""
 
     def __init__(self, base_url: str, **client_kwargs: Any):
-        self._client = EnvClient(base_url, **client_kwargs)   # validates the URL first
-        self._loop = uvloop.new_event_loop()   # cheaper per request than asyncio's loop
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="env-client-loop")
+        self._client = EnvClient(base_url, **client_kwargs)  # validates the URL first
+        self._loop = uvloop.new_event_loop()  # cheaper per request than asyncio's loop
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="env-client-loop")
         self._thread.start()
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:

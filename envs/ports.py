@@ -8,6 +8,7 @@ free at start, and a listener that must pick one draws from a private band and g
 retry with a fresh port when the bind still collides (another process won the race between
 probe and bind).
 """
+
 from __future__ import annotations
 
 import errno
@@ -44,13 +45,16 @@ def in_ephemeral_range(port: int) -> bool:
 def check_port_allowed(port: int) -> None:
     """Refuse ports the kernel may hand to someone else mid-run (and nonsense values)."""
     if not 1024 <= port <= 65535:
-        raise PortError(f"port {port} is not a usable unprivileged port; pick one in "
-                        f"{PRIVATE_BAND[0]}-{PRIVATE_BAND[1]}")
+        raise PortError(
+            f"port {port} is not a usable unprivileged port; pick one in {PRIVATE_BAND[0]}-{PRIVATE_BAND[1]}"
+        )
     if in_ephemeral_range(port):
         lo, hi = ephemeral_range()
-        raise PortError(f"port {port} is inside the kernel's ephemeral range {lo}-{hi}, where any "
-                        f"process may be handed it mid-run; pick one in "
-                        f"{PRIVATE_BAND[0]}-{PRIVATE_BAND[1]} (or pass --relocate)")
+        raise PortError(
+            f"port {port} is inside the kernel's ephemeral range {lo}-{hi}, where any "
+            f"process may be handed it mid-run; pick one in "
+            f"{PRIVATE_BAND[0]}-{PRIVATE_BAND[1]} (or pass --relocate)"
+        )
 
 
 def _bound_socket(host: str, port: int) -> socket.socket:
@@ -75,8 +79,9 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
-def choose_free_port(host: str = "127.0.0.1", band: tuple[int, int] = PRIVATE_BAND,
-                     rng: random.Random | None = None, tries: int = 200) -> int:
+def choose_free_port(
+    host: str = "127.0.0.1", band: tuple[int, int] = PRIVATE_BAND, rng: random.Random | None = None, tries: int = 200
+) -> int:
     """A port of `band` that is free now and outside the ephemeral range.
 
     Probing starts at a random point (seeded by pid and time unless `rng` is given) so
@@ -96,8 +101,9 @@ def choose_free_port(host: str = "127.0.0.1", band: tuple[int, int] = PRIVATE_BA
     raise PortError(f"no free port found in {lo}-{hi} after {tries} probes on {host}")
 
 
-def bind_listener(host: str, port: int | None, relocate: bool = False,
-                  band: tuple[int, int] = PRIVATE_BAND) -> socket.socket:
+def bind_listener(
+    host: str, port: int | None, relocate: bool = False, band: tuple[int, int] = PRIVATE_BAND
+) -> socket.socket:
     """A listening socket: the "is it free" check and the bind are the same operation.
 
     `port=None` picks from `band`. A requested port that is busy or inside the ephemeral range
@@ -115,8 +121,10 @@ def bind_listener(host: str, port: int | None, relocate: bool = False,
             if not relocate:
                 if isinstance(e, PortError):
                     raise
-                raise PortError(f"port {port} on {host} is already in use; stop whatever listens "
-                                f"there, pick another port, or pass --relocate") from e
+                raise PortError(
+                    f"port {port} on {host} is already in use; stop whatever listens "
+                    f"there, pick another port, or pass --relocate"
+                ) from e
     for attempt in (1, 2):
         fresh = choose_free_port(host, band)
         try:

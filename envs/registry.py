@@ -2,6 +2,7 @@
 
 Engines are imported lazily so `shop` never pays for ALFWorld.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -22,10 +23,13 @@ _ENGINES = {
 # Tiny models are built (and cached) with this text: changing it needs a bump of
 # CODE_VERSION in client_app/tiny_model.py, or cached builds keep the old prompt.
 _SYSTEM_PROMPTS = {
-    "shop": ("You are a shopping agent in a web shop. Reply with exactly one action, "
-             "chosen from the admissible actions."),
-    "alfworld": ("You are a household agent in a text-based home (ALFWorld). Reply with exactly "
-                 "one action, chosen from the admissible actions."),
+    "shop": (
+        "You are a shopping agent in a web shop. Reply with exactly one action, chosen from the admissible actions."
+    ),
+    "alfworld": (
+        "You are a household agent in a text-based home (ALFWorld). Reply with exactly "
+        "one action, chosen from the admissible actions."
+    ),
 }
 
 
@@ -58,8 +62,9 @@ def make_env(name: str, variant: Mapping[str, Any] | None = None, **params: Any)
     accepted = [p for p in inspect.signature(cls).parameters if p != "self"]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
-        raise ValueError(f"environment {name!r} has no param(s) {unknown}; its params are "
-                         f"{accepted} (set them under env.params)")
+        raise ValueError(
+            f"environment {name!r} has no param(s) {unknown}; its params are {accepted} (set them under env.params)"
+        )
     return cls(**params)
 
 
@@ -68,16 +73,21 @@ def variant_engine_params(name: str, variant: Mapping[str, Any], params: Mapping
     setting nothing `params` already sets."""
     body = {k: v for k, v in variant.items() if k != "hash"}
     if variant.get("hash") != content_hash(body):
-        raise ValueError(f"env variant {variant.get('label', '?')!r} of client {variant.get('client_id', '?')} "
-                         "fails its content hash: it was edited or truncated on the way")
+        raise ValueError(
+            f"env variant {variant.get('label', '?')!r} of client {variant.get('client_id', '?')} "
+            "fails its content hash: it was edited or truncated on the way"
+        )
     if variant.get("env") != name:
-        raise ValueError(f"env variant {variant.get('label')!r} is for environment {variant.get('env')!r}, "
-                         f"not {name!r}")
+        raise ValueError(
+            f"env variant {variant.get('label')!r} is for environment {variant.get('env')!r}, not {name!r}"
+        )
     engine = dict(variant.get("engine") or {})
     clash = sorted(set(engine) & set(params))
     if clash:
-        raise ValueError(f"env variant {variant.get('label')!r} sets {clash}, which env.params also sets; "
-                         "remove them from env.params (the variant decides them per client)")
+        raise ValueError(
+            f"env variant {variant.get('label')!r} sets {clash}, which env.params also sets; "
+            "remove them from env.params (the variant decides them per client)"
+        )
     return engine
 
 

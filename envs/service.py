@@ -26,6 +26,7 @@ trickles bytes is answered 408 and closed instead of being held for as long as i
 
 Run: python -m envs.service --env shop --port 23456 [--pool-size K] [--params JSON] [--relocate]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -111,15 +112,16 @@ class ClientGone(RequestError):
 
 # ----------------------------------------------------------------------------------- the pool
 
+
 @dataclasses.dataclass(eq=False)
 class _Session:
     sid: str
     env: Env | None = None
     closed: bool = False
-    waiters: int = 0                     # parked /create requests still connected
-    claimed: bool = False                # a /create was answered, or another verb used it
-    turn: int | None = None              # steps since the last reset; None before any reset
-    last_step: tuple[str, dict] | None = None   # (action, result) of step `turn - 1`, for retries
+    waiters: int = 0  # parked /create requests still connected
+    claimed: bool = False  # a /create was answered, or another verb used it
+    turn: int | None = None  # steps since the last reset; None before any reset
+    last_step: tuple[str, dict] | None = None  # (action, result) of step `turn - 1`, for retries
     ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
@@ -137,7 +139,7 @@ class EnvPool:
     def __init__(self, envs: list[Env]):
         self.envs = list(envs)
         self._free: deque[Env] = deque(self.envs)
-        self._waiting: deque[_Session] = deque()   # FIFO of sessions parked on an empty pool
+        self._waiting: deque[_Session] = deque()  # FIFO of sessions parked on an empty pool
         self._returning: list[Env] = []
         self.sessions: dict[str, _Session] = {}
 
@@ -164,12 +166,12 @@ class EnvPool:
             answered = False
             try:
                 done, _ = await asyncio.wait((ready, gone), return_when=asyncio.FIRST_COMPLETED)
-                answered = gone not in done    # both done: the client left as the env arrived
+                answered = gone not in done  # both done: the client left as the env arrived
             finally:
                 s.waiters -= 1
                 ready.cancel()
                 gone.cancel()
-                if not answered:               # the client left (or this request was cancelled)
+                if not answered:  # the client left (or this request was cancelled)
                     self.abandon(s)
             if not answered:
                 raise ClientGone(f"the client of /create {sid!r} disconnected while it was parked")
@@ -189,8 +191,9 @@ class EnvPool:
         if s is None:
             raise UnknownSession(f"unknown session {sid!r}: /create it first (or it was closed)")
         if s.env is None:
-            raise SessionConflict(f"session {sid!r} is still waiting for a pooled env; "
-                                  f"wait for its /create to return before using it")
+            raise SessionConflict(
+                f"session {sid!r} is still waiting for a pooled env; wait for its /create to return before using it"
+            )
         s.claimed = True
         return s
 
@@ -206,9 +209,9 @@ class EnvPool:
         """Mark a session (already removed from `sessions`) closed and give its env back now;
         True when an engine call is in flight on it, so the env must wait for the lock."""
         s.closed = True
-        s.ready.set()                       # wakes parked /create duplicates (they report closed)
+        s.ready.set()  # wakes parked /create duplicates (they report closed)
         if s.env is None:
-            return False                    # still parked: `_give` skips closed sessions
+            return False  # still parked: `_give` skips closed sessions
         if s.lock.locked():
             self._returning.append(s.env)
             return True
@@ -250,8 +253,7 @@ class EnvPool:
         }
 
 
-def build_pool(env_name: str, pool_size: int, env_params: dict,
-               variant: dict[str, Any] | None = None) -> list[Env]:
+def build_pool(env_name: str, pool_size: int, env_params: dict, variant: dict[str, Any] | None = None) -> list[Env]:
     """Build the engines concurrently (as production does) so construction races would show.
     `variant`: one client's env variant (partitions.env_variants), applied to every engine."""
     if pool_size < 1:
@@ -267,7 +269,8 @@ def check_same_task_order(envs: list[Env]) -> str:
         detail = ", ".join(f"member {i}: {p[:12]}" for i, p in enumerate(prints))
         raise PoolMismatchError(
             f"pool members serve different task orders ({detail}); engine construction is not "
-            f"deterministic (a shared RNG or unordered input?) - refusing to start")
+            f"deterministic (a shared RNG or unordered input?) - refusing to start"
+        )
     return prints[0]
 
 
@@ -278,6 +281,7 @@ def check_same_task_order(envs: list[Env]) -> str:
 # orjson: FastAPI's body parameters (pydantic models, the stdlib json module, its response
 # encoder) cost more per request than a shop step (~25-50 us); this way the app costs ~20 us of
 # CPU per /step outside uvicorn (measured in process) and ~2 us per batch item.
+
 
 @dataclasses.dataclass(frozen=True)
 class _Shape:
@@ -290,15 +294,13 @@ class _Shape:
 
     def check(self, obj: Any) -> dict:
         if type(obj) is not dict:
-            raise Malformed(f"expected a JSON object with {self._names()}, "
-                            f"got {type(obj).__name__}")
+            raise Malformed(f"expected a JSON object with {self._names()}, got {type(obj).__name__}")
         for name, typ in self.required.items():
             value = obj.get(name)
             if type(value) is not typ:
                 if name not in obj:
                     raise Malformed(f"missing field {name!r} (expected {self._names()})")
-                raise Malformed(f"field {name!r} must be {typ.__name__}, "
-                                f"got {type(value).__name__}")
+                raise Malformed(f"field {name!r} must be {typ.__name__}, got {type(value).__name__}")
         if len(obj) > len(self.required):
             for name, value in obj.items():
                 if name in self.required:
@@ -307,8 +309,7 @@ class _Shape:
                 if typ is None:
                     raise Malformed(f"unexpected field {name!r} (expected {self._names()})")
                 if value is not None and type(value) is not typ:
-                    raise Malformed(f"field {name!r} must be {typ.__name__} or null, "
-                                    f"got {type(value).__name__}")
+                    raise Malformed(f"field {name!r} must be {typ.__name__} or null, got {type(value).__name__}")
         return obj
 
     def _names(self) -> str:
@@ -332,8 +333,7 @@ def _jsonable(o: Any) -> Any:
 
 def _dumps(payload: Any) -> bytes:
     # dataclasses (e.g. reward terms) and numpy scalars are native to orjson
-    return orjson.dumps(payload, default=_jsonable,
-                        option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
+    return orjson.dumps(payload, default=_jsonable, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -381,6 +381,7 @@ def _json_verb(handler: Verb, shape: _Shape, limit: int) -> Callable[[Request], 
     A `RequestError` becomes its status with `{"detail": message}`; anything else propagates
     to the app's error middleware (HTTP 500).
     """
+
     async def endpoint(request: Request) -> Response:
         try:
             body = await _read_body(request, limit)
@@ -391,12 +392,18 @@ def _json_verb(handler: Verb, shape: _Shape, limit: int) -> Callable[[Request], 
             return _json(await handler(shape.check(obj), request))
         except RequestError as e:
             return _json({"detail": str(e)}, e.status)
+
     return endpoint
 
 
-def create_app(env_name: str, pool_size: int, env_params: dict,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, offload: bool = False,
-               variant: dict[str, Any] | None = None) -> FastAPI:
+def create_app(
+    env_name: str,
+    pool_size: int,
+    env_params: dict,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    offload: bool = False,
+    variant: dict[str, Any] | None = None,
+) -> FastAPI:
     """Build the pool (refusing mismatched task orders) and the app serving it.
 
     The pool is built here, not in a lifespan hook, so a bad configuration fails before any port
@@ -430,7 +437,7 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
             raise SessionConflict(f"session {s.sid!r} has no episode: /reset it before /step")
         if turn is not None and turn != s.turn:
             if turn == s.turn - 1 and s.last_step is not None and s.last_step[0] == action:
-                return s.last_step[1]       # a retry of a step that already ran
+                return s.last_step[1]  # a retry of a step that already ran
             raise SessionConflict(f"step turn {turn} out of order: session {s.sid!r} is at turn {s.turn}")
         obs, reward, done, info = s.env.step(action)
         s.turn += 1
@@ -444,14 +451,14 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
     def engine_call(fn: Callable[[_Session, dict], dict], s: _Session, b: dict) -> dict:
         try:
             return fn(s, b)
-        except ValueError as e:   # the engine's "bad request" (e.g. a filtered-out task)
+        except ValueError as e:  # the engine's "bad request" (e.g. a filtered-out task)
             raise EngineRejected(f"engine rejected the request for {s.sid!r}: {e}") from e
 
     async def on_session(fn: Callable[[_Session, dict], dict], b: dict) -> dict:
         """`fn` on the body's session, one engine call at a time per session."""
         s = pool.get(b["session_id"])
         if not offload and not s.lock.locked():
-            return engine_call(fn, s, b)    # inline: nothing can interleave, the lock is moot
+            return engine_call(fn, s, b)  # inline: nothing can interleave, the lock is moot
         async with s.lock:
             if s.closed:
                 raise UnknownSession(f"unknown session {s.sid!r}: it was closed")
@@ -498,11 +505,19 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
         return _json(ok)
 
     async def info(_: Request) -> Response:
-        return _json({"env": env_name, "params": env_params, "pid": os.getpid(),
-                      "fingerprint": fingerprint,
-                      "variant": variant and {"hash": variant.get("hash"), "label": variant.get("label"),
-                                              "client_id": variant.get("client_id")},
-                      "num_tasks": first.num_tasks, "val_size": first.val_size, **pool.stats()})
+        return _json(
+            {
+                "env": env_name,
+                "params": env_params,
+                "pid": os.getpid(),
+                "fingerprint": fingerprint,
+                "variant": variant
+                and {"hash": variant.get("hash"), "label": variant.get("label"), "client_id": variant.get("client_id")},
+                "num_tasks": first.num_tasks,
+                "val_size": first.val_size,
+                **pool.stats(),
+            }
+        )
 
     app.add_route("/info", info, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
@@ -510,6 +525,7 @@ def create_app(env_name: str, pool_size: int, env_params: dict,
 
 
 # -------------------------------------------------------------------------- slow clients
+
 
 class DeadlineProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the two deadlines uvicorn does not have (its issue
@@ -523,8 +539,7 @@ class DeadlineProtocol(HttpToolsProtocol):
     connection is closed; an app still reading that body sees a disconnect.
     """
 
-    def __init__(self, *args: Any, header_timeout_s: float, body_timeout_s: float,
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, header_timeout_s: float, body_timeout_s: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
         self._deadline: asyncio.TimerHandle | None = None
@@ -542,17 +557,24 @@ class DeadlineProtocol(HttpToolsProtocol):
         self._deadline = None
         if self.transport.is_closing():
             return
-        cycle = self.cycle   # in the head phase: the previous request's (if any)
+        cycle = self.cycle  # in the head phase: the previous request's (if any)
         if cycle is not None and (what == "request body" or not cycle.response_complete):
-            if cycle.response_started:      # an answer is on its way: just end the connection
+            if cycle.response_started:  # an answer is on its way: just end the connection
                 self.transport.close()
                 return
-            cycle.disconnected = True       # the app's receive() now reports a disconnect
+            cycle.disconnected = True  # the app's receive() now reports a disconnect
             cycle.message_event.set()
         body = orjson.dumps({"detail": f"the {what} did not arrive within {seconds:g} s"})
-        self.transport.write(b"".join([
-            STATUS_LINE[408], b"content-type: application/json\r\nconnection: close\r\n",
-            b"content-length: %d\r\n\r\n" % len(body), body]))
+        self.transport.write(
+            b"".join(
+                [
+                    STATUS_LINE[408],
+                    b"content-type: application/json\r\nconnection: close\r\n",
+                    b"content-length: %d\r\n\r\n" % len(body),
+                    body,
+                ]
+            )
+        )
         self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -561,7 +583,7 @@ class DeadlineProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._deadline is None:          # the next request on a kept-alive connection
+        if self._deadline is None:  # the next request on a kept-alive connection
             self._arm(self.header_timeout_s, "request head")
 
     def on_headers_complete(self) -> None:
@@ -579,9 +601,16 @@ class DeadlineProtocol(HttpToolsProtocol):
 
 # ---------------------------------------------------------------------------- running it
 
-def serve(app: FastAPI, host: str, port: int | None, relocate: bool = False,
-          parent_pid: int | None = None, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-          body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+
+def serve(
+    app: FastAPI,
+    host: str,
+    port: int | None,
+    relocate: bool = False,
+    parent_pid: int | None = None,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+) -> None:
     """Bind (one clean retry on a collision), print the ready line, serve until SIGTERM/SIGINT,
     or until `parent_pid` is gone: a launcher killed with SIGKILL runs no cleanup, and an
     orphaned service would hold its port and engines forever. Requests whose head or body
@@ -601,15 +630,21 @@ def serve(app: FastAPI, host: str, port: int | None, relocate: bool = False,
     gc.set_threshold(20_000, 10, 10)
     sock = bind_listener(host, port, relocate)
     bound = sock.getsockname()[1]
-    protocol = functools.partial(DeadlineProtocol, header_timeout_s=header_timeout_s,
-                                 body_timeout_s=body_timeout_s)
-    config = uvicorn.Config(app, loop="uvloop", http=protocol, access_log=False,  # type: ignore[arg-type]
-                            log_level="warning", timeout_keep_alive=120, proxy_headers=False,
-                            server_header=False, date_header=False,
-                            timeout_graceful_shutdown=5)
+    protocol = functools.partial(DeadlineProtocol, header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s)
+    config = uvicorn.Config(
+        app,
+        loop="uvloop",
+        http=protocol,
+        access_log=False,  # type: ignore[arg-type]
+        log_level="warning",
+        timeout_keep_alive=120,
+        proxy_headers=False,
+        server_header=False,
+        date_header=False,
+        timeout_graceful_shutdown=5,
+    )
     server = uvicorn.Server(config)
-    ready = READY_PREFIX + json.dumps({"url": f"http://{host}:{bound}", "port": bound,
-                                       "pid": os.getpid()})
+    ready = READY_PREFIX + json.dumps({"url": f"http://{host}:{bound}", "port": bound, "pid": os.getpid()})
 
     async def run() -> None:
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -632,25 +667,43 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m envs.service", description=__doc__.split("\n")[0])
     ap.add_argument("--env", required=True, help="engine name (envs/registry.py)")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=None,
-                    help="listen port, outside the ephemeral range; omitted: a free private-band port")
-    ap.add_argument("--relocate", action="store_true",
-                    help="move to a free private-band port if --port is busy or ephemeral")
+    ap.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="listen port, outside the ephemeral range; omitted: a free private-band port",
+    )
+    ap.add_argument(
+        "--relocate", action="store_true", help="move to a free private-band port if --port is busy or ephemeral"
+    )
     ap.add_argument("--pool-size", type=int, default=16)
     ap.add_argument("--params", default="{}", help="engine parameters as a JSON object")
-    ap.add_argument("--variant-file", default=None,
-                    help="a JSON file holding one client's env variant (partitions.env_variants "
-                         "EnvVariant.to_dict()); omitted: the unperturbed env")
+    ap.add_argument(
+        "--variant-file",
+        default=None,
+        help="a JSON file holding one client's env variant (partitions.env_variants "
+        "EnvVariant.to_dict()); omitted: the unperturbed env",
+    )
     ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    ap.add_argument("--parent-pid", type=int, default=None,
-                    help="exit when this process is no longer our parent (set by launchers)")
-    ap.add_argument("--offload", action="store_true",
-                    help="run engine calls in worker threads (for engines with millisecond steps)")
-    ap.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-                    help="seconds a request's head may take to arrive (from the connection's "
-                         "opening or the request's first byte); slower gets 408")
-    ap.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-                    help="seconds a request's body may take to arrive after its head; slower gets 408")
+    ap.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this process is no longer our parent (set by launchers)"
+    )
+    ap.add_argument(
+        "--offload", action="store_true", help="run engine calls in worker threads (for engines with millisecond steps)"
+    )
+    ap.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a request's head may take to arrive (from the connection's "
+        "opening or the request's first byte); slower gets 408",
+    )
+    ap.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request's body may take to arrive after its head; slower gets 408",
+    )
     args = ap.parse_args(argv)
     try:
         params = json.loads(args.params)
@@ -671,15 +724,15 @@ def main(argv: list[str] | None = None) -> int:
             # Fail in milliseconds, before the (slow) pool build; the bind re-checks for real.
             check_port_allowed(args.port)
             if not port_is_free(args.port, args.host):
-                raise PortError(f"port {args.port} on {args.host} is already in use; stop whatever "
-                                f"listens there, pick another port, or pass --relocate")
-        for flag, value in (("--header-timeout", args.header_timeout),
-                            ("--body-timeout", args.body_timeout)):
+                raise PortError(
+                    f"port {args.port} on {args.host} is already in use; stop whatever "
+                    f"listens there, pick another port, or pass --relocate"
+                )
+        for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
             if not 0 < value < float("inf"):
                 ap.error(f"{flag} must be a positive number of seconds, got {value}")
         app = create_app(args.env, args.pool_size, params, args.max_body_bytes, args.offload, variant)
-        serve(app, args.host, args.port, args.relocate, args.parent_pid, args.header_timeout,
-              args.body_timeout)
+        serve(app, args.host, args.port, args.relocate, args.parent_pid, args.header_timeout, args.body_timeout)
     except (PortError, PoolMismatchError, ValueError, TypeError) as e:
         print(f"envs.service: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -691,12 +744,19 @@ class ServiceStartError(RuntimeError):
 
 
 @contextmanager
-def serve_in_subprocess(env_name: str, pool_size: int, env_params: dict, port: int | None = None,
-                        host: str = "127.0.0.1", offload: bool = False,
-                        startup_timeout_s: float = 180.0, stop_timeout_s: float = 10.0,
-                        header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-                        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-                        variant: dict[str, Any] | None = None) -> Iterator[str]:
+def serve_in_subprocess(
+    env_name: str,
+    pool_size: int,
+    env_params: dict,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    offload: bool = False,
+    startup_timeout_s: float = 180.0,
+    stop_timeout_s: float = 10.0,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    variant: dict[str, Any] | None = None,
+) -> Iterator[str]:
     """Run the service CLI in a child process for the `with` block; yields its base URL.
 
     The child exists only inside this scope (invariant 22): whatever happens, on exit exactly
@@ -707,25 +767,39 @@ def serve_in_subprocess(env_name: str, pool_size: int, env_params: dict, port: i
     temporary file (a catalog split's product list can outgrow a command-line argument), removed
     once the child has read it.
     """
-    cmd = [sys.executable, "-m", "envs.service", "--env", env_name, "--pool-size", str(pool_size),
-           "--params", json.dumps(env_params), "--host", host, "--parent-pid", str(os.getpid()),
-           "--header-timeout", str(header_timeout_s), "--body-timeout", str(body_timeout_s)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "envs.service",
+        "--env",
+        env_name,
+        "--pool-size",
+        str(pool_size),
+        "--params",
+        json.dumps(env_params),
+        "--host",
+        host,
+        "--parent-pid",
+        str(os.getpid()),
+        "--header-timeout",
+        str(header_timeout_s),
+        "--body-timeout",
+        str(body_timeout_s),
+    ]
     if port is not None:
         cmd += ["--port", str(port)]
     if offload:
         cmd.append("--offload")
     variant_file = None
     if variant is not None:
-        fd, variant_file = tempfile.mkstemp(prefix="env-variant-", suffix=".json")   # mode 0600
+        fd, variant_file = tempfile.mkstemp(prefix="env-variant-", suffix=".json")  # mode 0600
         with os.fdopen(fd, "w") as f:
             json.dump(variant, f)
         cmd += ["--variant-file", variant_file]
     root = str(Path(__file__).resolve().parents[1])
-    child_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    child_env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=child_env)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env)
     except BaseException:
         if variant_file is not None:
             os.unlink(variant_file)
@@ -737,7 +811,7 @@ def serve_in_subprocess(env_name: str, pool_size: int, env_params: dict, port: i
     def drain() -> None:  # keep reading so the child never blocks on a full pipe
         for line in proc.stdout:
             if line.startswith(READY_PREFIX) and not url:
-                url.append(json.loads(line[len(READY_PREFIX):])["url"])
+                url.append(json.loads(line[len(READY_PREFIX) :])["url"])
                 got_ready.set()
             else:
                 tail.append(line.rstrip())
@@ -747,13 +821,14 @@ def serve_in_subprocess(env_name: str, pool_size: int, env_params: dict, port: i
     reader.start()
     try:
         ready = got_ready.wait(startup_timeout_s)
-        if variant_file is not None:       # read (or failed) by now; never left behind
+        if variant_file is not None:  # read (or failed) by now; never left behind
             os.unlink(variant_file)
             variant_file = None
         if not ready or not url:
             raise ServiceStartError(
                 f"env service (pid {proc.pid}, rc {proc.poll()}) did not become ready within "
-                f"{startup_timeout_s:.0f}s; its output:\n" + "\n".join(tail))
+                f"{startup_timeout_s:.0f}s; its output:\n" + "\n".join(tail)
+            )
         with urllib.request.urlopen(url[0] + "/health", timeout=10) as resp:
             if resp.status != 200:
                 raise ServiceStartError(f"{url[0]}/health answered {resp.status}")

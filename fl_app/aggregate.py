@@ -25,6 +25,7 @@ the mean overflowed fp32, refused as well), and one check per output piece (on d
 cache) detects them without a pass over the inputs. Only then are the inputs scanned to name
 the culprits in a `NonFiniteWeightsError`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,10 +40,10 @@ import torch
 
 from fl_app.weights import Manifest, ShardStream, ShardWriter, WeightsError, read_shard, same_layout
 
-PIECE_BYTES = 1 << 20   # fold granularity: all live buffers stay in the last-level cache; a multiple of 64
+PIECE_BYTES = 1 << 20  # fold granularity: all live buffers stay in the last-level cache; a multiple of 64
 _BUFFERS_PER_INPUT = 3  # one being folded, one read ahead, one being read
-_OUT_BUFFERS = 3        # one being folded, two being hashed/written
-_READERS = 2            # reader threads (each reads and hashes its share of the inputs)
+_OUT_BUFFERS = 3  # one being folded, two being hashed/written
+_READERS = 2  # reader threads (each reads and hashes its share of the inputs)
 
 
 def weight_factors(weights: Sequence[float]) -> list[float]:
@@ -52,8 +53,10 @@ def weight_factors(weights: Sequence[float]) -> list[float]:
     bad = [w for w in weights if not (w >= 0 and w != float("inf"))]
     total = float(sum(weights))
     if bad or total <= 0:
-        raise WeightsError(f"FedAvg weights must be finite example counts >= 0 with a positive sum "
-                           f"(got {list(weights)}); check the clients' num-examples metric")
+        raise WeightsError(
+            f"FedAvg weights must be finite example counts >= 0 with a positive sum "
+            f"(got {list(weights)}); check the clients' num-examples metric"
+        )
     return [float(w) / total for w in weights]
 
 
@@ -62,8 +65,7 @@ class NonFiniteWeightsError(WeightsError):
     the caller's order) to its bad tensors as (name, non-finite count, numel); `names` are the
     inputs' labels. The server can drop exactly those inputs and aggregate the rest."""
 
-    def __init__(self, message: str, culprits: Mapping[int, Sequence[tuple[str, int, int]]],
-                 names: Sequence[str]):
+    def __init__(self, message: str, culprits: Mapping[int, Sequence[tuple[str, int, int]]], names: Sequence[str]):
         super().__init__(message)
         self.culprits = {i: list(v) for i, v in culprits.items()}
         self.names = list(names)
@@ -80,8 +82,10 @@ def _fold(acc: torch.Tensor, x: torch.Tensor, factor: float, first: bool, name: 
         if first:
             acc.copy_(x)
         elif not torch.equal(acc, x):
-            raise WeightsError(f"non-floating buffer {name!r} differs between clients; it cannot be "
-                               "averaged: make every client export the same value (or drop it from the export)")
+            raise WeightsError(
+                f"non-floating buffer {name!r} differs between clients; it cannot be "
+                "averaged: make every client export the same value (or drop it from the export)"
+            )
     elif first:
         if factor == 1.0:
             acc.copy_(x)
@@ -123,8 +127,10 @@ def _one_torch_thread() -> Iterator[None]:
 def _check_fp32(tensors: Sequence[tuple[str, torch.dtype]]) -> None:
     bad = [f"{n} ({d})" for n, d in tensors if d.is_floating_point and d != torch.float32]
     if bad:
-        raise WeightsError(f"{', '.join(bad[:3])} {'is' if len(bad) == 1 else 'are'} not fp32; FedAvg accumulates "
-                           "fp32 only (invariant 1): export fp32 master weights")
+        raise WeightsError(
+            f"{', '.join(bad[:3])} {'is' if len(bad) == 1 else 'are'} not fp32; FedAvg accumulates "
+            "fp32 only (invariant 1): export fp32 master weights"
+        )
 
 
 def _labels(names: Sequence[str] | None, n: int) -> list[str]:
@@ -146,25 +152,35 @@ def _bad_tensors(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, int, in
     return out
 
 
-def _non_finite_error(culprits: dict[int, list[tuple[str, int, int]]], labels: list[str],
-                      where: str) -> NonFiniteWeightsError:
+def _non_finite_error(
+    culprits: dict[int, list[tuple[str, int, int]]], labels: list[str], where: str
+) -> NonFiniteWeightsError:
     if not culprits:
         return NonFiniteWeightsError(
             f"the weighted mean of {where} overflowed fp32 although every input is finite; nothing was written. "
-            "Some client's weights are near the fp32 limit (3.4e38): its training diverged", {}, labels)
+            "Some client's weights are near the fp32 limit (3.4e38): its training diverged",
+            {},
+            labels,
+        )
     parts = []
     for i, bad in sorted(culprits.items()):
         shown = ", ".join(f"{n!r} ({c} of {total} values)" for n, c, total in bad[:3])
-        parts.append(f"{labels[i]} (input {i}): {shown}" + (f" and {len(bad) - 3} more tensors" if len(bad) > 3 else ""))
+        parts.append(
+            f"{labels[i]} (input {i}): {shown}" + (f" and {len(bad) - 3} more tensors" if len(bad) > 3 else "")
+        )
     return NonFiniteWeightsError(
         "non-finite values (NaN/Inf) in the weights of " + "; ".join(parts) + ". FedAvg refuses them (they would "
         "poison every later round); nothing was written. Drop these inputs and aggregate the others, or find "
-        "why their training diverged (e.g. a too high learning rate)", culprits, labels)
+        "why their training diverged (e.g. a too high learning rate)",
+        culprits,
+        labels,
+    )
 
 
 # ---- in memory --------------------------------------------------------------------------------
-def fedavg_states(inputs: Sequence[tuple[Mapping[str, torch.Tensor], float]],
-                  names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+def fedavg_states(
+    inputs: Sequence[tuple[Mapping[str, torch.Tensor], float]], names: Sequence[str] | None = None
+) -> dict[str, torch.Tensor]:
     """FedAvg of in-memory state dicts (inputs are not modified). Same bits as `fedavg_manifests`.
     `names` label the inputs in errors (e.g. "client 7"); NaN/Inf raise NonFiniteWeightsError."""
     factors = weight_factors([w for _, w in inputs])
@@ -172,8 +188,9 @@ def fedavg_states(inputs: Sequence[tuple[Mapping[str, torch.Tensor], float]],
     keys = list(inputs[0][0].keys())
     for s, _ in inputs[1:]:
         if list(s.keys()) != keys:
-            raise WeightsError("client state dicts hold different tensor names/orders; "
-                               "clients must export the same model")
+            raise WeightsError(
+                "client state dicts hold different tensor names/orders; clients must export the same model"
+            )
     live = [(i, s, f) for i, ((s, _), f) in enumerate(zip(inputs, factors)) if f > 0]
     _check_fp32([(k, s[k].dtype) for _, s, _ in live for k in keys])
     out: dict[str, torch.Tensor] = {}
@@ -183,13 +200,15 @@ def fedavg_states(inputs: Sequence[tuple[Mapping[str, torch.Tensor], float]],
             x0 = xs[0][0]
             for x, _ in xs[1:]:
                 if x.shape != x0.shape or x.dtype != x0.dtype:
-                    raise WeightsError(f"{key!r} has shape {list(x.shape)} ({x.dtype}) in one client and "
-                                       f"{list(x0.shape)} ({x0.dtype}) in another: clients must export the same model")
+                    raise WeightsError(
+                        f"{key!r} has shape {list(x.shape)} ({x.dtype}) in one client and "
+                        f"{list(x0.shape)} ({x0.dtype}) in another: clients must export the same model"
+                    )
             acc = torch.empty_like(x0)
             flat = acc.view(-1)
             for off, n in _pieces(x0.numel() * x0.element_size(), x0.element_size()):
                 for k, (x, f) in enumerate(xs):
-                    _fold(flat[off:off + n], x.view(-1)[off:off + n], f, k == 0, key)
+                    _fold(flat[off : off + n], x.view(-1)[off : off + n], f, k == 0, key)
             if not _finite(acc):
                 culprits = {i: bad for i, s, _ in live if (bad := _bad_tensors(s))}
                 raise _non_finite_error(culprits, labels, repr(key))
@@ -217,9 +236,15 @@ class _Readers:
                 q.put(b)
         self.stop = threading.Event()
         n_threads = min(_READERS, len(streams))
-        self.threads = [threading.Thread(target=self._run, name=f"fedavg-read-{r}", daemon=True,
-                                         args=([(k, streams[k]) for k in range(r, len(streams), n_threads)], pieces))
-                        for r in range(n_threads)]
+        self.threads = [
+            threading.Thread(
+                target=self._run,
+                name=f"fedavg-read-{r}",
+                daemon=True,
+                args=([(k, streams[k]) for k in range(r, len(streams), n_threads)], pieces),
+            )
+            for r in range(n_threads)
+        ]
         for t in self.threads:
             t.start()
 
@@ -262,8 +287,9 @@ class _Buffers:
     def for_model(cls, manifest: Manifest, n_inputs: int) -> _Buffers:
         size = max([min(PIECE_BYTES, t.nbytes) for t in manifest.tensors] or [0])
         new = lambda: torch.empty(size, dtype=torch.uint8)  # noqa: E731
-        return cls([[new() for _ in range(_BUFFERS_PER_INPUT)] for _ in range(n_inputs)],
-                   [new() for _ in range(_OUT_BUFFERS)])
+        return cls(
+            [[new() for _ in range(_BUFFERS_PER_INPUT)] for _ in range(n_inputs)], [new() for _ in range(_OUT_BUFFERS)]
+        )
 
 
 def _fedavg_shard(writer: ShardWriter, live: list[_Input], s: int, verify: bool, buffers: _Buffers) -> None:
@@ -276,9 +302,11 @@ def _fedavg_shard(writer: ShardWriter, live: list[_Input], s: int, verify: bool,
         slots = streams[0].slots
         for inp, st in zip(live[1:], streams[1:]):
             if st.slots != slots:
-                raise WeightsError(f"shard {st.path} lays its tensors out differently from {streams[0].path} "
-                                   f"(inputs {live[0].index} and {inp.index}); clients must export with the same "
-                                   "version of fedagent-flower")
+                raise WeightsError(
+                    f"shard {st.path} lays its tensors out differently from {streams[0].path} "
+                    f"(inputs {live[0].index} and {inp.index}); clients must export with the same "
+                    "version of fedagent-flower"
+                )
         writer.begin_shard(streams[0].info.tensors, [sl.info for sl in slots])
         work = [(sl, off, n) for sl in slots for off, n in _pieces(sl.info.nbytes, sl.info.itemsize)]
         if not work:
@@ -321,8 +349,13 @@ class _NonFinite(Exception):
         self.where = where
 
 
-def fedavg_manifests(inputs: Sequence[tuple[Manifest | Path, float]], out_dir: Path,
-                     max_shard_bytes: int, verify: bool = True, names: Sequence[str] | None = None) -> Manifest:
+def fedavg_manifests(
+    inputs: Sequence[tuple[Manifest | Path, float]],
+    out_dir: Path,
+    max_shard_bytes: int,
+    verify: bool = True,
+    names: Sequence[str] | None = None,
+) -> Manifest:
     """Streaming FedAvg of sharded client models into `out_dir` (manifest written last).
 
     Every input byte is size- and digest-checked; on any error (corrupt or non-finite input,
@@ -333,11 +366,15 @@ def fedavg_manifests(inputs: Sequence[tuple[Manifest | Path, float]], out_dir: P
     factors = weight_factors([w for _, w in inputs])
     labels = _labels(names, len(inputs))
     if not same_layout(manifests):
-        raise WeightsError("client manifests disagree on tensors or shard layout; every client must "
-                           "export the same model with the same shard size (run.shard_max_mb)")
+        raise WeightsError(
+            "client manifests disagree on tensors or shard layout; every client must "
+            "export the same model with the same shard size (run.shard_max_mb)"
+        )
     if manifests[0].max_shard_bytes != max_shard_bytes:
-        raise WeightsError(f"clients split the model into shards of <= {manifests[0].max_shard_bytes} bytes, the "
-                           f"aggregate is asked for {max_shard_bytes}: server and clients must share run.shard_max_mb")
+        raise WeightsError(
+            f"clients split the model into shards of <= {manifests[0].max_shard_bytes} bytes, the "
+            f"aggregate is asked for {max_shard_bytes}: server and clients must share run.shard_max_mb"
+        )
     _check_fp32([(t.name, t.torch_dtype) for t in manifests[0].tensors])
     live = [_Input(i, m, f) for i, (m, f) in enumerate(zip(manifests, factors)) if f > 0]
     buffers = _Buffers.for_model(manifests[0], len(live))
@@ -349,8 +386,9 @@ def fedavg_manifests(inputs: Sequence[tuple[Manifest | Path, float]], out_dir: P
     except _NonFinite as e:
         culprits = {}
         for inp in live:  # the error path: read everything again, verified, to name every culprit
-            bad = [b for s in range(len(inp.manifest.shards)) for b in _bad_tensors(read_shard(inp.manifest, s, verify))]
+            bad = [
+                b for s in range(len(inp.manifest.shards)) for b in _bad_tensors(read_shard(inp.manifest, s, verify))
+            ]
             if bad:
                 culprits[inp.index] = bad
         raise _non_finite_error(culprits, labels, e.where) from None
-

@@ -9,6 +9,7 @@ federation.rounds=3'`): Flower accepts only keys declared in pyproject's `[tool.
 and that section is generated from this module (`python -m fl_app.config --run-config-keys`).
 A handful of flat aliases (`rounds`, `clients-per-round`, ...) are kept for the common knobs.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -27,8 +28,7 @@ from urllib.parse import urlsplit
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, \
-    model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_RECIPE = "tiny-shop-grpo"
@@ -38,10 +38,10 @@ DEFAULT_RECIPE = "tiny-shop-grpo"
 class Algorithm:
     """What an `algo.name` means, in one table instead of checks scattered over the code."""
 
-    members: tuple[str, ...]      # the weights a round federates (invariant 7)
-    critic: bool                  # trains a value model beside the policy
-    default_group_size: int       # rollouts per task when algo.group_size is unset
-    advantage: str                # the advantage estimator (client_app.trainer.advantages.ADVANTAGES)
+    members: tuple[str, ...]  # the weights a round federates (invariant 7)
+    critic: bool  # trains a value model beside the policy
+    default_group_size: int  # rollouts per task when algo.group_size is unset
+    advantage: str  # the advantage estimator (client_app.trainer.advantages.ADVANTAGES)
 
 
 ALGORITHMS: dict[str, Algorithm] = {
@@ -86,7 +86,10 @@ def default_weight_cache() -> str:
 
 
 # the docs show these defaults unexpanded: their value depends on the machine that resolves them
-_NODE_DEFAULTS = {default_model_cache: "$FEDAGENT_CACHE_DIR/models", default_weight_cache: "$FEDAGENT_CACHE_DIR/weights"}
+_NODE_DEFAULTS = {
+    default_model_cache: "$FEDAGENT_CACHE_DIR/models",
+    default_weight_cache: "$FEDAGENT_CACHE_DIR/weights",
+}
 
 
 CACHE_PREFIX = "cache:"
@@ -98,8 +101,10 @@ def model_directory(path: str) -> Path:
     if path.startswith(CACHE_PREFIX):
         name = path.removeprefix(CACHE_PREFIX)
         if not name or "/" in name or name in (".", ".."):
-            raise ConfigError(f"model.path={path!r}: name one directory of the model cache, e.g. "
-                              f"{CACHE_PREFIX}smollm2-135m-instruct.q4_1")
+            raise ConfigError(
+                f"model.path={path!r}: name one directory of the model cache, e.g. "
+                f"{CACHE_PREFIX}smollm2-135m-instruct.q4_1"
+            )
         return Path(default_model_cache()).expanduser() / name
     return Path(path).expanduser()
 
@@ -113,37 +118,91 @@ class TinyModelCfg(_Strict):
     vocab_size: int = Field(4096, ge=300, description="BPE vocabulary trained on env text.")
     sft_episodes: int = Field(768, ge=0, description="Expert episodes used for the SFT warm start.")
     sft_epochs: int = Field(3, ge=0, description="Passes over the SFT demonstrations.")
-    sft_noise: float = Field(0.1, ge=0, le=1, description="Fraction of demonstration actions replaced by a random valid action, so the warm start is imperfect.")
-    sft_shortcut: float = Field(0.5, ge=0, le=1, description="Fraction of SFT episodes that demonstrate a bad habit (buying without choosing the goal's options), a defect RL can fix from reward.")
+    sft_noise: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Fraction of demonstration actions replaced by a random valid action, so the warm start is imperfect.",
+    )
+    sft_shortcut: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Fraction of SFT episodes that demonstrate a bad habit (buying without choosing the goal's options), a defect RL can fix from reward.",
+    )
     seed: int = Field(0, description="Seed of tokenizer training, init and SFT (the build is a pure function of it).")
-    cache_dir: str = Field(default_factory=default_model_cache, description="Where built tiny models are cached (keyed by a hash of this section and the env); default `$FEDAGENT_CACHE_DIR/models`, else ~/.cache/fedagent-flower/models.")
+    cache_dir: str = Field(
+        default_factory=default_model_cache,
+        description="Where built tiny models are cached (keyed by a hash of this section and the env); default `$FEDAGENT_CACHE_DIR/models`, else ~/.cache/fedagent-flower/models.",
+    )
 
 
 class WarmStartCfg(_Strict):
     """SFT warm start of the model at `model.path` on the env's expert (client_app/warm_start.py,
     docs/models.md): demonstrations rendered with the RL prompts, fine-tuned, cached by content hash."""
 
-    episodes: int = Field(0, ge=0, description="Expert episodes demonstrated (training tasks only); 0 = no warm start, round 0 starts from `model.path` as is.")
+    episodes: int = Field(
+        0,
+        ge=0,
+        description="Expert episodes demonstrated (training tasks only); 0 = no warm start, round 0 starts from `model.path` as is.",
+    )
     epochs: int = Field(2, gt=0, description="Passes over the demonstrated (prompt, reply) rows.")
-    lr: float = Field(2e-5, gt=0, description="AdamW peak learning rate (5% linear warmup, then linear decay to 0), loss on reply tokens only.")
-    batch_size: int = Field(8, gt=0, description="Demonstrated rows per optimizer step (batches of similar length, seeded order).")
-    noise: float = Field(0.1, ge=0, le=1, description="Fraction of demonstrated actions replaced by a random valid action (and played), so the imitation is imperfect and the expert's recoveries are shown.")
-    shortcut: float = Field(0.0, ge=0, le=1, description="Fraction of episodes that demonstrate the shop's buy-now habit (buying without choosing the goal's options), a defect RL can fix from reward; shop only.")
-    seed: int = Field(0, description="Seed of the demonstrations and the SFT data order (the warmed weights are a pure function of it on CPU).")
-    cache_dir: str = Field(default_factory=default_model_cache, description="Where warmed models are cached, keyed by a hash of the model files, the env, the prompt-shaping rollout keys and this section (not `cache_dir`); default `$FEDAGENT_CACHE_DIR/models`, else ~/.cache/fedagent-flower/models.")
+    lr: float = Field(
+        2e-5,
+        gt=0,
+        description="AdamW peak learning rate (5% linear warmup, then linear decay to 0), loss on reply tokens only.",
+    )
+    batch_size: int = Field(
+        8, gt=0, description="Demonstrated rows per optimizer step (batches of similar length, seeded order)."
+    )
+    noise: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Fraction of demonstrated actions replaced by a random valid action (and played), so the imitation is imperfect and the expert's recoveries are shown.",
+    )
+    shortcut: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Fraction of episodes that demonstrate the shop's buy-now habit (buying without choosing the goal's options), a defect RL can fix from reward; shop only.",
+    )
+    seed: int = Field(
+        0,
+        description="Seed of the demonstrations and the SFT data order (the warmed weights are a pure function of it on CPU).",
+    )
+    cache_dir: str = Field(
+        default_factory=default_model_cache,
+        description="Where warmed models are cached, keyed by a hash of the model files, the env, the prompt-shaping rollout keys and this section (not `cache_dir`); default `$FEDAGENT_CACHE_DIR/models`, else ~/.cache/fedagent-flower/models.",
+    )
 
 
 class ModelCfg(_Strict):
-    path: str = Field("tiny", description="`tiny` builds the local default; `cache:<name>` is the model directory `<name>` in this machine's model cache (`$FEDAGENT_CACHE_DIR/models`, where `python -m client_app.models import-gguf` writes; docs/models.md); otherwise a local Hugging Face model directory (e.g. Qwen2.5-1.5B-Instruct). It gives the architecture, the tokenizer and the KL reference model, also when `init_from` is set.")
-    init_from: str = Field("", description="Warm start: a weights dir of an earlier run (e.g. `runs/x/rounds/round-0007/actor`) loaded over `path` before round 0. For ppo its sibling `critic` dir is picked up as the critic (see `algo.critic.path`). It must be readable by the node that builds round 0.")
+    path: str = Field(
+        "tiny",
+        description="`tiny` builds the local default; `cache:<name>` is the model directory `<name>` in this machine's model cache (`$FEDAGENT_CACHE_DIR/models`, where `python -m client_app.models import-gguf` writes; docs/models.md); otherwise a local Hugging Face model directory (e.g. Qwen2.5-1.5B-Instruct). It gives the architecture, the tokenizer and the KL reference model, also when `init_from` is set.",
+    )
+    init_from: str = Field(
+        "",
+        description="Warm start: a weights dir of an earlier run (e.g. `runs/x/rounds/round-0007/actor`) loaded over `path` before round 0. For ppo its sibling `critic` dir is picked up as the critic (see `algo.critic.path`). It must be readable by the node that builds round 0.",
+    )
     warm_start: WarmStartCfg = WarmStartCfg()
-    reference: Literal["warmed", "backbone"] = Field("warmed", description="KL reference under `algo.ref_anchor: base` when `warm_start` is on: `warmed` = the warm-started model round 0 starts from (default: the policy RL starts from, as verl-agent's reference is its initial actor; a zero-shot backbone that never emits a valid action would pull the policy back to invalid actions), `backbone` = `model.path` before the warm start. Without a warm start both are `model.path`.")
+    reference: Literal["warmed", "backbone"] = Field(
+        "warmed",
+        description="KL reference under `algo.ref_anchor: base` when `warm_start` is on: `warmed` = the warm-started model round 0 starts from (default: the policy RL starts from, as verl-agent's reference is its initial actor; a zero-shot backbone that never emits a valid action would pull the policy back to invalid actions), `backbone` = `model.path` before the warm start. Without a warm start both are `model.path`.",
+    )
     tiny: TinyModelCfg = TinyModelCfg()
 
 
 class EnvCfg(_Strict):
-    name: Literal["shop", "alfworld"] = Field("shop", description="Environment engine (see envs/registry.py): `shop` (WebShop-compatible, docs/shop.md) or `alfworld` (ALFWorld on the real engine, docs/alfworld.md).")
-    params: dict[str, Any] = Field(default_factory=dict, description="Engine keyword arguments, checked against the engine when it is built. shop: num_products, num_goals, val_size, search_return_n, seed, data_dir, human_goals, ranking, ... (envs/shop/env.py). alfworld: num_games (default 120 generated), val_size (24), seed (0), data_dir (None: $ALFWORLD_DATA if set, else generated games; `generated`: generated regardless), cache_dir, task_types (subset of the six), val_split (valid_seen | valid_unseen), max_steps, manifest_dir (docs/alfworld.md).")
+    name: Literal["shop", "alfworld"] = Field(
+        "shop",
+        description="Environment engine (see envs/registry.py): `shop` (WebShop-compatible, docs/shop.md) or `alfworld` (ALFWorld on the real engine, docs/alfworld.md).",
+    )
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Engine keyword arguments, checked against the engine when it is built. shop: num_products, num_goals, val_size, search_return_n, seed, data_dir, human_goals, ranking, ... (envs/shop/env.py). alfworld: num_games (default 120 generated), val_size (24), seed (0), data_dir (None: $ALFWORLD_DATA if set, else generated games; `generated`: generated regardless), cache_dir, task_types (subset of the six), val_split (valid_seen | valid_unseen), max_steps, manifest_dir (docs/alfworld.md).",
+    )
     pool_size: int = Field(16, gt=0, description="Pre-warmed env instances per env service.")
     max_turns: int = Field(15, gt=0, description="Step budget per episode (WebShop 15, ALFWorld 50).")
 
@@ -167,59 +226,153 @@ class EnvPartitionCfg(_Strict):
     own variant of the environment, a pure, recorded function of (client id, these knobs); the task
     partition stays uniform, and validation always runs on the unperturbed environment."""
 
-    name: Literal["uniform", "catalog_split", "bm25_fields", "bm25_weights", "lookalike", "rank_wrapper",
-                  "env_disjoint"] = Field("uniform", description="`uniform`: every client sees the same environment. shop: `catalog_split` (each client's catalog = its goals' targets + the keep_ratio share of the other products with the smallest mix of a shared and a private draw, env_div weighting the private one), `bm25_fields` (which product fields the search index sees), `bm25_weights` (BM25 k1, b), `lookalike` (lookalike products that copy a target and fail one reward term: price, color, size, price+color), `rank_wrapper` (results as scored, shuffled, inverted, or random for half the searches). alfworld: `env_disjoint` (each client trains on the games of its own share of each task spec's scenes). Shop variants need `env.params.search_return_n` set explicitly (200 in the published runs).")
-    num_variants: int | None = Field(None, gt=0, description="N: the first N entries of the variant pool (bm25_fields, bm25_weights: up to 8; lookalike, rank_wrapper: up to 4); client c gets entry RandomState(seed + c).randint(N). Required by those variants, refused by the others.")
-    env_div: float | None = Field(None, ge=0, le=1, description="catalog_split, env_disjoint: 0 = every client gets the same catalog / scenes, 1 = independent draws per client (required by them, refused by the others).")
-    keep_ratio: float | None = Field(None, gt=0, le=1, description="catalog_split: the share of the non-target products each client's catalog keeps (published 0.7; required).")
-    fallback: Literal["skip", "shared", "trial-only"] = Field("skip", description="env_disjoint: a task spec whose games all share one scene is left out (`skip`, the published default), given to every client (`shared`), or split by trial instead of scene (`trial-only`).")
-    holdout: bool = Field(False, description="env_disjoint: drop the published holdout scenes (FloorPlans 15, 25, 213, 221, 319, 321, 416, 418) first.")
-    seed: int = Field(42, description="Seed of the variant draws: assignment RandomState(seed + client id), catalog and scene draws, the rank wrappers' seed + client id. 42 = the published constant, which every published run used whatever its run seed.")
+    name: Literal[
+        "uniform", "catalog_split", "bm25_fields", "bm25_weights", "lookalike", "rank_wrapper", "env_disjoint"
+    ] = Field(
+        "uniform",
+        description="`uniform`: every client sees the same environment. shop: `catalog_split` (each client's catalog = its goals' targets + the keep_ratio share of the other products with the smallest mix of a shared and a private draw, env_div weighting the private one), `bm25_fields` (which product fields the search index sees), `bm25_weights` (BM25 k1, b), `lookalike` (lookalike products that copy a target and fail one reward term: price, color, size, price+color), `rank_wrapper` (results as scored, shuffled, inverted, or random for half the searches). alfworld: `env_disjoint` (each client trains on the games of its own share of each task spec's scenes). Shop variants need `env.params.search_return_n` set explicitly (200 in the published runs).",
+    )
+    num_variants: int | None = Field(
+        None,
+        gt=0,
+        description="N: the first N entries of the variant pool (bm25_fields, bm25_weights: up to 8; lookalike, rank_wrapper: up to 4); client c gets entry RandomState(seed + c).randint(N). Required by those variants, refused by the others.",
+    )
+    env_div: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="catalog_split, env_disjoint: 0 = every client gets the same catalog / scenes, 1 = independent draws per client (required by them, refused by the others).",
+    )
+    keep_ratio: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="catalog_split: the share of the non-target products each client's catalog keeps (published 0.7; required).",
+    )
+    fallback: Literal["skip", "shared", "trial-only"] = Field(
+        "skip",
+        description="env_disjoint: a task spec whose games all share one scene is left out (`skip`, the published default), given to every client (`shared`), or split by trial instead of scene (`trial-only`).",
+    )
+    holdout: bool = Field(
+        False,
+        description="env_disjoint: drop the published holdout scenes (FloorPlans 15, 25, 213, 221, 319, 321, 416, 418) first.",
+    )
+    seed: int = Field(
+        42,
+        description="Seed of the variant draws: assignment RandomState(seed + client id), catalog and scene draws, the rank wrappers' seed + client id. 42 = the published constant, which every published run used whatever its run seed.",
+    )
 
 
 class RolloutCfg(_Strict):
-    mode: Literal["windowed", "concat"] = Field("windowed", description="`windowed` (the published runs): one prompt and one training row per turn, the task + the last `history_length` (observation, action) turns. `concat`: one growing token sequence and one training row per episode (prompt + actions + observations, observation tokens masked out of the loss); the text between turns comes from diffs of rendered chat-template strings.")
-    history_length: int = Field(2, ge=0, description="Turns of history in a windowed prompt (unused in concat mode, where the whole episode is the context).")
-    max_prompt_tokens: int = Field(1024, gt=0, description="Context budget per generation. windowed: longer prompts lose their oldest history turns, then their head, identically for generation and training. concat: the growing sequence must fit; an episode that would outgrow it ends there (not done).")
+    mode: Literal["windowed", "concat"] = Field(
+        "windowed",
+        description="`windowed` (the published runs): one prompt and one training row per turn, the task + the last `history_length` (observation, action) turns. `concat`: one growing token sequence and one training row per episode (prompt + actions + observations, observation tokens masked out of the loss); the text between turns comes from diffs of rendered chat-template strings.",
+    )
+    history_length: int = Field(
+        2,
+        ge=0,
+        description="Turns of history in a windowed prompt (unused in concat mode, where the whole episode is the context).",
+    )
+    max_prompt_tokens: int = Field(
+        1024,
+        gt=0,
+        description="Context budget per generation. windowed: longer prompts lose their oldest history turns, then their head, identically for generation and training. concat: the growing sequence must fit; an episode that would outgrow it ends there (not done).",
+    )
     max_response_tokens: int = Field(32, gt=0, description="Generated tokens per turn.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for training rollouts.")
     val_temperature: float = Field(0.4, ge=0, description="Sampling temperature for validation (0 = greedy).")
-    invalid_action_penalty: float = Field(0.1, ge=0, description="Subtracted from a training episode's reward per invalid action; never applied to validation.")
-    engine: Literal["hf", "vllm"] = Field("hf", description="Who generates the rollouts, whichever training engine (`backend`) trains. `hf`: batched Hugging Face `generate` on the training engine's own live policy (CPU and GPU). `vllm`: vLLM 0.24 inside the lane service, woken with the policy's current weights before each rollout (synced in place from the training engine) and asleep otherwise (GPU only; docs/offline-gpu.md installs it).")
-    gpu_memory_utilization: float = Field(0.5, gt=0, lt=1, description="Fraction of the GPU's memory vLLM may take for its weights and KV cache while awake (`engine: vllm` only).")
+    invalid_action_penalty: float = Field(
+        0.1,
+        ge=0,
+        description="Subtracted from a training episode's reward per invalid action; never applied to validation.",
+    )
+    engine: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="Who generates the rollouts, whichever training engine (`backend`) trains. `hf`: batched Hugging Face `generate` on the training engine's own live policy (CPU and GPU). `vllm`: vLLM 0.24 inside the lane service, woken with the policy's current weights before each rollout (synced in place from the training engine) and asleep otherwise (GPU only; docs/offline-gpu.md installs it).",
+    )
+    gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="Fraction of the GPU's memory vLLM may take for its weights and KV cache while awake (`engine: vllm` only).",
+    )
 
 
 class CriticCfg(_Strict):
     """The PPO value model: the policy's architecture with a one-output value head (`score`)."""
 
-    path: str = Field("", description="Where the starting critic comes from. Empty: the `critic` dir beside `model.init_from` when that is a round of an earlier run; without `model.init_from`, a fresh value head on the backbone (logged); with `model.init_from` but no sibling critic, an error, so a warm-started policy never silently gets a random value baseline. `fresh`: a fresh value head on the starting policy's backbone, deliberately. Otherwise a weights dir holding a value head (e.g. `runs/x/rounds/round-0007/critic`). Resume always restores the run's own critic. summary.json records the choice.")
+    path: str = Field(
+        "",
+        description="Where the starting critic comes from. Empty: the `critic` dir beside `model.init_from` when that is a round of an earlier run; without `model.init_from`, a fresh value head on the backbone (logged); with `model.init_from` but no sibling critic, an error, so a warm-started policy never silently gets a random value baseline. `fresh`: a fresh value head on the starting policy's backbone, deliberately. Otherwise a weights dir holding a value head (e.g. `runs/x/rounds/round-0007/critic`). Resume always restores the run's own critic. summary.json records the choice.",
+    )
     lr: float = Field(1e-5, gt=0, description="Critic learning rate (constant, AdamW).")
     weight_decay: float = Field(0.01, ge=0, description="Critic AdamW weight decay.")
-    value_clip: float = Field(0.5, gt=0, description="Value clipping: a prediction may move at most this far from the rollout-time value before its loss is clipped (verl cliprange_value).")
-    loss_coef: float = Field(1.0, gt=0, description="Critic loss = loss_coef x the token mean, over the WHOLE mini-batch, of max((V - R)^2, (clip(V) - R)^2). Normalised by the mini-batch token count, so it does not depend on micro_batch_size (field log 2026-07-22). 1.0 is the FedAgent fork's coefficient (the executed runs); 0.5 is verl's convention.")
-    mini_batch_size: int | None = Field(None, gt=0, description="Rows per critic optimizer step; unset = algo.mini_batch_size (the published critic inherits it).")
-    micro_batch_size: int | None = Field(None, gt=0, description="Rows per critic forward/backward (gradient accumulation; does not change the loss); unset = algo.micro_batch_size.")
+    value_clip: float = Field(
+        0.5,
+        gt=0,
+        description="Value clipping: a prediction may move at most this far from the rollout-time value before its loss is clipped (verl cliprange_value).",
+    )
+    loss_coef: float = Field(
+        1.0,
+        gt=0,
+        description="Critic loss = loss_coef x the token mean, over the WHOLE mini-batch, of max((V - R)^2, (clip(V) - R)^2). Normalised by the mini-batch token count, so it does not depend on micro_batch_size (field log 2026-07-22). 1.0 is the FedAgent fork's coefficient (the executed runs); 0.5 is verl's convention.",
+    )
+    mini_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Rows per critic optimizer step; unset = algo.mini_batch_size (the published critic inherits it).",
+    )
+    micro_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Rows per critic forward/backward (gradient accumulation; does not change the loss); unset = algo.micro_batch_size.",
+    )
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip of the critic.")
 
 
 class AlgoCfg(_Strict):
-    name: Literal["grpo", "ppo"] = Field("grpo", description="`grpo`: group-relative outcome advantages, no critic. `ppo`: GAE advantages from a critic that is federated beside the policy (see `critic`). What each name implies (members, critic, default group size, advantage) is the `ALGORITHMS` table in fl_app/config.py.")
+    name: Literal["grpo", "ppo"] = Field(
+        "grpo",
+        description="`grpo`: group-relative outcome advantages, no critic. `ppo`: GAE advantages from a critic that is federated beside the policy (see `critic`). What each name implies (members, critic, default group size, advantage) is the `ALGORITHMS` table in fl_app/config.py.",
+    )
     tasks_per_step: int = Field(8, gt=0, description="Distinct tasks per RL iteration (train_batch_size).")
-    group_size: int | None = Field(None, gt=0, description="Rollouts per task (n). Unset: 8 for grpo (one GRPO group per task), 1 for ppo (ungrouped, as published); PPO with n > 1 multiplies the rollout volume by n.")
+    group_size: int | None = Field(
+        None,
+        gt=0,
+        description="Rollouts per task (n). Unset: 8 for grpo (one GRPO group per task), 1 for ppo (ungrouped, as published); PPO with n > 1 multiplies the rollout volume by n.",
+    )
     lr: float = Field(1e-6, gt=0, description="Actor learning rate (constant, AdamW).")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
     clip_ratio: float = Field(0.2, gt=0, description="PPO clip epsilon (low = high).")
     clip_ratio_c: float = Field(3.0, gt=1, description="Dual-clip constant c.")
     entropy_coeff: float = Field(0.001, ge=0, description="Entropy bonus coefficient.")
-    kl_coef: float = Field(0.01, ge=0, description="KL loss coefficient against the reference model (0 disables the reference).")
-    kl_type: KlType = Field("low_var_kl", description="Per-token estimator of KL(policy || reference) in the KL loss: `k1`/`kl` (log-ratio), `abs`, `k2`/`mse` (half squared log-ratio), `k3`/`low_var_kl` (clamped, non-negative, the published runs'). A `+` suffix keeps the estimator's value but takes the k2 gradient (straight-through, unbiased for the KL's gradient).")
-    loss_agg_mode: LossAggMode = Field("token-mean", description="How per-token losses are reduced over a mini-batch, for the policy loss, its entropy and KL terms and the critic's value loss: `token-mean` (the published runs: every generated token weighs the same), `token-sum`, `seq-mean-token-sum`, `seq-mean-token-mean` (every row weighs the same), `seq-mean-token-sum-norm` (Dr.GRPO: token sums over a constant horizon, the per-turn generation budget `rollout.max_response_tokens`, or `rollout.max_prompt_tokens` in concat mode).")
-    grpo_norm_by_std: bool = Field(True, description="GRPO advantages divide each group's centred scores by the group's std (the published runs); false = Dr.GRPO's mean-centred, unscaled advantages. grpo only.")
-    ref_anchor: Literal["base", "round"] = Field("base", description="Reference model: `base` = the original backbone (published runs), `round` = the round-start global weights.")
+    kl_coef: float = Field(
+        0.01, ge=0, description="KL loss coefficient against the reference model (0 disables the reference)."
+    )
+    kl_type: KlType = Field(
+        "low_var_kl",
+        description="Per-token estimator of KL(policy || reference) in the KL loss: `k1`/`kl` (log-ratio), `abs`, `k2`/`mse` (half squared log-ratio), `k3`/`low_var_kl` (clamped, non-negative, the published runs'). A `+` suffix keeps the estimator's value but takes the k2 gradient (straight-through, unbiased for the KL's gradient).",
+    )
+    loss_agg_mode: LossAggMode = Field(
+        "token-mean",
+        description="How per-token losses are reduced over a mini-batch, for the policy loss, its entropy and KL terms and the critic's value loss: `token-mean` (the published runs: every generated token weighs the same), `token-sum`, `seq-mean-token-sum`, `seq-mean-token-mean` (every row weighs the same), `seq-mean-token-sum-norm` (Dr.GRPO: token sums over a constant horizon, the per-turn generation budget `rollout.max_response_tokens`, or `rollout.max_prompt_tokens` in concat mode).",
+    )
+    grpo_norm_by_std: bool = Field(
+        True,
+        description="GRPO advantages divide each group's centred scores by the group's std (the published runs); false = Dr.GRPO's mean-centred, unscaled advantages. grpo only.",
+    )
+    ref_anchor: Literal["base", "round"] = Field(
+        "base",
+        description="Reference model: `base` = the original backbone (published runs), `round` = the round-start global weights.",
+    )
     mini_batch_size: int = Field(64, gt=0, description="Rows per optimizer step.")
-    micro_batch_size: int = Field(16, gt=0, description="Rows per forward/backward pass (gradient accumulation; does not change the loss).")
+    micro_batch_size: int = Field(
+        16, gt=0, description="Rows per forward/backward pass (gradient accumulation; does not change the loss)."
+    )
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
-    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount (ppo), per generated token; observation tokens are skipped.")
+    gamma: float = Field(
+        1.0, ge=0, le=1, description="GAE discount (ppo), per generated token; observation tokens are skipped."
+    )
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
     critic: CriticCfg = CriticCfg()
 
@@ -242,17 +395,38 @@ class AlgoCfg(_Strict):
 
 class FederationCfg(_Strict):
     clients: int = Field(100, gt=0, description="N: clients in the federation (virtual clients in simulation).")
-    clients_per_round: int = Field(2, gt=0, description="M: clients sampled per round, a pure function of (seed, round).")
+    clients_per_round: int = Field(
+        2, gt=0, description="M: clients sampled per round, a pure function of (seed, round)."
+    )
     rounds: int = Field(70, gt=0, description="T: federated rounds.")
-    local_epochs: int = Field(3, gt=0, description="E: RL iterations per sampled client per round (one rollout batch + one update each).")
+    local_epochs: int = Field(
+        3, gt=0, description="E: RL iterations per sampled client per round (one rollout batch + one update each)."
+    )
     tasks_per_client: int = Field(100, gt=0, description="|X_i|: training tasks in each client's shard.")
     strategy: Literal["fedavg", "fedprox"] = Field("fedavg", description="Aggregation strategy.")
-    proximal_mu: float = Field(0.01, ge=0, description="FedProx mu (only used by `fedprox`; applies to the policy only).")
-    eval_every: int = Field(1, ge=0, description="Validate the global model every k rounds (and at round 0); 0 = only round 0 and the last round.")
+    proximal_mu: float = Field(
+        0.01, ge=0, description="FedProx mu (only used by `fedprox`; applies to the policy only)."
+    )
+    eval_every: int = Field(
+        1,
+        ge=0,
+        description="Validate the global model every k rounds (and at round 0); 0 = only round 0 and the last round.",
+    )
     val_tasks: int = Field(64, gt=0, description="Size of the fixed validation set (the env's first tasks).")
-    only_clients: list[int] = Field(default_factory=list, description="Train exactly these client ids every round instead of sampling (the local-only baseline: one client, one round of T*E epochs). Its length must equal `clients_per_round`; empty = sample.")
-    min_clients_per_round: int | None = Field(None, gt=0, description="Failure tolerance: a round completes with the sampled clients that replied if at least this many did; a failed client (its node lost, timed out, raised, or uploaded non-finite weights) is then dropped and named in the round's metrics row. Unset = all of `clients_per_round` (fail closed: a failed client is re-dispatched once to another node, else the round fails).")
-    client_timeout_s: float = Field(86400.0, gt=0, description="A sampled client whose reply has not arrived this long after its message was sent counts as failed (timed out). A lost SuperNode is reported sooner by Flower itself (Node Unavailable, after two missed heartbeats).")
+    only_clients: list[int] = Field(
+        default_factory=list,
+        description="Train exactly these client ids every round instead of sampling (the local-only baseline: one client, one round of T*E epochs). Its length must equal `clients_per_round`; empty = sample.",
+    )
+    min_clients_per_round: int | None = Field(
+        None,
+        gt=0,
+        description="Failure tolerance: a round completes with the sampled clients that replied if at least this many did; a failed client (its node lost, timed out, raised, or uploaded non-finite weights) is then dropped and named in the round's metrics row. Unset = all of `clients_per_round` (fail closed: a failed client is re-dispatched once to another node, else the round fails).",
+    )
+    client_timeout_s: float = Field(
+        86400.0,
+        gt=0,
+        description="A sampled client whose reply has not arrived this long after its message was sent counts as failed (timed out). A lost SuperNode is reported sooner by Flower itself (Node Unavailable, after two missed heartbeats).",
+    )
 
 
 # Which partition owns which knob (partitions/registry.py implements them; docs/heterogeneity.md).
@@ -264,28 +438,69 @@ PARTITION_KNOBS: dict[str, tuple[str, ...]] = {
 }
 PARTITION_REQUIRED = {"preference": "omega", "coverage": "xi", "hardness": "xi_prime"}
 # Filled in when unset: [code] the published hard-coded pool-size bounds, and the documented hardness rule.
-PARTITION_DEFAULTS: dict[str, dict[str, Any]] = {"coverage": {"center": 500, "high": 1000},
-                                                 "hardness": {"rule": "intended"}}
+PARTITION_DEFAULTS: dict[str, dict[str, Any]] = {
+    "coverage": {"center": 500, "high": 1000},
+    "hardness": {"rule": "intended"},
+}
 
 
 class PartitionParams(_Strict):
     """The knobs of the task-heterogeneity partitions. Each is a plain scalar (reachable as
     `partition.params.<knob>` from the run config); a knob of another partition is an error."""
 
-    omega: float | None = Field(None, ge=1e-3, le=0.999, description="preference: Dirichlet dispersion omega in [0.001, 0.999] (the published clip range); client category mixtures q_i ~ Dirichlet(pi (1 - omega) / omega), so tr Cov(q_i) = omega (1 - ||pi||^2). ~0: IID shards, ~1: one category per client. Published sweep: 0.01, 0.99.")
-    downsample_category: str | None = Field(None, min_length=1, description="preference: a category thinned before the draw, per client (published WebShop: `fashion`, which dominates its pool). Unset: none.")
-    downsample_ratio: float | None = Field(None, gt=0, le=1, description="preference: fraction of `downsample_category` kept (at least 1 task; published 0.2), drawn per client.")
-    xi: float | None = Field(None, ge=2e-3, description="coverage: Beta concentration of the client pool sizes (not a standard deviation: larger = more uniform sizes; size variance (high - low)^2 mu (1 - mu) / (xi + 1) before rescaling). Published sweep: 256, 1.")
-    center: int | None = Field(None, gt=0, description="coverage: mean client pool size (default: the published 500); sizes run from federation.tasks_per_client to `high` and sum to clients x center, so each task sits in about clients x center / |pool| shards.")
-    high: int | None = Field(None, gt=0, description="coverage: largest client pool size (default: the published 1000); must not exceed the training pool.")
-    xi_prime: float | None = Field(None, ge=2e-3, description="hardness: Beta concentration of the clients' easy-task quotas k_i (mean tasks_per_client / 2); realized success-rate variance 0.25 / (xi_prime + 1). Published sweep: 256, 1. Needs `partition.labels`.")
-    rule: Literal["intended", "executed"] | None = Field(None, description="hardness: how a shard is filled around its quota. `intended` (default; the published docs and algorithm): k_i easy tasks placed by the coverage primitive on the easy pool + tasks_per_client - k_i hard tasks. `executed`: what the published code ran: k_i easy + k_i hard + random rest, cut to tasks_per_client (success rates floored near the pool's rate). Both draw fills from one global stream in client order.")
+    omega: float | None = Field(
+        None,
+        ge=1e-3,
+        le=0.999,
+        description="preference: Dirichlet dispersion omega in [0.001, 0.999] (the published clip range); client category mixtures q_i ~ Dirichlet(pi (1 - omega) / omega), so tr Cov(q_i) = omega (1 - ||pi||^2). ~0: IID shards, ~1: one category per client. Published sweep: 0.01, 0.99.",
+    )
+    downsample_category: str | None = Field(
+        None,
+        min_length=1,
+        description="preference: a category thinned before the draw, per client (published WebShop: `fashion`, which dominates its pool). Unset: none.",
+    )
+    downsample_ratio: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="preference: fraction of `downsample_category` kept (at least 1 task; published 0.2), drawn per client.",
+    )
+    xi: float | None = Field(
+        None,
+        ge=2e-3,
+        description="coverage: Beta concentration of the client pool sizes (not a standard deviation: larger = more uniform sizes; size variance (high - low)^2 mu (1 - mu) / (xi + 1) before rescaling). Published sweep: 256, 1.",
+    )
+    center: int | None = Field(
+        None,
+        gt=0,
+        description="coverage: mean client pool size (default: the published 500); sizes run from federation.tasks_per_client to `high` and sum to clients x center, so each task sits in about clients x center / |pool| shards.",
+    )
+    high: int | None = Field(
+        None,
+        gt=0,
+        description="coverage: largest client pool size (default: the published 1000); must not exceed the training pool.",
+    )
+    xi_prime: float | None = Field(
+        None,
+        ge=2e-3,
+        description="hardness: Beta concentration of the clients' easy-task quotas k_i (mean tasks_per_client / 2); realized success-rate variance 0.25 / (xi_prime + 1). Published sweep: 256, 1. Needs `partition.labels`.",
+    )
+    rule: Literal["intended", "executed"] | None = Field(
+        None,
+        description="hardness: how a shard is filled around its quota. `intended` (default; the published docs and algorithm): k_i easy tasks placed by the coverage primitive on the easy pool + tasks_per_client - k_i hard tasks. `executed`: what the published code ran: k_i easy + k_i hard + random rest, cut to tasks_per_client (success rates floored near the pool's rate). Both draw fills from one global stream in client order.",
+    )
 
 
 class PartitionCfg(_Strict):
-    name: Literal["uniform", "preference", "coverage", "hardness"] = Field("uniform", description="How the training pool is split into client shards (partitions/, docs/heterogeneity.md): `uniform` (one seeded permutation, equal blocks), `preference` (Dirichlet category mixtures, knob omega), `coverage` (Beta-sized overlapping pools, knob xi), `hardness` (Beta-sized easy-task quotas under success labels, knob xi_prime). All are pure functions of (client, clients, tasks_per_client, training pool, run.seed, knobs); the server writes every client's realized shard statistics to `partition.json` before round 1.")
+    name: Literal["uniform", "preference", "coverage", "hardness"] = Field(
+        "uniform",
+        description="How the training pool is split into client shards (partitions/, docs/heterogeneity.md): `uniform` (one seeded permutation, equal blocks), `preference` (Dirichlet category mixtures, knob omega), `coverage` (Beta-sized overlapping pools, knob xi), `hardness` (Beta-sized easy-task quotas under success labels, knob xi_prime). All are pure functions of (client, clients, tasks_per_client, training pool, run.seed, knobs); the server writes every client's realized shard statistics to `partition.json` before round 1.",
+    )
     params: PartitionParams = PartitionParams()
-    labels: str = Field("", description="Success labels of the training pool (written by `python -m client_app.label_tasks`). Required by `hardness`; with another partition it adds the easy/hard counts to partition.json. A labels file made on another task order (env fingerprint) or rollout mode is refused, as is one that misses more than half the pool; misses count as hard and are reported.")
+    labels: str = Field(
+        "",
+        description="Success labels of the training pool (written by `python -m client_app.label_tasks`). Required by `hardness`; with another partition it adds the easy/hard counts to partition.json. A labels file made on another task order (env fingerprint) or rollout mode is refused, as is one that misses more than half the pool; misses count as hard and are reported.",
+    )
 
     @model_validator(mode="after")
     def _knobs(self) -> "PartitionCfg":
@@ -294,9 +509,11 @@ class PartitionCfg(_Strict):
         for knob, value in self.params.model_dump().items():
             if value is not None and knob not in owned:
                 owner = next(n for n, ks in PARTITION_KNOBS.items() if knob in ks)
-                raise ValueError(f"partition.params.{knob} is a knob of partition {owner!r}, but partition.name="
-                                 f"{self.name!r} (its knobs: {', '.join(owned) or 'none'}); remove it or set "
-                                 f"partition.name={owner}")
+                raise ValueError(
+                    f"partition.params.{knob} is a knob of partition {owner!r}, but partition.name="
+                    f"{self.name!r} (its knobs: {', '.join(owned) or 'none'}); remove it or set "
+                    f"partition.name={owner}"
+                )
         required = PARTITION_REQUIRED.get(self.name)
         if required and getattr(self.params, required) is None:
             raise ValueError(f"partition.name={self.name!r} needs partition.params.{required}")
@@ -304,11 +521,14 @@ class PartitionCfg(_Strict):
             if getattr(self.params, knob) is None:
                 setattr(self.params, knob, default)
         if (self.params.downsample_category is None) != (self.params.downsample_ratio is None):
-            raise ValueError("partition.params.downsample_category and downsample_ratio go together; "
-                             "set both or neither")
+            raise ValueError(
+                "partition.params.downsample_category and downsample_ratio go together; set both or neither"
+            )
         if self.name == "hardness" and not self.labels:
-            raise ValueError("partition.name='hardness' needs partition.labels: a labels file from "
-                             "`python -m client_app.label_tasks --recipe <recipe> --out labels.json`")
+            raise ValueError(
+                "partition.name='hardness' needs partition.labels: a labels file from "
+                "`python -m client_app.label_tasks --recipe <recipe> --out labels.json`"
+            )
         return self
 
 
@@ -316,42 +536,81 @@ class RunCfg(_Strict):
     name: str = Field("tiny-shop-grpo", description="Run name; the run dir is `<run_dir>` if set, else `runs/<name>`.")
     run_dir: str = Field("", description="Run directory (resume happens when it already holds rounds).")
     seed: int = Field(0, description="Master seed: client sampling, task draws, rollouts.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Trainer device: `auto` = CUDA when visible, else CPU.")
-    inline_max_mb: float = Field(64.0, ge=0, description="Models up to this size travel inline in Flower messages; larger ones through the weight store.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Trainer device: `auto` = CUDA when visible, else CPU."
+    )
+    inline_max_mb: float = Field(
+        64.0,
+        ge=0,
+        description="Models up to this size travel inline in Flower messages; larger ones through the weight store.",
+    )
     shard_max_mb: float = Field(512.0, gt=0, description="Upper bound on one safetensors shard.")
-    service_idle_timeout_s: float = Field(900.0, gt=0, description="A trainer service with no request for this long exits.")
-    weight_cache_dir: str = Field(default_factory=default_weight_cache,
-                                  description="Node-local root for weights a node fetched from or stages for a remote weight store (no shared disk); the trainer service reads and writes weights only inside the run dir and this root. Node-local: resolved on each node (default `$FEDAGENT_CACHE_DIR/weights`, else ~/.cache/fedagent-flower/weights) and not part of the recipe digest.")
-    weight_store: str = Field("", description="How weights above `inline_max_mb` travel (docs/weight-store.md): `''` = through the run dir, which every node must see at the same path (simulation, a shared disk); `http` = the built-in store the ServerApp serves over its run dir (no shared disk: nodes fetch and upload shards over HTTP(S) with a per-run token); `file:///abs/path` = a disk every machine mounts; `s3://bucket/prefix` (or another fsspec URL) = your object store, credentials and endpoint from the environment (`AWS_*`), never from the config.")
-    weight_store_host: str = Field("127.0.0.1", description="`weight_store: http`: the address the store binds (loopback unless configured; `0.0.0.0` serves other machines and then needs `weight_store_url`).")
-    weight_store_port: int = Field(0, ge=0, le=65535, description="`weight_store: http`: its port; 0 = a free port of the private band (a fixed one must lie outside the ephemeral range).")
-    weight_store_url: str = Field("", description="`weight_store: http`: the URL nodes reach the store at (e.g. `https://10.0.0.1:9400`), when it differs from the bound address; its host is advertised, the port is the bound one.")
-    weight_store_certfile: str = Field("", description="`weight_store: http`: TLS certificate (PEM) of the store; with `weight_store_keyfile` the store serves HTTPS (use the SuperLink's when it runs TLS).")
+    service_idle_timeout_s: float = Field(
+        900.0, gt=0, description="A trainer service with no request for this long exits."
+    )
+    weight_cache_dir: str = Field(
+        default_factory=default_weight_cache,
+        description="Node-local root for weights a node fetched from or stages for a remote weight store (no shared disk); the trainer service reads and writes weights only inside the run dir and this root. Node-local: resolved on each node (default `$FEDAGENT_CACHE_DIR/weights`, else ~/.cache/fedagent-flower/weights) and not part of the recipe digest.",
+    )
+    weight_store: str = Field(
+        "",
+        description="How weights above `inline_max_mb` travel (docs/weight-store.md): `''` = through the run dir, which every node must see at the same path (simulation, a shared disk); `http` = the built-in store the ServerApp serves over its run dir (no shared disk: nodes fetch and upload shards over HTTP(S) with a per-run token); `file:///abs/path` = a disk every machine mounts; `s3://bucket/prefix` (or another fsspec URL) = your object store, credentials and endpoint from the environment (`AWS_*`), never from the config.",
+    )
+    weight_store_host: str = Field(
+        "127.0.0.1",
+        description="`weight_store: http`: the address the store binds (loopback unless configured; `0.0.0.0` serves other machines and then needs `weight_store_url`).",
+    )
+    weight_store_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="`weight_store: http`: its port; 0 = a free port of the private band (a fixed one must lie outside the ephemeral range).",
+    )
+    weight_store_url: str = Field(
+        "",
+        description="`weight_store: http`: the URL nodes reach the store at (e.g. `https://10.0.0.1:9400`), when it differs from the bound address; its host is advertised, the port is the bound one.",
+    )
+    weight_store_certfile: str = Field(
+        "",
+        description="`weight_store: http`: TLS certificate (PEM) of the store; with `weight_store_keyfile` the store serves HTTPS (use the SuperLink's when it runs TLS).",
+    )
     weight_store_keyfile: str = Field("", description="`weight_store: http`: the TLS certificate's private key (PEM).")
-    weight_store_ca_file: str = Field("", description="The CA file (PEM) nodes verify the store's certificate with, when the system does not trust it. Node-local (not part of the recipe digest).")
-    weight_store_parallel: int = Field(4, ge=1, le=64, description="Shards in flight per transfer to or from a remote weight store.")
+    weight_store_ca_file: str = Field(
+        "",
+        description="The CA file (PEM) nodes verify the store's certificate with, when the system does not trust it. Node-local (not part of the recipe digest).",
+    )
+    weight_store_parallel: int = Field(
+        4, ge=1, le=64, description="Shards in flight per transfer to or from a remote weight store."
+    )
 
     @model_validator(mode="after")
     def _weight_store(self) -> RunCfg:
         """Refuse, before anything starts, a weight store nobody could open."""
         spec, scheme = self.weight_store.strip(), urlsplit(self.weight_store.strip()).scheme
         if spec not in ("", "http") and not scheme:
-            raise ValueError(f"run.weight_store={spec!r} is none of '' (the run dir), 'http' (the built-in store) "
-                             "or a URL such as file:///shared/dir or s3://bucket/prefix")
+            raise ValueError(
+                f"run.weight_store={spec!r} is none of '' (the run dir), 'http' (the built-in store) "
+                "or a URL such as file:///shared/dir or s3://bucket/prefix"
+            )
         if scheme in ("http", "https"):
-            raise ValueError(f"run.weight_store={spec!r}: the built-in store is `http` (the ServerApp serves it and "
-                             "tells the nodes its URL and token); set run.weight_store_url for the address nodes use")
+            raise ValueError(
+                f"run.weight_store={spec!r}: the built-in store is `http` (the ServerApp serves it and "
+                "tells the nodes its URL and token); set run.weight_store_url for the address nodes use"
+            )
         if scheme == "file" and not urlsplit(spec).path.startswith("/"):
             raise ValueError(f"run.weight_store={spec!r}: a shared disk is file:///absolute/path")
         served = ("weight_store_url", "weight_store_certfile", "weight_store_keyfile")
         if spec != "http" and any(getattr(self, k) for k in served):
-            raise ValueError(f"run.{'/'.join(served)} configure the built-in store: set run.weight_store=http, "
-                             "or drop them")
+            raise ValueError(
+                f"run.{'/'.join(served)} configure the built-in store: set run.weight_store=http, or drop them"
+            )
         if bool(self.weight_store_certfile) != bool(self.weight_store_keyfile):
             raise ValueError("run.weight_store_certfile and run.weight_store_keyfile go together (TLS needs both)")
         if self.weight_store_host in ("0.0.0.0", "::") and not self.weight_store_url:
-            raise ValueError(f"run.weight_store_host={self.weight_store_host} listens on every interface: set "
-                             "run.weight_store_url to the address nodes reach it at")
+            raise ValueError(
+                f"run.weight_store_host={self.weight_store_host} listens on every interface: set "
+                "run.weight_store_url to the address nodes reach it at"
+            )
         if self.weight_store_url and urlsplit(self.weight_store_url).scheme not in ("http", "https"):
             raise ValueError(f"run.weight_store_url={self.weight_store_url!r} must be an http(s):// URL")
         return self
@@ -365,14 +624,22 @@ class RunCfg(_Strict):
             p = Path(value).expanduser().resolve()
             home = Path.home().resolve()
             if len(p.parts) < 3 or p == home or p in home.parents:
-                raise ValueError(f"run.run_dir={value!r} resolves to {p}, which is not a dedicated directory; "
-                                 "use one of its own, e.g. runs/<name> or ~/fedagent-runs/<name>")
+                raise ValueError(
+                    f"run.run_dir={value!r} resolves to {p}, which is not a dedicated directory; "
+                    "use one of its own, e.g. runs/<name> or ~/fedagent-runs/<name>"
+                )
         return value
 
 
 class Config(_Strict):
-    extends: str = Field("", description="The recipe this one starts from: a name in configs/ or a .yaml path relative to this file. Its keys are merged under this file's (lists are replaced, not appended); chains are allowed, cycles are an error. A saved (resolved) config has it empty.")
-    backend: Literal["builtin", "verl"] = Field("builtin", description="Training engine: `builtin` (torch + transformers, CPU or one GPU) or `verl` (verl 0.9.1's FSDP2 training engine; `pip install -e .[verl]`; docs/verl.md). Both run the same fit loop (client_app/trainer/loop.py) and either can roll out with `rollout.engine`.")
+    extends: str = Field(
+        "",
+        description="The recipe this one starts from: a name in configs/ or a .yaml path relative to this file. Its keys are merged under this file's (lists are replaced, not appended); chains are allowed, cycles are an error. A saved (resolved) config has it empty.",
+    )
+    backend: Literal["builtin", "verl"] = Field(
+        "builtin",
+        description="Training engine: `builtin` (torch + transformers, CPU or one GPU) or `verl` (verl 0.9.1's FSDP2 training engine; `pip install -e .[verl]`; docs/verl.md). Both run the same fit loop (client_app/trainer/loop.py) and either can roll out with `rollout.engine`.",
+    )
     model: ModelCfg = ModelCfg()
     env: EnvCfg = EnvCfg()
     env_partition: EnvPartitionCfg = EnvPartitionCfg()
@@ -386,9 +653,11 @@ class Config(_Strict):
     @classmethod
     def _moved_keys(cls, data: Any) -> Any:
         if isinstance(data, dict) and "verl" in data:
-            raise ValueError("the `verl` section is gone: the rollout engine is chosen for either backend now; "
-                             "write verl.rollout_engine as rollout.engine and verl.gpu_memory_utilization as "
-                             "rollout.gpu_memory_utilization (tensor_parallel_size was always 1)")
+            raise ValueError(
+                "the `verl` section is gone: the rollout engine is chosen for either backend now; "
+                "write verl.rollout_engine as rollout.engine and verl.gpu_memory_utilization as "
+                "rollout.gpu_memory_utilization (tensor_parallel_size was always 1)"
+            )
         return data
 
     @model_validator(mode="after")
@@ -400,30 +669,40 @@ class Config(_Strict):
                 "lower clients-per-round or raise clients"
             )
         if f.min_clients_per_round is not None and f.min_clients_per_round > f.clients_per_round:
-            raise ValueError(f"federation.min_clients_per_round={f.min_clients_per_round} exceeds "
-                             f"federation.clients_per_round={f.clients_per_round}; lower it or leave it unset (= all)")
+            raise ValueError(
+                f"federation.min_clients_per_round={f.min_clients_per_round} exceeds "
+                f"federation.clients_per_round={f.clients_per_round}; lower it or leave it unset (= all)"
+            )
         if f.only_clients:
             if len(f.only_clients) != f.clients_per_round or len(set(f.only_clients)) != len(f.only_clients):
-                raise ValueError(f"federation.only_clients={f.only_clients} must list clients_per_round="
-                                 f"{f.clients_per_round} distinct ids; fix one or the other")
+                raise ValueError(
+                    f"federation.only_clients={f.only_clients} must list clients_per_round="
+                    f"{f.clients_per_round} distinct ids; fix one or the other"
+                )
             if not all(0 <= c < f.clients for c in f.only_clients):
                 raise ValueError(f"federation.only_clients={f.only_clients} holds ids outside [0, {f.clients})")
         self._check_partition()
         tiny = self.model.tiny
         if self.model.path == "tiny" and tiny.sft_shortcut > 0 and self.env.name != "shop":
             # Fail closed: the habit is the shop's buy-now action; elsewhere it would silently do nothing.
-            raise ValueError(f"model.tiny.sft_shortcut={tiny.sft_shortcut} demonstrates the shop's buy-now habit, "
-                             f"and env {self.env.name!r} has no such action; set model.tiny.sft_shortcut: 0")
+            raise ValueError(
+                f"model.tiny.sft_shortcut={tiny.sft_shortcut} demonstrates the shop's buy-now habit, "
+                f"and env {self.env.name!r} has no such action; set model.tiny.sft_shortcut: 0"
+            )
         self._check_model()
         self._check_rollout_engine()
         self._check_env_partition()
         algo = self.algo
         if not algo.spec.critic and algo.critic.path:
-            raise ValueError(f"algo.critic.path={algo.critic.path!r} is set but algo.name={algo.name!r} "
-                             "has no critic; remove it or set algo.name=ppo")
+            raise ValueError(
+                f"algo.critic.path={algo.critic.path!r} is set but algo.name={algo.name!r} "
+                "has no critic; remove it or set algo.name=ppo"
+            )
         if algo.spec.advantage != "group_relative" and not algo.grpo_norm_by_std:
-            raise ValueError(f"algo.grpo_norm_by_std=false changes GRPO's advantages, and algo.name={algo.name!r} "
-                             "does not use them; remove it")
+            raise ValueError(
+                f"algo.grpo_norm_by_std=false changes GRPO's advantages, and algo.name={algo.name!r} "
+                "does not use them; remove it"
+            )
         return self
 
     def _check_rollout_engine(self) -> None:
@@ -441,50 +720,67 @@ class Config(_Strict):
         if "variant" in params:
             raise ValueError("env.params.variant is set per client from env_partition; remove it from env.params")
         if env not in (None, self.env.name):
-            raise ValueError(f"env_partition.name={part.name} is for the {env} environment, "
-                             f"not env.name={self.env.name!r}")
-        needs = {"num_variants": pool is not None, "env_div": part.name in ("catalog_split", "env_disjoint"),
-                 "keep_ratio": part.name == "catalog_split"}
+            raise ValueError(
+                f"env_partition.name={part.name} is for the {env} environment, not env.name={self.env.name!r}"
+            )
+        needs = {
+            "num_variants": pool is not None,
+            "env_div": part.name in ("catalog_split", "env_disjoint"),
+            "keep_ratio": part.name == "catalog_split",
+        }
         for knob, needed in needs.items():
             value = getattr(part, knob)
             if needed and value is None:
                 raise ValueError(f"env_partition.name={part.name} needs env_partition.{knob}")
             if not needed and value is not None:
-                raise ValueError(f"env_partition.{knob}={value} is not read by env_partition.name={part.name}; "
-                                 "remove it")
+                raise ValueError(
+                    f"env_partition.{knob}={value} is not read by env_partition.name={part.name}; remove it"
+                )
         if part.name != "env_disjoint" and (part.fallback != "skip" or part.holdout):
-            raise ValueError(f"env_partition.fallback / holdout only apply to env_disjoint, not {part.name}; "
-                             "remove them")
+            raise ValueError(
+                f"env_partition.fallback / holdout only apply to env_disjoint, not {part.name}; remove them"
+            )
         if pool is not None and part.num_variants > pool:
             raise ValueError(f"env_partition.num_variants={part.num_variants} exceeds the {part.name} pool ({pool})")
         clash = sorted(set(keys) & set(params))
         if clash:
-            raise ValueError(f"env.params sets {clash}, which env_partition.name={part.name} sets per client; "
-                             "remove them")
+            raise ValueError(
+                f"env.params sets {clash}, which env_partition.name={part.name} sets per client; remove them"
+            )
         if env == "shop" and "search_return_n" not in params:
             # invariant 14 / field log 2026-07-23: the pool size must be the recipe's explicit choice
-            raise ValueError(f"env_partition.name={part.name} needs env.params.search_return_n set explicitly "
-                             "(the published environment-heterogeneity runs used 200)")
+            raise ValueError(
+                f"env_partition.name={part.name} needs env.params.search_return_n set explicitly "
+                "(the published environment-heterogeneity runs used 200)"
+            )
 
     def _check_partition(self) -> None:
         """Coverage's size bounds against |X_i| (the pool-size checks run once the pool is known)."""
         p, low = self.partition.params, self.federation.tasks_per_client
         if self.partition.name == "coverage" and not (low <= p.center <= p.high and p.high > low):
-            raise ValueError(f"partition coverage needs federation.tasks_per_client={low} <= partition.params."
-                             f"center={p.center} <= partition.params.high={p.high}, with high > tasks_per_client")
+            raise ValueError(
+                f"partition coverage needs federation.tasks_per_client={low} <= partition.params."
+                f"center={p.center} <= partition.params.high={p.high}, with high > tasks_per_client"
+            )
 
     def _check_model(self) -> None:
         """Fail closed on warm-start settings that would silently do nothing (docs/models.md)."""
         ws, m = self.model.warm_start, self.model
         if ws.episodes and m.path == "tiny":
-            raise ValueError("model.warm_start is set but model.path=tiny already warm-starts with model.tiny.sft_*; "
-                             "set model.warm_start.episodes: 0 or point model.path at a model directory")
+            raise ValueError(
+                "model.warm_start is set but model.path=tiny already warm-starts with model.tiny.sft_*; "
+                "set model.warm_start.episodes: 0 or point model.path at a model directory"
+            )
         if ws.episodes and ws.shortcut > 0 and self.env.name != "shop":
-            raise ValueError(f"model.warm_start.shortcut={ws.shortcut} demonstrates the shop's buy-now habit, and env "
-                             f"{self.env.name!r} has no such action; set model.warm_start.shortcut: 0")
+            raise ValueError(
+                f"model.warm_start.shortcut={ws.shortcut} demonstrates the shop's buy-now habit, and env "
+                f"{self.env.name!r} has no such action; set model.warm_start.shortcut: 0"
+            )
         if m.reference == "backbone" and (self.algo.kl_coef == 0 or self.algo.ref_anchor == "round"):
-            raise ValueError("model.reference=backbone picks the KL reference, but there is none to pick (algo.kl_coef=0 "
-                             "or algo.ref_anchor=round); remove model.reference")
+            raise ValueError(
+                "model.reference=backbone picks the KL reference, but there is none to pick (algo.kl_coef=0 "
+                "or algo.ref_anchor=round); remove model.reference"
+            )
 
     def weight_members(self) -> tuple[str, ...]:
         """The weights a round federates: the policy, plus the critic for PPO (invariant 7)."""
@@ -550,7 +846,7 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> dict[str, Any]:
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             out.update(_leaves(ann, f"{prefix}{name}."))
-        elif name != "extends":       # a run config is already one recipe: nothing to extend
+        elif name != "extends":  # a run config is already one recipe: nothing to extend
             out[f"{prefix}{name}"] = ann
     return out
 
@@ -584,8 +880,10 @@ def _refuse_resolvers(node: Any, where: str) -> None:
         for v in node:
             _refuse_resolvers(v, where)
     elif isinstance(node, str) and _RESOLVER.search(node):
-        raise ConfigError(f"{where}: {node!r} uses an OmegaConf resolver; recipes may only interpolate other keys "
-                          "(`${section.key}`): write the value itself")
+        raise ConfigError(
+            f"{where}: {node!r} uses an OmegaConf resolver; recipes may only interpolate other keys "
+            "(`${section.key}`): write the value itself"
+        )
 
 
 def recipe_path(recipe: str) -> Path:
@@ -605,8 +903,10 @@ def _format_errors(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(x) for x in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key; remove it or check the spelling (keys are documented in docs/config.md)")
-        elif not key:      # a whole-config rule: its message names the keys (the input is the whole config)
+            lines.append(
+                f"  {key}: unknown key; remove it or check the spelling (keys are documented in docs/config.md)"
+            )
+        elif not key:  # a whole-config rule: its message names the keys (the input is the whole config)
             lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {key}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
@@ -623,7 +923,9 @@ def _load_recipe(path: Path, chain: tuple[Path, ...] = ()) -> Any:
     except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as e:
         raise ConfigError(f"recipe {path} is not valid YAML: {str(e).strip()}") from None
     if not hasattr(node, "get") or not node:
-        raise ConfigError(f"recipe {path} is empty or not a mapping of config sections; see configs/tiny-shop-grpo.yaml")
+        raise ConfigError(
+            f"recipe {path} is empty or not a mapping of config sections; see configs/tiny-shop-grpo.yaml"
+        )
     _refuse_resolvers(OmegaConf.to_container(node, resolve=False), str(path))
     parent = node.get("extends")
     if not parent:
@@ -633,8 +935,9 @@ def _load_recipe(path: Path, chain: tuple[Path, ...] = ()) -> Any:
     return OmegaConf.merge(_load_recipe(base, (*chain, path)), node)
 
 
-def load_config(recipe: str = DEFAULT_RECIPE, overrides: dict[str, Any] | None = None,
-                dotlist: list[str] | None = None) -> Config:
+def load_config(
+    recipe: str = DEFAULT_RECIPE, overrides: dict[str, Any] | None = None, dotlist: list[str] | None = None
+) -> Config:
     """Load a recipe (and what it `extends`), apply Flower run-config overrides and `a.b=c`
     dotlist overrides, validate."""
     base = _load_recipe(recipe_path(recipe))
@@ -648,19 +951,22 @@ def load_config(recipe: str = DEFAULT_RECIPE, overrides: dict[str, Any] | None =
     known = run_config_keys()
     for key, value in (overrides or {}).items():
         if key == "recipe" or (isinstance(value, str) and value == ""):
-            continue   # an empty string (pyproject's default) keeps the recipe's value
+            continue  # an empty string (pyproject's default) keeps the recipe's value
         path = RUN_CONFIG_ALIASES.get(key, key)
         if path not in known:
             near = difflib.get_close_matches(key, [*known, *RUN_CONFIG_ALIASES], n=3)
-            raise ConfigError(f"run-config key {key!r} is not a recipe key" + (f"; did you mean {near}?" if near else "")
-                              + " (every key is listed in docs/config.md)")
+            raise ConfigError(
+                f"run-config key {key!r} is not a recipe key"
+                + (f"; did you mean {near}?" if near else "")
+                + " (every key is listed in docs/config.md)"
+            )
         value = _run_config_value(key, value, known[path])
         node = data
         *parents, leaf = path.split(".")
         for part in parents:
             node = node.setdefault(part, {})
         if isinstance(value, dict) and isinstance(node.get(leaf), dict):
-            value = {**node[leaf], **value}      # a mapping (env.params) updates the recipe's
+            value = {**node[leaf], **value}  # a mapping (env.params) updates the recipe's
         node[leaf] = value
     try:
         return Config.model_validate(data)
@@ -678,10 +984,12 @@ def save_config(cfg: Config, path: Path) -> None:
 def run_config_toml() -> str:
     """pyproject's `[tool.flwr.app.config]`: the recipe, the flat aliases and every recipe key
     (nested tables, which Flower flattens to the dotted keys), each "" = keep the recipe's value."""
-    lines = ["[tool.flwr.app.config]",
-             "# Generated by `python -m fl_app.config --run-config-keys` (tests check it is current).",
-             "# \"\" keeps the recipe's value; `--run-config 'algo.lr=2e-4 rounds=3'` overrides it.",
-             f'recipe = "{DEFAULT_RECIPE}"']
+    lines = [
+        "[tool.flwr.app.config]",
+        "# Generated by `python -m fl_app.config --run-config-keys` (tests check it is current).",
+        "# \"\" keeps the recipe's value; `--run-config 'algo.lr=2e-4 rounds=3'` overrides it.",
+        f'recipe = "{DEFAULT_RECIPE}"',
+    ]
     lines += [f'{alias} = ""' for alias in RUN_CONFIG_ALIASES]
     tables: dict[str, list[str]] = {}
     for key in run_config_keys():
@@ -708,14 +1016,15 @@ def _describe(model: type[BaseModel], prefix: str = "") -> list[str]:
 def config_doc() -> str:
     """docs/config.md: every recipe key with its type, default and description (from this module)."""
     aliases = ", ".join(f"`{a}` = `{p}`" for a, p in RUN_CONFIG_ALIASES.items())
-    return ("# Configuration keys\n\n"
-            "Generated from `fl_app/config.py` by `python -m fl_app.config --doc > docs/config.md` (a test "
-            "checks it is current). A recipe (`configs/*.yaml`) sets these keys; every key can also be set "
-            "from Flower as a dotted run-config key, e.g. `flwr run . --run-config 'algo.lr=2e-4 "
-            "env.params=\"{val_size: 32}\"'` (strings need TOML quotes; a string given for a list or mapping "
-            "key is read as YAML; a mapping updates the recipe's). Flat aliases: " + aliases + ".\n\n"
-            "| key | type | default | description |\n| --- | --- | --- | --- |\n"
-            + "\n".join(_describe(Config)) + "\n")
+    return (
+        "# Configuration keys\n\n"
+        "Generated from `fl_app/config.py` by `python -m fl_app.config --doc > docs/config.md` (a test "
+        "checks it is current). A recipe (`configs/*.yaml`) sets these keys; every key can also be set "
+        "from Flower as a dotted run-config key, e.g. `flwr run . --run-config 'algo.lr=2e-4 "
+        'env.params="{val_size: 32}"\'` (strings need TOML quotes; a string given for a list or mapping '
+        "key is read as YAML; a mapping updates the recipe's). Flat aliases: " + aliases + ".\n\n"
+        "| key | type | default | description |\n| --- | --- | --- | --- |\n" + "\n".join(_describe(Config)) + "\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -723,13 +1032,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from fl_app.work import format_work
 
-    ap = argparse.ArgumentParser(description="Validate a recipe, print what it resolves to and the work it implies "
-                                             "per round (episodes, optimizer steps, tokens).")
+    ap = argparse.ArgumentParser(
+        description="Validate a recipe, print what it resolves to and the work it implies "
+        "per round (episodes, optimizer steps, tokens)."
+    )
     ap.add_argument("--check", default=DEFAULT_RECIPE, help="recipe name or YAML path")
     ap.add_argument("--work-only", action="store_true", help="print only the work report, not the resolved YAML")
     ap.add_argument("--doc", action="store_true", help="print docs/config.md (every key, documented)")
-    ap.add_argument("--run-config-keys", action="store_true",
-                    help="print pyproject's [tool.flwr.app.config] section (every key as a run-config key)")
+    ap.add_argument(
+        "--run-config-keys",
+        action="store_true",
+        help="print pyproject's [tool.flwr.app.config] section (every key as a run-config key)",
+    )
     ap.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. federation.rounds=5")
     args = ap.parse_args(argv)
     if args.doc or args.run_config_keys:

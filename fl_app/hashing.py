@@ -6,6 +6,7 @@ installed and needs `sha256_file` alone. BLAKE3 (the `blake3` package) is import
 use; it is the weight shards' hash because it ran 2.2-4.8x faster than sha256 per core in
 every run of bench/aggregate.py (docs/benchmarks.md) while staying a cryptographic hash.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +32,10 @@ def new_hasher(name: str) -> Hasher:
         try:
             import blake3
         except ImportError:
-            raise RuntimeError("BLAKE3 weight digests need the `blake3` package: pip install blake3==1.0.11 "
-                               "(it is a dependency of fedagent-flower; requirements/ lists it for GPU images)") from None
+            raise RuntimeError(
+                "BLAKE3 weight digests need the `blake3` package: pip install blake3==1.0.11 "
+                "(it is a dependency of fedagent-flower; requirements/ lists it for GPU images)"
+            ) from None
         return blake3.blake3()
     raise ValueError(f"unknown hash {name!r}; known: {', '.join(HASHES)}")
 

@@ -7,6 +7,7 @@ the root's own real path. That refuses absolute paths elsewhere, `..` walks, and
 inside the root that point out of it (followed on read, or written through), while a root that
 is itself reached through a symlink (e.g. /tmp on some systems) keeps working.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,10 @@ def confine(path: str | os.PathLike[str], root: str | os.PathLike[str], what: st
     real = Path(os.path.realpath(candidate))
     if real != root_real and root_real not in real.parents:
         via = "" if real == Path(os.path.abspath(candidate)) else f" (it resolves to {real})"
-        raise PathEscapeError(f"{what} {os.fspath(path)!r} lies outside {root_real}{via}; only paths inside "
-                              f"{root_real} are accepted here (a symlink out of it is refused too)")
+        raise PathEscapeError(
+            f"{what} {os.fspath(path)!r} lies outside {root_real}{via}; only paths inside "
+            f"{root_real} are accepted here (a symlink out of it is refused too)"
+        )
     return real
 
 

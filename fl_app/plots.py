@@ -3,6 +3,7 @@
 Headless and free of global state: a bare matplotlib `Figure` renders through the Agg canvas,
 so no pyplot backend is switched and no figure registry is touched.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,13 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot_validation(metrics_jsonl: Path, out_png: Path, val_key: str = "val_success",
-                    train_key: str = "train_success", title: str | None = None) -> Path:
+def plot_validation(
+    metrics_jsonl: Path,
+    out_png: Path,
+    val_key: str = "val_success",
+    train_key: str = "train_success",
+    title: str | None = None,
+) -> Path:
     """Validation success per round (rounds without validation are skipped), plus train success
     when the file has it. Raises ValueError when there is nothing to plot."""
     rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
@@ -45,8 +51,7 @@ def plot_validation(metrics_jsonl: Path, out_png: Path, val_key: str = "val_succ
     return out_png
 
 
-def plot_seed_bands(arms: dict[str, list[Path]], out_png: Path, key: str = "val_success",
-                    title: str = "") -> Path:
+def plot_seed_bands(arms: dict[str, list[Path]], out_png: Path, key: str = "val_success", title: str = "") -> Path:
     """Per arm (label -> the metrics.jsonl of its seeds): the mean over seeds per round and a band
     from the lowest to the highest seed, so two arms are compared against their seed noise.
     Raises ValueError when an arm has no run or its runs validated different rounds."""

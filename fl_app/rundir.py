@@ -21,6 +21,7 @@ deletes it), so a re-run round starts from an empty dir and cannot pick up a dea
 uploads. Every path below the run dir goes through `fl_app.paths.confine`: a round or client
 dir that is a symlink out of the run dir is neither read nor written through.
 """
+
 from __future__ import annotations
 
 import json
@@ -128,8 +129,9 @@ class RunDir:
         """Every round-NNNN dir, complete or not, ascending (renamed-aside dirs do not match)."""
         if not self.rounds_dir.is_dir():
             return []
-        return sorted(int(m.group(1)) for p in self.rounds_dir.iterdir()
-                      if p.is_dir() and (m := _ROUND_DIR.match(p.name)))
+        return sorted(
+            int(m.group(1)) for p in self.rounds_dir.iterdir() if p.is_dir() and (m := _ROUND_DIR.match(p.name))
+        )
 
     def marker(self, r: int) -> dict[str, str] | None:
         """member -> manifest sha256 as round r's COMPLETE marker records them (None: no marker).
@@ -137,8 +139,10 @@ class RunDir:
         path = self.round_dir(r) / MARKER
         if not path.is_file():
             return None
-        fix = (f"the marker was damaged after the round completed: move {self.round_dir(r)} aside "
-               f"(e.g. `mv {self.round_dir(r)} {self.round_dir(r)}.damaged`) to redo that round, or use a new run dir")
+        fix = (
+            f"the marker was damaged after the round completed: move {self.round_dir(r)} aside "
+            f"(e.g. `mv {self.round_dir(r)} {self.round_dir(r)}.damaged`) to redo that round, or use a new run dir"
+        )
         try:
             members = json.loads(path.read_text())["members"]
             digests = {m: d["manifest_sha256"] for m, d in members.items()}
@@ -195,7 +199,8 @@ class RunDir:
                 f"(e.g. `flwr run . --run-config rounds={hi}`) to continue this run; (2) use a new run dir "
                 f"(`--run-config 'run-dir=\"runs/<new-name>\"'`); (3) move the rounds above {total_rounds} "
                 f"out of {self.rounds_dir} (e.g. `mv {self.round_dir(hi)} {self.round_dir(hi)}.moved`) "
-                "if you mean to redo them")
+                "if you mean to redo them"
+            )
 
     def _move_aside(self, r: int, why: str) -> Path:
         """Rename round r's dir to `round-NNNN.<why>-<utc time>` (never deleted)."""
@@ -228,7 +233,8 @@ class RunDir:
                 f"touched). Ways out: (1) put the missing round dirs back into {self.rounds_dir} (a dir renamed aside "
                 f"as round-NNNN.partial-* or .corrupt-* can be renamed back if it is complete); (2) to redo the rounds "
                 f"from {first} on, move rounds {first}..{last} aside (e.g. `mv {self.round_dir(last)} "
-                f"{self.round_dir(last)}.moved`, likewise for each); (3) use a new run dir")
+                f"{self.round_dir(last)}.moved`, likewise for each); (3) use a new run dir"
+            )
 
     def _verified_resume_round(self, last: int | None) -> int | None:
         """The highest complete round whose every shard matches its digests, from `last` down;
@@ -241,8 +247,9 @@ class RunDir:
             except WeightsError as e:
                 moved = self._move_aside(last, "corrupt")
                 self.moved_aside.append((moved, str(e)))
-                log.warning("round %d is corrupt (%s); moved it to %s and resume from the round before it",
-                            last, e, moved)
+                log.warning(
+                    "round %d is corrupt (%s); moved it to %s and resume from the round before it", last, e, moved
+                )
                 last = last - 1 if last > 0 else None
         return None
 
@@ -260,8 +267,10 @@ class RunDir:
                     break
                 raise RunDirError(f"{self.metrics_path}:{i + 1} is not JSON; fix or remove that line") from None
             if not isinstance(row, dict) or not isinstance(row.get("round"), int):
-                raise RunDirError(f"{self.metrics_path}:{i + 1} is not a metrics row (a JSON object with an integer "
-                                  "'round'); fix or remove that line")
+                raise RunDirError(
+                    f"{self.metrics_path}:{i + 1} is not a metrics row (a JSON object with an integer "
+                    "'round'); fix or remove that line"
+                )
             rows.append(row)
         return rows
 
@@ -271,8 +280,9 @@ class RunDir:
             return
         complete = {r for r in self.rounds_on_disk() if self._round_state(r)[0] == "complete"}
         by_round = {row["round"]: row for row in self.read_metrics() if row.get("round") in complete}
-        _write_atomic(self.metrics_path, "".join(json.dumps(by_round[r], default=_json_default) + "\n"
-                                                 for r in sorted(by_round)))
+        _write_atomic(
+            self.metrics_path, "".join(json.dumps(by_round[r], default=_json_default) + "\n" for r in sorted(by_round))
+        )
 
     def prepare_resume(self) -> int | None:
         """Make the disk consistent before the round loop; returns the last complete round.
@@ -290,7 +300,8 @@ class RunDir:
             if state == "broken":
                 raise RunDirError(
                     f"round {r} in {self.path} has a COMPLETE marker but {why}; this run requires members "
-                    f"{list(self.members)}. Use a new run dir, or move {self.round_dir(r)} aside if it is damaged")
+                    f"{list(self.members)}. Use a new run dir, or move {self.round_dir(r)} aside if it is damaged"
+                )
             if state == "complete":
                 complete.append(r)
         self.check_gaps(complete)
@@ -309,8 +320,10 @@ class RunDir:
         last = self.last_complete_round()
         expected = 0 if last is None else last + 1
         if r != expected:
-            raise RunDirError(f"cannot complete round {r}: the last complete round on disk is {last}, so the "
-                              f"next one is {expected}; call prepare_resume() before the round loop")
+            raise RunDirError(
+                f"cannot complete round {r}: the last complete round on disk is {last}, so the "
+                f"next one is {expected}; call prepare_resume() before the round loop"
+            )
         members = {}
         for m in self.members:
             try:
@@ -323,9 +336,15 @@ class RunDir:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
-        _write_atomic(self.round_dir(r) / MARKER, json.dumps(
-            {"round": r, "time": _utc_now(), "metrics": dict(metrics), "members": members},
-            default=_json_default, indent=1) + "\n")
+        _write_atomic(
+            self.round_dir(r) / MARKER,
+            json.dumps(
+                {"round": r, "time": _utc_now(), "metrics": dict(metrics), "members": members},
+                default=_json_default,
+                indent=1,
+            )
+            + "\n",
+        )
 
     def drop_client_uploads(self, r: int) -> None:
         """Delete round r's client scratch (only once the round is complete: it is then redundant)."""
@@ -343,8 +362,10 @@ class RunDir:
         last = self.last_complete_round()
         final_round = summary.get("final_round")
         if final_round is not None and final_round != last:
-            raise RunDirError(f"refusing to label round {final_round} final: the highest complete round on "
-                              f"disk is {last}. A run that stopped early has no final round; omit final_round")
+            raise RunDirError(
+                f"refusing to label round {final_round} final: the highest complete round on "
+                f"disk is {last}. A run that stopped early has no final round; omit final_round"
+            )
         self.path.mkdir(parents=True, exist_ok=True)
         body = {**summary, "final_round": final_round, "last_complete_round": last, "written_at": _utc_now()}
         _write_atomic(self.summary_path, json.dumps(body, default=_json_default, indent=1) + "\n")
@@ -371,6 +392,8 @@ def sibling_member(weights_dir: Path, member: str) -> Path | None:
     rd, r, _ = found
     recorded = rd.recorded_members(r)
     if recorded is None:
-        raise RunDirError(f"{weights_dir} belongs to round {r} of {rd.path}, which never completed (no readable "
-                          f"{MARKER} marker); start from a complete round (see {rd.metrics_path})")
+        raise RunDirError(
+            f"{weights_dir} belongs to round {r} of {rd.path}, which never completed (no readable "
+            f"{MARKER} marker); start from a complete round (see {rd.metrics_path})"
+        )
     return rd.member_dir(r, member) if member in recorded else None

@@ -8,6 +8,7 @@ node-local weights dir for an entry) and `publish` (make a locally written weigh
 entry). On a DirStore both are free (the entry's own dir, nothing to copy); the remote stores
 (fl_app/store_http.py, fl_app/store_fsspec.py) download into a node cache and upload.
 """
+
 from __future__ import annotations
 
 import re
@@ -29,16 +30,20 @@ def check_key(key: str) -> str:
     """Keys are relative POSIX paths of plain segments (no '..', no absolute paths)."""
     parts = key.split("/")
     if not key or not all(_SEGMENT.match(p) and p not in (".", "..") for p in parts):
-        raise WeightsError(f"bad weight-store key {key!r}: use '/'-separated segments of letters, digits, "
-                           "'.', '_' or '-' (e.g. 'rounds/round-0003/actor')")
+        raise WeightsError(
+            f"bad weight-store key {key!r}: use '/'-separated segments of letters, digits, "
+            "'.', '_' or '-' (e.g. 'rounds/round-0003/actor')"
+        )
     return key
 
 
 def check_digest(manifest_sha256: str) -> str:
     """A manifest digest is lowercase hex (it also names cache dirs, so nothing else may pass)."""
     if not _DIGEST.match(manifest_sha256):
-        raise WeightsError(f"{manifest_sha256!r} is not a manifest digest (hex); pass the "
-                           "manifest_sha256 the sender's WeightsRef carries")
+        raise WeightsError(
+            f"{manifest_sha256!r} is not a manifest digest (hex); pass the "
+            "manifest_sha256 the sender's WeightsRef carries"
+        )
     return manifest_sha256
 
 
@@ -46,9 +51,11 @@ def check_pinned(key: str, manifest: Manifest, expected_manifest_sha256: str) ->
     """The entry under `key` must be the one the sender wrote (its manifest digest), not a stale
     or re-run entry that reuses the key."""
     if manifest.sha256 != expected_manifest_sha256:
-        raise WeightsError(f"store entry {key!r} is not the one the sender wrote (manifest sha256 "
-                           f"{manifest.sha256[:12]}... != {expected_manifest_sha256[:12]}...): it was replaced, "
-                           "e.g. by a re-run; drop this message and re-run the fit")
+        raise WeightsError(
+            f"store entry {key!r} is not the one the sender wrote (manifest sha256 "
+            f"{manifest.sha256[:12]}... != {expected_manifest_sha256[:12]}...): it was replaced, "
+            "e.g. by a re-run; drop this message and re-run the fit"
+        )
     return manifest
 
 
@@ -120,8 +127,10 @@ class DirStore(WeightStore):
             return
         # Refuse anything that is not a weights dir (e.g. a parent key holding many entries).
         if any(p.is_dir() or not is_entry_file(p.name) for p in path.iterdir()):
-            raise WeightsError(f"{path} is not a single weights entry (it holds other files or dirs); "
-                               "refusing to delete it: delete the entries inside it by their own keys")
+            raise WeightsError(
+                f"{path} is not a single weights entry (it holds other files or dirs); "
+                "refusing to delete it: delete the entries inside it by their own keys"
+            )
         shutil.rmtree(path)
 
     def fetch(self, key: str, expected_manifest_sha256: str, cache_dir: Path | None = None) -> Manifest:
@@ -140,12 +149,16 @@ class DirStore(WeightStore):
             existing = self.manifest(key)
             if existing.sha256 == local.sha256:
                 return existing
-            raise WeightsError(f"store entry {key!r} already holds other weights (manifest sha256 "
-                               f"{existing.sha256[:12]}... != {local.sha256[:12]}...); entries are immutable: "
-                               "publish under a new key")
+            raise WeightsError(
+                f"store entry {key!r} already holds other weights (manifest sha256 "
+                f"{existing.sha256[:12]}... != {local.sha256[:12]}...); entries are immutable: "
+                "publish under a new key"
+            )
         if dest.exists():
-            raise WeightsError(f"{dest} holds an incomplete write (no {MANIFEST_NAME}); delete it "
-                               f"(store.delete({key!r})) before publishing there")
+            raise WeightsError(
+                f"{dest} holds an incomplete write (no {MANIFEST_NAME}); delete it "
+                f"(store.delete({key!r})) before publishing there"
+            )
         staged = sibling_tmp(dest, "publish")
         try:
             for shard in local.shards:

@@ -6,6 +6,7 @@ so a reader sees nothing or the whole entry, never a half-published one; the sam
 when the directory store publishes a copy, when the HTTP store's server commits an upload, and
 when a node's cache completes a download.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,10 @@ def check_shard_names(manifest: Manifest) -> None:
     names = [s.file for s in manifest.shards]
     bad = [n for n in names if not _FILE.match(n) or not n.endswith(".safetensors")]
     if bad or len(set(names)) != len(names):
-        raise WeightsError(f"manifest lists shard files {bad or names} that are not plain, distinct "
-                           "'*.safetensors' names; it was not written by fl_app.weights: re-export the weights")
+        raise WeightsError(
+            f"manifest lists shard files {bad or names} that are not plain, distinct "
+            "'*.safetensors' names; it was not written by fl_app.weights: re-export the weights"
+        )
 
 
 def verify_shard(manifest: Manifest, index: int, where: Path) -> None:
@@ -49,7 +52,7 @@ def write_all(fd: int, pieces: list[bytes]) -> None:
     """Write `pieces` at the file's offset with as few syscalls as writev allows, no joining copy."""
     views = [memoryview(p) for p in pieces if len(p)]
     while views:
-        n = os.writev(fd, views[:1024])   # IOV_MAX
+        n = os.writev(fd, views[:1024])  # IOV_MAX
         while views and n >= len(views[0]):
             n -= len(views[0])
             views.pop(0)
@@ -91,8 +94,10 @@ def install_entry(staged: Path, manifest: Manifest, dest: Path, durable: bool) -
     try:
         os.rename(staged, dest)
     except OSError as e:
-        raise WeightsError(f"cannot publish {dest}: something appeared there while it was being written "
-                           f"({e.strerror}); entries are immutable: delete it or use another key") from e
+        raise WeightsError(
+            f"cannot publish {dest}: something appeared there while it was being written "
+            f"({e.strerror}); entries are immutable: delete it or use another key"
+        ) from e
     if durable:
         fsync_path(dest.parent)
     return Manifest.from_dir(dest)

@@ -8,10 +8,11 @@ a reader never takes an entry without a manifest, and every shard is verified on
 node's cache. Credentials and endpoints come from `storage_options` or the driver's usual
 environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws), never from the run config.
 """
+
 from __future__ import annotations
 
-import dataclasses
 import concurrent.futures
+import dataclasses
 import functools
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -24,11 +25,17 @@ import fsspec
 
 from fl_app.store import check_key
 from fl_app.store_files import is_entry_file
-from fl_app.store_remote import (DEFAULT_PARALLEL, DOWNLOAD_RETRIES, CacheSlot, RemoteStore, WeightStoreRefused,
-                                 WeightStoreUnreachable)
+from fl_app.store_remote import (
+    DEFAULT_PARALLEL,
+    DOWNLOAD_RETRIES,
+    CacheSlot,
+    RemoteStore,
+    WeightStoreRefused,
+    WeightStoreUnreachable,
+)
 from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError
 
-RANGE_BYTES = 16 << 20   # one ranged read; what a cut-off download loses at most
+RANGE_BYTES = 16 << 20  # one ranged read; what a cut-off download loses at most
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
@@ -55,15 +62,24 @@ def _each(jobs: list[Callable[[], None]], parallel: int) -> None:
 class FsspecWeightStore(RemoteStore):
     """`FsspecWeightStore("s3://bucket/run-7", max_shard_bytes=..., storage_options={...})`."""
 
-    def __init__(self, url: str, *, max_shard_bytes: int, storage_options: Mapping[str, Any] | None = None,
-                 parallel: int = DEFAULT_PARALLEL, node: str = ""):
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_shard_bytes: int,
+        storage_options: Mapping[str, Any] | None = None,
+        parallel: int = DEFAULT_PARALLEL,
+        node: str = "",
+    ):
         super().__init__(max_shard_bytes, parallel)
         scheme = urlsplit(url).scheme
         try:
             self.fs, base = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
         except ImportError as e:
-            raise WeightsError(f"weight store {url!r}: fsspec's driver for {scheme}:// is not installed ({e}); "
-                               "for s3:// install s3fs (pyproject pins the tested version)") from e
+            raise WeightsError(
+                f"weight store {url!r}: fsspec's driver for {scheme}:// is not installed ({e}); "
+                "for s3:// install s3fs (pyproject pins the tested version)"
+            ) from e
         except ValueError as e:
             raise WeightsError(f"weight store {url!r} is not a URL fsspec knows: {e}") from e
         self.url = url.rstrip("/")
@@ -81,19 +97,23 @@ class FsspecWeightStore(RemoteStore):
         except WeightsError:
             raise
         except PermissionError as e:
-            raise WeightStoreRefused(f"{who}{what}: {self.url} refused access ({e}); check the credentials this "
-                                     "node uses for it (environment or storage options)") from e
+            raise WeightStoreRefused(
+                f"{who}{what}: {self.url} refused access ({e}); check the credentials this "
+                "node uses for it (environment or storage options)"
+            ) from e
         except FileNotFoundError:
             raise
         except _transport_errors() as e:
-            raise WeightStoreUnreachable(f"{who}cannot reach the weight store at {self.url} while {what} "
-                                         f"({type(e).__name__}: {e}); is it reachable from this node? "
-                                         "see docs/weight-store.md") from e
+            raise WeightStoreUnreachable(
+                f"{who}cannot reach the weight store at {self.url} while {what} "
+                f"({type(e).__name__}: {e}); is it reachable from this node? "
+                "see docs/weight-store.md"
+            ) from e
 
     def _manifest_or_none(self, key: str) -> str | None:
         path = self._path(key, MANIFEST_NAME)
         with self._errors(f"reading the manifest of {key!r}"):
-            self.fs.invalidate_cache(self._path(key))   # another machine may have published it since
+            self.fs.invalidate_cache(self._path(key))  # another machine may have published it since
             try:
                 return self.fs.cat_file(path).decode()
             except FileNotFoundError:
@@ -101,8 +121,10 @@ class FsspecWeightStore(RemoteStore):
 
     def manifest_text(self, key: str) -> str:
         if (text := self._manifest_or_none(key)) is None:
-            raise WeightsError(f"{self.url} has no complete entry {key!r} (no {MANIFEST_NAME}: never published, "
-                               "or its upload did not finish)")
+            raise WeightsError(
+                f"{self.url} has no complete entry {key!r} (no {MANIFEST_NAME}: never published, "
+                "or its upload did not finish)"
+            )
         return text
 
     def exists(self, key: str) -> bool:
@@ -118,9 +140,11 @@ class FsspecWeightStore(RemoteStore):
                 return
             names = [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in listing]
             if any(e["type"] == "directory" for e in listing) or not all(map(is_entry_file, names)):
-                raise WeightsError(f"{self.url}/{key} is not a single weights entry (it holds {sorted(names)}); "
-                                   "refusing to delete it: delete the entries inside it by their own keys")
-            if MANIFEST_NAME in names:              # first: the entry stops looking complete at once
+                raise WeightsError(
+                    f"{self.url}/{key} is not a single weights entry (it holds {sorted(names)}); "
+                    "refusing to delete it: delete the entries inside it by their own keys"
+                )
+            if MANIFEST_NAME in names:  # first: the entry stops looking complete at once
                 self.fs.rm_file(self._path(key, MANIFEST_NAME))
             self.fs.rm(path, recursive=True)
 
@@ -140,18 +164,21 @@ class FsspecWeightStore(RemoteStore):
                     while offset < info.bytes:
                         data = self.fs.cat_file(remote, start=offset, end=min(offset + RANGE_BYTES, info.bytes))
                         if not data:
-                            raise WeightsError(f"{self.url}/{key}/{info.file} ended at byte {offset}, its manifest "
-                                               f"says {info.bytes}")
+                            raise WeightsError(
+                                f"{self.url}/{key}/{info.file} ended at byte {offset}, its manifest says {info.bytes}"
+                            )
                         f.write(data)
                         offset += len(data)
                 slot.accept(index)
                 return
             except FileNotFoundError:
-                raise WeightsError(f"{self.url}/{key} lists {info.file} in its manifest but the store has no such "
-                                   "file: the entry was damaged after it was published; publish it again") from None
+                raise WeightsError(
+                    f"{self.url}/{key} lists {info.file} in its manifest but the store has no such "
+                    "file: the entry was damaged after it was published; publish it again"
+                ) from None
             except WeightStoreRefused:
                 raise
-            except WeightsError:                  # cut off or failed verification: resume / start over
+            except WeightsError:  # cut off or failed verification: resume / start over
                 if attempt == DOWNLOAD_RETRIES:
                     raise
 
@@ -160,10 +187,12 @@ class FsspecWeightStore(RemoteStore):
         if (text := self._manifest_or_none(key)) is not None:
             existing = Manifest.from_json(text)
             if existing.sha256 == local.sha256:
-                return dataclasses.replace(local, root=None)   # the entry is not on this machine
-            raise WeightsError(f"{self.url}/{key} already holds other weights (manifest sha256 "
-                               f"{existing.sha256[:12]}... != {local.sha256[:12]}...); entries are immutable: "
-                               "publish under a new key")
+                return dataclasses.replace(local, root=None)  # the entry is not on this machine
+            raise WeightsError(
+                f"{self.url}/{key} already holds other weights (manifest sha256 "
+                f"{existing.sha256[:12]}... != {local.sha256[:12]}...); entries are immutable: "
+                "publish under a new key"
+            )
 
         def put(index: int) -> None:
             info = local.shards[index]
@@ -173,14 +202,16 @@ class FsspecWeightStore(RemoteStore):
                 self.fs.invalidate_cache(self._path(key))
                 size = self.fs.info(remote)["size"]
             if size != info.bytes:
-                raise WeightsError(f"{self.url}/{key}/{info.file} holds {size} bytes after the upload, the manifest "
-                                   f"says {info.bytes}; nothing was published: publish again")
+                raise WeightsError(
+                    f"{self.url}/{key}/{info.file} holds {size} bytes after the upload, the manifest "
+                    f"says {info.bytes}; nothing was published: publish again"
+                )
 
         with self._errors(f"publishing {key!r}"):
-            self.fs.makedirs(self._path(key), exist_ok=True)   # a filesystem needs the dir; S3 has none
+            self.fs.makedirs(self._path(key), exist_ok=True)  # a filesystem needs the dir; S3 has none
         _each([functools.partial(put, i) for i in range(len(local.shards))], self.parallel)
         tmp = self._path(key, f"{MANIFEST_NAME}.tmp-{uuid.uuid4().hex[:12]}")
         with self._errors(f"publishing {key!r}"):
             self.fs.pipe_file(tmp, local.to_json().encode())
             self.fs.mv(tmp, self._path(key, MANIFEST_NAME))
-        return dataclasses.replace(local, root=None)   # the entry is not on this machine
+        return dataclasses.replace(local, root=None)  # the entry is not on this machine

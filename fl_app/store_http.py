@@ -7,11 +7,12 @@ server for uploads). aiohttp carries the bytes: on 2 cores it moves a 4 MiB-chun
 faster than httpx (docs/weight-store.md). The blocking API runs each call on a private event
 loop in a worker thread, so it works the same from plain code and from inside a running loop.
 """
+
 from __future__ import annotations
 
-import dataclasses
 import asyncio
 import concurrent.futures
+import dataclasses
 import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Coroutine
@@ -25,8 +26,14 @@ import uvloop
 
 from fl_app.store import check_key
 from fl_app.store_files import write_all
-from fl_app.store_remote import (DEFAULT_PARALLEL, DOWNLOAD_RETRIES, CacheSlot, RemoteStore, WeightStoreRefused,
-                                 WeightStoreUnreachable)
+from fl_app.store_remote import (
+    DEFAULT_PARALLEL,
+    DOWNLOAD_RETRIES,
+    CacheSlot,
+    RemoteStore,
+    WeightStoreRefused,
+    WeightStoreUnreachable,
+)
 from fl_app.weights import Manifest, WeightsError
 
 CHUNK = 4 << 20
@@ -62,9 +69,18 @@ async def _all_or_nothing(jobs: list[Awaitable[None]], limit: int) -> None:
 class HttpWeightStore(RemoteStore):
     """`HttpWeightStore("https://10.0.0.1:20456", token, max_shard_bytes=..., ca_file=...)`."""
 
-    def __init__(self, url: str, token: str, *, max_shard_bytes: int, ca_file: str | None = None,
-                 parallel: int = DEFAULT_PARALLEL, node: str = "", connect_timeout_s: float = 10.0,
-                 read_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        max_shard_bytes: int,
+        ca_file: str | None = None,
+        parallel: int = DEFAULT_PARALLEL,
+        node: str = "",
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 120.0,
+    ):
         super().__init__(max_shard_bytes, parallel)
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
@@ -90,20 +106,27 @@ class HttpWeightStore(RemoteStore):
 
     def _transport_error(self, e: BaseException, what: str) -> WeightsError:
         if isinstance(e, _SSL_ERRORS):
-            return WeightsError(f"{self._who()}TLS with the weight store at {self.url} failed while {what} ({e}): "
-                                "give this node the CA certificate that signed the store's certificate "
-                                "(weight-store CA file); see docs/deployment.md")
+            return WeightsError(
+                f"{self._who()}TLS with the weight store at {self.url} failed while {what} ({e}): "
+                "give this node the CA certificate that signed the store's certificate "
+                "(weight-store CA file); see docs/deployment.md"
+            )
         if isinstance(e, aiohttp.ClientConnectorError):
             errno = getattr(e.os_error, "errno", None)
             cause = os.strerror(errno) if errno else str(e)
             return WeightStoreUnreachable(
                 f"{self._who()}cannot reach the weight store at {self.url} ({cause.lower()}) while {what}: is the "
-                "ServerApp's weight store reachable from this node? see docs/deployment.md")
+                "ServerApp's weight store reachable from this node? see docs/deployment.md"
+            )
         if isinstance(e, asyncio.TimeoutError):
-            return WeightStoreUnreachable(f"{self._who()}the weight store at {self.url} stopped answering while "
-                                          f"{what} (timed out); is the ServerApp still running?")
-        return WeightStoreUnreachable(f"{self._who()}the connection to the weight store at {self.url} broke while "
-                                      f"{what} ({type(e).__name__}: {e})")
+            return WeightStoreUnreachable(
+                f"{self._who()}the weight store at {self.url} stopped answering while "
+                f"{what} (timed out); is the ServerApp still running?"
+            )
+        return WeightStoreUnreachable(
+            f"{self._who()}the connection to the weight store at {self.url} broke while "
+            f"{what} ({type(e).__name__}: {e})"
+        )
 
     async def _refusal(self, resp: aiohttp.ClientResponse, what: str) -> WeightStoreRefused:
         try:
@@ -111,23 +134,32 @@ class HttpWeightStore(RemoteStore):
         except (aiohttp.ContentTypeError, ValueError):
             detail = (await resp.text())[:500]
         if resp.status == 401:
-            return WeightStoreRefused(f"{self._who()}the weight store at {self.url} refused this node's token "
-                                      f"while {what} (HTTP 401: {detail})")
-        return WeightStoreRefused(f"{self._who()}{what}: the weight store at {self.url} answered HTTP "
-                                  f"{resp.status}: {detail}")
+            return WeightStoreRefused(
+                f"{self._who()}the weight store at {self.url} refused this node's token "
+                f"while {what} (HTTP 401: {detail})"
+            )
+        return WeightStoreRefused(
+            f"{self._who()}{what}: the weight store at {self.url} answered HTTP {resp.status}: {detail}"
+        )
 
     @asynccontextmanager
     async def _session(self, what: str) -> AsyncIterator[aiohttp.ClientSession]:
         connector = aiohttp.TCPConnector(ssl=self._ssl, limit=self.parallel + 1)
-        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {self._token}"}, connector=connector,
-                                         timeout=self._timeout, read_bufsize=CHUNK, auto_decompress=False) as s:
+        async with aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {self._token}"},
+            connector=connector,
+            timeout=self._timeout,
+            read_bufsize=CHUNK,
+            auto_decompress=False,
+        ) as s:
             try:
                 yield s
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 raise self._transport_error(e, what) from e
 
-    async def _json(self, s: aiohttp.ClientSession, method: str, path: str, what: str, ok404: bool = False,
-                    **kw: Any) -> dict[str, Any] | None:
+    async def _json(
+        self, s: aiohttp.ClientSession, method: str, path: str, what: str, ok404: bool = False, **kw: Any
+    ) -> dict[str, Any] | None:
         async with s.request(method, self.url + path, **kw) as resp:
             if ok404 and resp.status == 404:
                 return None
@@ -138,9 +170,11 @@ class HttpWeightStore(RemoteStore):
     # ---- small calls ----------------------------------------------------------------------
     def ping(self) -> None:
         """Raise (naming the cause) unless the store answers and accepts this node's token."""
+
         async def go() -> None:
             async with self._session("checking the store") as s:
                 await self._json(s, "GET", "/v1/ping", "checking the store")
+
         _run(go())
 
     def _manifest_or_none(self, key: str) -> str | None:
@@ -153,12 +187,15 @@ class HttpWeightStore(RemoteStore):
                 if resp.status >= 300:
                     raise await self._refusal(resp, what)
                 return await resp.text()
+
         return _run(go())
 
     def manifest_text(self, key: str) -> str:
         if (text := self._manifest_or_none(key)) is None:
-            raise WeightsError(f"{self._who()}the weight store at {self.url} has no complete entry {key!r} "
-                               "(never published, or its upload has not been committed)")
+            raise WeightsError(
+                f"{self._who()}the weight store at {self.url} has no complete entry {key!r} "
+                "(never published, or its upload has not been committed)"
+            )
         return text
 
     def exists(self, key: str) -> bool:
@@ -170,6 +207,7 @@ class HttpWeightStore(RemoteStore):
         async def go() -> None:
             async with self._session(what) as s:
                 await self._json(s, "DELETE", "/v1/entry", what, params={"key": check_key(key)})
+
         _run(go())
 
     # ---- downloads ------------------------------------------------------------------------
@@ -177,6 +215,7 @@ class HttpWeightStore(RemoteStore):
         async def go() -> None:
             async with self._session(f"downloading {key!r}") as s:
                 await _all_or_nothing([self._download_shard(s, key, slot, i) for i in shards], self.parallel)
+
         _run(go())
 
     async def _download_shard(self, s: aiohttp.ClientSession, key: str, slot: CacheSlot, index: int) -> None:
@@ -201,12 +240,13 @@ class HttpWeightStore(RemoteStore):
                     raise
                 await asyncio.sleep(0.2 * attempt)
 
-    async def _read_into(self, s: aiohttp.ClientSession, key: str, file: str, part: Path, offset: int,
-                         what: str) -> None:
+    async def _read_into(
+        self, s: aiohttp.ClientSession, key: str, file: str, part: Path, offset: int, what: str
+    ) -> None:
         headers = {"Range": f"bytes={offset}-"} if offset else {}
         async with s.get(self.url + "/v1/shard", params={"key": key, "file": file}, headers=headers) as resp:
             if resp.status == 200:
-                offset = 0                       # a full body: start the file over
+                offset = 0  # a full body: start the file over
             elif resp.status != 206 or not resp.headers.get("Content-Range", "").startswith(f"bytes {offset}-"):
                 raise await self._refusal(resp, what)
             fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -216,14 +256,14 @@ class HttpWeightStore(RemoteStore):
                 pieces: list[bytes] = []
                 size = 0
                 try:
-                    async for piece, _ in resp.content.iter_chunks():   # as received: no joining copy
+                    async for piece, _ in resp.content.iter_chunks():  # as received: no joining copy
                         pieces.append(piece)
                         size += len(piece)
                         if size >= CHUNK:
                             await asyncio.to_thread(write_all, fd, pieces)
                             pieces, size = [], 0
                 finally:
-                    write_all(fd, pieces)        # keep what arrived, so a retry resumes after it
+                    write_all(fd, pieces)  # keep what arrived, so a retry resumes after it
             finally:
                 os.close(fd)
 
@@ -234,21 +274,24 @@ class HttpWeightStore(RemoteStore):
         for shard in local.shards:
             size = (Path(local_dir) / shard.file).stat().st_size
             if size != shard.bytes:
-                raise WeightsError(f"{local_dir}/{shard.file} has {size} bytes, its manifest says {shard.bytes}: "
-                                   "the export was truncated; re-export the weights")
+                raise WeightsError(
+                    f"{local_dir}/{shard.file} has {size} bytes, its manifest says {shard.bytes}: "
+                    "the export was truncated; re-export the weights"
+                )
         what = f"uploading {key!r}"
 
         async def go() -> None:
             async with self._session(what) as s:
-                start = await self._json(s, "POST", "/v1/uploads", what,
-                                         json={"key": key, "manifest": local.to_json()})
+                start = await self._json(s, "POST", "/v1/uploads", what, json={"key": key, "manifest": local.to_json()})
                 assert start is not None
                 if start["exists"]:
                     return
                 uid = start["upload_id"]
                 try:
-                    await _all_or_nothing([self._put_shard(s, uid, Path(local_dir), i, local, what)
-                                           for i in range(len(local.shards))], self.parallel)
+                    await _all_or_nothing(
+                        [self._put_shard(s, uid, Path(local_dir), i, local, what) for i in range(len(local.shards))],
+                        self.parallel,
+                    )
                     done = await self._json(s, "POST", f"/v1/uploads/{uid}/commit", what)
                 except BaseException:
                     with suppress(Exception):
@@ -256,26 +299,35 @@ class HttpWeightStore(RemoteStore):
                     raise
                 assert done is not None
                 if done["manifest_sha256"] != local.sha256:
-                    raise WeightsError(f"the weight store published {key!r} with manifest sha256 "
-                                       f"{done['manifest_sha256'][:12]}..., not the uploaded {local.sha256[:12]}...")
-        _run(go())
-        return dataclasses.replace(local, root=None)   # the entry is not on this machine
+                    raise WeightsError(
+                        f"the weight store published {key!r} with manifest sha256 "
+                        f"{done['manifest_sha256'][:12]}..., not the uploaded {local.sha256[:12]}..."
+                    )
 
-    async def _put_shard(self, s: aiohttp.ClientSession, uid: str, local_dir: Path, index: int,
-                         manifest: Manifest, what: str) -> None:
+        _run(go())
+        return dataclasses.replace(local, root=None)  # the entry is not on this machine
+
+    async def _put_shard(
+        self, s: aiohttp.ClientSession, uid: str, local_dir: Path, index: int, manifest: Manifest, what: str
+    ) -> None:
         info = manifest.shards[index]
         for attempt in range(1, DOWNLOAD_RETRIES + 1):
             try:
-                await self._json(s, "PUT", f"/v1/uploads/{uid}/{info.file}", what, data=_chunks(local_dir / info.file),
-                                 headers={"Content-Length": str(info.bytes),
-                                          "Content-Type": "application/octet-stream"})
+                await self._json(
+                    s,
+                    "PUT",
+                    f"/v1/uploads/{uid}/{info.file}",
+                    what,
+                    data=_chunks(local_dir / info.file),
+                    headers={"Content-Length": str(info.bytes), "Content-Type": "application/octet-stream"},
+                )
                 return
             except _SSL_ERRORS:
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 if attempt == DOWNLOAD_RETRIES:
                     raise
-                await asyncio.sleep(0.2 * attempt)   # the server dropped the partial shard: send it again
+                await asyncio.sleep(0.2 * attempt)  # the server dropped the partial shard: send it again
 
 
 async def _chunks(path: Path) -> AsyncIterator[bytes]:

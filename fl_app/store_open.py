@@ -10,6 +10,7 @@ ServerApp sends its nodes).
 "http" (the config value that asks for the built-in store) is not a store a process can open:
 the ServerApp keeps using its run dir ("") and serves it, and sends nodes the URL it serves at.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -24,17 +25,27 @@ from fl_app.weights import WeightsError
 SERVED = "http"
 
 
-def open_store(spec: str, *, run_dir: Path, max_shard_bytes: int, token: str = "", ca_file: str | None = None,
-               storage_options: Mapping[str, Any] | None = None, parallel: int = DEFAULT_PARALLEL,
-               node: str = "") -> WeightStore:
+def open_store(
+    spec: str,
+    *,
+    run_dir: Path,
+    max_shard_bytes: int,
+    token: str = "",
+    ca_file: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    parallel: int = DEFAULT_PARALLEL,
+    node: str = "",
+) -> WeightStore:
     """The store `spec` names (see the module doc); `node` labels this process in error messages."""
     spec = spec.strip()
     if not spec:
         return DirStore(Path(run_dir), max_shard_bytes)
     if spec == SERVED:
-        raise WeightsError("weight store 'http' is the built-in store the ServerApp serves from its run dir: the "
-                           "ServerApp opens '' (its run dir) and starts fl_app.store_server.WeightStoreServer; a "
-                           "node opens the http(s):// URL the ServerApp sends")
+        raise WeightsError(
+            "weight store 'http' is the built-in store the ServerApp serves from its run dir: the "
+            "ServerApp opens '' (its run dir) and starts fl_app.store_server.WeightStoreServer; a "
+            "node opens the http(s):// URL the ServerApp sends"
+        )
     parts = urlsplit(spec)
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
@@ -42,11 +53,17 @@ def open_store(spec: str, *, run_dir: Path, max_shard_bytes: int, token: str = "
         return DirStore(Path(parts.path), max_shard_bytes)
     if parts.scheme in ("http", "https"):
         from fl_app.store_http import HttpWeightStore
-        return HttpWeightStore(spec, token, max_shard_bytes=max_shard_bytes, ca_file=ca_file, parallel=parallel,
-                               node=node)
+
+        return HttpWeightStore(
+            spec, token, max_shard_bytes=max_shard_bytes, ca_file=ca_file, parallel=parallel, node=node
+        )
     if not parts.scheme:
-        raise WeightsError(f"weight store {spec!r} is neither '' (the run dir), 'http' (the built-in store) nor a "
-                           "URL such as s3://bucket/prefix or file:///shared/dir")
+        raise WeightsError(
+            f"weight store {spec!r} is neither '' (the run dir), 'http' (the built-in store) nor a "
+            "URL such as s3://bucket/prefix or file:///shared/dir"
+        )
     from fl_app.store_fsspec import FsspecWeightStore
-    return FsspecWeightStore(spec, max_shard_bytes=max_shard_bytes, storage_options=storage_options,
-                             parallel=parallel, node=node)
+
+    return FsspecWeightStore(
+        spec, max_shard_bytes=max_shard_bytes, storage_options=storage_options, parallel=parallel, node=node
+    )

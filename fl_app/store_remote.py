@@ -9,6 +9,7 @@ moves to `<digest>.partial/<file>` once verified, and the dir becomes `<digest>/
 manifest only when every shard is verified, so a cache entry that looks complete is verified.
 A lock file per digest keeps two fetchers of one node (two trainers) from writing it together.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,11 +85,11 @@ class CacheSlot:
         """All shards verified: the partial dir becomes the cache entry, manifest included."""
         if missing := self.missing():
             raise WeightsError(f"{self.partial}: shards {missing} are still missing; fetch again")
-        shutil.rmtree(self.incoming)            # only leftovers of shards verified since
+        shutil.rmtree(self.incoming)  # only leftovers of shards verified since
         return install_entry(self.partial, self.manifest, self.entry, durable=False)
 
 
-_DIGEST = re.compile(r"[0-9a-f]{64}")    # a cache entry's name: its manifest's sha256
+_DIGEST = re.compile(r"[0-9a-f]{64}")  # a cache entry's name: its manifest's sha256
 
 
 def cached(cache_dir: Path, manifest_sha256: str) -> Manifest | None:
@@ -137,7 +138,7 @@ class RemoteStore(WeightStore):
     def fetch(self, key: str, expected_manifest_sha256: str, cache_dir: Path) -> Manifest:
         check_key(key)
         if hit := cached(cache_dir, check_digest(expected_manifest_sha256)):
-            os.utime(Path(cache_dir) / hit.sha256)          # recently used: kept by prune_cache
+            os.utime(Path(cache_dir) / hit.sha256)  # recently used: kept by prune_cache
             return hit
         manifest = check_pinned(key, self.manifest(key), expected_manifest_sha256)
         with _locked(cache_dir, manifest.sha256):
@@ -168,8 +169,11 @@ def prune_cache(cache_dir: Path, keep: int) -> list[str]:
     root = Path(cache_dir)
     if not root.is_dir():
         return []
-    entries = sorted((p for p in root.iterdir() if p.is_dir() and _DIGEST.fullmatch(p.name)),
-                     key=lambda p: p.stat().st_mtime, reverse=True)
+    entries = sorted(
+        (p for p in root.iterdir() if p.is_dir() and _DIGEST.fullmatch(p.name)),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
     dropped = []
     for entry in entries[keep:]:
         with open(root / f"{entry.name}.lock", "w") as lock:

@@ -15,6 +15,7 @@ The wire, all under one per-run bearer token (compared in constant time, 401 wit
 An upload is never visible under its key before every shard is verified and the rename is done.
 Keys pass `check_key` and resolve inside the root (`fl_app.paths.confine`), symlinks included.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,8 @@ from fl_app.store import DirStore, check_key
 from fl_app.store_files import check_shard_names, install_entry, sibling_tmp, verify_shard, write_all
 from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError
 
-CHUNK = 4 << 20                 # bytes per read/write: large enough that per-chunk Python overhead vanishes
-UPLOAD_IDLE_S = 3600.0          # an upload nobody touched for this long is abandoned
+CHUNK = 4 << 20  # bytes per read/write: large enough that per-chunk Python overhead vanishes
+UPLOAD_IDLE_S = 3600.0  # an upload nobody touched for this long is abandoned
 _MIN_TOKEN_CHARS = 16
 
 
@@ -84,9 +85,12 @@ def build_app(root: Path, token: str) -> FastAPI:
 
     def require_token(authorization: str = Header("")) -> None:
         if not hmac.compare_digest(authorization.encode(), expected):
-            raise HTTPException(401, "missing or wrong bearer token: this weight store belongs to another run "
-                                     "(use the token the ServerApp sent with this run's messages)",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401,
+                "missing or wrong bearer token: this weight store belongs to another run "
+                "(use the token the ServerApp sent with this run's messages)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     app = FastAPI(dependencies=[Depends(require_token)], openapi_url=None, docs_url=None, redoc_url=None)
     app.state.uploads = uploads
@@ -105,8 +109,11 @@ def build_app(root: Path, token: str) -> FastAPI:
 
     def upload(upload_id: str) -> _Upload:
         if (up := uploads.get(upload_id)) is None:
-            raise _fail(404, f"no upload {upload_id!r} in progress (finished, abandoned after {UPLOAD_IDLE_S:.0f} s "
-                             "idle, or the store restarted): start the upload again")
+            raise _fail(
+                404,
+                f"no upload {upload_id!r} in progress (finished, abandoned after {UPLOAD_IDLE_S:.0f} s "
+                "idle, or the store restarted): start the upload again",
+            )
         up.touched = time.monotonic()
         return up
 
@@ -122,8 +129,10 @@ def build_app(root: Path, token: str) -> FastAPI:
     @app.get("/v1/manifest")
     def get_manifest(key: str) -> Response:
         if (manifest := complete_manifest(key)) is None:
-            raise _fail(404, f"no complete entry {key!r} in this store (nothing published there yet, "
-                             "or its write has not finished)")
+            raise _fail(
+                404,
+                f"no complete entry {key!r} in this store (nothing published there yet, or its write has not finished)",
+            )
         return Response(manifest.to_json(), media_type="application/json")
 
     @app.get("/v1/shard")
@@ -160,8 +169,11 @@ def build_app(root: Path, token: str) -> FastAPI:
         if (existing := complete_manifest(body.key)) is not None:
             if existing.sha256 == manifest.sha256:
                 return {"exists": True, "manifest_sha256": existing.sha256}
-            raise _fail(409, f"entry {body.key!r} already holds other weights (manifest sha256 "
-                             f"{existing.sha256[:12]}...); entries are immutable: publish under a new key")
+            raise _fail(
+                409,
+                f"entry {body.key!r} already holds other weights (manifest sha256 "
+                f"{existing.sha256[:12]}...); entries are immutable: publish under a new key",
+            )
         if dest.exists():
             raise _fail(409, f"entry {body.key!r} holds an incomplete write; delete it first")
         drop_idle()
@@ -203,11 +215,12 @@ def build_app(root: Path, token: str) -> FastAPI:
         up = upload(upload_id)
         missing = [s.file for s in up.manifest.shards if s.file not in up.verified]
         if missing or up.busy:
-            raise _fail(409, f"cannot publish {up.key!r}: shards {missing or sorted(up.busy)} not received and "
-                             "verified yet")
+            raise _fail(
+                409, f"cannot publish {up.key!r}: shards {missing or sorted(up.busy)} not received and verified yet"
+            )
         uploads.pop(upload_id)
         try:
-            if (existing := complete_manifest(up.key)) is not None:   # a concurrent upload won the race
+            if (existing := complete_manifest(up.key)) is not None:  # a concurrent upload won the race
                 if existing.sha256 != up.manifest.sha256:
                     raise _fail(409, f"entry {up.key!r} was published with other weights meanwhile")
                 shutil.rmtree(up.staged, ignore_errors=True)
@@ -262,8 +275,10 @@ def _tls_pair(certfile: str | None, keyfile: str | None) -> tuple[str, str] | No
     if not certfile and not keyfile:
         return None
     if not (certfile and keyfile):
-        raise WeightsError("the weight store's TLS needs both a certificate and its key "
-                           f"(got certfile={certfile!r}, keyfile={keyfile!r})")
+        raise WeightsError(
+            "the weight store's TLS needs both a certificate and its key "
+            f"(got certfile={certfile!r}, keyfile={keyfile!r})"
+        )
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
     except (OSError, ssl.SSLError) as e:
@@ -279,11 +294,21 @@ class WeightStoreServer:
     `advertise_host` is the address nodes use when `sock` is bound to all interfaces.
     """
 
-    def __init__(self, root: Path, token: str, sock: socket.socket, *, certfile: str | None = None,
-                 keyfile: str | None = None, advertise_host: str | None = None):
+    def __init__(
+        self,
+        root: Path,
+        token: str,
+        sock: socket.socket,
+        *,
+        certfile: str | None = None,
+        keyfile: str | None = None,
+        advertise_host: str | None = None,
+    ):
         if len(token) < _MIN_TOKEN_CHARS:
-            raise WeightsError(f"the weight store's token must have >= {_MIN_TOKEN_CHARS} characters; "
-                               "use fl_app.store_server.new_token()")
+            raise WeightsError(
+                f"the weight store's token must have >= {_MIN_TOKEN_CHARS} characters; "
+                "use fl_app.store_server.new_token()"
+            )
         if not Path(root).is_dir():
             raise WeightsError(f"the weight store's root {root} is not a directory")
         self.root, self.token, self.sock = Path(root), token, sock
@@ -301,16 +326,27 @@ class WeightStoreServer:
         if self.advertise_host:
             host = self.advertise_host
         elif host in ("0.0.0.0", "::"):
-            raise WeightsError(f"the weight store listens on all interfaces ({host}); name the address nodes "
-                               "reach it at (advertise_host / run.weight_store_url)")
+            raise WeightsError(
+                f"the weight store listens on all interfaces ({host}); name the address nodes "
+                "reach it at (advertise_host / run.weight_store_url)"
+            )
         host = f"[{host}]" if ":" in host else host
         return f"{'https' if self.tls else 'http'}://{host}:{port}"
 
     def start(self, timeout_s: float = 30.0) -> WeightStoreServer:
         cert, key = self.tls or (None, None)
-        config = uvicorn.Config(self.app, loop="uvloop", http="httptools", ws="none", lifespan="off",
-                                log_level="warning", access_log=False, ssl_certfile=cert, ssl_keyfile=key,
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            self.app,
+            loop="uvloop",
+            http="httptools",
+            ws="none",
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            ssl_certfile=cert,
+            ssl_keyfile=key,
+            timeout_graceful_shutdown=5,
+        )
         self._server = uvicorn.Server(config)
 
         def serve() -> None:
@@ -326,8 +362,10 @@ class WeightStoreServer:
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.stop()
-                raise WeightsError(f"the weight store did not start on {self.sock.getsockname()}: "
-                                   f"{self._error or f'not serving after {timeout_s:.0f} s'}")
+                raise WeightsError(
+                    f"the weight store did not start on {self.sock.getsockname()}: "
+                    f"{self._error or f'not serving after {timeout_s:.0f} s'}"
+                )
             time.sleep(0.02)
         return self
 

@@ -11,6 +11,7 @@ dicts here, and the Flower edge (server_app/, client_app/) wraps them as `ArrayR
 and unwraps them with `ArrayRecord.to_torch_state_dict()`, both bit-exact (Flower serialises
 arrays with np.save).
 """
+
 from __future__ import annotations
 
 import secrets
@@ -40,22 +41,33 @@ class WeightsRef:
 
     def to_config(self, prefix: str = "weights") -> dict[str, str | int | bool]:
         """Flat, ConfigRecord-compatible entries (kebab-case keys, like Flower's own)."""
-        return {f"{prefix}-inline": self.inline, f"{prefix}-nbytes": self.nbytes,
-                f"{prefix}-key": self.key, f"{prefix}-manifest-sha256": self.manifest_sha256}
+        return {
+            f"{prefix}-inline": self.inline,
+            f"{prefix}-nbytes": self.nbytes,
+            f"{prefix}-key": self.key,
+            f"{prefix}-manifest-sha256": self.manifest_sha256,
+        }
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], prefix: str = "weights") -> WeightsRef:
         try:
             inline = config[f"{prefix}-inline"]
             if not isinstance(inline, bool):
-                raise WeightsError(f"message config {prefix}-inline={inline!r} is not a bool: the sender must "
-                                   "write WeightsRef.to_config()")
-            return cls(inline=inline, nbytes=int(config[f"{prefix}-nbytes"]),
-                       key=str(config[f"{prefix}-key"]),
-                       manifest_sha256=str(config[f"{prefix}-manifest-sha256"]))
+                raise WeightsError(
+                    f"message config {prefix}-inline={inline!r} is not a bool: the sender must "
+                    "write WeightsRef.to_config()"
+                )
+            return cls(
+                inline=inline,
+                nbytes=int(config[f"{prefix}-nbytes"]),
+                key=str(config[f"{prefix}-key"]),
+                manifest_sha256=str(config[f"{prefix}-manifest-sha256"]),
+            )
         except KeyError as e:
-            raise WeightsError(f"message config lacks {e.args[0]!r}: the sender must add "
-                               f"WeightsRef.to_config(prefix={prefix!r}) to its ConfigRecord") from None
+            raise WeightsError(
+                f"message config lacks {e.args[0]!r}: the sender must add "
+                f"WeightsRef.to_config(prefix={prefix!r}) to its ConfigRecord"
+            ) from None
 
 
 SHARED_DISK_PROBE = ".shared-disk-probe"
@@ -81,8 +93,9 @@ def arrays_key(member: str) -> str:
     return f"{member}-arrays"
 
 
-def send_weights(state: Mapping[str, torch.Tensor], store: WeightStore, key: str,
-                 inline_max_bytes: int) -> tuple[WeightsRef, State]:
+def send_weights(
+    state: Mapping[str, torch.Tensor], store: WeightStore, key: str, inline_max_bytes: int
+) -> tuple[WeightsRef, State]:
     """Ship an in-memory state: inline if small enough (the state, fp32-checked), else put it in
     the store under `key` (an empty inline state)."""
     n = state_nbytes(state)
@@ -103,8 +116,9 @@ def send_stored(store: WeightStore, key: str, inline_max_bytes: int) -> tuple[We
     return WeightsRef(inline=False, nbytes=manifest.tensor_bytes, key=key, manifest_sha256=manifest.sha256), {}
 
 
-def send_members(store: WeightStore, keys: Mapping[str, str], inline_max_bytes: int
-                 ) -> tuple[dict[str, State], dict[str, Any], dict[str, WeightsRef]]:
+def send_members(
+    store: WeightStore, keys: Mapping[str, str], inline_max_bytes: int
+) -> tuple[dict[str, State], dict[str, Any], dict[str, WeightsRef]]:
     """Ship several store entries in one message (policy, critic): per member its inline state
     under `arrays_key(member)`, its WeightsRef config entries prefixed by the member, and the refs."""
     arrays: dict[str, State] = {}
@@ -139,24 +153,36 @@ def receive_manifest(ref: WeightsRef, store: WeightStore, cache_dir: Path) -> Ma
     return store.fetch(ref.key, ref.manifest_sha256, cache_dir)
 
 
-def receive_weights(ref: WeightsRef, arrays: Mapping[str, torch.Tensor], store: WeightStore | None,
-                    cache_dir: Path | None = None, verify: bool = True) -> State:
+def receive_weights(
+    ref: WeightsRef,
+    arrays: Mapping[str, torch.Tensor],
+    store: WeightStore | None,
+    cache_dir: Path | None = None,
+    verify: bool = True,
+) -> State:
     """The state a message carries, whichever way it travelled (`arrays`: its inline state;
     `cache_dir`: where a remote store puts its local copy)."""
     if ref.inline:
         state = dict(arrays)
         if state_nbytes(state) != ref.nbytes:
-            raise WeightsError(f"inline arrays hold {state_nbytes(state)} bytes, the WeightsRef says "
-                               f"{ref.nbytes}: the message lost or gained arrays")
+            raise WeightsError(
+                f"inline arrays hold {state_nbytes(state)} bytes, the WeightsRef says "
+                f"{ref.nbytes}: the message lost or gained arrays"
+            )
         return state
     if store is None or cache_dir is None:
         raise WeightsError(f"weights {ref.key!r} travel through the store but no store (and cache dir) was given")
     return load_shards(receive_manifest(ref, store, cache_dir), verify)
 
 
-def fedavg_received(items: Sequence[tuple[WeightsRef, Mapping[str, torch.Tensor], float]],
-                    store: WeightStore | None, out_dir: Path, max_shard_bytes: int,
-                    cache_dir: Path | None = None, names: Sequence[str] | None = None) -> Manifest:
+def fedavg_received(
+    items: Sequence[tuple[WeightsRef, Mapping[str, torch.Tensor], float]],
+    store: WeightStore | None,
+    out_dir: Path,
+    max_shard_bytes: int,
+    cache_dir: Path | None = None,
+    names: Sequence[str] | None = None,
+) -> Manifest:
     """FedAvg of client replies (ref, inline state, num-examples) into the fresh weights dir `out_dir`.
 
     Inline replies are averaged in memory, store replies are streamed shard by shard; the two
@@ -172,7 +198,10 @@ def fedavg_received(items: Sequence[tuple[WeightsRef, Mapping[str, torch.Tensor]
     if inline == {False}:
         if store is None or cache_dir is None:
             raise WeightsError("replies travel through the store but no store (and cache dir) was given")
-        return fedavg_manifests([(receive_manifest(r, store, cache_dir), w) for r, _, w in items], out_dir,
-                                max_shard_bytes, names=names)
-    raise WeightsError("some replies are inline and some by reference; clients of one round must share "
-                       "run.inline_max_mb (it is part of the run config)")
+        return fedavg_manifests(
+            [(receive_manifest(r, store, cache_dir), w) for r, _, w in items], out_dir, max_shard_bytes, names=names
+        )
+    raise WeightsError(
+        "some replies are inline and some by reference; clients of one round must share "
+        "run.inline_max_mb (it is part of the run config)"
+    )

@@ -20,6 +20,7 @@ the bound sits alone in its own shard), so the same state always gives the same 
 clients exporting one model agree on the layout. Floating tensors must be fp32 (invariant 1:
 fp32 end to end); integer and bool buffers pass.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -42,16 +43,23 @@ FORMAT = "fedagent-weights"
 VERSION = 2
 HASH = "blake3"  # what new manifests use; v1 manifests are sha256
 MANIFEST_NAME = "manifest.json"
-IO_CHUNK = 8 << 20          # bytes per read/write/hash step: big enough to amortize calls, small for caches
+IO_CHUNK = 8 << 20  # bytes per read/write/hash step: big enough to amortize calls, small for caches
 _WRITEBACK_EVERY = 32 << 20  # start disk writeback after this many new bytes (overlaps the final fsync)
-_MAX_HEADER = 100 << 20      # safetensors' own limit on the JSON header
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 _FIX = "re-export the weights (client: re-run its fit; server: move the round aside and resume)"
 
 # safetensors dtype tags <-> torch dtypes (the ones a model state can hold).
 _ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -74,15 +82,19 @@ def state_nbytes(state: Mapping[str, torch.Tensor]) -> int:
 
 def check_fp32(state: Mapping[str, torch.Tensor]) -> None:
     """Refuse floating tensors that are not fp32 (integer/bool buffers are fine)."""
-    bad = [f"{k} ({dtype_name(t.dtype)})" for k, t in state.items()
-           if (t.is_floating_point() or t.is_complex()) and t.dtype != torch.float32]
+    bad = [
+        f"{k} ({dtype_name(t.dtype)})"
+        for k, t in state.items()
+        if (t.is_floating_point() or t.is_complex()) and t.dtype != torch.float32
+    ]
     if bad:
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise WeightsError(
             f"non-fp32 floating tensors: {shown}. The project keeps weights fp32 end to end "
             "(invariant 1): export the fp32 master weights, not a bf16/fp16 copy (casting one "
             "back with .float() does not restore the lost bits); pass allow_non_fp32=True only "
-            "for a deliberate non-fp32 artifact")
+            "for a deliberate non-fp32 artifact"
+        )
 
 
 @dataclass(frozen=True)
@@ -161,16 +173,27 @@ class Manifest:
         head: dict[str, Any] = {"format": FORMAT, "version": self.version}
         if self.version != 1:
             head["hash"] = self.hash
-        return json.dumps({
-            **head,
-            "max_shard_bytes": self.max_shard_bytes,
-            "total_bytes": self.total_bytes,
-            "tensor_bytes": self.tensor_bytes,
-            "shards": [{
-                "file": s.file, digest_key: s.digest, "bytes": s.bytes,
-                "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in s.tensors],
-            } for s in self.shards],
-        }, indent=1) + "\n"
+        return (
+            json.dumps(
+                {
+                    **head,
+                    "max_shard_bytes": self.max_shard_bytes,
+                    "total_bytes": self.total_bytes,
+                    "tensor_bytes": self.tensor_bytes,
+                    "shards": [
+                        {
+                            "file": s.file,
+                            digest_key: s.digest,
+                            "bytes": s.bytes,
+                            "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in s.tensors],
+                        }
+                        for s in self.shards
+                    ],
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
     @classmethod
     def from_json(cls, text: str, root: Path | None = None) -> Manifest:
@@ -187,9 +210,12 @@ class Manifest:
         path = Path(path)
         mf = path / MANIFEST_NAME
         if not mf.exists():
-            hint = ("it holds files but no manifest: the write that filled it died, so the shards are "
-                    "incomplete; re-export them" if path.is_dir() and any(path.iterdir())
-                    else "nothing was exported there")
+            hint = (
+                "it holds files but no manifest: the write that filled it died, so the shards are "
+                "incomplete; re-export them"
+                if path.is_dir() and any(path.iterdir())
+                else "nothing was exported there"
+            )
             raise WeightsError(f"{path}: no {MANIFEST_NAME} ({hint})")
         try:
             text = mf.read_text()
@@ -204,27 +230,39 @@ def _want(d: Any, key: str, typ: type, where: str) -> Any:
         raise WeightsError(f"{where}: missing {key!r}; the manifest is damaged or not ours: {_FIX}")
     v = d[key]
     if not isinstance(v, typ) or (isinstance(v, bool) and typ is int):
-        raise WeightsError(f"{where}: {key!r} is {type(v).__name__} {v!r:.60}, expected {typ.__name__}; "
-                           f"the manifest is damaged: {_FIX}")
+        raise WeightsError(
+            f"{where}: {key!r} is {type(v).__name__} {v!r:.60}, expected {typ.__name__}; "
+            f"the manifest is damaged: {_FIX}"
+        )
     return v
 
 
 def plain_file_name(name: str) -> bool:
     """A bare file name: no directory part, not '.', '..' or empty (what a shard `file` must be)."""
-    return (bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name
-            and "\0" not in name and os.path.basename(name) == name)
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+        and os.path.basename(name) == name
+    )
 
 
 def _parse_manifest(d: Any, root: Path | None, where: str) -> Manifest:
     if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("version") not in (1, 2):
         got = (d.get("format"), d.get("version")) if isinstance(d, dict) else (type(d).__name__, None)
-        raise WeightsError(f"{where}: not a {FORMAT} v1/v2 manifest (format={got[0]!r}, version={got[1]!r}); "
-                           "re-export it with fl_app.weights.save_shards")
+        raise WeightsError(
+            f"{where}: not a {FORMAT} v1/v2 manifest (format={got[0]!r}, version={got[1]!r}); "
+            "re-export it with fl_app.weights.save_shards"
+        )
     version = d["version"]
     algo = "sha256" if version == 1 else _want(d, "hash", str, where)
     if algo not in HASHES:
-        raise WeightsError(f"{where}: unknown hash {algo!r} (known: {', '.join(HASHES)}); "
-                           "it was written by a newer version: upgrade fedagent-flower")
+        raise WeightsError(
+            f"{where}: unknown hash {algo!r} (known: {', '.join(HASHES)}); "
+            "it was written by a newer version: upgrade fedagent-flower"
+        )
     digest_key = "sha256" if version == 1 else "digest"
     max_shard = _want(d, "max_shard_bytes", int, where)
     if max_shard <= 0:
@@ -234,8 +272,10 @@ def _parse_manifest(d: Any, root: Path | None, where: str) -> Manifest:
         at = f"{where} shard {i}"
         file = _want(s, "file", str, at)
         if not plain_file_name(file):
-            raise WeightsError(f"{at}: file {file!r} is not a plain file name (no directories, absolute paths "
-                               f"or '..'); a manifest may only name files in its own directory. {_FIX}")
+            raise WeightsError(
+                f"{at}: file {file!r} is not a plain file name (no directories, absolute paths "
+                f"or '..'); a manifest may only name files in its own directory. {_FIX}"
+            )
         digest = _want(s, digest_key, str, at)
         if len(digest) != DIGEST_HEX_LEN or any(c not in "0123456789abcdef" for c in digest):
             raise WeightsError(f"{at}: {digest_key} {digest!r:.80} is not a {DIGEST_HEX_LEN}-digit hex digest; {_FIX}")
@@ -246,8 +286,10 @@ def _parse_manifest(d: Any, root: Path | None, where: str) -> Manifest:
             name, dtype = _want(t, "name", str, tw), _want(t, "dtype", str, tw)
             shape = _want(t, "shape", list, tw)
             if dtype not in _BY_NAME or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in shape):
-                raise WeightsError(f"{tw} ({name!r}): dtype {dtype!r} / shape {shape!r:.80} is not a tensor "
-                                   f"layout we read (dtypes: {', '.join(_BY_NAME)}); {_FIX}")
+                raise WeightsError(
+                    f"{tw} ({name!r}): dtype {dtype!r} / shape {shape!r:.80} is not a tensor "
+                    f"layout we read (dtypes: {', '.join(_BY_NAME)}); {_FIX}"
+                )
             if name in names:
                 raise WeightsError(f"{tw}: tensor {name!r} is listed twice; {_FIX}")
             names.add(name)
@@ -290,8 +332,11 @@ def _header_bytes(slots: Sequence[Slot]) -> bytes:
     """The safetensors prefix: u64 little-endian length, then the JSON header padded to 8 bytes."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     for s in slots:
-        header[s.info.name] = {"dtype": _ST_TAG[s.info.dtype], "shape": list(s.info.shape),
-                               "data_offsets": [s.begin, s.end]}
+        header[s.info.name] = {
+            "dtype": _ST_TAG[s.info.dtype],
+            "shape": list(s.info.shape),
+            "data_offsets": [s.begin, s.end],
+        }
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return len(raw).to_bytes(8, "little") + raw
@@ -300,8 +345,10 @@ def _header_bytes(slots: Sequence[Slot]) -> bytes:
 def _parse_header(raw: bytes, info: ShardInfo, path: Path, base: int) -> list[Slot]:
     """The shard's slots in data order, checked against the manifest: the same tensors (names,
     dtypes, shapes), contiguous, aligned, covering exactly the file's data region."""
+
     def bad(why: str) -> WeightsError:
         return WeightsError(f"shard {path}: {why}; the file is malformed or not the manifest's: {_FIX}")
+
     try:
         header = json.loads(raw)
     except ValueError as e:
@@ -318,12 +365,20 @@ def _parse_header(raw: bytes, info: ShardInfo, path: Path, base: int) -> list[Sl
         t = want[name]
         try:
             dtype, shape, (begin, end) = _ST_DTYPES.get(entry["dtype"]), tuple(entry["shape"]), entry["data_offsets"]
-            ok = (dtype is not None and dtype_name(dtype) == t.dtype and shape == t.shape
-                  and isinstance(begin, int) and isinstance(end, int) and end - begin == t.nbytes)
+            ok = (
+                dtype is not None
+                and dtype_name(dtype) == t.dtype
+                and shape == t.shape
+                and isinstance(begin, int)
+                and isinstance(end, int)
+                and end - begin == t.nbytes
+            )
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:
-            raise bad(f"it does not hold {name} as {t.dtype}{list(t.shape)} like its manifest says (found {entry!r:.200})")
+            raise bad(
+                f"it does not hold {name} as {t.dtype}{list(t.shape)} like its manifest says (found {entry!r:.200})"
+            )
         if (base + begin) % t.itemsize:
             raise bad(f"{name} starts at byte {base + begin}, not aligned to its {t.itemsize}-byte elements")
         slots.append(Slot(t, begin, end))
@@ -344,7 +399,7 @@ def tensor_views(t: torch.Tensor) -> Iterator[memoryview]:
         return
     raw = t.reshape(-1).view(torch.uint8).numpy().data
     for pos in range(0, len(raw), IO_CHUNK):
-        yield raw[pos:pos + IO_CHUNK]
+        yield raw[pos : pos + IO_CHUNK]
 
 
 # ---- writing ----------------------------------------------------------------------------------
@@ -405,7 +460,8 @@ class ShardWriter:
             raise WeightsError(
                 f"{self.out_dir} is not empty; weights are written only into a fresh directory "
                 "(a complete one is never overwritten, an incomplete one is a dead write): "
-                "delete it or choose another directory")
+                "delete it or choose another directory"
+            )
         self.max_shard_bytes = max_shard_bytes
         self.durable = durable
         self._pending: dict[str, torch.Tensor] = {}
@@ -431,8 +487,9 @@ class ShardWriter:
         self._names.add(name)
         t = tensor.detach().cpu().contiguous()
         if dtype_name(t.dtype) not in _ST_TAG:
-            raise WeightsError(f"tensor {name!r} has dtype {t.dtype}, which shards cannot hold "
-                               f"(supported: {', '.join(_ST_TAG)})")
+            raise WeightsError(
+                f"tensor {name!r} has dtype {t.dtype}, which shards cannot hold (supported: {', '.join(_ST_TAG)})"
+            )
         nbytes = t.numel() * t.element_size()
         if self._pending_bytes + nbytes > self.max_shard_bytes:
             self.flush()
@@ -490,7 +547,7 @@ class ShardWriter:
         try:
             view = data
             while view:
-                view = view[os.write(cur.fd, view):]
+                view = view[os.write(cur.fd, view) :]
             cur.written += len(data)
             if self.durable and _start_writeback is not None and cur.written - cur.kicked >= _WRITEBACK_EVERY:
                 _start_writeback(cur.fd, cur.kicked, cur.written - cur.kicked)
@@ -512,8 +569,10 @@ class ShardWriter:
                 try:
                     f.result()
                 except OSError as e:
-                    raise WeightsError(f"writing {cur.path} failed ({e}); nothing was published: free disk "
-                                       "space or fix the directory's permissions, then write again") from e
+                    raise WeightsError(
+                        f"writing {cur.path} failed ({e}); nothing was published: free disk "
+                        "space or fix the directory's permissions, then write again"
+                    ) from e
             expected = len(_header_bytes(cur.slots)) + (cur.slots[-1].end if cur.slots else 0)
             if cur.written != expected:
                 raise WeightsError(f"{cur.path}: wrote {cur.written} bytes, the layout needs {expected}")
@@ -568,8 +627,13 @@ class ShardWriter:
         self._io_pool.shutdown(wait=True, cancel_futures=True)
 
 
-def save_shards(state: Mapping[str, torch.Tensor], out_dir: Path, max_shard_bytes: int,
-                allow_non_fp32: bool = False, durable: bool = True) -> Manifest:
+def save_shards(
+    state: Mapping[str, torch.Tensor],
+    out_dir: Path,
+    max_shard_bytes: int,
+    allow_non_fp32: bool = False,
+    durable: bool = True,
+) -> Manifest:
     """Write `state` as bounded safetensors shards + manifest into the fresh directory `out_dir`."""
     if not allow_non_fp32:
         check_fp32(state)
@@ -588,8 +652,9 @@ class ShardStream:
     `finish()`. Nothing read may be *used* before `finish()` returned.
     """
 
-    def __init__(self, manifest: Manifest, index: int, verify: bool = True,
-                 hash_pool: ThreadPoolExecutor | None = None):
+    def __init__(
+        self, manifest: Manifest, index: int, verify: bool = True, hash_pool: ThreadPoolExecutor | None = None
+    ):
         self.info = manifest.shards[index]
         self.path = manifest.shard_path(index)
         self.hash_name = manifest.hash
@@ -599,22 +664,28 @@ class ShardStream:
         try:
             self._file = open(os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0)
         except FileNotFoundError:
-            raise WeightsError(f"shard {self.path} is missing although the manifest lists it; "
-                               f"the weights directory was tampered with: {_FIX}") from None
+            raise WeightsError(
+                f"shard {self.path} is missing although the manifest lists it; "
+                f"the weights directory was tampered with: {_FIX}"
+            ) from None
         except OSError as e:
             raise WeightsError(f"shard {self.path} cannot be opened ({e}); {_FIX}") from None
         try:
             size = os.fstat(self._file.fileno()).st_size
             if size != self.info.bytes:
-                raise WeightsError(f"shard {self.path} has {size} bytes, the manifest says {self.info.bytes}: "
-                                   f"it was truncated or replaced after export; {_FIX}")
+                raise WeightsError(
+                    f"shard {self.path} has {size} bytes, the manifest says {self.info.bytes}: "
+                    f"it was truncated or replaced after export; {_FIX}"
+                )
             if size < 8:
                 raise WeightsError(f"shard {self.path} has {size} bytes: not a safetensors file; {_FIX}")
             prefix = self._read_bytes(8)
             header_len = int.from_bytes(prefix, "little")
             if header_len > min(size - 8, _MAX_HEADER):
-                raise WeightsError(f"shard {self.path}: header length {header_len} does not fit its {size} "
-                                   f"bytes; the file is malformed: {_FIX}")
+                raise WeightsError(
+                    f"shard {self.path}: header length {header_len} does not fit its {size} "
+                    f"bytes; the file is malformed: {_FIX}"
+                )
             self.base = 8 + header_len
             self.slots = _parse_header(self._read_bytes(header_len), self.info, self.path, self.base)
         except BaseException:
@@ -655,7 +726,8 @@ class ShardStream:
         if got != self.info.digest:
             raise WeightsError(
                 f"shard {self.path} is corrupt: {self.hash_name} {got[:16]}... does not match the manifest's "
-                f"{self.info.digest[:16]}...; the file changed after export. Nothing was loaded. {_FIX}")
+                f"{self.info.digest[:16]}...; the file changed after export. Nothing was loaded. {_FIX}"
+            )
 
     def close(self) -> None:
         self._file.close()
@@ -688,7 +760,7 @@ def read_shard(manifest: Manifest, index: int, verify: bool = True) -> dict[str,
             buf = anon_buffer(stream.data_bytes)
             view = memoryview(buf)
             for pos in range(0, stream.data_bytes, IO_CHUNK):
-                stream.readinto(view[pos:min(pos + IO_CHUNK, stream.data_bytes)])
+                stream.readinto(view[pos : min(pos + IO_CHUNK, stream.data_bytes)])
             stream.finish()
     slots = {s.info.name: s for s in stream.slots}
     out: dict[str, torch.Tensor] = {}
@@ -717,7 +789,7 @@ def verify_shards(manifest: Manifest) -> None:
     for i in range(len(manifest.shards)):
         with ShardStream(manifest, i) as stream:
             for pos in range(0, stream.data_bytes, IO_CHUNK):
-                stream.readinto(buf[:min(IO_CHUNK, stream.data_bytes - pos)])
+                stream.readinto(buf[: min(IO_CHUNK, stream.data_bytes - pos)])
             stream.finish()
 
 

@@ -20,6 +20,7 @@ first N pool entries, seed 42 by default (the published constant, whatever the r
 Nothing here imports the engines (or the Flower side): callers pass the engine's facts
 (`engine_facts(env)`), so a variant can be computed, recorded and checked anywhere.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,7 @@ import numpy as np
 from fl_app.hashing import content_hash
 
 FORMAT = "fedagent-env-variant/1"
-DEFAULT_SEED = 42          # published: RandomState(42 + client_id), whatever the run seed
+DEFAULT_SEED = 42  # published: RandomState(42 + client_id), whatever the run seed
 
 # §3.2, in pool order. Fields map as: name/Title -> title, description -> description,
 # BulletPoints -> bullets, features -> attributes (the shop has no separate features field).
@@ -51,24 +52,43 @@ BM25_FIELDS_POOL: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 # §3.3, in pool order: (k1, b).
 BM25_WEIGHTS_POOL: tuple[tuple[float, float], ...] = (
-    (1.2, 0.75), (1.2, 0.0), (0.3, 0.75), (5.0, 0.75), (0.1, 0.75), (1.2, 1.0), (2.0, 0.5), (0.3, 0.0))
-LOOKALIKE_POOL = ("price", "color", "size", "price_color")          # §3.4: v_price, v_color, ...
-RANK_WRAPPER_POOL = ("bm25", "shuffled_topk", "inverted_topk", "partial_random")   # §3.5
+    (1.2, 0.75),
+    (1.2, 0.0),
+    (0.3, 0.75),
+    (5.0, 0.75),
+    (0.1, 0.75),
+    (1.2, 1.0),
+    (2.0, 0.5),
+    (0.3, 0.0),
+)
+LOOKALIKE_POOL = ("price", "color", "size", "price_color")  # §3.4: v_price, v_color, ...
+RANK_WRAPPER_POOL = ("bm25", "shuffled_topk", "inverted_topk", "partial_random")  # §3.5
 
 POOLS: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
     "bm25_fields": tuple((label, {"index_fields": list(f)}) for label, f in BM25_FIELDS_POOL),
     "bm25_weights": tuple((f"k1={k1},b={b}", {"bm25_k1": k1, "bm25_b": b}) for k1, b in BM25_WEIGHTS_POOL),
     "lookalike": tuple((f"v_{a}", {"lookalike": a}) for a in LOOKALIKE_POOL),
-    "rank_wrapper": tuple(("v_bm25_default" if r == "bm25" else f"v_{r}", {"ranking": r})
-                          for r in RANK_WRAPPER_POOL),
+    "rank_wrapper": tuple(("v_bm25_default" if r == "bm25" else f"v_{r}", {"ranking": r}) for r in RANK_WRAPPER_POOL),
 }
-ENV_OF = {"uniform": None, "catalog_split": "shop", "bm25_fields": "shop", "bm25_weights": "shop",
-          "lookalike": "shop", "rank_wrapper": "shop", "env_disjoint": "alfworld"}
+ENV_OF = {
+    "uniform": None,
+    "catalog_split": "shop",
+    "bm25_fields": "shop",
+    "bm25_weights": "shop",
+    "lookalike": "shop",
+    "rank_wrapper": "shop",
+    "env_disjoint": "alfworld",
+}
 # engine keyword arguments each variant sets (a recipe may not set them in env.params)
-ENGINE_KEYS = {"uniform": (), "catalog_split": ("catalog_keep", "protected_tasks"),
-               "bm25_fields": ("index_fields",), "bm25_weights": ("bm25_k1", "bm25_b"),
-               "lookalike": ("lookalike",), "rank_wrapper": ("ranking", "rank_seed"),
-               "env_disjoint": ("only_tasks",)}
+ENGINE_KEYS = {
+    "uniform": (),
+    "catalog_split": ("catalog_keep", "protected_tasks"),
+    "bm25_fields": ("index_fields",),
+    "bm25_weights": ("bm25_k1", "bm25_b"),
+    "lookalike": ("lookalike",),
+    "rank_wrapper": ("ranking", "rank_seed"),
+    "env_disjoint": ("only_tasks",),
+}
 FALLBACKS = ("skip", "shared", "trial-only")
 # §3.6: two held-out scenes per room type (holdout_alfworld_v1, seed 99999)
 HOLDOUT_SCENES = (15, 25, 213, 221, 319, 321, 416, 418)
@@ -99,8 +119,9 @@ class EnvPartition:
         if self.name in POOLS:
             size = len(POOLS[self.name])
             if self.num_variants is None or not 1 <= self.num_variants <= size:
-                raise ValueError(f"env_partition {self.name} needs num_variants in [1, {size}] (its pool), "
-                                 f"got {self.num_variants}")
+                raise ValueError(
+                    f"env_partition {self.name} needs num_variants in [1, {size}] (its pool), got {self.num_variants}"
+                )
         if self.name in ("catalog_split", "env_disjoint") and (self.env_div is None or not 0 <= self.env_div <= 1):
             raise ValueError(f"env_partition {self.name} needs env_div in [0, 1], got {self.env_div}")
         if self.name == "catalog_split" and (self.keep_ratio is None or not 0 < self.keep_ratio <= 1):
@@ -116,16 +137,24 @@ class EnvVariant:
     env: str
     name: str
     client_id: int
-    label: str                                  # pool entry, e.g. "v_inverted_topk"
-    index: int                                  # pool index (-1: per-client, e.g. catalog_split)
-    tasks: tuple[int, ...]                      # the client's training tasks (served order)
-    engine: tuple[tuple[str, Any], ...] = ()    # make_env keyword arguments, sorted by name
+    label: str  # pool entry, e.g. "v_inverted_topk"
+    index: int  # pool index (-1: per-client, e.g. catalog_split)
+    tasks: tuple[int, ...]  # the client's training tasks (served order)
+    engine: tuple[tuple[str, Any], ...] = ()  # make_env keyword arguments, sorted by name
     knobs: tuple[tuple[str, Any], ...] = field(default=())
 
     def body(self) -> dict[str, Any]:
-        return {"format": FORMAT, "env": self.env, "name": self.name, "client_id": self.client_id,
-                "label": self.label, "index": self.index, "tasks": list(self.tasks),
-                "engine": {k: _jsonable(v) for k, v in self.engine}, "knobs": dict(self.knobs)}
+        return {
+            "format": FORMAT,
+            "env": self.env,
+            "name": self.name,
+            "client_id": self.client_id,
+            "label": self.label,
+            "index": self.index,
+            "tasks": list(self.tasks),
+            "engine": {k: _jsonable(v) for k, v in self.engine},
+            "knobs": dict(self.knobs),
+        }
 
     @property
     def content_hash(self) -> str:
@@ -140,10 +169,16 @@ class EnvVariant:
         body = {k: v for k, v in data.items() if k != "hash"}
         if body.get("format") != FORMAT or data.get("hash") != content_hash(body):
             raise ValueError(f"not an intact {FORMAT} record (format or content hash differs)")
-        return cls(env=body["env"], name=body["name"], client_id=body["client_id"], label=body["label"],
-                   index=body["index"], tasks=tuple(body["tasks"]),
-                   engine=tuple(sorted((k, _frozen(v)) for k, v in body["engine"].items())),
-                   knobs=tuple(sorted(body["knobs"].items())))
+        return cls(
+            env=body["env"],
+            name=body["name"],
+            client_id=body["client_id"],
+            label=body["label"],
+            index=body["index"],
+            tasks=tuple(body["tasks"]),
+            engine=tuple(sorted((k, _frozen(v)) for k, v in body["engine"].items())),
+            knobs=tuple(sorted(body["knobs"].items())),
+        )
 
 
 def _jsonable(value: Any) -> Any:
@@ -169,8 +204,15 @@ def engine_facts(env: Any) -> dict[str, list]:
 
 # --------------------------------------------------------------------------- catalog_split
 
-def catalog_split(product_ids: Sequence[str], targets: Sequence[str], client_id: int, env_div: float,
-                  keep_ratio: float, seed: int = DEFAULT_SEED) -> tuple[str, ...]:
+
+def catalog_split(
+    product_ids: Sequence[str],
+    targets: Sequence[str],
+    client_id: int,
+    env_div: float,
+    keep_ratio: float,
+    seed: int = DEFAULT_SEED,
+) -> tuple[str, ...]:
     """A client's catalog (§3.1, `_distractor_disjoint_partition_webshop_v5`, steps 3-6): its
     targets plus the round(keep_ratio * D) distractors with the smallest
     e = (1 - env_div) * u + env_div * v, u shared (RandomState(seed)), v private
@@ -194,6 +236,7 @@ def catalog_split(product_ids: Sequence[str], targets: Sequence[str], client_id:
 
 # --------------------------------------------------------------------------- env_disjoint
 
+
 def spec_and_scene(task_id: str) -> tuple[str, int]:
     """ALFRED's (spec, scene) of a task id `<split>/<type>-<object>-<mrecep>-<recep>-<scene>/<trial>`:
     the spec is the task folder without its last dash-separated field, the scene that field."""
@@ -210,9 +253,16 @@ def _spec_hash(spec: str) -> int:
     return int.from_bytes(hashlib.sha256(spec.encode()).digest()[:4], "big") & 0x7FFFFFFF
 
 
-def env_disjoint(task_ids: Sequence[str], train_tasks: Sequence[int], client_id: int, num_clients: int,
-                 env_div: float, fallback: str = "skip", holdout: bool = False,
-                 seed: int = DEFAULT_SEED) -> tuple[int, ...]:
+def env_disjoint(
+    task_ids: Sequence[str],
+    train_tasks: Sequence[int],
+    client_id: int,
+    num_clients: int,
+    env_div: float,
+    fallback: str = "skip",
+    holdout: bool = False,
+    seed: int = DEFAULT_SEED,
+) -> tuple[int, ...]:
     """A client's ALFWorld training tasks (§3.6, `_env_disjoint_partition_alfworld`): training
     games grouped by spec; holdout scenes dropped first; for a spec with n >= 2 scenes the client
     keeps the n_pc = min(n, max(1, ceil(n / N * (1 + env_div)))) scenes with the smallest
@@ -254,8 +304,16 @@ def env_disjoint(task_ids: Sequence[str], train_tasks: Sequence[int], client_id:
 
 # --------------------------------------------------------------------------- the registry
 
-def client_variant(part: EnvPartition | Mapping[str, Any], env: str, client_id: int, num_clients: int,
-                   shard: Sequence[int], facts: Mapping[str, Sequence], val_size: int = 0) -> EnvVariant:
+
+def client_variant(
+    part: EnvPartition | Mapping[str, Any],
+    env: str,
+    client_id: int,
+    num_clients: int,
+    shard: Sequence[int],
+    facts: Mapping[str, Sequence],
+    val_size: int = 0,
+) -> EnvVariant:
     """Client `client_id`'s variant. `shard` is its training tasks under the task partition
     (uniform for every environment variant, as published); `facts` is `engine_facts` of the
     unperturbed engine; `val_size` its validation split (env_disjoint draws from the rest)."""
@@ -276,31 +334,46 @@ def client_variant(part: EnvPartition | Mapping[str, Any], env: str, client_id: 
         return _variant(env, part, client_id, f"catalog_split/client{client_id}", -1, tasks, engine, knobs)
     if part.name == "env_disjoint":
         ids = facts["task_ids"]
-        mine = env_disjoint(ids, range(val_size, len(ids)), client_id, num_clients, part.env_div,
-                            part.fallback, part.holdout, part.seed)
+        mine = env_disjoint(
+            ids, range(val_size, len(ids)), client_id, num_clients, part.env_div, part.fallback, part.holdout, part.seed
+        )
         if not mine:
-            raise ValueError(f"env_disjoint gives client {client_id} no training game (fallback={part.fallback!r}: "
-                             f"every spec with games has one scene); use fallback shared or trial-only, or more games")
+            raise ValueError(
+                f"env_disjoint gives client {client_id} no training game (fallback={part.fallback!r}: "
+                f"every spec with games has one scene); use fallback shared or trial-only, or more games"
+            )
         engine = {"only_tasks": tuple(ids[t] for t in mine)}
         return _variant(env, part, client_id, f"env_disjoint/client{client_id}", -1, mine, engine, knobs)
     index = assign_variant(client_id, part.num_variants, part.seed)
     label, settings = POOLS[part.name][index]
-    if part.name == "rank_wrapper":       # published: wrapper seed 42 + client_id
+    if part.name == "rank_wrapper":  # published: wrapper seed 42 + client_id
         settings = {**settings, "rank_seed": part.seed + client_id}
     return _variant(env, part, client_id, label, index, tasks, settings, knobs)
 
 
-def _variant(env: str, part: EnvPartition, client_id: int, label: str, index: int, tasks: tuple[int, ...],
-             engine: Mapping[str, Any], knobs: tuple) -> EnvVariant:
-    return EnvVariant(env, part.name, client_id, label, index, tasks,
-                      tuple(sorted((k, _frozen(v)) for k, v in engine.items())), knobs)
+def _variant(
+    env: str,
+    part: EnvPartition,
+    client_id: int,
+    label: str,
+    index: int,
+    tasks: tuple[int, ...],
+    engine: Mapping[str, Any],
+    knobs: tuple,
+) -> EnvVariant:
+    return EnvVariant(
+        env, part.name, client_id, label, index, tasks, tuple(sorted((k, _frozen(v)) for k, v in engine.items())), knobs
+    )
 
 
 # --------------------------------------------------------------------------- CLI
 
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m partitions.env_variants",
-                                 description="A recipe's environment variants and their realized heterogeneity.")
+    ap = argparse.ArgumentParser(
+        prog="python -m partitions.env_variants",
+        description="A recipe's environment variants and their realized heterogeneity.",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     rep = sub.add_parser("report", help="realized env heterogeneity of a recipe (docs/env-heterogeneity.md)")
     rep.add_argument("recipe")

@@ -18,6 +18,7 @@ The published body drew every client's fill from the same post-quota stream stat
 with equal quotas got identical fills (field log 2026-07-27); both rules here draw from one
 advancing stream, so equal-quota clients share only ~|F|^2 / |hard| fill tasks.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,8 +27,7 @@ from partitions.pool import TaskPool
 from partitions.sizing import assign_with_overlap, client_sizes
 
 
-def easy_quotas(num_clients: int, size: int, xi_prime: float, pool_size: int,
-                rng: np.random.Generator) -> np.ndarray:
+def easy_quotas(num_clients: int, size: int, xi_prime: float, pool_size: int, rng: np.random.Generator) -> np.ndarray:
     return client_sizes(num_clients, 0, size // 2, size, xi_prime, pool_size, rng)
 
 
@@ -39,11 +39,19 @@ def _check_buckets(quotas: np.ndarray, size: int, n_easy: int, n_hard: int) -> N
             f"the labels split the pool into {n_easy} easy and {n_hard} hard tasks, but the hardness quotas ask "
             f"for up to {int(quotas.max())} easy and {need_hard} hard tasks per client (tasks_per_client={size}); "
             "label with a reference policy whose success rate is nearer 1/2, raise partition.params.xi_prime, "
-            "or lower federation.tasks_per_client")
+            "or lower federation.tasks_per_client"
+        )
 
 
-def hardness_shards(pool: TaskPool, easy: frozenset[int], num_clients: int, size: int, xi_prime: float,
-                    seed: int, rule: str = "intended") -> list[list[int]]:
+def hardness_shards(
+    pool: TaskPool,
+    easy: frozenset[int],
+    num_clients: int,
+    size: int,
+    xi_prime: float,
+    seed: int,
+    rule: str = "intended",
+) -> list[list[int]]:
     """Every client's shard (served indices, ascending). `easy`: served indices labelled solved."""
     if rule not in ("intended", "executed"):
         raise ValueError(f"unknown hardness rule {rule!r}; choose intended or executed")
@@ -55,13 +63,16 @@ def hardness_shards(pool: TaskPool, easy: frozenset[int], num_clients: int, size
     _check_buckets(quotas, size, len(easy_idx), len(hard_idx))
     if rule == "intended":
         placed = assign_with_overlap(len(easy_idx), quotas, rng)
-        return [sorted(easy_idx[y].tolist() + rng.choice(hard_idx, size=size - int(k), replace=False).tolist())
-                for y, k in zip(placed, quotas)]
+        return [
+            sorted(easy_idx[y].tolist() + rng.choice(hard_idx, size=size - int(k), replace=False).tolist())
+            for y, k in zip(placed, quotas)
+        ]
     return [_executed_shard(easy_idx, hard_idx, int(k), max(size, len(pool) // num_clients), rng) for k in quotas]
 
 
-def _executed_shard(easy_idx: np.ndarray, hard_idx: np.ndarray, k: int, cut: int,
-                    rng: np.random.Generator) -> list[int]:
+def _executed_shard(
+    easy_idx: np.ndarray, hard_idx: np.ndarray, k: int, cut: int, rng: np.random.Generator
+) -> list[int]:
     """The published composition: k easy + k hard + random rest, truncated to `cut`."""
     a = rng.choice(easy_idx, size=min(k, len(easy_idx)), replace=False)
     b = rng.choice(hard_idx, size=min(k, len(hard_idx)), replace=False)

@@ -4,6 +4,7 @@ Read from the engine itself (invariant 11): `indices` are the env's served order
 `reset(i)` plays), `fingerprint` pins that order, and everything downstream works on the
 ascending index list, so no caller's listing order can change a shard.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -15,11 +16,11 @@ from envs.base import Env, task_order_fingerprint
 
 @dataclass(frozen=True)
 class TaskPool:
-    env: str                        # engine name
-    indices: tuple[int, ...]        # training tasks, ascending served indices
-    task_ids: tuple[str, ...]       # task_ids[k] is the id of indices[k]
-    categories: tuple[str, ...]     # categories[k] is the category of indices[k]
-    fingerprint: str                # sha256 over the env's whole served order (envs.base)
+    env: str  # engine name
+    indices: tuple[int, ...]  # training tasks, ascending served indices
+    task_ids: tuple[str, ...]  # task_ids[k] is the id of indices[k]
+    categories: tuple[str, ...]  # categories[k] is the category of indices[k]
+    fingerprint: str  # sha256 over the env's whole served order (envs.base)
 
     def __post_init__(self) -> None:
         if not self.indices:
@@ -34,8 +35,13 @@ class TaskPool:
         """The training split [val_size, num_tasks) of a built engine."""
         ids, cats = env.task_ids(), env.task_categories()
         train = range(env.val_size, env.num_tasks)
-        return cls(env.name, tuple(train), tuple(ids[i] for i in train), tuple(cats[i] for i in train),
-                   task_order_fingerprint(env))
+        return cls(
+            env.name,
+            tuple(train),
+            tuple(ids[i] for i in train),
+            tuple(cats[i] for i in train),
+            task_order_fingerprint(env),
+        )
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -64,5 +70,6 @@ def pool_from_counts(counts: dict[str, int], name: str = "counts") -> TaskPool:
         raise ValueError(f"category counts must be positive, got {counts}")
     cats = [c for c in sorted(counts) for _ in range(counts[c])]
     tag = ",".join(f"{c}={counts[c]}" for c in sorted(counts))
-    return TaskPool(name, tuple(range(len(cats))), tuple(f"{name}-{i:06d}" for i in range(len(cats))),
-                    tuple(cats), f"{name}:{tag}")
+    return TaskPool(
+        name, tuple(range(len(cats))), tuple(f"{name}-{i:06d}" for i in range(len(cats))), tuple(cats), f"{name}:{tag}"
+    )

@@ -18,13 +18,14 @@ which run seeds s and s + 1 would hand 99 of 100 clients the same draw.
 When the capped categories held all of q's mass, the overflow goes to the others in proportion to
 their room (the published renormalisation would divide by zero there).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 from partitions.pool import TaskPool
 
-SMOOTHING = 0.01    # [code] Laplace epsilon of the global marginal
+SMOOTHING = 0.01  # [code] Laplace epsilon of the global marginal
 
 
 def category_members(pool: TaskPool) -> dict[str, np.ndarray]:
@@ -50,8 +51,10 @@ def effective_counts(pool: TaskPool, downsample_category: str | None, downsample
     counts = pool.category_counts()
     if downsample_category is not None:
         if downsample_category not in counts:
-            raise ValueError(f"partition.params.downsample_category={downsample_category!r} is not a category "
-                             f"of the training pool ({', '.join(counts)})")
+            raise ValueError(
+                f"partition.params.downsample_category={downsample_category!r} is not a category "
+                f"of the training pool ({', '.join(counts)})"
+            )
         counts[downsample_category] = thinned_count(counts[downsample_category], downsample_ratio or 1.0)
     return counts
 
@@ -73,15 +76,22 @@ def _capacity_fix(counts: np.ndarray, room: np.ndarray, q: np.ndarray, rng: np.r
     return counts
 
 
-def preference_shard(client_id: int, pool: TaskPool, size: int, omega: float, seed: int,
-                     downsample_category: str | None = None, downsample_ratio: float | None = None) -> list[int]:
+def preference_shard(
+    client_id: int,
+    pool: TaskPool,
+    size: int,
+    omega: float,
+    seed: int,
+    downsample_category: str | None = None,
+    downsample_ratio: float | None = None,
+) -> list[int]:
     """One client's shard: `size` distinct served task indices, ascending."""
     if size > len(pool):
         raise ValueError(f"federation.tasks_per_client={size} exceeds the training pool ({len(pool)} tasks)")
     rng = np.random.default_rng([seed, client_id])
     members = category_members(pool)
     if downsample_category is not None:
-        effective_counts(pool, downsample_category, downsample_ratio)   # validates the name
+        effective_counts(pool, downsample_category, downsample_ratio)  # validates the name
         items = members[downsample_category]
         keep = thinned_count(len(items), downsample_ratio or 1.0)
         members[downsample_category] = np.sort(rng.choice(items, size=keep, replace=False))
@@ -91,7 +101,7 @@ def preference_shard(client_id: int, pool: TaskPool, size: int, omega: float, se
     counts = _capacity_fix(rng.multinomial(size, q), room, q, rng)
     chosen = [rng.choice(items, size=int(k), replace=False) for items, k in zip(members.values(), counts) if k]
     shard = np.concatenate(chosen) if chosen else np.array([], dtype=np.int64)
-    if len(shard) < size:   # the thinned categories cannot fill the shard: top up from the rest
+    if len(shard) < size:  # the thinned categories cannot fill the shard: top up from the rest
         unused = np.setdiff1d(np.asarray(pool.indices), shard)
         shard = np.concatenate([shard, rng.choice(unused, size=size - len(shard), replace=False)])
     return sorted(int(t) for t in shard)

@@ -5,6 +5,7 @@ server computes it before round 1 (partition.json), each trainer lane when it st
 the same shards because every strategy is a pure function of (client, N, |X_i|, pool, labels,
 run.seed, knobs) that puts the pool in canonical order first (invariant 11).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,8 +33,10 @@ def _uniform(cfg: Config, pool: TaskPool, match: LabelMatch | None) -> Shards:
 def _preference(cfg: Config, pool: TaskPool, match: LabelMatch | None) -> Shards:
     f, p = cfg.federation, cfg.partition.params
     assert p.omega is not None
-    return [preference_shard(c, pool, f.tasks_per_client, p.omega, cfg.run.seed, p.downsample_category,
-                             p.downsample_ratio) for c in range(f.clients)]
+    return [
+        preference_shard(c, pool, f.tasks_per_client, p.omega, cfg.run.seed, p.downsample_category, p.downsample_ratio)
+        for c in range(f.clients)
+    ]
 
 
 def _coverage(cfg: Config, pool: TaskPool, match: LabelMatch | None) -> Shards:
@@ -49,14 +52,17 @@ def _hardness(cfg: Config, pool: TaskPool, match: LabelMatch | None) -> Shards:
 
 
 STRATEGIES: dict[str, Callable[[Config, TaskPool, LabelMatch | None], Shards]] = {
-    "uniform": _uniform, "preference": _preference, "coverage": _coverage, "hardness": _hardness,
+    "uniform": _uniform,
+    "preference": _preference,
+    "coverage": _coverage,
+    "hardness": _hardness,
 }
 
 
 @dataclass(frozen=True)
 class PartitionPlan:
     name: str
-    params: dict[str, Any]            # the knobs that were set
+    params: dict[str, Any]  # the knobs that were set
     seed: int
     pool: TaskPool
     shards: tuple[tuple[int, ...], ...]
@@ -82,7 +88,9 @@ def plan_partition(cfg: Config, pool: TaskPool, labels: Labels | None = None) ->
     match = match_labels(labels, pool, cfg.rollout.mode) if labels is not None else None
     shards = STRATEGIES[part.name](cfg, pool, match)
     if len(shards) != cfg.federation.clients or not all(shards):
-        raise ValueError(f"partition {part.name!r} produced {len(shards)} shards for {cfg.federation.clients} "
-                         "clients, or an empty one")
+        raise ValueError(
+            f"partition {part.name!r} produced {len(shards)} shards for {cfg.federation.clients} "
+            "clients, or an empty one"
+        )
     params = {k: v for k, v in part.params.model_dump().items() if v is not None}
     return PartitionPlan(part.name, params, cfg.run.seed, pool, tuple(tuple(s) for s in shards), labels, match)

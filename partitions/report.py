@@ -11,6 +11,7 @@ training pool from the env (read-only), computes every client's shard, refuses l
 not match (partitions/labels.py), refuses to resume a run dir whose partition.json names another
 partition, writes partition.json and returns the headline figures for summary.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,10 +43,19 @@ def describe(plan: PartitionPlan, cfg: Config) -> dict[str, Any]:
     """The partition.json body: what was asked, the pool, per-client rows, realized vs closed form."""
     rows = client_rows(plan)
     doc: dict[str, Any] = {
-        "partition": {"name": plan.name, "params": plan.params, "seed": plan.seed,
-                      "clients": len(plan.shards), "tasks_per_client": cfg.federation.tasks_per_client},
-        "pool": {"env": plan.pool.env, "size": len(plan.pool), "categories": plan.pool.category_counts(),
-                 "fingerprint": plan.pool.fingerprint},
+        "partition": {
+            "name": plan.name,
+            "params": plan.params,
+            "seed": plan.seed,
+            "clients": len(plan.shards),
+            "tasks_per_client": cfg.federation.tasks_per_client,
+        },
+        "pool": {
+            "env": plan.pool.env,
+            "size": len(plan.pool),
+            "categories": plan.pool.category_counts(),
+            "fingerprint": plan.pool.fingerprint,
+        },
         "digest": plan.digest(),
         "realized": realized(plan, rows),
         "closed_form": closed_forms(plan, cfg),
@@ -56,7 +66,7 @@ def describe(plan: PartitionPlan, cfg: Config) -> dict[str, Any]:
     return doc
 
 
-PER_CLIENT = ("variant_hashes", "variant_of_client")     # partition.json only, not summary.json
+PER_CLIENT = ("variant_hashes", "variant_of_client")  # partition.json only, not summary.json
 
 
 def headline(doc: dict[str, Any]) -> dict[str, Any]:
@@ -77,9 +87,10 @@ def write_partition_report(run_dir: Path, cfg: Config, log: Callable[[str], None
             raise PartitionMismatch(
                 f"{path} records partition digest {str(before)[:12]}, but this config computes {plan.digest()[:12]}: "
                 "resuming would train later rounds on other shards. Resume with the original partition settings "
-                "(and labels), or start a fresh run.run_dir")
+                "(and labels), or start a fresh run.run_dir"
+            )
     doc = describe(plan, cfg)
-    if cfg.env_partition.name != "uniform":     # each client's env variant, as its lane will serve it
+    if cfg.env_partition.name != "uniform":  # each client's env variant, as its lane will serve it
         doc["env_partition"] = realized_env_heterogeneity(cfg, expert=False, shard_of=plan.shard)
     doc["written"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +99,10 @@ def write_partition_report(run_dir: Path, cfg: Config, log: Callable[[str], None
     tmp.replace(path)
     lines = format_report(doc).splitlines()
     if "env_partition" in doc:
-        lines += ["  env variants: " + line.removeprefix("- ") for line in format_env_report(doc["env_partition"]).splitlines()]
+        lines += [
+            "  env variants: " + line.removeprefix("- ")
+            for line in format_env_report(doc["env_partition"]).splitlines()
+        ]
     for line in lines:
         log(line)
     return headline(doc)
@@ -101,19 +115,25 @@ def _fmt(v: Any) -> str:
 def format_report(doc: dict[str, Any]) -> str:
     part, pool, real, closed = doc["partition"], doc["pool"], doc["realized"], doc["closed_form"]
     knobs = ", ".join(f"{k}={v}" for k, v in part["params"].items()) or "no knobs"
-    lines = [(f"partition {part['name']} ({knobs}; seed {part['seed']}): {part['clients']} clients over "
-              f"{pool['size']} {pool['env']} training tasks {pool['categories']}"),
-             "  realized: " + ", ".join(f"{k} {_fmt(v)}" for k, v in real.items()),
-             "  closed form: " + ", ".join(f"{k} {_fmt(v)}" for k, v in closed.items() if not isinstance(v, dict))]
+    lines = [
+        (
+            f"partition {part['name']} ({knobs}; seed {part['seed']}): {part['clients']} clients over "
+            f"{pool['size']} {pool['env']} training tasks {pool['categories']}"
+        ),
+        "  realized: " + ", ".join(f"{k} {_fmt(v)}" for k, v in real.items()),
+        "  closed form: " + ", ".join(f"{k} {_fmt(v)}" for k, v in closed.items() if not isinstance(v, dict)),
+    ]
     if "pi" in closed:
         lines.append("  pi: " + ", ".join(f"{c} {v:.3f}" for c, v in closed["pi"].items()))
     if "labels" in doc:
         lab = doc["labels"]
         prov = lab["provenance"]
-        lines.append(f"  labels {lab['path']}: {lab['easy']} easy / {lab['hard']} hard; {lab['misses']} of "
-                     f"{pool['size']} training tasks have no label ({lab['miss_fraction']:.1%}, counted hard); "
-                     f"made {prov.get('date', '?')} with weights {str(prov.get('weights_sha256', '?'))[:12]}, "
-                     f"{prov.get('rollout_mode')} mode, T={prov.get('temperature')}, seed {prov.get('seed')}")
+        lines.append(
+            f"  labels {lab['path']}: {lab['easy']} easy / {lab['hard']} hard; {lab['misses']} of "
+            f"{pool['size']} training tasks have no label ({lab['miss_fraction']:.1%}, counted hard); "
+            f"made {prov.get('date', '?')} with weights {str(prov.get('weights_sha256', '?'))[:12]}, "
+            f"{prov.get('rollout_mode')} mode, T={prov.get('temperature')}, seed {prov.get('seed')}"
+        )
     lines.append(f"  digest {doc['digest'][:16]}")
     return "\n".join(lines)
 
@@ -138,7 +158,7 @@ def plot_partition(doc: dict[str, Any], out_png: Path, title: str = "") -> Path:
     ax_map.set_ylabel("client")
     ax_map.set_title("share of each client's shard", fontsize=9)
     fig.colorbar(im, ax=ax_map, fraction=0.05)
-    if sizes.min() == sizes.max():     # every shard the same size: one bar, not a zero-width bin
+    if sizes.min() == sizes.max():  # every shard the same size: one bar, not a zero-width bin
         ax_hist.bar([sizes[0]], [len(sizes)], width=2, color="tab:blue")
         ax_hist.set_xlim(sizes[0] - 10, sizes[0] + 10)
     else:
@@ -148,8 +168,7 @@ def plot_partition(doc: dict[str, Any], out_png: Path, title: str = "") -> Path:
     ax_hist.set_title("shard sizes", fontsize=9)
     part = doc["partition"]
     knobs = ", ".join(f"{k}={v}" for k, v in part["params"].items())
-    fig.suptitle(title or f"{part['name']} ({knobs}) on {doc['pool']['env']}: {doc['pool']['size']} tasks",
-                 fontsize=10)
+    fig.suptitle(title or f"{part['name']} ({knobs}) on {doc['pool']['env']}: {doc['pool']['size']} tasks", fontsize=10)
     fig.tight_layout()
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
@@ -162,9 +181,17 @@ def synthetic_labels(pool: TaskPool, fraction: float, rollout_mode: str, seed: i
     pool no reference policy has labelled (report only; a run always uses real labels)."""
     rng = np.random.default_rng(seed)
     ok = rng.random(len(pool)) < fraction
-    prov = {"env": pool.env, "env_fingerprint": pool.fingerprint, "rollout_mode": rollout_mode,
-            "synthetic": f"random labels at success rate {fraction} (seed {seed})", "weights_sha256": "none",
-            "temperature": None, "seed": seed, "date": "n/a", "format": FORMAT}
+    prov = {
+        "env": pool.env,
+        "env_fingerprint": pool.fingerprint,
+        "rollout_mode": rollout_mode,
+        "synthetic": f"random labels at success rate {fraction} (seed {seed})",
+        "weights_sha256": "none",
+        "temperature": None,
+        "seed": seed,
+        "date": "n/a",
+        "format": FORMAT,
+    }
     return Labels(f"<synthetic {fraction}>", prov, {t: bool(v) for t, v in zip(pool.task_ids, ok)})
 
 
@@ -176,17 +203,28 @@ def _parse_counts(text: str) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Print a recipe's partition (realized heterogeneity next to the closed "
-                                             "forms) and write a PNG (clients x categories heatmap + size "
-                                             "histogram). Builds the env's training pool; runs nothing.")
+    ap = argparse.ArgumentParser(
+        description="Print a recipe's partition (realized heterogeneity next to the closed "
+        "forms) and write a PNG (clients x categories heatmap + size "
+        "histogram). Builds the env's training pool; runs nothing."
+    )
     ap.add_argument("recipe", help="recipe name in configs/ or a YAML path")
     ap.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. partition.params.omega=0.01")
     ap.add_argument("--png", type=Path, default=None, help="where to write the PNG (default: <recipe>-partition.png)")
     ap.add_argument("--json", type=Path, default=None, help="also write the partition.json body here")
-    ap.add_argument("--counts", default="", help="a stand-in pool with these category counts instead of the env "
-                                                 "(e.g. a published pool whose data is not here): cat=n,cat=n,...")
-    ap.add_argument("--synthetic-labels", type=float, default=None, metavar="RATE",
-                    help="random success labels at RATE instead of partition.labels (hardness shape only)")
+    ap.add_argument(
+        "--counts",
+        default="",
+        help="a stand-in pool with these category counts instead of the env "
+        "(e.g. a published pool whose data is not here): cat=n,cat=n,...",
+    )
+    ap.add_argument(
+        "--synthetic-labels",
+        type=float,
+        default=None,
+        metavar="RATE",
+        help="random success labels at RATE instead of partition.labels (hardness shape only)",
+    )
     args = ap.parse_args(argv)
     dotlist = list(args.overrides)
     if args.synthetic_labels is not None:

@@ -6,21 +6,23 @@ clients (k = floor(r) or ceil(r)) in proportion to each client's remaining capac
 consume one `numpy.random.Generator` in a fixed order, so every process that replays them from
 the same seed gets the same global allocation (invariant 11).
 """
+
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
-MIN_CONCENTRATION = 2e-3    # [code] the published floor on the Beta concentration
-MU_CLAMP = 1e-6             # [code] mu is kept inside (0, 1)
+MIN_CONCENTRATION = 2e-3  # [code] the published floor on the Beta concentration
+MU_CLAMP = 1e-6  # [code] mu is kept inside (0, 1)
 
 
 def overlap_ratio(num_clients: int, pool_size: int, low: int, center: int, high: int) -> float:
     """r: how many shards each pool item sits in on average, N*center/|pool| clipped to the range
     the size bounds allow ([code] `default_r`; the documented `overlap_ratio = 1.3` is unused)."""
-    return float(np.clip(num_clients * center / pool_size, num_clients * low / pool_size,
-                         num_clients * high / pool_size))
+    return float(
+        np.clip(num_clients * center / pool_size, num_clients * low / pool_size, num_clients * high / pool_size)
+    )
 
 
 def beta_mean(low: int, center: int, high: int) -> float:
@@ -28,8 +30,9 @@ def beta_mean(low: int, center: int, high: int) -> float:
     return float(np.clip((center - low) / (high - low), MU_CLAMP, 1 - MU_CLAMP))
 
 
-def client_sizes(num_clients: int, low: int, center: int, high: int, concentration: float, pool_size: int,
-                 rng: np.random.Generator) -> np.ndarray:
+def client_sizes(
+    num_clients: int, low: int, center: int, high: int, concentration: float, pool_size: int, rng: np.random.Generator
+) -> np.ndarray:
     """N integer sizes in [low, high] summing exactly to round(r * |pool|).
 
     x_i ~ Beta(mu xi, (1 - mu) xi), raw size low + x_i (high - low); rescaled to the target sum,
@@ -47,17 +50,16 @@ def client_sizes(num_clients: int, low: int, center: int, high: int, concentrati
     sizes = np.floor(scaled).astype(np.int64)
     residual = scaled - sizes
     short = round(float(scaled.sum())) - int(sizes.sum())
-    for i in np.argsort(-residual, kind="stable")[:max(short, 0)]:
+    for i in np.argsort(-residual, kind="stable")[: max(short, 0)]:
         sizes[i] += 1
     # corrections: the clipped, rounded sum may still miss the target
     order = np.argsort(-(scaled - sizes), kind="stable")
     while (diff := target - int(sizes.sum())) != 0:
         step = 1 if diff > 0 else -1
-        movable = [i for i in (order if step > 0 else order[::-1])
-                   if (sizes[i] < high if step > 0 else sizes[i] > low)]
+        movable = [i for i in (order if step > 0 else order[::-1]) if (sizes[i] < high if step > 0 else sizes[i] > low)]
         if not movable:
             raise ValueError(f"cannot reach {target} assignments with {num_clients} sizes in [{low}, {high}]")
-        for i in movable[:abs(diff)]:
+        for i in movable[: abs(diff)]:
             sizes[i] += step
     return sizes
 
@@ -78,8 +80,10 @@ def assign_with_overlap(pool_size: int, sizes: np.ndarray, rng: np.random.Genera
     k_lo = total // pool_size
     extra = total - k_lo * pool_size
     if math.ceil(total / pool_size) > n:
-        raise ValueError(f"{total} assignments of {pool_size} items need {math.ceil(total / pool_size)} copies "
-                         f"each, more than the {n} clients")
+        raise ValueError(
+            f"{total} assignments of {pool_size} items need {math.ceil(total / pool_size)} copies "
+            f"each, more than the {n} clients"
+        )
     copies = np.full(pool_size, k_lo, dtype=np.int64)
     copies[rng.choice(pool_size, size=extra, replace=False)] += 1
     capacity = sizes.copy()

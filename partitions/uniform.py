@@ -5,14 +5,16 @@ When N * tasks_per_client exceeds the pool, consecutive clients' blocks start `s
 and wrap around the permutation, so blocks overlap evenly instead of the tail clients getting
 nothing.
 """
+
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
 
 
-def client_shard(client_id: int, num_clients: int, tasks_per_client: int,
-                 train_pool: Sequence[int], seed: int) -> list[int]:
+def client_shard(
+    client_id: int, num_clients: int, tasks_per_client: int, train_pool: Sequence[int], seed: int
+) -> list[int]:
     """The task indices (env `reset` seeds) of one client's shard.
 
     `train_pool` is put in canonical (sorted) order before the seeded shuffle, so callers that

@@ -19,6 +19,7 @@ Every message carries the digest of the recipe the server resolved (`recipe-sha2
 each node against its own resolution), the run dir the server uses, and the token of its
 shared-disk probe (a node that cannot read it cannot use the run dir as the weight store).
 """
+
 from __future__ import annotations
 
 import shutil
@@ -35,11 +36,11 @@ from urllib.parse import urlsplit
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from envs.ports import bind_listener
 from fl_app.aggregate import NonFiniteWeightsError
 from fl_app.config import Config, load_config, recipe_sha256, save_config
 from fl_app.plots import plot_validation
 from fl_app.rundir import RunDir
-from envs.ports import bind_listener
 from fl_app.store import DirStore, WeightStore
 from fl_app.store_open import open_store
 from fl_app.store_server import WeightStoreServer, new_token
@@ -86,8 +87,10 @@ def _wait_for_nodes(grid: Grid) -> list[int]:
         if nodes:
             return nodes
         time.sleep(1.0)
-    raise RoundError(f"no SuperNode connected within {NODE_WAIT_S:.0f} s; in simulation pass "
-                     "--federation-config \"num-supernodes=2\", in deployment start flower-supernode")
+    raise RoundError(
+        f"no SuperNode connected within {NODE_WAIT_S:.0f} s; in simulation pass "
+        '--federation-config "num-supernodes=2", in deployment start flower-supernode'
+    )
 
 
 class Weights:
@@ -113,14 +116,21 @@ class Weights:
         if spec in ("", "http"):
             self.store: WeightStore = DirStore(rd.path, self.shard_bytes)
         else:
-            self.store = open_store(spec, run_dir=rd.path, max_shard_bytes=self.shard_bytes,
-                                    parallel=r.weight_store_parallel, node="server")
+            self.store = open_store(
+                spec, run_dir=rd.path, max_shard_bytes=self.shard_bytes, parallel=r.weight_store_parallel, node="server"
+            )
         if spec == "http":
             token = new_token()
             advertise = urlsplit(r.weight_store_url).hostname if r.weight_store_url else None
             sock = bind_listener(r.weight_store_host, r.weight_store_port or None)
-            self.server = WeightStoreServer(rd.path, token, sock, certfile=r.weight_store_certfile or None,
-                                            keyfile=r.weight_store_keyfile or None, advertise_host=advertise).start()
+            self.server = WeightStoreServer(
+                rd.path,
+                token,
+                sock,
+                certfile=r.weight_store_certfile or None,
+                keyfile=r.weight_store_keyfile or None,
+                advertise_host=advertise,
+            ).start()
             self.node_store = {"weight-store": self.server.url, "weight-store-token": token}
             log(f"weight store: serving {rd.path} at {self.server.url} (nodes fetch and upload shards there)")
 
@@ -136,7 +146,7 @@ class Weights:
         if self.remote:
             for m, key in keys.items():
                 if Manifest.from_dir(self.rd.member_dir(r, m)).tensor_bytes > self.inline_bytes:
-                    self.store.publish(self.rd.member_dir(r, m), key)    # a no-op once there
+                    self.store.publish(self.rd.member_dir(r, m), key)  # a no-op once there
         arrays, config, _refs = send_members(self.store, keys, self.inline_bytes)
         return {k: ArrayRecord(v) for k, v in arrays.items()}, config
 
@@ -161,8 +171,10 @@ class Nodes:
         node = int(reply.metadata.src_node_id)
         if info and self.seen.get(node) != info:
             self.seen[node] = info
-            log(f"node {node} ({info.get('node-host', '?')}, lane {info.get('lane', '?')}): trainer service log "
-                f"at {info.get('service-log', '?')}")
+            log(
+                f"node {node} ({info.get('node-host', '?')}, lane {info.get('lane', '?')}): trainer service log "
+                f"at {info.get('service-log', '?')}"
+            )
 
 
 class Run:
@@ -173,29 +185,48 @@ class Run:
         self.w = Weights(rd, cfg)
         try:
             self.nodes = Nodes()
-            self.sampler = ClientSampler(seed=cfg.run.seed, num_clients=cfg.federation.clients,
-                                         per_round=cfg.federation.clients_per_round,
-                                         only_clients=cfg.federation.only_clients)
-            self.aggregator = StreamingAggregator(cfg.federation.strategy, cfg.federation.proximal_mu,
-                                                  self.w.shard_bytes)
+            self.sampler = ClientSampler(
+                seed=cfg.run.seed,
+                num_clients=cfg.federation.clients,
+                per_round=cfg.federation.clients_per_round,
+                only_clients=cfg.federation.only_clients,
+            )
+            self.aggregator = StreamingAggregator(
+                cfg.federation.strategy, cfg.federation.proximal_mu, self.w.shard_bytes
+            )
             self.token = write_disk_probe(rd.path)
         except BaseException:
             self.w.close()
             raise
-        self.common = {"run-dir": str(rd.path), "run-dir-token": self.token, "recipe-sha256": recipe_sha256(cfg),
-                       **self.w.node_store}
+        self.common = {
+            "run-dir": str(rd.path),
+            "run-dir-token": self.token,
+            "recipe-sha256": recipe_sha256(cfg),
+            **self.w.node_store,
+        }
 
     def message(self, node: int, mtype: str, arrays: dict[str, ArrayRecord], config: dict[str, Any]) -> Message:
         ttl = self.cfg.federation.client_timeout_s + 60.0
-        return Message(content=RecordDict({**arrays, "config": ConfigRecord({**self.common, **config})}),
-                       message_type=mtype, dst_node_id=node, ttl=ttl)
+        return Message(
+            content=RecordDict({**arrays, "config": ConfigRecord({**self.common, **config})}),
+            message_type=mtype,
+            dst_node_id=node,
+            ttl=ttl,
+        )
 
-    def ask(self, mtype: str, what: str, arrays: dict[str, ArrayRecord] | None = None,
-            config: dict[str, Any] | None = None) -> Message:
+    def ask(
+        self, mtype: str, what: str, arrays: dict[str, ArrayRecord] | None = None, config: dict[str, Any] | None = None
+    ) -> Message:
         """One request to the first connected node (the nodes connected now: a lost one is gone)."""
         nodes = sorted(self.grid.get_node_ids())
-        reply = request_one(self.grid, nodes, lambda n: self.message(n, mtype, arrays or {}, config or {}), what,
-                            self.cfg.federation.client_timeout_s, log)
+        reply = request_one(
+            self.grid,
+            nodes,
+            lambda n: self.message(n, mtype, arrays or {}, config or {}),
+            what,
+            self.cfg.federation.client_timeout_s,
+            log,
+        )
         self.nodes.note(reply)
         return reply
 
@@ -208,8 +239,9 @@ def _initial_model(run: Run, members: tuple[str, ...]) -> tuple[int, dict[str, A
     w = run.w
     nbytes = 0
     for member in members:
-        state = receive_weights(WeightsRef.from_config(conf, prefix=member), inline_state(reply, member), w.store,
-                                w.cache_dir)
+        state = receive_weights(
+            WeightsRef.from_config(conf, prefix=member), inline_state(reply, member), w.store, w.cache_dir
+        )
         nbytes += save_shards(state, w.rd.member_dir(0, member), w.shard_bytes).tensor_bytes
     critic = {k.removeprefix("critic-start-"): str(v) for k, v in conf.items() if k.startswith("critic-start-")}
     return nbytes, critic
@@ -217,8 +249,9 @@ def _initial_model(run: Run, members: tuple[str, ...]) -> tuple[int, dict[str, A
 
 def _evaluate(run: Run, rnd: int) -> dict[str, float]:
     arrays, ref = run.w.payload(rnd, ("actor",))
-    reply = run.ask(MessageType.EVALUATE, f"round {rnd}: validation", arrays,
-                    {**ref, "server-round": rnd, "seed": run.cfg.run.seed})
+    reply = run.ask(
+        MessageType.EVALUATE, f"round {rnd}: validation", arrays, {**ref, "server-round": rnd, "seed": run.cfg.run.seed}
+    )
     return {f"val_{k}": float(v) for k, v in reply.content["metrics"].items() if k != "num-examples"}
 
 
@@ -233,8 +266,8 @@ def main(grid: Grid, context: Context) -> None:
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
     fed = cfg.federation
     rd = RunDir(cfg.resolved_run_dir(), total_rounds=fed.rounds, members=cfg.weight_members())
-    start = rd.prepare_resume()       # refuses too many rounds, quarantines partials, checks every member
-    partition = write_partition_report(rd.path, cfg, log)   # every client's shard, before any lane starts
+    start = rd.prepare_resume()  # refuses too many rounds, quarantines partials, checks every member
+    partition = write_partition_report(rd.path, cfg, log)  # every client's shard, before any lane starts
     save_config(cfg, rd.path / "config.yaml")
     t_run = time.perf_counter()
     base = {"run_id": context.run_id, "target_rounds": fed.rounds, "members": list(rd.members)}
@@ -243,9 +276,11 @@ def main(grid: Grid, context: Context) -> None:
     try:
         nodes = _wait_for_nodes(grid)
         run = Run(grid, context, cfg, rd)
-        log(f"run {context.run_id}: {fed.clients} clients, {fed.clients_per_round}/round (at least "
+        log(
+            f"run {context.run_id}: {fed.clients} clients, {fed.clients_per_round}/round (at least "
             f"{cfg.min_clients()} must reply), {fed.rounds} rounds, {fed.local_epochs} local epochs, strategy "
-            f"{fed.strategy}, {len(nodes)} node(s); run dir {rd.path}")
+            f"{fed.strategy}, {len(nodes)} node(s); run dir {rd.path}"
+        )
         critic = _rounds(run, start)
     except BaseException as e:
         if run is not None:
@@ -253,15 +288,33 @@ def main(grid: Grid, context: Context) -> None:
         # A run that dies mid-loop labels no final round (invariant 6); resume picks up from disk.
         error_log = _write_error_log(rd, e)
         services = _shutdown_lanes(run) if run else []
-        rd.write_summary({"status": "failed", **base, "error": one_line(f"{type(e).__name__}: {e}"),
-                          "error_log": str(error_log), "wall_s": time.perf_counter() - t_run,
-                          "nodes": _node_table(run), "services": services})
+        rd.write_summary(
+            {
+                "status": "failed",
+                **base,
+                "error": one_line(f"{type(e).__name__}: {e}"),
+                "error_log": str(error_log),
+                "wall_s": time.perf_counter() - t_run,
+                "nodes": _node_table(run),
+                "services": services,
+            }
+        )
         raise
     run.w.close()
     services = _shutdown_lanes(run)
-    rd.write_summary({"status": "complete", **base, "final_round": fed.rounds, "wall_s": time.perf_counter() - t_run,
-                      "nodes": _node_table(run), "services": services, "partition": partition,
-                      **({"critic": critic} if critic else {}), "config": cfg.model_dump(mode="json")})
+    rd.write_summary(
+        {
+            "status": "complete",
+            **base,
+            "final_round": fed.rounds,
+            "wall_s": time.perf_counter() - t_run,
+            "nodes": _node_table(run),
+            "services": services,
+            "partition": partition,
+            **({"critic": critic} if critic else {}),
+            "config": cfg.model_dump(mode="json"),
+        }
+    )
     plot_validation(rd.path / "metrics.jsonl", rd.path / "validation.png")
     log(f"done: {fed.rounds} rounds; checkpoints, metrics.jsonl, summary.json and validation.png in {rd.path}")
 
@@ -300,17 +353,21 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
     resumed_after = start
     if start is None:
         t0 = time.perf_counter()
-        log("round 0: starting the trainer lane; its first start on a machine builds the tiny model "
-            "(minutes on 2 CPU cores, cached afterwards; the lane's log says where)")
+        log(
+            "round 0: starting the trainer lane; its first start on a machine builds the tiny model "
+            "(minutes on 2 CPU cores, cached afterwards; the lane's log says where)"
+        )
         with _heartbeat("round 0: waiting for the trainer lane to start and export the initial model"):
             nbytes, lane_critic = _initial_model(run, members)
         with _heartbeat("round 0: validating the initial model"):
             val = _evaluate(run, 0)
         extra = {"critic_start": lane_critic} if lane_critic else {}
         rd.complete_round(0, {**val, **extra, "wall_s": time.perf_counter() - t0})
-        log(f"round 0: initial {'+'.join(members)} ({nbytes / 2**20:.1f} MiB), "
+        log(
+            f"round 0: initial {'+'.join(members)} ({nbytes / 2**20:.1f} MiB), "
             f"val success {val.get('val_success', float('nan')):.3f}"
-            + (f"; critic: {lane_critic.get('mode')} ({lane_critic.get('reason')})" if lane_critic else ""))
+            + (f"; critic: {lane_critic.get('mode')} ({lane_critic.get('reason')})" if lane_critic else "")
+        )
         start = 0
     else:
         log(f"resuming after round {start} (found on disk: {'+'.join(members)})")
@@ -321,8 +378,13 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         arrays, ref = run.w.payload(rnd - 1, members)
         sampled = run.sampler.sample(rnd)
         row: dict[str, Any] = {"clients": sampled}
-        train_conf = {**ref, "server-round": rnd, "local-epochs": fed.local_epochs, "seed": cfg.run.seed,
-                      **run.aggregator.train_config()}
+        train_conf = {
+            **ref,
+            "server-round": rnd,
+            "local-epochs": fed.local_epochs,
+            "seed": cfg.run.seed,
+            **run.aggregator.train_config(),
+        }
         with _heartbeat(f"round {rnd}/{fed.rounds}: clients {sampled} training"):
             replies, failures = _train(run, rnd, sampled, arrays, train_conf)
         manifests, train = _aggregate(run, rnd, replies, failures)
@@ -337,30 +399,36 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         row["bytes_moved"] = 2 * len(replies) * sum(m.tensor_bytes for m in manifests.values())
         rd.complete_round(rnd, row)
         rd.drop_client_uploads(rnd)
-        log(f"round {rnd}/{fed.rounds}: clients {row['clients']}"
-            + (f" (dropped {row['dropped']})" if row.get("dropped") else "") + " | train success "
+        log(
+            f"round {rnd}/{fed.rounds}: clients {row['clients']}"
+            + (f" (dropped {row['dropped']})" if row.get("dropped") else "")
+            + " | train success "
             f"{row.get('train_success', float('nan')):.3f} reward {row.get('train_reward', float('nan')):.3f} | "
             f"val success {row.get('val_success', float('nan')):.3f} | {row['wall_s']:.1f} s | "
-            f"{row['bytes_moved'] / 2**20:.1f} MiB moved")
+            f"{row['bytes_moved'] / 2**20:.1f} MiB moved"
+        )
     return critic
 
 
-def _train(run: Run, rnd: int, sampled: list[int], arrays: dict[str, ArrayRecord], conf: dict[str, Any]
-           ) -> tuple[dict[int, Message], list[ClientFailure]]:
+def _train(
+    run: Run, rnd: int, sampled: list[int], arrays: dict[str, ArrayRecord], conf: dict[str, Any]
+) -> tuple[dict[int, Message], list[ClientFailure]]:
     """Every sampled client's train message, with failed clients dropped or re-dispatched."""
     make: Callable[[int, int], Message] = lambda cid, node: run.message(  # noqa: E731
-        node, MessageType.TRAIN, arrays, {**conf, "client-id": cid})
+        node, MessageType.TRAIN, arrays, {**conf, "client-id": cid}
+    )
     nodes = sorted(run.grid.get_node_ids())
-    outcome = RoundDispatch(run.grid, make, round_=rnd, min_ok=run.cfg.min_clients(),
-                            timeout_s=run.cfg.federation.client_timeout_s, log=log).run(
-        run.sampler.assign(sampled, nodes))
+    outcome = RoundDispatch(
+        run.grid, make, round_=rnd, min_ok=run.cfg.min_clients(), timeout_s=run.cfg.federation.client_timeout_s, log=log
+    ).run(run.sampler.assign(sampled, nodes))
     for reply in outcome.replies.values():
         run.nodes.note(reply)
     return outcome.replies, outcome.failures
 
 
-def _aggregate(run: Run, rnd: int, replies: dict[int, Message], failures: list[ClientFailure]
-               ) -> tuple[dict[str, Manifest], MetricRecord]:
+def _aggregate(
+    run: Run, rnd: int, replies: dict[int, Message], failures: list[ClientFailure]
+) -> tuple[dict[str, Manifest], MetricRecord]:
     """Average the replies into the round's checkpoint. An upload the aggregator refuses as
     non-finite is a failed client: dropped (and the average recomputed without it) when the
     round can afford it, else the round fails closed."""
@@ -376,9 +444,11 @@ def _aggregate(run: Run, rnd: int, replies: dict[int, Message], failures: list[C
             client = order[bad]
             failures.append(ClientFailure(client, int(replies[client].metadata.src_node_id), one_line(str(e))))
             if len(order) - 1 < run.cfg.min_clients():
-                raise RoundError(f"round {rnd}: client {client}'s upload was refused ({one_line(str(e))}), and "
-                                 f"the round needs {run.cfg.min_clients()} of its clients "
-                                 "(federation.min_clients_per_round)") from e
+                raise RoundError(
+                    f"round {rnd}: client {client}'s upload was refused ({one_line(str(e))}), and "
+                    f"the round needs {run.cfg.min_clients()} of its clients "
+                    "(federation.min_clients_per_round)"
+                ) from e
             log(f"round {rnd}: client {client}'s upload was refused ({one_line(str(e))}); dropped")
             del replies[client]
             for d in out_dirs.values():
@@ -401,6 +471,7 @@ def _shutdown_lanes(run: Run) -> list[dict[str, Any]]:
             log(f"shutdown on node {reply.metadata.src_node_id} failed: {one_line(reply.error.reason or '')}")
         elif reply.content["metrics"]["stopped"]:
             node = int(reply.metadata.src_node_id)
-            out.append({"node": node, **{k: float(v) for k, v in reply.content["metrics"].items()},
-                        **seen.seen.get(node, {})})
+            out.append(
+                {"node": node, **{k: float(v) for k, v in reply.content["metrics"].items()}, **seen.seen.get(node, {})}
+            )
     return out

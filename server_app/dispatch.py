@@ -14,6 +14,7 @@ sends nothing. Here every sampled client ends in exactly one of three ways:
 Every failed attempt is recorded (`ClientFailure`: client, node, one-line reason) for the
 round's metrics row.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,7 +33,7 @@ from server_app.strategy import ClientFailure, RoundError
 POLL_S = 0.1
 _ERROR_NAMES = {v: k for k, v in vars(ErrorCode).items() if isinstance(v, int) and not k.startswith("_")}
 
-MakeMessage = Callable[[int, int], Message]      # (client id, node id) -> the client's message
+MakeMessage = Callable[[int, int], Message]  # (client id, node id) -> the client's message
 
 
 def error_line(reply: Message) -> str:
@@ -51,9 +52,9 @@ class _Attempt:
 
 @dataclass
 class RoundOutcome:
-    replies: dict[int, Message] = field(default_factory=dict)     # client id -> its successful reply
-    failures: list[ClientFailure] = field(default_factory=list)   # every failed attempt, in order
-    dropped: list[int] = field(default_factory=list)              # clients the round completes without
+    replies: dict[int, Message] = field(default_factory=dict)  # client id -> its successful reply
+    failures: list[ClientFailure] = field(default_factory=list)  # every failed attempt, in order
+    dropped: list[int] = field(default_factory=list)  # clients the round completes without
 
     def drop(self, failure: ClientFailure) -> None:
         self.failures.append(failure)
@@ -64,8 +65,17 @@ class RoundOutcome:
 class RoundDispatch:
     """One round's train messages, with the failure rules of the module docstring."""
 
-    def __init__(self, grid: Grid, make_message: MakeMessage, *, round_: int, min_ok: int, timeout_s: float,
-                 log: Callable[[str], None], poll_s: float = POLL_S) -> None:
+    def __init__(
+        self,
+        grid: Grid,
+        make_message: MakeMessage,
+        *,
+        round_: int,
+        min_ok: int,
+        timeout_s: float,
+        log: Callable[[str], None],
+        poll_s: float = POLL_S,
+    ) -> None:
         self.grid, self.make_message, self.round = grid, make_message, round_
         self.min_ok, self.timeout_s, self.log, self.poll_s = min_ok, timeout_s, log, poll_s
 
@@ -119,15 +129,19 @@ class RoundDispatch:
         where = f"round {self.round}: client {attempt.client} failed on node {attempt.node}: {reason}"
         if self.can_drop():
             self.out.drop(failure)
-            self.log(f"{where}; dropped (the round completes with the others: "
-                     f"federation.min_clients_per_round={self.min_ok})")
+            self.log(
+                f"{where}; dropped (the round completes with the others: "
+                f"federation.min_clients_per_round={self.min_ok})"
+            )
             return
         self.out.failures.append(failure)
         spare = sorted(set(self.grid.get_node_ids()) - self.failed_nodes)
         if attempt.retry or not spare:
             why = "it already failed once before" if attempt.retry else "no other node is connected"
-            raise RoundError(f"{where}; {why}, and the round needs {self.min_ok} of its {len(self.sampled)} "
-                             "clients (federation.min_clients_per_round)")
+            raise RoundError(
+                f"{where}; {why}, and the round needs {self.min_ok} of its {len(self.sampled)} "
+                "clients (federation.min_clients_per_round)"
+            )
         busy = {a.node: 0 for a in self.pending.values()}
         for a in self.pending.values():
             busy[a.node] += 1
@@ -142,8 +156,14 @@ def push_one(grid: Grid, message: Message) -> str | None:
     return ids[0] if ids else None
 
 
-def request_one(grid: Grid, nodes: Sequence[int], make_message: Callable[[int], Message], what: str,
-                timeout_s: float, log: Callable[[str], None]) -> Message:
+def request_one(
+    grid: Grid,
+    nodes: Sequence[int],
+    make_message: Callable[[int], Message],
+    what: str,
+    timeout_s: float,
+    log: Callable[[str], None],
+) -> Message:
     """A single request (init, validation) to the first node that answers it: a node that is
     lost (or silent past the timeout) hands it to the next; an error reply is final."""
     for i, node in enumerate(nodes):
@@ -167,5 +187,9 @@ def request_one(grid: Grid, nodes: Sequence[int], make_message: Callable[[int], 
     raise RoundError(f"{what}: no node to ask")
 
 
-_NODE_LOST = {ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
-              ErrorCode.CLIENT_APP_CRASHED}
+_NODE_LOST = {
+    ErrorCode.NODE_UNAVAILABLE,
+    ErrorCode.MESSAGE_UNAVAILABLE,
+    ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
+    ErrorCode.CLIENT_APP_CRASHED,
+}

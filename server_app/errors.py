@@ -6,6 +6,7 @@ as hundreds of lines of Ray traceback with ANSI colour codes. summary.json and t
 metrics row get `one_line(...)` of it; the full text goes to the run's log
 (`logs/server-error.log`), which the summary points at.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,8 +15,10 @@ MAX_CHARS = 600
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _FLOWER_REASON = re.compile(r"<class '([^']+)'>:<'(.*)'>", re.S)
 # Python's separators between chained exceptions: the root cause comes first
-_CHAINED = re.compile(r"The above exception was the direct cause of the following exception:|"
-                      r"During handling of the above exception, another exception occurred:")
+_CHAINED = re.compile(
+    r"The above exception was the direct cause of the following exception:|"
+    r"During handling of the above exception, another exception occurred:"
+)
 # a line that names an exception: `SomeError: message` (optionally module-qualified)
 _EXC_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit|Interrupt)\b(?:\([\w.]*\))?(?::|\s|$)")
 _FLOWER_PREFIX = re.compile(r"^Exception \w+ occurred\. Message:\s*")
@@ -38,8 +41,8 @@ def one_line(text: str) -> str:
     if m:
         text = f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}".strip()
     raised = _CLIENTAPP_RAISED.search(text)
-    if raised:                  # Flower's wrapper of what the ClientApp itself raised: that is the cause
-        text = text[raised.end():].strip()
+    if raised:  # Flower's wrapper of what the ClientApp itself raised: that is the cause
+        text = text[raised.end() :].strip()
     root = _CHAINED.split(text)[0]
     lines = [ln.strip() for ln in root.splitlines() if ln.strip()]
     if not lines:
@@ -50,4 +53,4 @@ def one_line(text: str) -> str:
     else:
         line = lines[0]
     line = " ".join(_FLOWER_PREFIX.sub("", line).split())
-    return line if len(line) <= MAX_CHARS else line[:MAX_CHARS - 3] + "..."
+    return line if len(line) <= MAX_CHARS else line[: MAX_CHARS - 3] + "..."

@@ -12,6 +12,7 @@ own and would otherwise keep training.
     python -m server_app.local_superlink status [--flwr-home DIR]
     python -m server_app.local_superlink stop [--flwr-home DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,8 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     home = args.flwr_home or flwr_home()
     if args.action == "status":
         proc = find_superlink(home)
-        print(f"local SuperLink of {home}: pid {proc.pid}, started {time.ctime(proc.create_time())}" if proc
-              else f"no local SuperLink of {home} is running")
+        print(
+            f"local SuperLink of {home}: pid {proc.pid}, started {time.ctime(proc.create_time())}"
+            if proc
+            else f"no local SuperLink of {home} is running"
+        )
         return 0
     pid = stop_superlink(home)
     print(f"stopped the local SuperLink of {home}, pid {pid}" if pid else f"no local SuperLink of {home} is running")

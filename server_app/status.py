@@ -9,6 +9,7 @@ on disk), 1 failed (the one-line error and where the full log is are printed), 2
 (running, or no summary yet: the run was refused before it started, see `flwr log <run-id>`),
 3 not a run dir or an unreadable summary.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,16 +43,31 @@ def run_status(run_dir: Path) -> tuple[int, str, dict[str, Any]]:
     if status == "complete":
         final = summary.get("final_round")
         if final is None or final != on_disk:
-            return UNKNOWN, (f"{run_dir}: summary.json says complete at round {final}, but the highest complete "
-                             f"round on disk is {on_disk}: the run dir changed after it was written"), summary
+            return (
+                UNKNOWN,
+                (
+                    f"{run_dir}: summary.json says complete at round {final}, but the highest complete "
+                    f"round on disk is {on_disk}: the run dir changed after it was written"
+                ),
+                summary,
+            )
         return COMPLETE, f"{run_dir}: complete, {final} rounds", summary
     if status == "failed":
-        return FAILED, (f"{run_dir}: failed after round {on_disk}: {summary.get('error', '(no error recorded)')} "
-                        f"(full log: {summary.get('error_log', 'none')})"), summary
+        return (
+            FAILED,
+            (
+                f"{run_dir}: failed after round {on_disk}: {summary.get('error', '(no error recorded)')} "
+                f"(full log: {summary.get('error_log', 'none')})"
+            ),
+            summary,
+        )
     if status == "running":
         target = summary.get("target_rounds", "?")
-        return UNFINISHED, f"{run_dir}: running, {on_disk if on_disk is not None else 'no'} of {target} rounds done", \
-            summary
+        return (
+            UNFINISHED,
+            f"{run_dir}: running, {on_disk if on_disk is not None else 'no'} of {target} rounds done",
+            summary,
+        )
     return UNKNOWN, f"{path}: unknown status {status!r}", summary
 
 
@@ -68,8 +84,13 @@ def wait_for(run_dir: Path, timeout_s: float, poll_s: float = 2.0) -> tuple[int,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Exit 0 only when the run in RUN_DIR is complete (see module doc).")
     ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
-                    help="wait up to SECONDS for a running (or not yet started) run to end")
+    ap.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait up to SECONDS for a running (or not yet started) run to end",
+    )
     ap.add_argument("--json", action="store_true", help="print {status, exit_code, line, summary} as JSON")
     args = ap.parse_args(argv)
     code, line, summary = wait_for(args.run_dir, args.wait) if args.wait > 0 else run_status(args.run_dir)

@@ -19,6 +19,7 @@ replacing every method Flower calls (as this module once did) only borrowed thei
 A message carries each member's weights under its own name: the ArrayRecord
 `fl_app.transport.arrays_key(member)` and the `WeightsRef` config entries prefixed `member`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -45,7 +46,7 @@ class ClientFailure:
 
     client: int
     node: int
-    reason: str          # one line (server_app.errors.one_line)
+    reason: str  # one line (server_app.errors.one_line)
 
     def as_dict(self) -> dict[str, Any]:
         return {"client": self.client, "node": self.node, "reason": self.reason}
@@ -68,8 +69,9 @@ class ClientSampler:
     def assign(clients: Sequence[int], nodes: Sequence[int]) -> dict[int, int]:
         """client id -> node id, round-robin over the sorted nodes."""
         if not nodes:
-            raise RoundError("no SuperNode is connected; start at least one (in simulation: "
-                             "--federation-config \"num-supernodes=2\")")
+            raise RoundError(
+                'no SuperNode is connected; start at least one (in simulation: --federation-config "num-supernodes=2")'
+            )
         order = sorted(nodes)
         return {cid: order[i % len(order)] for i, cid in enumerate(clients)}
 
@@ -87,14 +89,21 @@ class StreamingAggregator:
         """What this strategy adds to every train message (Flower's FedProx adds the same key)."""
         return {"proximal-mu": self.proximal_mu} if self.name == "fedprox" else {}
 
-    def aggregate(self, replies: Sequence[Message], store: WeightStore, out_dirs: Mapping[str, Path],
-                  cache_dir: Path) -> tuple[dict[str, Manifest], MetricRecord]:
+    def aggregate(
+        self, replies: Sequence[Message], store: WeightStore, out_dirs: Mapping[str, Path], cache_dir: Path
+    ) -> tuple[dict[str, Manifest], MetricRecord]:
         """Average every member of `replies` (successful, in client order) into its
         `out_dirs[member]`, all members with the same `num-examples` weights."""
         manifests = {}
         for member, out_dir in out_dirs.items():
-            items = [(WeightsRef.from_config(m.content["config"], prefix=member), inline_state(m, member),
-                      float(m.content["metrics"]["num-examples"])) for m in replies]
+            items = [
+                (
+                    WeightsRef.from_config(m.content["config"], prefix=member),
+                    inline_state(m, member),
+                    float(m.content["metrics"]["num-examples"]),
+                )
+                for m in replies
+            ]
             names = [f"client {int(m.content['config']['client-id'])} ({member})" for m in replies]
             manifests[member] = fedavg_received(items, store, out_dir, self.shard_max_bytes, cache_dir, names)
         return manifests, weighted_metrics([m.content["metrics"] for m in replies])

@@ -6,6 +6,7 @@
 Each use gets its own FLWR_HOME and ports, so tests never touch a user's SuperLink, and
 everything started is stopped by PID on every path.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,9 @@ def run_config(recipe: Path, run_dir: Path, **extra: object) -> str:
 def run_status(run_dir: Path) -> subprocess.CompletedProcess:
     """`python -m server_app.status RUN_DIR`: exit 0 only when the run is complete (`flwr run`
     exits 0 after a failed run too, so tests ask the run dir, as users are told to)."""
-    return subprocess.run([sys.executable, "-m", "server_app.status", str(run_dir)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "server_app.status", str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
 
 
 class FlowerRun:
@@ -51,28 +53,50 @@ class FlowerRun:
         while control_port == http_port:
             control_port = choose_free_port()
         self.port = http_port
-        self.env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0",
-                    "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-                    "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
-                    "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
-                    "RAY_TMPDIR": str(self.short / "ray"), "FEDAGENT_RUNTIME_DIR": str(self.short / "rt"),
-                    # flwr starts `flower-superlink` from PATH: this interpreter's, also without an activated venv
-                    "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(home),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
+            "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
+            "RAY_TMPDIR": str(self.short / "ray"),
+            "FEDAGENT_RUNTIME_DIR": str(self.short / "rt"),
+            # flwr starts `flower-superlink` from PATH: this interpreter's, also without an activated venv
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        }
 
     def command(self, run_config: str, federation_config: str = "num-supernodes=2") -> list[str]:
-        return [FLWR, "run", str(ROOT), "--run-config", run_config, "--federation-config", federation_config,
-                "--stream"]
+        return [
+            FLWR,
+            "run",
+            str(ROOT),
+            "--run-config",
+            run_config,
+            "--federation-config",
+            federation_config,
+            "--stream",
+        ]
 
-    def run(self, run_config: str, timeout_s: float, federation_config: str = "num-supernodes=2"
-            ) -> subprocess.CompletedProcess:
-        return subprocess.run(self.command(run_config, federation_config), env=self.env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout_s)
+    def run(
+        self, run_config: str, timeout_s: float, federation_config: str = "num-supernodes=2"
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            self.command(run_config, federation_config),
+            env=self.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
 
     def start(self, run_config: str, log: Path, federation_config: str = "num-supernodes=2") -> subprocess.Popen:
         """`flwr run --stream` in the background, its output into `log`."""
         with open(log, "ab") as fh:
-            return subprocess.Popen(self.command(run_config, federation_config), env=self.env, cwd=ROOT,
-                                    stdout=fh, stderr=subprocess.STDOUT)
+            return subprocess.Popen(
+                self.command(run_config, federation_config), env=self.env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT
+            )
 
     def own_processes(self) -> list[psutil.Process]:
         """This harness's runtime processes: those whose environment names its private Ray dir
@@ -107,8 +131,11 @@ def flower(home: Path) -> Iterator[FlowerRun]:
 # ---- deployment: a SuperLink and SuperNodes as real processes ------------------------------------
 
 BIN = Path(sys.executable).parent
-FLOWER_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-              "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+FLOWER_ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+}
 
 
 def netns_unavailable() -> str:
@@ -146,26 +173,37 @@ class Certificates:
             return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
         ca_key = ec.generate_private_key(ec.SECP384R1())
-        ca = (x509.CertificateBuilder().subject_name(name("fedagent test CA")).issuer_name(name("fedagent test CA"))
-              .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-              .not_valid_before(validity[0]).not_valid_after(validity[1])
-              .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-              .sign(ca_key, hashes.SHA256()))
+        ca = (
+            x509.CertificateBuilder()
+            .subject_name(name("fedagent test CA"))
+            .issuer_name(name("fedagent test CA"))
+            .public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(validity[0])
+            .not_valid_after(validity[1])
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(ca_key, hashes.SHA256())
+        )
         key = ec.generate_private_key(ec.SECP384R1())
         sans = [x509.IPAddress(ipaddress.ip_address(h)) if h[0].isdigit() else x509.DNSName(h) for h in hosts]
-        cert = (x509.CertificateBuilder().subject_name(name(hosts[0])).issuer_name(ca.subject)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(validity[0]).not_valid_after(validity[1])
-                .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-                .sign(ca_key, hashes.SHA256()))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name(hosts[0]))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(validity[0])
+            .not_valid_after(validity[1])
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
         pem = serialization.Encoding.PEM
         self.ca = out / "ca.pem"
         self.ca.write_bytes(ca.public_bytes(pem))
         self.cert = out / "server.pem"
         self.cert.write_bytes(cert.public_bytes(pem))
         self.key = out / "server.key"
-        self.key.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
+        self.key.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
         self.out = out
 
     def node_key(self, name: str) -> tuple[Path, Path]:
@@ -175,10 +213,14 @@ class Certificates:
 
         key = ec.generate_private_key(ec.SECP384R1())
         private, public = self.out / f"{name}.key", self.out / f"{name}.pub"
-        private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                              serialization.NoEncryption()))
-        public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                         serialization.PublicFormat.OpenSSH))
+        private.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+            )
+        )
+        public.write_bytes(
+            key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        )
         return private, public
 
 
@@ -235,8 +277,15 @@ class Deployment:
     namespace), with TLS and SuperNode authentication; `flwr run` against it. Everything started
     is stopped by its PID (process group) on every path."""
 
-    def __init__(self, root: Path, nodes: int = 2, netns: bool = False, tls: bool = False, auth: bool = False,
-                 no_shared: list[Path] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        nodes: int = 2,
+        netns: bool = False,
+        tls: bool = False,
+        auth: bool = False,
+        no_shared: list[Path] | None = None,
+    ) -> None:
         self.root = root
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -251,34 +300,72 @@ class Deployment:
         self.auth = auth
         self.home = root / "flwr-cli"
         self.home.mkdir(exist_ok=True)
-        conn = (f'root-certificates = "{self.certs.ca}"' if self.certs else "insecure = true")
-        (self.home / "config.toml").write_text(f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\n'
-                                               f'address = "{self.host}:{self.port}"\n{conn}\n')
-        self.env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(self.home),
-                    "FEDAGENT_RUNTIME_DIR": str(self.short / "rt"),
-                    "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")])}
+        conn = f'root-certificates = "{self.certs.ca}"' if self.certs else "insecure = true"
+        (self.home / "config.toml").write_text(
+            f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\naddress = "{self.host}:{self.port}"\n{conn}\n'
+        )
+        self.env = {
+            **os.environ,
+            **FLOWER_ENV,
+            "FLWR_HOME": str(self.home),
+            "FEDAGENT_RUNTIME_DIR": str(self.short / "rt"),
+            "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
+        }
         self.node_keys: list[tuple[Path, Path]] = []
         self.nodes = nodes
 
     # -- processes
-    def _start(self, name: str, cmd: list[str], host: str | None, private: list[Path] | None = None,
-               env: dict[str, str] | None = None) -> subprocess.Popen:
+    def _start(
+        self,
+        name: str,
+        cmd: list[str],
+        host: str | None,
+        private: list[Path] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen:
         if self.net is not None and host is not None:
             cmd = self.net.wrap(host, cmd, private or [])
         log = open(self.logs / f"{name}.log", "ab")
-        proc = subprocess.Popen(cmd, env={**self.env, **(env or {})}, cwd=self.root, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env={**self.env, **(env or {})},
+            cwd=self.root,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         self.procs[name] = proc
         return proc
 
     def start(self) -> Deployment:
-        tls = (["--ssl-ca-certfile", str(self.certs.ca), "--ssl-certfile", str(self.certs.cert),
-                "--ssl-keyfile", str(self.certs.key)] if self.certs else ["--insecure"])
-        self._start("superlink", [str(BIN / "flower-superlink"), *tls, "--host", self.host, "--port", str(self.port),
-                                  "--disable-runtime-dependency-installation",
-                                  *(["--enable-supernode-auth"] if self.auth else [])],
-                    "link", env={"FLWR_HOME": str(self.root / "flwr-superlink")})
+        tls = (
+            [
+                "--ssl-ca-certfile",
+                str(self.certs.ca),
+                "--ssl-certfile",
+                str(self.certs.cert),
+                "--ssl-keyfile",
+                str(self.certs.key),
+            ]
+            if self.certs
+            else ["--insecure"]
+        )
+        self._start(
+            "superlink",
+            [
+                str(BIN / "flower-superlink"),
+                *tls,
+                "--host",
+                self.host,
+                "--port",
+                str(self.port),
+                "--disable-runtime-dependency-installation",
+                *(["--enable-supernode-auth"] if self.auth else []),
+            ],
+            "link",
+            env={"FLWR_HOME": str(self.root / "flwr-superlink")},
+        )
         self._wait_listening()
         for i in range(self.nodes):
             self.start_node(i)
@@ -300,21 +387,36 @@ class Deployment:
     def register(self, name: str) -> Path:
         """A SuperNode key pair; its public key registered with the SuperLink (`flwr supernode register`)."""
         private, public = self.certs.node_key(name)
-        p = subprocess.run([FLWR, "supernode", "register", str(public), "deploy"], env=self.env, cwd=self.root,
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [FLWR, "supernode", "register", str(public), "deploy"],
+            env=self.env,
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode == 0, p.stdout + p.stderr
         return private
 
-    def start_node(self, i: int, key: Path | None = None, registered: bool = True, extra: list[str] = ()
-                   ) -> subprocess.Popen:
+    def start_node(
+        self, i: int, key: Path | None = None, registered: bool = True, extra: list[str] = ()
+    ) -> subprocess.Popen:
         name = f"n{i}"
         tls = ["--root-certificates", str(self.certs.ca)] if self.certs else ["--insecure"]
         if self.auth:
             key = key or (self.register(name) if registered else self.certs.node_key(name)[0])
             tls += ["--auth-supernode-private-key", str(key)]
-        cmd = [str(BIN / "flower-supernode"), *tls, "--superlink", f"{self.host}:{self.port}",
-               "--port", str(choose_free_port()), "--node-config", f"partition-id={i} num-partitions={self.nodes}",
-               *extra]
+        cmd = [
+            str(BIN / "flower-supernode"),
+            *tls,
+            "--superlink",
+            f"{self.host}:{self.port}",
+            "--port",
+            str(choose_free_port()),
+            "--node-config",
+            f"partition-id={i} num-partitions={self.nodes}",
+            *extra,
+        ]
         return self._start(name, cmd, name, self.no_shared, env={"FLWR_HOME": str(self.root / f"flwr-{name}")})
 
     def run(self, run_config: str, timeout_s: float) -> subprocess.CompletedProcess:
@@ -353,7 +455,7 @@ class Deployment:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        for pids in self.service_pids().values():   # services run in sessions of their own
+        for pids in self.service_pids().values():  # services run in sessions of their own
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
                     if psutil.Process(pid).cmdline()[1:3] == ["-m", "client_app.service"]:

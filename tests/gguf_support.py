@@ -2,13 +2,14 @@
 a GPT-2 style byte-level BPE, ChatML specials with bos `<|im_start|>` and eos `<|im_end|>`, Q4_1
 matrices and a Q8_0 embedding), written with the `gguf` package's own writer: the import runs
 the real transformers GGUF loader on it in seconds instead of on the 98 MB file."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]          # ids 0, 1, 2 as in SmolLM2
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
 # SmolLM2-Instruct's template, as the packaged file carries it
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -25,8 +26,12 @@ def _bpe(texts: list[str], vocab_size: int) -> tuple[list[str], list[str]]:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(texts, trainer)
     vocab = bpe.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]

@@ -1,5 +1,6 @@
 """Helpers for the weight-channel tests: a model whose bits bf16 would lose, a self-signed CA,
 and a loopback TCP proxy that cuts connections mid-response and logs what clients asked for."""
+
 from __future__ import annotations
 
 import datetime
@@ -21,13 +22,18 @@ from envs.ports import bind_listener
 def model(seed: int = 0, rows: int = 96) -> dict[str, torch.Tensor]:
     """3 shards at 8 KiB, with fp32 values bf16 cannot hold (invariant 1)."""
     g = torch.Generator().manual_seed(seed)
-    return {"embed": torch.randn(rows, 32, generator=g), "w": torch.randn(64, 32, generator=g),
-            "special": torch.tensor([1 + 2 ** -20, -0.0, 1e-45, float("nan")]), "ids": torch.arange(5)}
+    return {
+        "embed": torch.randn(rows, 32, generator=g),
+        "w": torch.randn(64, 32, generator=g),
+        "special": torch.tensor([1 + 2**-20, -0.0, 1e-45, float("nan")]),
+        "ids": torch.arange(5),
+    }
 
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return list(a) == list(b) and all(
-        a[k].dtype == b[k].dtype and a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a)
+        a[k].dtype == b[k].dtype and a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a
+    )
 
 
 def write_ca_and_cert(out: Path, host: str = "127.0.0.1") -> tuple[Path, Path, Path]:
@@ -35,27 +41,51 @@ def write_ca_and_cert(out: Path, host: str = "127.0.0.1") -> tuple[Path, Path, P
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedagent test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-          .sign(ca_key, hashes.SHA256()))
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     paths = out / "ca.pem", out / "cert.pem", out / "key.pem"
     paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    paths[2].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return paths
 
 
@@ -104,14 +134,15 @@ class CuttingProxy:
                 if asking:
                     text = data.decode("latin-1")
                     with self._lock:
-                        self.requests += re.findall(r"^(?:GET|PUT|POST|DELETE) [^\r\n]*(?:\r\n[^\r\n]+)*", text,
-                                                    re.MULTILINE)
+                        self.requests += re.findall(
+                            r"^(?:GET|PUT|POST|DELETE) [^\r\n]*(?:\r\n[^\r\n]+)*", text, re.MULTILINE
+                        )
                         if "/v1/shard" in text and self.cuts > 0 and not state["cut"]:
                             self.cuts -= 1
                             state["cut"] = True
                 else:
                     if state["cut"] and sent + len(data) > self.after:
-                        dst.sendall(data[:max(self.after - sent, 0)])
+                        dst.sendall(data[: max(self.after - sent, 0)])
                         break
                     sent += len(data)
                     with self._lock:

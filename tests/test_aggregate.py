@@ -1,5 +1,6 @@
 """FedAvg (invariants 1 and 2): weighted by example counts, fp32 throughout, identity for one
 client, streaming == inline bit for bit, agrees with Flower's own aggregation."""
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,7 @@ def _export(tmp_path: Path, states: list[dict[str, torch.Tensor]]) -> list[Manif
 def test_fedavg_single_client_is_identity_bitwise(tmp_path):
     state = _model(0)
     # Values that arithmetic could disturb: -0.0, a denormal, the fp32 extremes, a bf16-unrepresentable value.
-    state["specials"] = torch.tensor([-0.0, 1e-45, 3.4028235e38, -3.4028235e38, 1 + 2 ** -20])
+    state["specials"] = torch.tensor([-0.0, 1e-45, 3.4028235e38, -3.4028235e38, 1 + 2**-20])
     (m,) = _export(tmp_path, [state])
     out = fedavg_manifests([(m, 37.0)], tmp_path / "global", SHARD)
     assert out.sha256 == m.sha256  # the very same shard bytes
@@ -61,7 +62,7 @@ def test_fedavg_weighted_by_num_examples(tmp_path):
     b = {"w": torch.full((6,), 4.0), "n": torch.arange(3)}
     avg = fedavg_states([(a, 1), (b, 3)])
     assert torch.equal(avg["w"], torch.full((6,), 3.0))  # (0*1 + 4*3) / 4, exact
-    assert torch.equal(avg["n"], torch.arange(3))         # integer buffers are carried, not averaged
+    assert torch.equal(avg["n"], torch.arange(3))  # integer buffers are carried, not averaged
     states, weights = [_model(s) for s in range(3)], [12, 30, 7]
     ms = _export(tmp_path, states)
     got = load_shards(fedavg_manifests(list(zip(ms, weights)), tmp_path / "g", SHARD).root)
@@ -77,16 +78,16 @@ def test_fedavg_weighted_by_num_examples(tmp_path):
 
 
 def test_value_bf16_cannot_represent_survives(tmp_path):
-    x = 1 + 2 ** -20                       # fp32-exact; bf16 rounds it to 1.0
+    x = 1 + 2**-20  # fp32-exact; bf16 rounds it to 1.0
     assert torch.tensor(x).bfloat16().float().item() == 1.0
-    a = {"w": torch.full((4,), x), "v": torch.full((3,), 1 + 2 ** -20)}
-    b = {"w": torch.full((4,), x), "v": torch.full((3,), 1 + 3 * 2 ** -20)}
-    ms = _export(tmp_path, [a, b])          # client export
+    a = {"w": torch.full((4,), x), "v": torch.full((3,), 1 + 2**-20)}
+    b = {"w": torch.full((4,), x), "v": torch.full((3,), 1 + 3 * 2**-20)}
+    ms = _export(tmp_path, [a, b])  # client export
     out = fedavg_manifests([(ms[0], 1), (ms[1], 3)], tmp_path / "global", SHARD)  # server
-    back = load_shards(out.root)           # next round's client load
+    back = load_shards(out.root)  # next round's client load
     assert back["w"].tolist() == [x] * 4
-    assert back["v"].tolist() == [1 + 2.5 * 2 ** -20] * 3  # the mean itself needs fp32 precision
-    assert (torch.tensor(1 + 2.5 * 2 ** -20).bfloat16().float() != back["v"][0]).item()
+    assert back["v"].tolist() == [1 + 2.5 * 2**-20] * 3  # the mean itself needs fp32 precision
+    assert (torch.tensor(1 + 2.5 * 2**-20).bfloat16().float() != back["v"][0]).item()
 
 
 class _DtypeRecorder(TorchDispatchMode):
@@ -147,8 +148,13 @@ def test_streaming_fedavg_peak_memory_is_a_few_shards_not_models(tmp_path):
         state = {f"t{i}": torch.randn(1 << 18, generator=g) for i in range(model_bytes // (1 << 20))}
         dirs.append(str(save_shards(state, tmp_path / f"c{c}", shard).root))
         del state
-    res = subprocess.run([sys.executable, "-c", _PEAK_CHILD, str(tmp_path / "g"), str(shard), *dirs],
-                         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    res = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, str(tmp_path / "g"), str(shard), *dirs],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     got = json.loads(res.stdout.strip().splitlines()[-1])
     peak = got["peak_increase_bytes"]
     assert got["probe_bytes"] >= 24 << 20  # the peak-RSS window works
@@ -170,8 +176,10 @@ def test_streaming_and_inline_fedavg_give_identical_bits(tmp_path):
 def test_fedavg_matches_flower_aggregate_arrayrecords():
     states, weights = [_model(s) for s in range(3)], [4, 9, 2]
     floats = [{k: v for k, v in s.items() if v.is_floating_point()} for s in states]
-    records = [RecordDict({"arrays": ArrayRecord(s), "metrics": MetricRecord({"num-examples": w})})
-               for s, w in zip(floats, weights)]
+    records = [
+        RecordDict({"arrays": ArrayRecord(s), "metrics": MetricRecord({"num-examples": w})})
+        for s, w in zip(floats, weights)
+    ]
     flower: ArrayRecord = aggregate_arrayrecords(records, "num-examples")
     ours = fedavg_states(list(zip(floats, weights)))
     assert list(flower.keys()) == list(ours)
@@ -253,11 +261,11 @@ def test_a_single_non_finite_client_is_refused_and_a_zero_weight_one_is_skipped(
     bad = _poison(_model(1), "layers.0.b", float("nan"))
     (m,) = _export(tmp_path, [bad])
     with pytest.raises(NonFiniteWeightsError, match="'layers.0.b'"):
-        fedavg_manifests([(m, 1)], tmp_path / "g", SHARD)   # the identity copy is checked too
+        fedavg_manifests([(m, 1)], tmp_path / "g", SHARD)  # the identity copy is checked too
     with pytest.raises(NonFiniteWeightsError):
         fedavg_states([(bad, 1)])
     good = _model(0)
-    got = fedavg_states([(good, 4), (bad, 0)])               # a zero-weight input does not contribute
+    got = fedavg_states([(good, 4), (bad, 0)])  # a zero-weight input does not contribute
     assert all(_bits(got[k]) == _bits(good[k]) for k in good)
 
 
@@ -283,16 +291,23 @@ def test_v1_client_uploads_still_aggregate(tmp_path):
     state = load_shards(v1)
     ref = fedavg_states([(state, 2), (state, 3)])
     assert all(_bits(v) == _bits(ref[k]) for k, v in load_shards(out.root).items())
-    assert _bits(load_shards(fedavg_manifests([(m, 1)], tmp_path / "one", m.max_shard_bytes).root)["layers.0.w"]) == \
-        _bits(state["layers.0.w"])
+    assert _bits(
+        load_shards(fedavg_manifests([(m, 1)], tmp_path / "one", m.max_shard_bytes).root)["layers.0.w"]
+    ) == _bits(state["layers.0.w"])
 
 
 def test_tensors_spanning_many_pieces_and_shards_stay_bit_identical_to_inline(tmp_path):
     # 1,000,003 floats (~4 MB) span several 1 MiB pieces with a ragged tail; a tiny shard bound
     # puts every tensor in its own shard.
     g = torch.Generator().manual_seed(5)
-    states = [{"big": torch.randn(1_000_003, generator=g), "mid": torch.randn(3, 100_001, generator=g),
-               "ids": torch.arange(7)} for _ in range(3)]
+    states = [
+        {
+            "big": torch.randn(1_000_003, generator=g),
+            "mid": torch.randn(3, 100_001, generator=g),
+            "ids": torch.arange(7),
+        }
+        for _ in range(3)
+    ]
     weights = [5, 1, 9]
     ms = [save_shards(s, tmp_path / f"c{i}", 1000) for i, s in enumerate(states)]
     assert len(ms[0].shards) == 3

@@ -6,6 +6,7 @@ in-process translation cache. Invariants: 11 (the task set is pinned and machine
 served order canonical), 21 (concurrent engines serve the same order and do not race),
 17 (observation text is the engine's, byte for byte, with or without our fast paths).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,7 @@ SMALL = GameSetSpec(seed=0, num_train=6, num_val=6)
 
 
 def small_params(cache: Path, **over) -> dict:
-    return {"num_games": 12, "val_size": 6, "seed": 0, "data_dir": "generated",
-            "cache_dir": str(cache), **over}
+    return {"num_games": 12, "val_size": 6, "seed": 0, "data_dir": "generated", "cache_dir": str(cache), **over}
 
 
 @pytest.fixture(scope="session")
@@ -75,6 +75,7 @@ def play_random(env: AlfworldEnv, task: int, rng: random.Random, steps: int = 50
 
 # ------------------------------------------------------------------ the pinned game set
 
+
 def test_small_set_matches_pinned_digest(alf_cache):
     """Generated here, the set is byte-identical to the one pinned in the repo (invariant 11)."""
     root = ensure_set(SMALL, alf_cache)
@@ -83,8 +84,7 @@ def test_small_set_matches_pinned_digest(alf_cache):
     for split in SMALL.splits:
         assert Manifest.load(root / "manifests" / f"{split}.json").digest == pinned[split], split
     report = json.loads((root / "generation.json").read_text())
-    assert report["versions"] == {"alfworld": "0.4.2", "textworld": "1.7.0",
-                                  "fast-downward-textworld": "20.6.4"}
+    assert report["versions"] == {"alfworld": "0.4.2", "textworld": "1.7.0", "fast-downward-textworld": "20.6.4"}
 
 
 def test_every_split_has_every_task_type_once(alf_cache):
@@ -100,6 +100,7 @@ def test_every_split_has_every_task_type_once(alf_cache):
 
 
 # ------------------------------------------------------------------ the env contract
+
 
 def test_env_protocol_and_task_addressing(env, alf_cache):
     assert isinstance(env, Env) and env.name == "alfworld"
@@ -120,7 +121,10 @@ def test_served_order_is_a_seeded_shuffle_of_the_canonical_order(env):
     games = [env.game(i) for i in range(env.num_tasks)]
     val = sorted(games[:6], key=lambda g: g.task_id)
     train = sorted(games[6:], key=lambda g: g.task_id)
-    order = lambda seed: [g.task_id for g in served_order(val, train, seed, 6, 6, "valid_seen")]
+
+    def order(seed):
+        return [g.task_id for g in served_order(val, train, seed, 6, 6, "valid_seen")]
+
     assert order(0) == env.task_ids()
     assert order(1) != order(0) and sorted(order(1)) == sorted(order(0))
 
@@ -156,8 +160,7 @@ def test_invalid_action_changes_nothing(env):
     obs, info = env.reset(1)
     for bad in ("fly to the moon", "", "go to nowhere 7"):
         o, r, d, i = env.step(bad)
-        assert (o, r, d, i["valid_action"], i["valid_actions"]) == (obs, 0.0, False, False,
-                                                                    info["valid_actions"])
+        assert (o, r, d, i["valid_action"], i["valid_actions"]) == (obs, 0.0, False, False, info["valid_actions"])
     target = next(a for a in info["valid_actions"] if a.startswith("go to "))
     o, r, d, i = env.step("  " + target.upper().replace(" ", "   ") + " ")
     assert i["valid_action"] and o.startswith("You arrive at ")
@@ -175,7 +178,7 @@ def test_max_steps_ends_the_episode(alf_cache):
 def test_expert_replans_after_a_deviation(env):
     """Off the walkthrough the expert asks ALFWorld's planner and still wins."""
     changes = [t for t in range(env.val_size) if env.game(t).task_type in APPLIANCE]
-    for task in changes[:2]:                   # heat/cool/clean: the longest plans
+    for task in changes[:2]:  # heat/cool/clean: the longest plans
         obs, info = env.reset(task)
         first = env.expert_action()
         detour = next(a for a in info["valid_actions"] if a.startswith("go to ") and a != first)
@@ -190,6 +193,7 @@ def test_expert_replans_after_a_deviation(env):
 
 
 # ------------------------------------------------------------------ engine hygiene
+
 
 def test_concurrent_envs_do_not_race_and_agree_on_order(alf_cache):
     """Three envs built concurrently (as the service builds its pool) share the task order, and
@@ -216,11 +220,11 @@ def transcript(params: dict) -> list:
 
 
 def run_isolated(code: str, *args: str, env_over: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-           **(env_over or {})}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **(env_over or {})}
     env.pop("ALFWORLD_DATA", None)
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300, check=True)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300, check=True
+    )
 
 
 def test_fast_paths_change_no_byte(alf_cache):
@@ -228,8 +232,9 @@ def test_fast_paths_change_no_byte(alf_cache):
     leave every observation, admissible list and expert answer identical to the unmodified
     engine's (a subprocess with FEDAGENT_ALFWORLD_FAST_PATHS=0)."""
     params = small_params(alf_cache)
-    code = ("import json, sys; from test_alfworld import transcript; "
-            "print(json.dumps(transcript(json.loads(sys.argv[1]))))")
+    code = (
+        "import json, sys; from test_alfworld import transcript; print(json.dumps(transcript(json.loads(sys.argv[1]))))"
+    )
     plain = run_isolated(code, json.dumps(params), env_over={"FEDAGENT_ALFWORLD_FAST_PATHS": "0"})
     assert json.loads(plain.stdout) == json.loads(json.dumps(transcript(params)))
 

@@ -5,6 +5,7 @@ The "official" data here is a real directory in the official layout (traj_data.j
 game.tw-pddl per trial) built from the session's generated games, so the real code path runs.
 The test marked `realdata` runs against the real download when ALFWORLD_DATA points at it.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,12 +14,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_alfworld import SMALL, alf_cache, play_expert, small_params  # noqa: F401
 
 from envs.alfworld.games import OFFICIAL_MANIFESTS
 from envs.alfworld.generate import ensure_set
 from envs.alfworld.manifest import OFFICIAL_ROOT, Manifest, ManifestError, cut_manifest
 from envs.registry import make_env
-from test_alfworld import SMALL, alf_cache, play_expert, small_params  # noqa: F401
 
 SPLITS = ("train", "valid_seen")
 
@@ -38,8 +39,10 @@ def official(alf_cache, tmp_path) -> tuple[Path, Path]:
 
 
 def official_env(data: Path, manifests: Path, **over):
-    return make_env("alfworld", **{"num_games": None, "val_size": 6, "seed": 0, "data_dir": str(data),
-                                   "manifest_dir": str(manifests), **over})
+    return make_env(
+        "alfworld",
+        **{"num_games": None, "val_size": 6, "seed": 0, "data_dir": str(data), "manifest_dir": str(manifests), **over},
+    )
 
 
 def test_official_layout_serves_the_same_tasks_in_the_same_order(official, alf_cache):
@@ -50,8 +53,10 @@ def test_official_layout_serves_the_same_tasks_in_the_same_order(official, alf_c
     generated = make_env("alfworld", **small_params(alf_cache))
     assert env.task_ids() == generated.task_ids()
     for split in SPLITS:
-        assert Manifest.load(manifests / f"{split}.json").digest == \
-            Manifest.load(ensure_set(SMALL, alf_cache) / "manifests" / f"{split}.json").digest
+        assert (
+            Manifest.load(manifests / f"{split}.json").digest
+            == Manifest.load(ensure_set(SMALL, alf_cache) / "manifests" / f"{split}.json").digest
+        )
     actions, total, info = play_expert(env, 0)
     assert info["won"] and total == 1.0
 
@@ -91,9 +96,9 @@ def test_extra_games_on_disk_are_ignored(official):
     before = official_env(data, manifests).task_ids()
     split_root = data / OFFICIAL_ROOT / "train"
     first = sorted(split_root.glob("*/*"))[0]
-    shutil.copytree(first, first.parent / "trial_T20190101_000000_000000")   # sorts first
+    shutil.copytree(first, first.parent / "trial_T20190101_000000_000000")  # sorts first
     assert official_env(data, manifests).task_ids() == before
-    assert len(cut_manifest(split_root, "train").entries) == 7   # a fresh cut would see it
+    assert len(cut_manifest(split_root, "train").entries) == 7  # a fresh cut would see it
 
 
 def test_manifest_cut_follows_alfworld_eligibility(official):
@@ -134,8 +139,7 @@ def test_real_alfworld_data_plays():
     data = os.environ.get("ALFWORLD_DATA")
     if not data or not (Path(data) / OFFICIAL_ROOT / "train").is_dir():
         pytest.skip("ALFWORLD_DATA does not point at the official ALFWorld data")
-    env = make_env("alfworld", num_games=None, val_size=64, seed=0, data_dir=data,
-                   manifest_dir=str(OFFICIAL_MANIFESTS))
+    env = make_env("alfworld", num_games=None, val_size=64, seed=0, data_dir=data, manifest_dir=str(OFFICIAL_MANIFESTS))
     assert env.num_tasks >= 64
     for task in range(8):
         actions, total, info = play_expert(env, task, limit=100)

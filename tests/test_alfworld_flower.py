@@ -1,22 +1,23 @@
 """`flwr run` on ALFWorld (issue 5): the real ServerApp, ClientApp, trainer service, ALFWorld env
 service and tiny model, two rounds of two clients, on the small pinned game set
 (tests/fixtures/e2e-alfworld-recipe.yaml scales the tiny-alfworld-grpo recipe to minutes)."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
-from fl_app.rundir import RunDir
 from flower_harness import ROOT, flower, run_config, run_status
 from test_alfworld import alf_cache  # noqa: F401
+
+from fl_app.rundir import RunDir
 
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-alfworld-recipe.yaml"
 
 
 @pytest.mark.slow
 def test_flwr_run_trains_on_alfworld_for_two_rounds(alf_cache, tmp_path):
-    cache = tmp_path / "cache"          # the run's FEDAGENT_CACHE_DIR: tiny model and games
+    cache = tmp_path / "cache"  # the run's FEDAGENT_CACHE_DIR: tiny model and games
     cache.mkdir()
     (cache / "alfworld").symlink_to(alf_cache)
     run_dir = tmp_path / "run"

@@ -2,16 +2,18 @@
 ALFWorld's expert under ALFWorld's own system prompt, and centralized GRPO runs end to end
 (tiny build, env service with ALFWorld sessions, rollouts, update, validation) on the small
 pinned game set. The recorded run on the default set is in docs/alfworld.md."""
+
 from __future__ import annotations
 
 import json
+
+from test_alfworld import alf_cache, small_params  # noqa: F401
+from trainer_support import one_torch_thread  # noqa: F401
 
 from client_app.tiny_model import collect_demonstrations, whole_tokens
 from client_app.train_central import main
 from envs.registry import make_env, system_prompt
 from fl_app.config import EnvCfg
-from test_alfworld import alf_cache, small_params  # noqa: F401
-from trainer_support import one_torch_thread  # noqa: F401
 
 
 def test_demonstrations_replay_the_expert_under_the_alfworld_prompt(alf_cache):
@@ -20,8 +22,8 @@ def test_demonstrations_replay_the_expert_under_the_alfworld_prompt(alf_cache):
     demos = collect_demonstrations(env_cfg, 2, episodes=3, noise=0.0, seed=0)
     assert {d.messages[0]["content"] for d in demos} == {system_prompt("alfworld")}
     assert system_prompt("alfworld") != system_prompt("shop")
-    assert all(d.task >= env.val_size for d in demos)          # never a validation game
-    assert whole_tokens(env) == []                             # no opaque ids to keep whole
+    assert all(d.task >= env.val_size for d in demos)  # never a validation game
+    assert whole_tokens(env) == []  # no opaque ids to keep whole
     # each noise-free episode (a turn without history starts one) replays to a win
     starts = [i for i, d in enumerate(demos) if len(d.messages) == 2] + [len(demos)]
     assert len(starts) == 4
@@ -38,14 +40,38 @@ def test_one_grpo_iteration_on_alfworld_end_to_end(alf_cache, tmp_path):
     expert, then one GRPO iteration and two validations run through the real env service."""
     params = small_params(alf_cache)
     out = tmp_path / "central"
-    rc = main(["--recipe", "tiny-alfworld-grpo", "--iterations", "1", "--eval-every", "1", "--tasks", "2",
-               "--threads", "1", "--out", str(out),
-               *[f"env.params.{k}={v}" for k, v in params.items()],
-               "env.pool_size=4", "env.max_turns=4", "rollout.max_prompt_tokens=384",
-               f"model.tiny.cache_dir={tmp_path / 'models'}", "model.tiny.hidden_size=32", "model.tiny.layers=1",
-               "model.tiny.heads=2", "model.tiny.vocab_size=300", "model.tiny.sft_episodes=2",
-               "model.tiny.sft_epochs=1", "algo.tasks_per_step=2", "algo.group_size=2",
-               "algo.mini_batch_size=8", "algo.micro_batch_size=8", "federation.val_tasks=2"])
+    rc = main(
+        [
+            "--recipe",
+            "tiny-alfworld-grpo",
+            "--iterations",
+            "1",
+            "--eval-every",
+            "1",
+            "--tasks",
+            "2",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+            *[f"env.params.{k}={v}" for k, v in params.items()],
+            "env.pool_size=4",
+            "env.max_turns=4",
+            "rollout.max_prompt_tokens=384",
+            f"model.tiny.cache_dir={tmp_path / 'models'}",
+            "model.tiny.hidden_size=32",
+            "model.tiny.layers=1",
+            "model.tiny.heads=2",
+            "model.tiny.vocab_size=300",
+            "model.tiny.sft_episodes=2",
+            "model.tiny.sft_epochs=1",
+            "algo.tasks_per_step=2",
+            "algo.group_size=2",
+            "algo.mini_batch_size=8",
+            "algo.micro_batch_size=8",
+            "federation.val_tasks=2",
+        ]
+    )
     assert rc == 0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     val = [x for x in lines if "val_success" in x]
@@ -58,4 +84,3 @@ def test_one_grpo_iteration_on_alfworld_end_to_end(alf_cache, tmp_path):
     built = [json.loads(p.read_text()) for p in (tmp_path / "models").glob("*/tiny_model.json")]
     assert len(built) == 1 and built[0]["env"]["name"] == "alfworld" and built[0]["demonstrations"] > 0
     assert "name: alfworld" in (out / "config.yaml").read_text()
-

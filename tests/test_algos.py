@@ -1,5 +1,6 @@
 """Properties of client_app.algos that parity with verl does not cover: group statistics,
 masking, gradient accumulation, numerical guards, and FedProx (invariant 4)."""
+
 from __future__ import annotations
 
 import math
@@ -80,7 +81,9 @@ def test_masked_tokens_contribute_nothing_to_loss_or_gradient() -> None:
     """Garbage (NaN, inf, huge) at masked positions changes neither the loss nor any gradient."""
     batch, horizon = 6, 10
     mask = ragged_mask(batch, horizon, seed=3)
-    clean = {k: rand(batch, horizon, seed=i) for i, k in enumerate(["log_prob", "old_log_prob", "ref_log_prob", "entropy"])}
+    clean = {
+        k: rand(batch, horizon, seed=i) for i, k in enumerate(["log_prob", "old_log_prob", "ref_log_prob", "entropy"])
+    }
     clean["advantages"] = rand(batch, horizon, seed=9)
     dirty = {k: v.clone() for k, v in clean.items()}
     dirty["log_prob"][~mask] = float("nan")
@@ -93,8 +96,9 @@ def test_masked_tokens_contribute_nothing_to_loss_or_gradient() -> None:
         results = []
         for d in (clean, dirty):
             lp, ent = d["log_prob"].clone().requires_grad_(True), d["entropy"].clone().requires_grad_(True)
-            out = algos.actor_loss(spec, lp, d["old_log_prob"], d["advantages"], mask,
-                                   entropy=ent, ref_log_prob=d["ref_log_prob"])
+            out = algos.actor_loss(
+                spec, lp, d["old_log_prob"], d["advantages"], mask, entropy=ent, ref_log_prob=d["ref_log_prob"]
+            )
             out.loss.backward()
             results.append((out.loss, lp.grad, ent.grad))
         (loss_c, glp_c, gent_c), (loss_d, glp_d, gent_d) = results
@@ -134,15 +138,20 @@ def test_micro_batches_with_aggnorm_sum_to_the_mini_batch_loss(mode: str) -> Non
     mask = ragged_mask(batch, horizon, seed=5)
     old = -rand(batch, horizon, seed=1).abs()
     lp = (old + 0.5 * rand(batch, horizon, seed=2)).requires_grad_(True)
-    adv, ref, ent = rand(batch, horizon, seed=3), old + 0.3 * rand(batch, horizon, seed=4), rand(batch, horizon, seed=6).abs()
+    adv, ref, ent = (
+        rand(batch, horizon, seed=3),
+        old + 0.3 * rand(batch, horizon, seed=4),
+        rand(batch, horizon, seed=6).abs(),
+    )
     spec = algos.ActorLossSpec(entropy_coeff=0.01, kl_coef=0.05, loss_agg_mode=mode)
     full = algos.actor_loss(spec, lp, old, adv, mask, entropy=ent, ref_log_prob=ref)
     (full_grad,) = torch.autograd.grad(full.loss, lp)
     norm = algos.AggNorm.of(mask)
     total = torch.zeros(())
-    for rows in torch.arange(batch).split(5):       # uneven micro-batches: 5, 5, 2
-        micro = algos.actor_loss(spec, lp[rows], old[rows], adv[rows], mask[rows],
-                                 entropy=ent[rows], ref_log_prob=ref[rows], norm=norm)
+    for rows in torch.arange(batch).split(5):  # uneven micro-batches: 5, 5, 2
+        micro = algos.actor_loss(
+            spec, lp[rows], old[rows], adv[rows], mask[rows], entropy=ent[rows], ref_log_prob=ref[rows], norm=norm
+        )
         total = total + micro.loss
     (micro_grad,) = torch.autograd.grad(total, lp)
     assert total.item() == pytest.approx(full.loss.item(), abs=1e-6)
@@ -166,14 +175,15 @@ def test_policy_loss_at_ratio_one_is_minus_mean_advantage() -> None:
 def test_clips_stop_the_gradient_where_they_bind() -> None:
     """A>0 and ratio above 1+high: clipped, no gradient. A<0 and ratio above c: loss = -A*c, no gradient."""
     old = torch.zeros(1, 4)
-    lp = torch.tensor([[0.5, 0.5, 2.0, 0.05]], requires_grad=True)    # ratios 1.65, 1.65, 7.39, 1.05
+    lp = torch.tensor([[0.5, 0.5, 2.0, 0.05]], requires_grad=True)  # ratios 1.65, 1.65, 7.39, 1.05
     adv = torch.tensor([[1.0, -1.0, -2.0, 1.0]])
     mask = torch.ones(1, 4, dtype=torch.bool)
-    out = algos.ppo_clip_policy_loss(old, lp, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
-                                     loss_agg_mode="token-sum")
+    out = algos.ppo_clip_policy_loss(
+        old, lp, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-sum"
+    )
     (grad,) = torch.autograd.grad(out.loss, lp)
-    assert grad[0, 0] == 0.0 and grad[0, 2] == 0.0          # ratio clip (A>0) and dual clip (A<0)
-    assert grad[0, 1] != 0.0 and grad[0, 3] != 0.0          # A<0 below c: unclipped side is the max
+    assert grad[0, 0] == 0.0 and grad[0, 2] == 0.0  # ratio clip (A>0) and dual clip (A<0)
+    assert grad[0, 1] != 0.0 and grad[0, 3] != 0.0  # A<0 below c: unclipped side is the max
     expected = -1.2 + math.exp(0.5) + 2.0 * 3.0 - math.exp(0.05)
     assert out.loss.item() == pytest.approx(expected, rel=1e-6)
     assert out.clipfrac.item() == pytest.approx(0.25) and out.clipfrac_lower.item() == pytest.approx(0.25)
@@ -235,7 +245,7 @@ def test_gae_skips_observation_tokens() -> None:
     """Splicing masked observation tokens into a response leaves the valid tokens' targets unchanged."""
     rewards, values = rand(2, 5), rand(2, 5, seed=1)
     _, plain = algos.gae_advantage_return(rewards, values, torch.ones(2, 5), gamma=0.9, lam=0.8)
-    keep = torch.tensor([0, 1, 2, 2, 2, 3, 4, 4])                   # duplicate slots become observations
+    keep = torch.tensor([0, 1, 2, 2, 2, 3, 4, 4])  # duplicate slots become observations
     spliced_mask = torch.tensor([1, 1, 1, 0, 0, 1, 1, 0], dtype=torch.bool).expand(2, 8)
     spliced_rewards = torch.where(spliced_mask, rewards[:, keep], 99.0)
     spliced_values = torch.where(spliced_mask, values[:, keep], -7.0)
@@ -252,8 +262,11 @@ def test_entropy_and_log_probs_agree_with_fp64_truth() -> None:
     truth_logp = torch.log_softmax(logits.double(), -1)
     truth_entropy = -(truth_logp.exp() * truth_logp).sum(-1)
     assert torch.allclose(algos.entropy_from_logits(logits).double(), truth_entropy, atol=1e-5)
-    assert torch.allclose(algos.token_log_probs(logits, labels).double(),
-                          truth_logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), atol=1e-5)
+    assert torch.allclose(
+        algos.token_log_probs(logits, labels).double(),
+        truth_logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
+        atol=1e-5,
+    )
     assert algos.entropy_from_logits(torch.zeros(1000)).item() == pytest.approx(math.log(1000), rel=1e-6)
 
 
@@ -275,22 +288,35 @@ class ActorCritic(nn.Module):
         super().__init__()
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            self.actor = Qwen2ForCausalLM(Qwen2Config(
-                vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            ))
+            self.actor = Qwen2ForCausalLM(
+                Qwen2Config(
+                    vocab_size=VOCAB,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    max_position_embeddings=64,
+                )
+            )
             self.critic = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Tanh(), nn.Linear(16, 1))
 
     def losses(self, input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A GRPO actor loss through the real forward pass, and a clipped value loss."""
-        logits = self.actor(input_ids).logits[:, PROMPT - 1:-1]
+        logits = self.actor(input_ids).logits[:, PROMPT - 1 : -1]
         labels = input_ids[:, PROMPT:]
         log_prob = algos.token_log_probs(logits, labels)
         rewards = torch.zeros_like(log_prob)
         rewards[:, -1] = torch.arange(len(input_ids), dtype=torch.float32) % 3
         adv, returns = algos.grpo_outcome_advantage(rewards, mask, [i // 2 for i in range(len(input_ids))])
-        actor = algos.actor_loss(algos.ActorLossSpec(entropy_coeff=0.01), log_prob, log_prob.detach() - 0.05, adv,
-                                 mask, entropy=algos.entropy_from_logits(logits))
+        actor = algos.actor_loss(
+            algos.ActorLossSpec(entropy_coeff=0.01),
+            log_prob,
+            log_prob.detach() - 0.05,
+            adv,
+            mask,
+            entropy=algos.entropy_from_logits(logits),
+        )
         values = self.critic(labels).squeeze(-1)
         critic, _ = algos.clipped_value_loss(values, returns, values.detach() + 0.1, mask, 0.5)
         return actor.loss, critic
@@ -341,8 +367,10 @@ def test_fedprox_gradient_is_plain_plus_mu_delta(batch) -> None:
         assert torch.allclose(with_term[f"actor.{name}"], expected, atol=1e-6, rtol=0), name
         assert torch.allclose(with_add[f"actor.{name}"], expected, atol=1e-6, rtol=0), name
     term = anchor.term(model.actor.named_parameters(), mu).item()
-    assert term == pytest.approx(mu / 2 * sum(((p.detach() - global_actor[n]) ** 2).sum().item()
-                                              for n, p in model.actor.named_parameters()), rel=1e-5)
+    assert term == pytest.approx(
+        mu / 2 * sum(((p.detach() - global_actor[n]) ** 2).sum().item() for n, p in model.actor.named_parameters()),
+        rel=1e-5,
+    )
 
 
 def test_fedprox_never_touches_critic(batch) -> None:
@@ -393,9 +421,9 @@ def test_fedprox_release_frees_the_anchor_and_fails_closed() -> None:
     anchor = algos.FedProxAnchor.snapshot(layer.named_parameters())
     copy_ref = weakref.ref(anchor.tensors["weight"])
     anchor.release()
-    assert anchor.released and copy_ref() is None       # the copy's storage is gone, not merely hidden
+    assert anchor.released and copy_ref() is None  # the copy's storage is gone, not merely hidden
     with pytest.raises(RuntimeError, match="released"):
         anchor.term(layer.named_parameters(), 0.1)
     with pytest.raises(RuntimeError, match="released"):
         anchor.add_grad_(layer.named_parameters(), 0.1)
-    anchor.release()                                    # idempotent
+    anchor.release()  # idempotent

@@ -5,6 +5,7 @@ shapes, masks with interior zeros and fully masked rows), values and gradients, 
 verl is imported at module level on purpose: this test must run (not skip) wherever the test
 extra is installed. Run with `-s` to print the largest difference measured per function.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -91,17 +92,19 @@ def actor_config(**overrides) -> ActorConfig:
 @pytest.mark.parametrize("norm_by_std", [True, False])
 def test_grpo_advantage_matches_verl(seed: int, norm_by_std: bool) -> None:
     g = torch.Generator().manual_seed(seed)
-    group_sizes = [8, 8, 1, 3, 2, 1, 5]                       # includes singleton groups
+    group_sizes = [8, 8, 1, 3, 2, 1, 5]  # includes singleton groups
     batch, horizon = sum(group_sizes), 12
     uids = np.array([f"task-{seed}-{k}" for k, n in enumerate(group_sizes) for _ in range(n)], dtype=object)
-    order = torch.randperm(batch, generator=g).numpy()        # groups interleaved, as after shuffling
+    order = torch.randperm(batch, generator=g).numpy()  # groups interleaved, as after shuffling
     uids = uids[order]
     data = make_batch(seed, batch, horizon)
     rewards = torch.zeros(batch, horizon)
     last = (data["mask"].cumsum(-1) == data["mask"].sum(-1, keepdim=True)) & data["mask"]
-    outcome = torch.where(torch.rand(batch, generator=g) < 0.5, 1.0, 0.0) - 0.1 * torch.randint(0, 3, (batch,), generator=g)
+    outcome = torch.where(torch.rand(batch, generator=g) < 0.5, 1.0, 0.0) - 0.1 * torch.randint(
+        0, 3, (batch,), generator=g
+    )
     rewards[last] = outcome.repeat_interleave(last.sum(-1))
-    rewards[0, -1] += 0.25                                    # a reward outside the mask still counts, as in verl
+    rewards[0, -1] += 0.25  # a reward outside the mask still counts, as in verl
     for mask in (data["mask"], data["mask"].float()):
         ours_adv, ours_ret = algos.grpo_outcome_advantage(rewards, mask, uids, eps=1e-6, norm_by_std=norm_by_std)
         ref_adv, ref_ret = core_algos.compute_grpo_outcome_advantage(
@@ -187,8 +190,14 @@ def _policy_loss_pair(d: dict, mode: str, low: float, high: float, c: float, mas
     log_prob_ours = d["log_prob"].clone().requires_grad_(True)
     log_prob_ref = d["log_prob"].clone().requires_grad_(True)
     ours = algos.ppo_clip_policy_loss(
-        d["old_log_prob"], log_prob_ours, d["advantages"], mask,
-        clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c, loss_agg_mode=mode,
+        d["old_log_prob"],
+        log_prob_ours,
+        d["advantages"],
+        mask,
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        clip_ratio_c=c,
+        loss_agg_mode=mode,
     )
     cfg = actor_config(clip_ratio=low, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c)
     ref_loss, ref_metrics = core_algos.compute_policy_loss_vanilla(
@@ -215,7 +224,9 @@ def _check_policy_loss(seed: int, shape: tuple[int, int], mode: str, low: float,
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("low,high,c", [(0.2, 0.2, 3.0), (0.2, 0.28, 10.0), (0.1, 0.3, 1.5)])
-def test_policy_loss_matches_verl_token_mean(seed: int, shape: tuple[int, int], low: float, high: float, c: float) -> None:
+def test_policy_loss_matches_verl_token_mean(
+    seed: int, shape: tuple[int, int], low: float, high: float, c: float
+) -> None:
     _check_policy_loss(seed, shape, "token-mean", low, high, c)
 
 
@@ -245,7 +256,9 @@ def test_kl_penalty_matches_verl(seed: int, kind: str) -> None:
 
 def test_kl_low_var_matches_verl() -> None:
     """k3 at and beyond both clamps: |ref - logp| > 20 and estimates above 10."""
-    gaps = torch.tensor([-40.0, -25.0, -20.0, -12.0, -11.0, -5.0, -1e-4, 0.0, 1e-4, 0.5, 2.0, 2.5, 3.0, 11.0, 25.0, 40.0])
+    gaps = torch.tensor(
+        [-40.0, -25.0, -20.0, -12.0, -11.0, -5.0, -1e-4, 0.0, 1e-4, 0.5, 2.0, 2.5, 3.0, 11.0, 25.0, 40.0]
+    )
     log_prob = torch.zeros_like(gaps).requires_grad_(True)
     ref_lp = log_prob.detach().clone().requires_grad_(True)
     for kind in ("k3", "low_var_kl"):
@@ -253,8 +266,8 @@ def test_kl_low_var_matches_verl() -> None:
         ref = core_algos.kl_penalty(ref_lp, gaps, kind)
         assert_matches("kl_penalty[k3].clamped", ours, ref)
         assert ours.max() == 10.0 and ours.min() >= 0.0
-        g_ours, = torch.autograd.grad(ours.sum(), log_prob)
-        g_ref, = torch.autograd.grad(ref.sum(), ref_lp)
+        (g_ours,) = torch.autograd.grad(ours.sum(), log_prob)
+        (g_ref,) = torch.autograd.grad(ref.sum(), ref_lp)
         assert_matches("kl_penalty[k3].clamped.grad", g_ours, g_ref)
 
 
@@ -272,7 +285,9 @@ def test_value_loss_matches_verl(seed: int, mode: str) -> None:
     assert_matches("value_loss.clipfrac", ours_frac, ref_frac)
     assert_matches(f"value_loss[{mode}].grad", vpreds_ours.grad, vpreds_ref.grad)
     info = verl_global_info(d["mask"])
-    ours_g, _ = algos.clipped_value_loss(vpreds_ours, d["returns"], d["values"], d["mask"], 0.5, mode, norm=our_norm(info))
+    ours_g, _ = algos.clipped_value_loss(
+        vpreds_ours, d["returns"], d["values"], d["mask"], 0.5, mode, norm=our_norm(info)
+    )
     ref_g, _ = core_algos.compute_value_loss(vpreds_ref, d["returns"], d["values"], d["mask"], 0.5, mode, **info)
     assert_matches(f"value_loss[{mode}]+norm", ours_g, ref_g)
 
@@ -331,8 +346,8 @@ def verl_layout(resp_lens: torch.Tensor, horizon: int, fields: dict[str, torch.T
     max_prompt = int(prompt_lens.max())
     attention = torch.zeros(batch, max_prompt + horizon, dtype=torch.long)
     for i in range(batch):
-        attention[i, max_prompt - prompt_lens[i]:max_prompt] = 1
-        attention[i, max_prompt:max_prompt + resp_lens[i]] = 1
+        attention[i, max_prompt - prompt_lens[i] : max_prompt] = 1
+        attention[i, max_prompt : max_prompt + resp_lens[i]] = 1
     seq_ends = (prompt_lens + resp_lens).cumsum(0)
     slots = torch.cat([torch.arange(int(resp_lens[i])) + int(seq_ends[i] - resp_lens[i] - 1) for i in range(batch)])
     rows = torch.cat([torch.full((int(resp_lens[i]),), i) for i in range(batch)])
@@ -358,9 +373,17 @@ def verl_layout(resp_lens: torch.Tensor, horizon: int, fields: dict[str, torch.T
 
 def verl_actor_loss(cfg: ActorConfig, d: dict, log_prob: torch.Tensor, entropy: torch.Tensor, info: dict | None):
     """Call verl's real actor loss (`verl.workers.utils.losses.ppo_loss`)."""
-    data, flatten = verl_layout(d["lengths"], log_prob.shape[1], {
-        "response_mask": d["mask"].long(), "old_log_probs": d["old_log_prob"],
-        "advantages": d["advantages"], "ref_log_prob": d["ref_log_prob"]}, info)
+    data, flatten = verl_layout(
+        d["lengths"],
+        log_prob.shape[1],
+        {
+            "response_mask": d["mask"].long(),
+            "old_log_probs": d["old_log_prob"],
+            "advantages": d["advantages"],
+            "ref_log_prob": d["ref_log_prob"],
+        },
+        info,
+    )
     return verl_ppo_loss(cfg, {"log_probs": flatten(log_prob), "entropy": flatten(entropy)}, data)
 
 
@@ -375,19 +398,37 @@ def test_actor_loss_matches_verl_ppo_loss(seed: int, mode: str, kl_type: str, gl
     for key in ("log_prob", "old_log_prob", "advantages", "ref_log_prob", "entropy"):
         d[key] = d[key].masked_fill(beyond, 0.0)
     spec = algos.ActorLossSpec(
-        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-        entropy_coeff=0.01, kl_coef=0.05, kl_type=kl_type, loss_agg_mode=mode,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        entropy_coeff=0.01,
+        kl_coef=0.05,
+        kl_type=kl_type,
+        loss_agg_mode=mode,
     )
     cfg = actor_config(
-        clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, entropy_coeff=0.01,
-        use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type=kl_type, loss_agg_mode=mode,
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_coef=0.05,
+        kl_loss_type=kl_type,
+        loss_agg_mode=mode,
     )
     info = verl_global_info(d["mask"]) if global_norm else None
     lp_ours, ent_ours = d["log_prob"].clone().requires_grad_(True), d["entropy"].clone().requires_grad_(True)
     lp_ref, ent_ref = d["log_prob"].clone().requires_grad_(True), d["entropy"].clone().requires_grad_(True)
     ours = algos.actor_loss(
-        spec, lp_ours, d["old_log_prob"], d["advantages"], d["mask"],
-        entropy=ent_ours, ref_log_prob=d["ref_log_prob"], norm=our_norm(info) if info else None,
+        spec,
+        lp_ours,
+        d["old_log_prob"],
+        d["advantages"],
+        d["mask"],
+        entropy=ent_ours,
+        ref_log_prob=d["ref_log_prob"],
+        norm=our_norm(info) if info else None,
     )
     ref_loss, ref_metrics = verl_actor_loss(cfg, d, lp_ref, ent_ref, info)
     ours.loss.backward()
@@ -396,8 +437,12 @@ def test_actor_loss_matches_verl_ppo_loss(seed: int, mode: str, kl_type: str, gl
     assert_matches("actor_loss.grad(log_prob)", lp_ours.grad, lp_ref.grad)
     assert_matches("actor_loss.grad(entropy)", ent_ours.grad, ent_ref.grad)
     for ours_key, ref_key in [
-        ("pg_loss", "actor/pg_loss"), ("entropy", "actor/entropy_loss"), ("kl_loss", "kl_loss"),
-        ("pg_clipfrac", "actor/pg_clipfrac"), ("ppo_kl", "actor/ppo_kl"), ("pg_clipfrac_lower", "actor/pg_clipfrac_lower"),
+        ("pg_loss", "actor/pg_loss"),
+        ("entropy", "actor/entropy_loss"),
+        ("kl_loss", "kl_loss"),
+        ("pg_clipfrac", "actor/pg_clipfrac"),
+        ("ppo_kl", "actor/ppo_kl"),
+        ("pg_clipfrac_lower", "actor/pg_clipfrac_lower"),
     ]:
         assert_matches(f"actor_loss.metrics.{ours_key}", ours.metrics[ours_key], ref_metrics[ref_key].aggregate())
 
@@ -417,17 +462,29 @@ def test_critic_loss_over_micro_batches_matches_verl_value_loss(seed: int, micro
     for key in ("values", "returns", "advantages"):
         d[key] = d[key].masked_fill(beyond, 0.0)
     vpreds = (d["values"] + 0.8 * d["advantages"]).masked_fill(beyond, 0.0)
-    cfg = CriticConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1, cliprange_value=0.5,
-                       loss_agg_mode="token-mean")
+    cfg = CriticConfig(
+        strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1, cliprange_value=0.5, loss_agg_mode="token-mean"
+    )
     info = verl_global_info(d["mask"])
     ours_in, ref_in = vpreds.clone().requires_grad_(True), vpreds.clone().requires_grad_(True)
     ours_total = ref_total = 0.0
     for start in range(0, 12, micro):
         part = slice(start, start + micro)
-        ours, _ = algos.clipped_value_loss(ours_in[part], d["returns"][part], d["values"][part], d["mask"][part], 0.5,
-                                           "token-mean", norm=our_norm(info))
-        data, flatten = verl_layout(d["lengths"][part], 20, {
-            "response_mask": d["mask"][part].long(), "values": d["values"][part], "returns": d["returns"][part]}, info)
+        ours, _ = algos.clipped_value_loss(
+            ours_in[part],
+            d["returns"][part],
+            d["values"][part],
+            d["mask"][part],
+            0.5,
+            "token-mean",
+            norm=our_norm(info),
+        )
+        data, flatten = verl_layout(
+            d["lengths"][part],
+            20,
+            {"response_mask": d["mask"][part].long(), "values": d["values"][part], "returns": d["returns"][part]},
+            info,
+        )
         ref, _ = verl_value_loss(cfg, {"values": flatten(ref_in[part])}, data)
         assert_matches("critic_loss.micro", ours, ref)
         ours.backward()

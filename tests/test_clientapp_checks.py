@@ -1,6 +1,7 @@
 """The ClientApp's checks before any work (issue 14, items 2 and 3): it trains only the recipe the
 server resolved, and a node that cannot see the server's run dir says so instead of failing
 later on a missing file. Flower's own Message and Context; no trainer is started."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -28,8 +29,13 @@ def task_identity() -> Iterator[None]:
 
 
 def _context(tmp_path: Path, **overrides: object) -> Context:
-    return Context(run_id=3, node_id=42, node_config={}, state=RecordDict(),
-                   run_config={"recipe": str(RECIPE), "run-dir": str(tmp_path / "run"), **overrides})
+    return Context(
+        run_id=3,
+        node_id=42,
+        node_config={},
+        state=RecordDict(),
+        run_config={"recipe": str(RECIPE), "run-dir": str(tmp_path / "run"), **overrides},
+    )
 
 
 def _message(config: dict) -> Message:
@@ -43,14 +49,14 @@ def _server_config(tmp_path: Path, token: str) -> dict:
 
 def test_a_node_refuses_a_recipe_other_than_the_server_s(tmp_path):
     conf = _server_config(tmp_path, "t")
-    assert _node(_message(conf), _context(tmp_path)).cfg.federation.rounds == 2      # same recipe: accepted
+    assert _node(_message(conf), _context(tmp_path)).cfg.federation.rounds == 2  # same recipe: accepted
     with pytest.raises(RecipeMismatch, match="node 42 resolved a different recipe than the server"):
         _node(_message(conf), _context(tmp_path, rounds=3))
 
 
 def test_node_local_paths_are_not_part_of_the_recipe(tmp_path, monkeypatch):
     conf = _server_config(tmp_path, "t")
-    monkeypatch.setenv("FEDAGENT_CACHE_DIR", str(tmp_path / "elsewhere"))     # another machine's caches
+    monkeypatch.setenv("FEDAGENT_CACHE_DIR", str(tmp_path / "elsewhere"))  # another machine's caches
     node = _node(_message(conf), _context(tmp_path))
     assert node.cache_dir == tmp_path / "elsewhere" / "weights"
 
@@ -59,8 +65,9 @@ def test_a_node_without_the_server_s_disk_names_it(tmp_path):
     (tmp_path / "run").mkdir()
     token = write_disk_probe(tmp_path / "run")
     node = _node(_message(_server_config(tmp_path, token)), _context(tmp_path))
-    node.require_store(1 << 30)                                     # same disk: fine
+    node.require_store(1 << 30)  # same disk: fine
     other = _node(_message(_server_config(tmp_path, "another-server's-token")), _context(tmp_path))
-    with pytest.raises(WeightsError, match="node 42 .* cannot see the run dir at .*do not share a disk.*"
-                                           "run.weight_store=http"):
+    with pytest.raises(
+        WeightsError, match="node 42 .* cannot see the run dir at .*do not share a disk.*run.weight_store=http"
+    ):
         other.require_store(1 << 30)

@@ -2,20 +2,21 @@
 taken from rendered chat-template diffs, so a template that rewrites history (Qwen3 drops past
 `<think>` blocks) cannot eat a turn boundary. Real tokenizer, real env service, real
 (random-weight) Qwen2 policy."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from trainer_support import POOL_SIZE, SMALL_ENV_PARAMS, one_torch_thread, random_model_dir, small_config  # noqa: F401
 
 from client_app import prompts
 from client_app.rollout import BatchedGenerator, RolloutSettings, group_specs, run_episodes, training_rows
 from client_app.tiny_model import load_causal_lm
-from client_app.trainer.base import FitRequest
 from client_app.trainer import make_trainer
+from client_app.trainer.base import FitRequest
 from envs.client import SyncEnvClient
 from envs.registry import system_prompt
 from envs.service import serve_in_subprocess
-from trainer_support import POOL_SIZE, SMALL_ENV_PARAMS, one_torch_thread, random_model_dir, small_config  # noqa: F401
 
 SHOP = system_prompt("shop")
 
@@ -34,13 +35,17 @@ REWRITING_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
-REPLIES = ["<think>the search page: look for a red mug</think>\nsearch[red mug]",
-           "<think>results are listed; the first one matches</think>\nclick[b0001]",
-           "<think>pick the size, then buy</think>\nclick[buy now]"]
-OBSERVATIONS = [("Search", ["search[<your query>]"]),
-                ("Page 1 (Total results: 2) [SEP] b0001 [SEP] red mug", ["click[b0001]", "click[next >]"]),
-                ("red mug [SEP] size [SEP] large [SEP] Buy Now", ["click[large]", "click[buy now]"]),
-                ("Thank you for shopping with us!", [])]
+REPLIES = [
+    "<think>the search page: look for a red mug</think>\nsearch[red mug]",
+    "<think>results are listed; the first one matches</think>\nclick[b0001]",
+    "<think>pick the size, then buy</think>\nclick[buy now]",
+]
+OBSERVATIONS = [
+    ("Search", ["search[<your query>]"]),
+    ("Page 1 (Total results: 2) [SEP] b0001 [SEP] red mug", ["click[b0001]", "click[next >]"]),
+    ("red mug [SEP] size [SEP] large [SEP] Buy Now", ["click[large]", "click[buy now]"]),
+    ("Thank you for shopping with us!", []),
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +78,7 @@ def test_concat_glue_survives_a_history_rewriting_template(model_dir, ended):
     """With a Qwen3-style template the glue still yields exactly the transcript the policy saw:
     every reply verbatim (reasoning included), every observation once, every turn boundary."""
     _, tok = load_causal_lm(model_dir)
-    plain = tok.chat_template                             # ChatML, renders history verbatim
+    plain = tok.chat_template  # ChatML, renders history verbatim
     tok.chat_template = REWRITING_TEMPLATE
     context, conversation = _play(tok, REPLIES, ended)
     # the template really rewrites history: re-rendering and slicing at the old length would misalign
@@ -104,8 +109,9 @@ def test_concat_episode_is_one_row_whose_prefixes_are_the_generation_contexts(en
     model, tok = load_causal_lm(model_dir)
     gen = BatchedGenerator(model, tok, max_new_tokens=8)
     budget = 420
-    settings = RolloutSettings(max_turns=4, history_length=2, max_prompt_tokens=budget, system_prompt=SHOP,
-                               mode="concat")
+    settings = RolloutSettings(
+        max_turns=4, history_length=2, max_prompt_tokens=budget, system_prompt=SHOP, mode="concat"
+    )
     episodes, _ = run_episodes(gen, env, group_specs([40, 41, 42], 2), settings, 1.0, seed=7, max_sessions=POOL_SIZE)
     rows = training_rows(episodes, 0.1)
     assert len(rows) == len(episodes) and [r.episode for r in rows] == list(range(len(episodes)))
@@ -116,14 +122,14 @@ def test_concat_episode_is_one_row_whose_prefixes_are_the_generation_contexts(en
         offset = 0
         for k, turn in enumerate(ep.turns):
             if k:
-                glue = row.response_ids[offset:offset + len(turn.prompt_ids)]
-                assert glue == turn.prompt_ids and row.mask[offset:offset + len(glue)] == [0] * len(glue)
+                glue = row.response_ids[offset : offset + len(turn.prompt_ids)]
+                assert glue == turn.prompt_ids and row.mask[offset : offset + len(glue)] == [0] * len(glue)
                 assert f"Observation: {turn.observation}" in tok.decode(glue)
                 offset += len(glue)
             context = row.prompt_ids + row.response_ids[:offset]
             assert len(context) <= budget
-            assert row.response_ids[offset:offset + len(turn.response_ids)] == turn.response_ids
-            assert row.mask[offset:offset + len(turn.response_ids)] == [1] * len(turn.response_ids)
+            assert row.response_ids[offset : offset + len(turn.response_ids)] == turn.response_ids
+            assert row.mask[offset : offset + len(turn.response_ids)] == [1] * len(turn.response_ids)
             offset += len(turn.response_ids)
         assert offset == len(row.response_ids) == len(row.mask)
         multi_turn += len(ep.turns) > 1
@@ -137,8 +143,7 @@ def test_concat_generation_context_is_the_row_prefix(env, model_dir):
     context the policy acted on is exactly the prefix it is trained on."""
     model, tok = load_causal_lm(model_dir)
     gen = BatchedGenerator(model, tok, max_new_tokens=8)
-    settings = RolloutSettings(max_turns=3, history_length=2, max_prompt_tokens=2048, system_prompt=SHOP,
-                               mode="concat")
+    settings = RolloutSettings(max_turns=3, history_length=2, max_prompt_tokens=2048, system_prompt=SHOP, mode="concat")
     episodes, _ = run_episodes(gen, env, group_specs([43, 44], 1), settings, 0.0, seed=0, max_sessions=POOL_SIZE)
     checked = 0
     for ep, row in zip(episodes, training_rows(episodes, 0.1)):
@@ -162,10 +167,18 @@ E2E_ENV = {"num_products": 60, "num_goals": 200, "val_size": 16, "search_return_
 def test_both_rollout_modes_train_the_tiny_model(mode, algo, tmp_path_factory):
     """The locally built tiny model (the e2e tests' size) trains in either mode with either
     algorithm: every member moves, no step is skipped, rows follow the mode."""
-    cfg = small_config("tiny", model={"tiny": E2E_TINY}, env={"params": E2E_ENV, "max_turns": 6},
-                       rollout={"mode": mode, "max_prompt_tokens": 512, "max_response_tokens": 16},
-                       algo={"name": algo, "tasks_per_step": 2 if algo == "grpo" else 4,
-                             "group_size": 2 if algo == "grpo" else 1, "lr": 1e-4})
+    cfg = small_config(
+        "tiny",
+        model={"tiny": E2E_TINY},
+        env={"params": E2E_ENV, "max_turns": 6},
+        rollout={"mode": mode, "max_prompt_tokens": 512, "max_response_tokens": 16},
+        algo={
+            "name": algo,
+            "tasks_per_step": 2 if algo == "grpo" else 4,
+            "group_size": 2 if algo == "grpo" else 1,
+            "lr": 1e-4,
+        },
+    )
     with serve_in_subprocess("shop", POOL_SIZE, E2E_ENV) as url:
         t = make_trainer(cfg, url)
         try:
@@ -173,7 +186,7 @@ def test_both_rollout_modes_train_the_tiny_model(mode, algo, tmp_path_factory):
             res = t.fit(FitRequest(round=1, client_id=0, task_indices=list(range(16, 200)), local_epochs=2, seed=0))
             m = res.metrics
             assert res.num_examples == 2 * 4 and m["skipped_steps"] == 0 and m["optimizer_steps"] >= 2
-            assert m["rows"] == 2 * 4 if mode == "concat" else m["rows"] > 2 * 4     # summed over 2 epochs
+            assert m["rows"] == 2 * 4 if mode == "concat" else m["rows"] > 2 * 4  # summed over 2 epochs
             assert m["train_turns"] > 1, "multi-turn episodes are what the modes differ in"
             for member in t.members:
                 after = t.export_weights(member)

@@ -1,4 +1,5 @@
 """Config: recipes + run-config overrides validate before anything starts (issue 4 part 2)."""
+
 from __future__ import annotations
 
 import tomllib
@@ -6,8 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from fl_app.config import RUN_CONFIG_ALIASES, ConfigError, config_doc, load_config, run_config_keys, \
-    run_config_toml, save_config
+from fl_app.config import (
+    RUN_CONFIG_ALIASES,
+    ConfigError,
+    config_doc,
+    load_config,
+    run_config_keys,
+    run_config_toml,
+    save_config,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,7 +24,7 @@ def test_default_recipe_is_the_published_federation_shape():
     cfg = load_config()
     f = cfg.federation
     assert (f.clients, f.clients_per_round, f.tasks_per_client) == (100, 2, 100)
-    assert f.local_epochs == 2      # [tiny]: the paper's 3 is `--run-config local-epochs=3`
+    assert f.local_epochs == 2  # [tiny]: the paper's 3 is `--run-config local-epochs=3`
     assert (cfg.algo.tasks_per_step, cfg.algo.group_size) == (8, 8)
 
 
@@ -34,8 +42,16 @@ def test_shop_only_shortcut_habit_is_refused_for_other_envs():
 
 
 def test_run_config_overrides_map_onto_recipe_keys():
-    cfg = load_config(overrides={"rounds": 70, "seed": 5, "clients-per-round": 3, "run-dir": "/tmp/x",
-                                 "strategy": "fedprox", "proximal-mu": 0.02})
+    cfg = load_config(
+        overrides={
+            "rounds": 70,
+            "seed": 5,
+            "clients-per-round": 3,
+            "run-dir": "/tmp/x",
+            "strategy": "fedprox",
+            "proximal-mu": 0.02,
+        }
+    )
     assert cfg.federation.rounds == 70 and cfg.run.seed == 5 and cfg.federation.clients_per_round == 3
     assert cfg.federation.strategy == "fedprox" and cfg.federation.proximal_mu == 0.02
     assert cfg.resolved_run_dir() == Path("/tmp/x")
@@ -58,18 +74,26 @@ def test_pyproject_declares_every_recipe_key_as_a_run_config_key():
 
 
 def test_docs_config_md_is_current():
-    assert (ROOT / "docs" / "config.md").read_text() == config_doc(), \
+    assert (ROOT / "docs" / "config.md").read_text() == config_doc(), (
         "regenerate it: python -m fl_app.config --doc > docs/config.md"
+    )
 
 
 def test_dotted_run_config_keys_reach_nested_recipe_keys():
-    cfg = load_config(overrides={"algo.lr": 3e-4, "algo.critic.lr": 2e-5, "model.tiny.sft_noise": 0.2,
-                                 "backend": "builtin", "federation.only_clients": "[5, 9]",
-                                 "env.params": "{val_size: 40}"})
+    cfg = load_config(
+        overrides={
+            "algo.lr": 3e-4,
+            "algo.critic.lr": 2e-5,
+            "model.tiny.sft_noise": 0.2,
+            "backend": "builtin",
+            "federation.only_clients": "[5, 9]",
+            "env.params": "{val_size: 40}",
+        }
+    )
     assert cfg.algo.lr == 3e-4 and cfg.algo.critic.lr == 2e-5 and cfg.model.tiny.sft_noise == 0.2
     assert cfg.federation.only_clients == [5, 9]
     base = load_config().env.params
-    assert cfg.env.params == {**base, "val_size": 40}          # a mapping updates the recipe's
+    assert cfg.env.params == {**base, "val_size": 40}  # a mapping updates the recipe's
 
 
 def test_unknown_dotted_key_suggests_the_nearest():
@@ -77,15 +101,18 @@ def test_unknown_dotted_key_suggests_the_nearest():
         load_config(overrides={"algo.lrr": 1e-4})
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("proximal-mu", float("inf"), "proximal_mu"),
-    ("algo.lr", float("nan"), "algo.lr"),
-    ("rounds", True, "boolean"),
-    ("algo.mini_batch_size", False, "boolean"),
-    ("run-dir", "/", "not a dedicated directory"),
-    ("run-dir", "~", "not a dedicated directory"),
-    ("run-dir", "/tmp", "not a dedicated directory"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("proximal-mu", float("inf"), "proximal_mu"),
+        ("algo.lr", float("nan"), "algo.lr"),
+        ("rounds", True, "boolean"),
+        ("algo.mini_batch_size", False, "boolean"),
+        ("run-dir", "/", "not a dedicated directory"),
+        ("run-dir", "~", "not a dedicated directory"),
+        ("run-dir", "/tmp", "not a dedicated directory"),
+    ],
+)
 def test_bad_run_config_values_are_refused(key, value, match):
     """Issue #18 item 8: inf, nan, booleans for numbers and run dirs such as / or the home dir."""
     with pytest.raises(ConfigError, match=match):

@@ -3,14 +3,15 @@
 round's validation success beats round 0's by >= 10 points. Measured 0.234 -> 0.375 in 555 s
 on the 2-core box with an empty model cache (README, "What the default run shows"); the wall
 time is printed, not asserted (speed lives in benchmarks)."""
+
 from __future__ import annotations
 
 import time
 
 import pytest
+from flower_harness import flower, run_status
 
 from fl_app.rundir import RunDir
-from flower_harness import flower, run_status
 
 
 @pytest.mark.slow
@@ -21,8 +22,9 @@ def test_default_flwr_run_gains_10_points(tmp_path):
         p = fr.run(f'run-dir="{run_dir}"', timeout_s=3600)
         wall = time.monotonic() - t0
         status = run_status(run_dir)
-        assert p.returncode == 0 and status.returncode == 0, (status.stdout + p.stdout[-4000:] + p.stderr[-4000:]
-                                                              + fr.superlink_log()[-4000:])
+        assert p.returncode == 0 and status.returncode == 0, (
+            status.stdout + p.stdout[-4000:] + p.stderr[-4000:] + fr.superlink_log()[-4000:]
+        )
     rows = RunDir(run_dir, total_rounds=8).read_metrics()
     curve = [round(r["val_success"], 3) for r in rows]
     print(f"\ndefault run: {wall:.0f} s, validation success by round {curve}")

@@ -11,6 +11,7 @@ services, env services and tiny model.
 
 Tests that need root and `ip netns` skip with the reason when those are missing.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from flower_harness import ROOT, deployment, netns_unavailable, run_config, run_status
 
 from fl_app.rundir import RunDir
-from flower_harness import ROOT, deployment, netns_unavailable, run_config, run_status
 
 FIXTURES = ROOT / "tests" / "fixtures"
 INLINE, STORE, HTTP = (FIXTURES / f"e2e-{k}recipe.yaml" for k in ("", "store-", "http-"))
@@ -42,9 +43,15 @@ def _gone(pid: int) -> bool:
 
 def _complete(d, p: subprocess.CompletedProcess, run_dir: Path) -> dict:
     status = run_status(run_dir)
-    assert status.returncode == 0, (status.stdout + p.stdout[-3000:] + p.stderr[-2000:]
-                                    + "\n--- superlink\n" + d.log("superlink")[-3000:]
-                                    + "\n--- n0\n" + d.log("n0")[-3000:])
+    assert status.returncode == 0, (
+        status.stdout
+        + p.stdout[-3000:]
+        + p.stderr[-2000:]
+        + "\n--- superlink\n"
+        + d.log("superlink")[-3000:]
+        + "\n--- n0\n"
+        + d.log("n0")[-3000:]
+    )
     return _summary(run_dir)
 
 
@@ -52,11 +59,11 @@ def _one_service_per_node(d, summary: dict, rounds: int, nodes: int = 2) -> None
     """One trainer service per SuperNode served every fit and validation of its node, then stopped."""
     services = summary["services"]
     assert len(services) == nodes and len({s["node"] for s in services}) == nodes, services
-    assert sum(s["fits"] for s in services) == 2 * rounds                       # 2 clients per round
+    assert sum(s["fits"] for s in services) == 2 * rounds  # 2 clients per round
     assert sorted(s["evals"] for s in services) == [0] * (nodes - 1) + [rounds + 1]
     scopes = d.service_pids()
-    assert len(scopes) == nodes and all(len(p) == 1 for p in scopes.values()), scopes   # never restarted
-    assert all(_gone(pid) for pids in scopes.values() for pid in pids)         # stopped with the run
+    assert len(scopes) == nodes and all(len(p) == 1 for p in scopes.values()), scopes  # never restarted
+    assert all(_gone(pid) for pids in scopes.values() for pid in pids)  # stopped with the run
     assert len(summary["nodes"]) == nodes and all("service-log" in n for n in summary["nodes"].values())
 
 
@@ -70,7 +77,7 @@ def test_two_supernodes_on_one_host_get_one_persistent_service_each(tmp_path):
         _one_service_per_node(d, summary, rounds=2)
         logs = d.log("n0") + d.log("n1") + p.stdout + p.stderr
         assert "Traceback" not in logs and "ClientAppException" not in logs, logs[-4000:]
-        assert all(proc.poll() is None for name, proc in d.procs.items())      # the nodes outlive the run
+        assert all(proc.poll() is None for name, proc in d.procs.items())  # the nodes outlive the run
     rows = RunDir(run_dir).read_metrics()
     assert [r["round"] for r in rows] == [0, 1, 2] and not any("failed" in r for r in rows)
 
@@ -85,7 +92,7 @@ def test_hosts_without_a_shared_disk_train_inline_models(tmp_path):
         p = d.run(run_config(INLINE, runs / "r", rounds=2), timeout_s=1800)
         summary = _complete(d, p, runs / "r")
         _one_service_per_node(d, summary, rounds=2)
-        assert {n["node-host"] for n in summary["nodes"].values()}        # where each node's logs are
+        assert {n["node-host"] for n in summary["nodes"].values()}  # where each node's logs are
 
 
 @pytest.mark.slow
@@ -127,7 +134,7 @@ def test_tls_and_supernode_auth_across_hosts(tmp_path):
         p = d.run(run_config(STORE, run_dir, rounds=2), timeout_s=1800)
         summary = _complete(d, p, run_dir)
         _one_service_per_node(d, summary, rounds=2)
-        assert stranger.wait(timeout=120) != 0, d.log("n2")[-3000:]             # refused, gave up
+        assert stranger.wait(timeout=120) != 0, d.log("n2")[-3000:]  # refused, gave up
         assert len(summary["nodes"]) == 2
 
 
@@ -137,16 +144,28 @@ def _kill_a_node_mid_round(tmp_path: Path, recipe: Path) -> tuple[dict, list[dic
     run_dir = tmp_path / "runs" / "r"
     with deployment(tmp_path, nodes=2) as d:
         log = open(tmp_path / "flwr-run.log", "w")
-        run = subprocess.Popen([str(Path(sys.executable).with_name("flwr")), "run", str(ROOT), "deploy",
-                                "--run-config", run_config(recipe, run_dir, rounds=3), "--stream"],
-                               env=d.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        run = subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("flwr")),
+                "run",
+                str(ROOT),
+                "deploy",
+                "--run-config",
+                run_config(recipe, run_dir, rounds=3),
+                "--stream",
+            ],
+            env=d.env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             rd = RunDir(run_dir, total_rounds=3)
             deadline = time.monotonic() + 1800
             while (rd.last_complete_round() or 0) < 1 and run.poll() is None and time.monotonic() < deadline:
                 time.sleep(1)
             assert rd.last_complete_round() == 1, (tmp_path / "flwr-run.log").read_text()[-4000:]
-            time.sleep(3)                                   # round 2's fits are under way
+            time.sleep(3)  # round 2's fits are under way
             scopes = d.service_pids()
             owner = psutil.Process(d.procs["n1"].pid)
             dead = [pid for scope, pids in scopes.items() if scope.startswith(f"node-{owner.pid}-") for pid in pids]

@@ -4,6 +4,7 @@ The grid is Flower's `InMemoryGrid` over a real `InMemoryLinkState` (what simula
 the nodes are threads that answer their messages as a node would: reply, reply with an error,
 stay silent, or die (stop heartbeating: Flower itself then answers `Node Unavailable`).
 """
+
 from __future__ import annotations
 
 import secrets
@@ -28,8 +29,10 @@ from server_app.dispatch import RoundDispatch, request_one
 from server_app.strategy import RoundError
 
 RUN_ID, TASK_ID, SUPERLINK = 7, 11, 1
-TRACEBACK = ("<class 'client_app.lane.ServiceRequestError'>:<'trainer service /fit failed (HTTP 422): "
-             "WeightsError: /r/x: no manifest.json\nTraceback (most recent call last):\n  File \"x.py\"'>")
+TRACEBACK = (
+    "<class 'client_app.lane.ServiceRequestError'>:<'trainer service /fit failed (HTTP 422): "
+    'WeightsError: /r/x: no manifest.json\nTraceback (most recent call last):\n  File "x.py"\'>'
+)
 
 
 class Federation:
@@ -44,9 +47,10 @@ class Federation:
         self.state.task_store[TASK_ID] = Task(task_id=TASK_ID, run_id=RUN_ID)
         self.behaviour: dict[int, str] = {}
         for b in behaviours:
-            beat = 0.3 if b == "dead" else 1e300          # a dead node stops heartbeating at once
-            node = self.state.create_node(NOOP_FLWR_AID, NOOP_ACCOUNT_NAME, secrets.token_bytes(32),
-                                          heartbeat_interval=beat)
+            beat = 0.3 if b == "dead" else 1e300  # a dead node stops heartbeating at once
+            node = self.state.create_node(
+                NOOP_FLWR_AID, NOOP_ACCOUNT_NAME, secrets.token_bytes(32), heartbeat_interval=beat
+            )
             self.state.acknowledge_node_heartbeat(node_id=node, heartbeat_interval=beat)
             self.behaviour[node] = b
         self.nodes = list(self.behaviour)
@@ -66,22 +70,24 @@ class Federation:
                     cid = int(msg.content["config"]["client-id"])
                     self.served[node].append(cid)
                     if b == "ok":
-                        reply = Message(content=RecordDict({"config": ConfigRecord({"client-id": cid})}),
-                                        reply_to=msg)
+                        reply = Message(content=RecordDict({"config": ConfigRecord({"client-id": cid})}), reply_to=msg)
                     else:
-                        reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=TRACEBACK),
-                                        reply_to=msg)
+                        reply = Message(
+                            Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=TRACEBACK), reply_to=msg
+                        )
                     reply.metadata.__dict__["_message_id"] = reply.object_id
                     self.state.store_message_res(reply)
 
     def message(self, cid: int, node: int) -> Message:
-        return Message(content=RecordDict({"config": ConfigRecord({"client-id": cid})}), dst_node_id=node,
-                       message_type="train")
+        return Message(
+            content=RecordDict({"config": ConfigRecord({"client-id": cid})}), dst_node_id=node, message_type="train"
+        )
 
     def dispatch(self, assignment: dict[int, int], min_ok: int, timeout_s: float = 60.0):
         log: list[str] = []
-        outcome = RoundDispatch(self.grid, self.message, round_=3, min_ok=min_ok, timeout_s=timeout_s,
-                                log=log.append, poll_s=0.05).run(assignment)
+        outcome = RoundDispatch(
+            self.grid, self.message, round_=3, min_ok=min_ok, timeout_s=timeout_s, log=log.append, poll_s=0.05
+        ).run(assignment)
         return outcome, log
 
 
@@ -114,7 +120,7 @@ def test_a_lost_node_s_client_is_re_dispatched_when_every_client_must_reply(fede
     assert sorted(out.replies) == [4, 9] and out.dropped == []
     (failure,) = out.failures
     assert (failure.client, failure.node) == (9, f.nodes[1]) and failure.reason.startswith("NODE_UNAVAILABLE")
-    assert f.served[f.nodes[0]] == [4, 9]                            # the live node trained both
+    assert f.served[f.nodes[0]] == [4, 9]  # the live node trained both
     assert "re-dispatching it to node" in log[0]
 
 
@@ -136,8 +142,10 @@ def test_a_client_error_arrives_as_one_line_naming_the_root_cause(federation):
     f = federation("error", "ok")
     out, _ = f.dispatch({4: f.nodes[0], 9: f.nodes[1]}, min_ok=1)
     (failure,) = out.failures
-    assert failure.reason == ("CLIENT_APP_RAISED_EXCEPTION: ServiceRequestError: trainer service /fit failed "
-                              "(HTTP 422): WeightsError: /r/x: no manifest.json")
+    assert failure.reason == (
+        "CLIENT_APP_RAISED_EXCEPTION: ServiceRequestError: trainer service /fit failed "
+        "(HTTP 422): WeightsError: /r/x: no manifest.json"
+    )
 
 
 def test_a_silent_node_times_out_and_its_client_goes_elsewhere(federation):

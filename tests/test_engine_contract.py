@@ -17,6 +17,7 @@ properties, and the two engines held to each other:
 
 Real env service, real random-weight Qwen2 policies, real engines; nothing mocked.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_support import (  # noqa: F401
+    SMALL_ENV_PARAMS,
+    assert_flat,
+    env_url,
+    fit_rss_series,
+    initial_and_size,
+    model_dir,
+    one_torch_thread,
+    random_model_dir,
+    small_config,
+)
 
 from client_app.algos import FedProxAnchor
 from client_app.rollout import Episode, TrainRow, derive_seed, group_specs, training_rows
@@ -35,8 +47,6 @@ from client_app.trainer.base import EvalRequest, FitRequest
 from client_app.trainer.engine import PolicyBatch, ValueBatch
 from client_app.trainer.loop import RLTrainer, critic_pass, policy_pass
 from fl_app.config import Config
-from trainer_support import (SMALL_ENV_PARAMS, assert_flat, env_url, fit_rss_series,  # noqa: F401
-                             initial_and_size, model_dir, one_torch_thread, random_model_dir, small_config)
 
 TOL = 1e-5
 TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))
@@ -44,16 +54,27 @@ HAS_VERL = importlib.util.find_spec("verl") is not None
 _no_verl = pytest.mark.skipif(not HAS_VERL, reason="verl not installed")
 _no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # every engine on the CPU (CI) and, gpu-marked, on CUDA (bf16 autocast: tolerances, not bits)
-ENGINES = ["builtin", pytest.param("verl", marks=_no_verl),
-           pytest.param("builtin-cuda", marks=[pytest.mark.gpu, _no_cuda]),
-           pytest.param("verl-cuda", marks=[pytest.mark.gpu, _no_cuda, _no_verl])]
+ENGINES = [
+    "builtin",
+    pytest.param("verl", marks=_no_verl),
+    pytest.param("builtin-cuda", marks=[pytest.mark.gpu, _no_cuda]),
+    pytest.param("verl-cuda", marks=[pytest.mark.gpu, _no_cuda, _no_verl]),
+]
 # (rtol, atol) of gradients, log-probs and repeated fits: fp32 on the CPU, bf16 compute on CUDA
 TOLERANCE = {"cpu": (1e-4, 1e-7), "cuda": (5e-2, 2e-3)}
 # temperature != 1 (log-probs are tempered), KL and entropy on, 5-row mini-batches of 2-row
 # micro-batches (a ragged last one), a value clip that binds
-SECTIONS = {"rollout": {"temperature": 0.7},
-            "algo": {"lr": 1e-3, "kl_coef": 0.05, "entropy_coeff": 0.01, "mini_batch_size": 5, "micro_batch_size": 2,
-                     "critic": {"lr": 3e-3, "value_clip": 0.2, "loss_coef": 1.0}}}
+SECTIONS = {
+    "rollout": {"temperature": 0.7},
+    "algo": {
+        "lr": 1e-3,
+        "kl_coef": 0.05,
+        "entropy_coeff": 0.01,
+        "mini_batch_size": 5,
+        "micro_batch_size": 2,
+        "critic": {"lr": 3e-3, "value_clip": 0.2, "loss_coef": 1.0},
+    },
+}
 PPO = {"name": "ppo", "tasks_per_step": 3, "group_size": None}
 
 
@@ -70,8 +91,9 @@ def _tolerance(trainer: RLTrainer) -> tuple[float, float]:
     return TOLERANCE[trainer.engine.device.type]
 
 
-def _same_fit(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start: dict[str, torch.Tensor],
-              device: str) -> bool:
+def _same_fit(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start: dict[str, torch.Tensor], device: str
+) -> bool:
     """Two fits ended in the same place: bit for bit on the CPU; on CUDA (non-deterministic
     kernels) within 2% of how far the fit moved."""
     if device == "cpu":
@@ -87,8 +109,9 @@ def build(kind: str, model: Path, url: str | None, run_dir: Path | None = None, 
 def _with_micro(trainer: RLTrainer, micro: int) -> Config:
     """Set the engine's micro-batch sizes (policy and critic); returns the config to restore."""
     saved = trainer.engine.cfg
-    a = saved.algo.model_copy(update={"micro_batch_size": micro,
-                                      "critic": saved.algo.critic.model_copy(update={"micro_batch_size": micro})})
+    a = saved.algo.model_copy(
+        update={"micro_batch_size": micro, "critic": saved.algo.critic.model_copy(update={"micro_batch_size": micro})}
+    )
     trainer.engine.cfg = saved.model_copy(update={"algo": a})
     return saved
 
@@ -126,8 +149,9 @@ def play(trainer: RLTrainer, tasks: list[int], group: int, seed: int) -> tuple[l
     return episodes, training_rows(episodes, 0.1)
 
 
-def scored_rows(trainer: RLTrainer, tasks: list[int], group: int, seed: int
-                ) -> tuple[list[Episode], list[TrainRow], list[torch.Tensor]]:
+def scored_rows(
+    trainer: RLTrainer, tasks: list[int], group: int, seed: int
+) -> tuple[list[Episode], list[TrainRow], list[torch.Tensor]]:
     """Rows with a seeded score per episode (a random policy scores every episode alike: zero
     advantages, an entropy-only gradient) and their GRPO advantages."""
     episodes, rows = play(trainer, tasks, group, seed)
@@ -138,6 +162,7 @@ def scored_rows(trainer: RLTrainer, tasks: list[int], group: int, seed: int
 
 
 # ================================================================ one engine at a time
+
 
 @pytest.fixture(scope="module", params=ENGINES)
 def kind(request) -> str:
@@ -165,14 +190,14 @@ def test_load_then_export_is_bitwise_identity_for_every_member(ppo, initial):
         for member, start in initial.items():
             weights = {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in start.items()}
             for w in weights.values():
-                w.view(-1)[0] = 1.0 + 2.0 ** -20          # not representable in bf16
+                w.view(-1)[0] = 1.0 + 2.0**-20  # not representable in bf16
             ppo.load_weights(weights, member)
             out = ppo.export_weights(member)
             assert out.keys() == weights.keys()
             for k, w in weights.items():
                 assert out[k].dtype == torch.float32 and out[k].device.type == "cpu"
                 assert torch.equal(out[k].view(torch.int32), w.view(torch.int32)), (member, k)
-            out[k].add_(1.0)                               # an export is a copy, not a view of the model
+            out[k].add_(1.0)  # an export is a copy, not a view of the model
             assert torch.equal(ppo.export_weights(member)[k], w)
     finally:
         _load(ppo, initial)
@@ -207,7 +232,7 @@ def test_ppo_fits_train_both_members_from_fresh_optimizers(ppo, initial):
         ends.append(_state(ppo))
     _load(ppo, initial)
     m = results[0].metrics
-    assert results[0].num_examples == 2 * 3 * 1                 # E x tasks_per_step x (ungrouped PPO)
+    assert results[0].num_examples == 2 * 3 * 1  # E x tasks_per_step x (ungrouped PPO)
     assert m["optimizer_steps"] >= 2 and m["critic_optimizer_steps"] >= 2
     assert m["skipped_steps"] == m["critic_skipped_steps"] == 0
     assert all(torch.isfinite(torch.tensor(m[k])) for k in ("critic_loss", "pg_loss", "critic_value_mean"))
@@ -243,6 +268,7 @@ def test_fedprox_adds_mu_times_the_drift_to_the_policy_gradient_only(ppo, initia
                 if hook is not None:
                     hook()
                 grads[label] = _grads(ppo, "actor")
+
             ppo.engine.policy_step(batch, ppo.policy_loss, after_backward=snapshot)
     finally:
         ppo.engine.end_fit()
@@ -269,11 +295,11 @@ def test_micro_batches_change_neither_gradients_nor_losses(ppo, initial):
     gradient do not depend on the micro-batch size (field log 2026-07-22)."""
     _load(ppo, initial)
     episodes, rows, adv = scored_rows(ppo, [30, 31, 32], 1, seed=5)
-    old = [lp - 0.05 for lp in ppo.engine.log_probs(rows)]                  # ratios != 1
+    old = [lp - 0.05 for lp in ppo.engine.log_probs(rows)]  # ratios != 1
     ref = ppo.engine.log_probs(rows, "reference")
     values = ppo.engine.values(rows)
     _, returns = ADVANTAGES["gae"](episodes, rows, values, ppo.cfg.algo)
-    old_values = [v + 1.2 * torch.linspace(-1, 1, len(v)) for v in values]   # the clip binds on some tokens
+    old_values = [v + 1.2 * torch.linspace(-1, 1, len(v)) for v in values]  # the clip binds on some tokens
     seen: dict[int, tuple] = {}
     for micro in (1, 2, len(rows)):
         saved = _with_micro(ppo, micro)
@@ -281,10 +307,16 @@ def test_micro_batches_change_neither_gradients_nor_losses(ppo, initial):
         try:
             grads: dict[str, dict[str, torch.Tensor]] = {}
             _load(ppo, initial)
-            pol = ppo.engine.policy_step(PolicyBatch(rows, old, adv, ref), ppo.policy_loss,
-                                         after_backward=lambda: grads.__setitem__("actor", _grads(ppo, "actor")))
-            val = ppo.engine.critic_step(ValueBatch(rows, old_values, returns), ppo.value_loss,
-                                         after_backward=lambda: grads.__setitem__("critic", _grads(ppo, "critic")))
+            pol = ppo.engine.policy_step(
+                PolicyBatch(rows, old, adv, ref),
+                ppo.policy_loss,
+                after_backward=lambda: grads.__setitem__("actor", _grads(ppo, "actor")),  # noqa: B023 (runs now)
+            )
+            val = ppo.engine.critic_step(
+                ValueBatch(rows, old_values, returns),
+                ppo.value_loss,
+                after_backward=lambda: grads.__setitem__("critic", _grads(ppo, "critic")),  # noqa: B023
+            )
         finally:
             ppo.engine.end_fit()
             ppo.engine.cfg = saved
@@ -326,26 +358,26 @@ def test_validation_is_never_penalised(kind, env_url, model_dir, mode):  # noqa:
         req = EvalRequest(task_indices=list(range(8)), seed=0)
         runs = {}
         for penalty in (0.0, 5.0):
-            t.cfg = t.cfg.model_copy(update={"rollout": t.cfg.rollout.model_copy(
-                update={"invalid_action_penalty": penalty})})
+            t.cfg = t.cfg.model_copy(
+                update={"rollout": t.cfg.rollout.model_copy(update={"invalid_action_penalty": penalty})}
+            )
             runs[penalty] = t.evaluate(req)
         keys = ("success", "reward", "turns", "invalid_action_rate")
         assert runs[0.0].metrics["invalid_action_rate"] > 0, "the penalty must have had something to act on"
         assert {k: runs[0.0].metrics[k] for k in keys} == {k: runs[5.0].metrics[k] for k in keys}
         assert 0.0 <= runs[5.0].metrics["reward"] <= 1.0 and runs[0.0].num_examples == 8
-        outcomes = runs[0.0].outcomes              # per task (hardness labels): agree with the success rate
+        outcomes = runs[0.0].outcomes  # per task (hardness labels): agree with the success rate
         assert sorted(outcomes) == list(range(8)) and sum(outcomes.values()) / 8 == runs[0.0].metrics["success"]
     finally:
         t.close()
 
 
 def test_a_concat_grpo_fit_trains_one_row_per_episode(kind, env_url, model_dir):  # noqa: F811
-    t = build(kind, model_dir, env_url, rollout={"mode": "concat", "max_prompt_tokens": 1024},
-              env={"max_turns": 3})
+    t = build(kind, model_dir, env_url, rollout={"mode": "concat", "max_prompt_tokens": 1024}, env={"max_turns": 3})
     try:
         before = t.export_weights()
         res = t.fit(FitRequest(round=1, client_id=2, task_indices=TRAIN_TASKS, local_epochs=2, seed=0))
-        assert res.metrics["rows"] == res.num_examples == 2 * 2 * 2            # E x tasks x group
+        assert res.metrics["rows"] == res.num_examples == 2 * 2 * 2  # E x tasks x group
         assert res.metrics["optimizer_steps"] >= 2 and _changed(before, t.export_weights())
     finally:
         t.close()
@@ -357,8 +389,15 @@ def wide(request, kind, env_url, tmp_path_factory):  # noqa: F811
     copy of anything per fit stands far above allocator noise; with PPO, a critic as large beside it."""
     model = random_model_dir(tmp_path_factory.mktemp("models") / "wide", hidden_size=256, layers=2, heads=4)
     algo = {"name": request.param, "group_size": 2 if request.param == "grpo" else 1}
-    t = build(kind, model, env_url, tmp_path_factory.mktemp("run"), env={"max_turns": 2},
-              rollout={"max_prompt_tokens": 128}, algo=algo)
+    t = build(
+        kind,
+        model,
+        env_url,
+        tmp_path_factory.mktemp("run"),
+        env={"max_turns": 2},
+        rollout={"max_prompt_tokens": 128},
+        algo=algo,
+    )
     try:
         yield t
     finally:
@@ -397,8 +436,9 @@ def pair(env_url, model_dir, tmp_path_factory):  # noqa: F811
             t.close()
 
 
-def _policy_pass_pair(pair: tuple[RLTrainer, RLTrainer], rows, advantages, seed: int, mu: float = 0.0
-                      ) -> list[tuple[dict[str, torch.Tensor], dict[str, float]]]:
+def _policy_pass_pair(
+    pair: tuple[RLTrainer, RLTrainer], rows, advantages, seed: int, mu: float = 0.0
+) -> list[tuple[dict[str, torch.Tensor], dict[str, float]]]:
     """The same policy pass on both engines from the builtin's current weights."""
     start = pair[0].export_weights()
     out = []
@@ -407,9 +447,17 @@ def _policy_pass_pair(pair: tuple[RLTrainer, RLTrainer], rows, advantages, seed:
         anchor = FedProxAnchor.snapshot(t.engine.parameters("actor")) if mu else None
         t.engine.begin_fit(reference_from_policy=False)
         try:
-            metrics = policy_pass(t.engine, t.policy_loss, rows, advantages, t.cfg.algo.mini_batch_size, seed,
-                                  (lambda t=t, anchor=anchor: anchor.add_grad_(t.engine.parameters("actor"), mu))
-                                  if anchor is not None else None)
+            metrics = policy_pass(
+                t.engine,
+                t.policy_loss,
+                rows,
+                advantages,
+                t.cfg.algo.mini_batch_size,
+                seed,
+                (lambda t=t, anchor=anchor: anchor.add_grad_(t.engine.parameters("actor"), mu))
+                if anchor is not None
+                else None,
+            )
         finally:
             t.engine.end_fit()
             if anchor is not None:
@@ -428,8 +476,10 @@ def test_fresh_critics_and_row_scores_are_the_same_on_both_engines(pair):
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), member
     _, rows = play(builtin, [0, 1, 2], 2, seed=3)
     for scorer in ("policy", "reference"):
-        diffs = [float((a - b).abs().max()) for a, b in zip(builtin.engine.log_probs(rows, scorer),
-                                                            verl.engine.log_probs(rows, scorer))]
+        diffs = [
+            float((a - b).abs().max())
+            for a, b in zip(builtin.engine.log_probs(rows, scorer), verl.engine.log_probs(rows, scorer))
+        ]
         assert max(diffs) < TOL, scorer
     assert max(float((a - b).abs().max()) for a, b in zip(builtin.engine.values(rows), verl.engine.values(rows))) < TOL
 
@@ -450,11 +500,13 @@ def test_engines_take_the_same_policy_steps(pair, mode, mu):
     assert mode != "concat" or any(0 in rw.mask for rw in rows)
     start = builtin.export_weights()
     (w_b, m_b), (w_v, m_v) = _policy_pass_pair(pair, rows, adv, derive_seed("minibatch", 0, 1, 3, 0), mu)
-    print(f"\n{mode} mu={mu}: rows={len(rows)} max|dw|={_max_diff(w_b, start):.2e} "
-          f"max|w_builtin - w_verl|={_max_diff(w_b, w_v):.2e}")
+    print(
+        f"\n{mode} mu={mu}: rows={len(rows)} max|dw|={_max_diff(w_b, start):.2e} "
+        f"max|w_builtin - w_verl|={_max_diff(w_b, w_v):.2e}"
+    )
     assert m_b["optimizer_steps"] == m_v["optimizer_steps"] >= 1
-    assert _max_diff(w_b, start) > 100 * TOL            # the pass really moved the weights ...
-    assert _max_diff(w_b, w_v) < TOL                      # ... and both engines moved them alike
+    assert _max_diff(w_b, start) > 100 * TOL  # the pass really moved the weights ...
+    assert _max_diff(w_b, w_v) < TOL  # ... and both engines moved them alike
     for key in ("pg_loss", "kl_loss", "entropy", "grad_norm"):
         assert m_v[key] == pytest.approx(m_b[key], rel=1e-4, abs=1e-6), key
 
@@ -465,7 +517,7 @@ def test_engines_take_the_same_critic_steps(pair):
     episodes, rows, _ = scored_rows(builtin, [0, 1, 2, 3], 1, seed=11)
     values = builtin.engine.values(rows)
     _, returns = ADVANTAGES["gae"](episodes, rows, values, builtin.cfg.algo)
-    old = [v + 0.3 * torch.linspace(-1, 1, len(v)) for v in values]       # the value clip binds
+    old = [v + 0.3 * torch.linspace(-1, 1, len(v)) for v in values]  # the value clip binds
     start = builtin.export_weights("critic")
     ends, metrics = [], []
     for t in pair:
@@ -484,10 +536,16 @@ def test_engines_take_the_same_critic_steps(pair):
 
 
 @needs_verl
-@pytest.mark.parametrize("loss_agg_mode,kl_type", [("seq-mean-token-mean", "k1"), ("seq-mean-token-sum-norm", "k3+"),
-                                                   ("token-sum", "abs")])
-def test_every_loss_mode_and_kl_estimator_trains_alike_on_both_engines(env_url, model_dir, tmp_path,  # noqa: F811
-                                                                       loss_agg_mode, kl_type):
+@pytest.mark.parametrize(
+    "loss_agg_mode,kl_type", [("seq-mean-token-mean", "k1"), ("seq-mean-token-sum-norm", "k3+"), ("token-sum", "abs")]
+)
+def test_every_loss_mode_and_kl_estimator_trains_alike_on_both_engines(
+    env_url,
+    model_dir,
+    tmp_path,  # noqa: F811
+    loss_agg_mode,
+    kl_type,
+):
     """`algo.loss_agg_mode` and `algo.kl_type` reach both engines' losses, and mean the same there."""
     algo = {"loss_agg_mode": loss_agg_mode, "kl_type": kl_type, "lr": 1e-4}
     made = [build(kind, model_dir, env_url, tmp_path / kind, algo=algo) for kind in ("builtin", "verl")]
@@ -498,8 +556,9 @@ def test_every_loss_mode_and_kl_estimator_trains_alike_on_both_engines(env_url, 
         # away from the reference: at policy == reference `abs`'s gradient is the sign of a
         # log-prob difference that is pure rounding noise (it differs between any two engines)
         gen = torch.Generator().manual_seed(2)
-        made[0].load_weights({k: v + 0.02 * torch.randn(v.shape, generator=gen)
-                              for k, v in made[0].export_weights().items()})
+        made[0].load_weights(
+            {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in made[0].export_weights().items()}
+        )
         start = made[0].export_weights()
         (w_b, m_b), (w_v, m_v) = _policy_pass_pair(tuple(made), rows, adv, seed=4)
         assert _max_diff(w_b, start) > 10 * TOL and _max_diff(w_b, w_v) < TOL

@@ -4,6 +4,7 @@ The lossy proxy below is a real TCP hop that forwards a request to the service a
 the connection instead of returning the answer: the worst moment for a retry, because the
 service has already acted (the field log's lost-response /create and /close cases).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,9 @@ def url():
 
 async def _read_message(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length:")), 0)
+    length = next(
+        (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0
+    )
     return head + await reader.readexactly(length)
 
 
@@ -80,8 +82,8 @@ def test_every_verb_survives_a_lost_response(url):
             assert (await direct.info())["live_sessions"] == 1
             first = await c.reset("lost", 21)
             action = await c.expert("lost")
-            taken = await c.step("lost", action)                  # answer lost, then retried
-            assert taken["info"]["valid_action"]                  # a 2nd search would be invalid
+            taken = await c.step("lost", action)  # answer lost, then retried
+            assert taken["info"]["valid_action"]  # a 2nd search would be invalid
             # reset_batch/step_batch: a retried batch replays, it does not advance twice
             [again] = await c.reset_batch([("lost", 21)])
             assert again["observation"] == first["observation"]
@@ -94,6 +96,7 @@ def test_every_verb_survives_a_lost_response(url):
             assert sorted(proxy.dropped) == sorted(verbs)
             info = await direct.info()
             assert (info["free"], info["live_sessions"], info["conserved"]) == (POOL, 0, True)
+
     asyncio.run(go())
 
 
@@ -103,7 +106,7 @@ def test_transport_errors_are_retried_with_backoff_until_the_service_is_up():
         with ThreadPoolExecutor(1) as ex:
             pending = ex.submit(c.info)
             time.sleep(0.5)
-            assert not pending.done()                  # refused connections, retrying
+            assert not pending.done()  # refused connections, retrying
             with serve_in_subprocess("shop", 1, PARAMS, port=port):
                 assert pending.result(timeout=60)["pool_size"] == 1
 
@@ -122,17 +125,18 @@ def test_a_restarted_service_is_reached_on_fresh_connections():
             for _ in range(2):
                 with serve_in_subprocess("shop", 1, PARAMS, port=port):
                     pids.append(await pid(c))
-                    await asyncio.gather(*[pid(c) for _ in range(8)])   # several pooled connections
+                    await asyncio.gather(*[pid(c) for _ in range(8)])  # several pooled connections
             assert pids[0] != pids[1]
+
     asyncio.run(go())
 
 
 def test_retries_are_bounded():
     async def go():
-        async with EnvClient(f"http://127.0.0.1:{choose_free_port()}", retries=2,
-                             backoff_s=0.01) as c:
+        async with EnvClient(f"http://127.0.0.1:{choose_free_port()}", retries=2, backoff_s=0.01) as c:
             with pytest.raises(TransportError, match="failed 3 time"):
                 await c.info()
+
     asyncio.run(go())
 
 
@@ -143,7 +147,8 @@ def test_http_errors_are_answers_not_retried(url):
             with pytest.raises(EnvServiceError) as e:
                 await c.step("never-created", "search[x]")
             assert e.value.status == 404 and "never-created" in str(e.value)
-            assert time.perf_counter() - start < 2.0   # a retry would have slept 5 s
+            assert time.perf_counter() - start < 2.0  # a retry would have slept 5 s
+
     asyncio.run(go())
 
 
@@ -171,4 +176,4 @@ def test_sync_client_plays_batched_expert_episodes(url):
     finally:
         c.close()
     assert not c._thread.is_alive() and c._loop.is_closed()
-    c.close()                                          # idempotent
+    c.close()  # idempotent

@@ -5,6 +5,7 @@ gives its reservation back, pool conserved (no orphans) under storms, for the sh
 ALFWorld), 21 (pool members agree on task order; the service refuses to
 start otherwise), 22 (the service lives only inside a scope that stops it).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,21 +17,28 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
 import aiohttp
 import psutil
 import pytest
+from test_alfworld import alf_cache, small_params  # noqa: F401  (alf_cache: a fixture)
 
 from envs.base import task_order_fingerprint
 from envs.client import EnvClient, EnvServiceError
 from envs.registry import make_env
-from envs.service import (EnvPool, PoolMismatchError, ServiceStartError, build_pool,
-                          check_same_task_order, create_app, serve_in_subprocess)
-from test_alfworld import alf_cache, small_params  # noqa: F401  (alf_cache: a fixture)
+from envs.service import (
+    EnvPool,
+    PoolMismatchError,
+    ServiceStartError,
+    build_pool,
+    check_same_task_order,
+    create_app,
+    serve_in_subprocess,
+)
 
 PARAMS = {"num_products": 300, "num_goals": 1000, "val_size": 64, "seed": 0}
 POOL = 8
@@ -65,7 +73,8 @@ def raw_post(url: str, path: str, body: bytes) -> tuple[int, dict]:
 async def _post_chunked(url: str, body: bytes) -> int:
     async def chunks():
         for i in range(0, len(body), 64 << 10):
-            yield body[i:i + (64 << 10)]
+            yield body[i : i + (64 << 10)]
+
     async with aiohttp.ClientSession() as h:
         async with h.post(url, data=chunks()) as r:
             return r.status
@@ -79,12 +88,12 @@ async def info(url: str) -> dict:
 def assert_pool_whole(url: str) -> dict:
     """Every env free, no session live or parked, each env placed exactly once."""
     i = run(info(url))
-    assert (i["free"], i["live_sessions"], i["pending_sessions"], i["conserved"]) == \
-        (POOL, 0, 0, True), i
+    assert (i["free"], i["live_sessions"], i["pending_sessions"], i["conserved"]) == (POOL, 0, 0, True), i
     return i
 
 
 # ------------------------------------------------------------------------------ basics
+
 
 def test_documented_expert_episode_reaches_reward_one(url, capsys):
     """The docs' snippet, verbatim except for the URL, plays an expert episode to reward 1.0."""
@@ -105,23 +114,23 @@ def test_error_codes(url):
     assert raw_post(url, "/create", b'{"session_id": "err"}')[0] == 200
     code, body = raw_post(url, "/step", b'{"session_id": "no-such-session", "action": "x"}')
     assert code == 404 and "no-such-session" in body["detail"]
-    assert raw_post(url, "/reset", b'{"session_id": "err", "seed":')[0] == 422      # malformed
-    assert raw_post(url, "/reset", b'{"session_id": "err"}')[0] == 422              # no seed
+    assert raw_post(url, "/reset", b'{"session_id": "err", "seed":')[0] == 422  # malformed
+    assert raw_post(url, "/reset", b'{"session_id": "err"}')[0] == 422  # no seed
     assert raw_post(url, "/reset", b'{"session_id": "err", "seed": "x"}')[0] == 422
     code, body = raw_post(url, "/reset", b'{"session_id": "err", "seed": true}')
     assert code == 422 and "'seed' must be int" in body["detail"]
     code, body = raw_post(url, "/step", b'{"session_id": "err", "action": "x", "extra": 1}')
     assert code == 422 and "unexpected field 'extra'" in body["detail"]
-    assert raw_post(url, "/reset", b'[1, 2]')[0] == 422                           # not an object
-    with pytest.raises(urllib.error.HTTPError) as e:                              # wrong method
+    assert raw_post(url, "/reset", b"[1, 2]")[0] == 422  # not an object
+    with pytest.raises(urllib.error.HTTPError) as e:  # wrong method
         urllib.request.urlopen(url + "/step", timeout=30)
     assert e.value.code == 405
     code, body = raw_post(url, "/step", b'{"session_id": "err", "action": "click[x]"}')
-    assert code == 409 and "/reset" in body["detail"]                             # no episode
+    assert code == 409 and "/reset" in body["detail"]  # no episode
     big = json.dumps({"session_id": "err", "seed": 1, "pad": "x" * (1 << 20)}).encode()
     code, body = raw_post(url, "/reset", big)
     assert code == 413 and "limit" in body["detail"]
-    assert run(_post_chunked(url + "/reset", big)) == 413          # no Content-Length to trust
+    assert run(_post_chunked(url + "/reset", big)) == 413  # no Content-Length to trust
     code, first = raw_post(url, "/reset", b'{"session_id": "err", "seed": 5}')
     assert code == 200 and first["info"]["valid_actions"] == ["search[<your query>]"]
     code, out = raw_post(url, "/step", b'{"session_id": "err", "action": "click[not a button]"}')
@@ -138,12 +147,17 @@ def test_batched_verbs_answer_bad_items_per_item(url):
             await c.create_many(["b0", "b1"])
             resets = await c.reset_batch([("b0", 1), ("nope", 2), ("b1", 3)])
             assert "nope" in resets[1]["error"]
-            assert [r["info"]["task_id"] for r in (resets[0], resets[2])] == \
-                [make_env("shop", **PARAMS).task_ids()[i] for i in (1, 3)]
-            body = {"items": [{"session_id": "b0", "action": await c.expert("b0")},
-                              {"session_id": "b1"},                      # malformed item
-                              {"session_id": "gone", "action": "search[x]"},
-                              {"session_id": "b1", "action": "click[nothing]"}]}
+            assert [r["info"]["task_id"] for r in (resets[0], resets[2])] == [
+                make_env("shop", **PARAMS).task_ids()[i] for i in (1, 3)
+            ]
+            body = {
+                "items": [
+                    {"session_id": "b0", "action": await c.expert("b0")},
+                    {"session_id": "b1"},  # malformed item
+                    {"session_id": "gone", "action": "search[x]"},
+                    {"session_id": "b1", "action": "click[nothing]"},
+                ]
+            }
             async with aiohttp.ClientSession() as h:
                 async with h.post(url + "/step_batch", json=body) as r:
                     assert r.status == 200
@@ -152,12 +166,14 @@ def test_batched_verbs_answer_bad_items_per_item(url):
             assert "malformed" in out[1]["error"] and "gone" in out[2]["error"]
             assert out[3]["info"]["valid_action"] is False
             await c.close_many(["b0", "b1"])
+
     run(go())
     assert_pool_whole(url)
 
 
 def test_step_retry_replays_instead_of_advancing(url):
     """A resent /step (same turn, same action) returns the first result; the episode moves once."""
+
     async def go():
         async with EnvClient(url) as c:
             await c.create("r")
@@ -171,16 +187,18 @@ def test_step_retry_replays_instead_of_advancing(url):
                         outs.append((r.status, await r.json()))
                 assert outs[0] == outs[1] and outs[0][0] == 200
                 async with h.post(url + "/step", json={**item, "action": "click[back to search]"}) as r:
-                    assert r.status == 409                     # same turn, different action
+                    assert r.status == 409  # same turn, different action
                 async with h.post(url + "/step", json={**item, "turn": 5}) as r:
                     assert r.status == 409 and "turn 5" in (await r.json())["detail"]
             assert (await c.expert("r")).startswith("click[")  # advanced exactly one step
             await c.close("r")
+
     run(go())
     assert_pool_whole(url)
 
 
 # -------------------------------------------------------------------- invariant 20
+
 
 def test_create_is_idempotent_under_concurrent_retries(url):
     """With the pool exhausted, 3 concurrent /create of one session borrow exactly one env."""
@@ -193,12 +211,13 @@ def test_create_is_idempotent_under_concurrent_retries(url):
             await asyncio.sleep(0.3)
             i = await c.info()
             assert (i["free"], i["live_sessions"], i["pending_sessions"]) == (0, POOL, 1)
-            assert not any(d.done() for d in dupes)            # parked, not failed
+            assert not any(d.done() for d in dupes)  # parked, not failed
             await c.close(holders[0])
             await asyncio.gather(*dupes)
             i = await c.info()
             assert (i["free"], i["live_sessions"], i["pending_sessions"]) == (0, POOL, 0)
             await c.close_many(holders[1:] + ["dup"])
+
     run(go())
     assert_pool_whole(url)
 
@@ -219,6 +238,7 @@ def test_close_of_pending_create_returns_env_to_pool(url):
             await c.close(holders[0])
             assert (await c.info())["free"] == 1
             await c.close_many(holders[1:])
+
     run(go())
     assert_pool_whole(url)
 
@@ -228,8 +248,10 @@ async def _parked_create(url: str, sid: str) -> asyncio.StreamWriter:
     host, port = url.removeprefix("http://").split(":")
     _, writer = await asyncio.open_connection(host, int(port))
     body = json.dumps({"session_id": sid}).encode()
-    writer.write(b"POST /create HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    writer.write(
+        b"POST /create HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     await writer.drain()
     return writer
 
@@ -259,11 +281,11 @@ def test_dropped_parked_creates_give_their_reservations_back(url):
             for w in parked:
                 w.close()
             i = await _until(c, lambda i: i["pending_sessions"] == 0)
-            assert i["pending_sessions"] == 0, i               # the reservations were given back
+            assert i["pending_sessions"] == 0, i  # the reservations were given back
             await c.close_many(holders)
             i = await c.info()
-            assert (i["free"], i["live_sessions"], i["orphaned"], i["conserved"]) == \
-                (POOL, 0, 0, True), i
+            assert (i["free"], i["live_sessions"], i["orphaned"], i["conserved"]) == (POOL, 0, 0, True), i
+
     run(go())
     assert_pool_whole(url)
 
@@ -287,6 +309,7 @@ def test_a_dropped_duplicate_create_keeps_the_reservation_of_the_one_still_waiti
             i = await c.info()
             assert (i["free"], i["live_sessions"], i["orphaned"]) == (0, POOL, 0), i
             await c.close_many(holders[1:] + ["twice"])
+
     run(go())
     assert_pool_whole(url)
 
@@ -295,29 +318,31 @@ def test_conserved_is_false_while_an_engine_sits_with_an_unreachable_session():
     """`conserved` counts orphans: an engine handed to a reservation that no waiting /create,
     answered /create or other verb ever reached (the old service's state after a parked
     client left) is not conserved, though it is placed exactly once."""
+
     async def go():
         pool = EnvPool(build_pool("shop", 2, PARAMS))
         for sid in ("a", "b"):
             pool.reserve(sid)
-            pool.get(sid)                  # used by its client: reachable
-        pool.reserve("nobody")             # parked on the empty pool, its requester gone
-        assert pool.stats()["conserved"]   # parked, it holds nothing yet
-        await pool.close("a")              # the freed engine goes to the parked reservation
+            pool.get(sid)  # used by its client: reachable
+        pool.reserve("nobody")  # parked on the empty pool, its requester gone
+        assert pool.stats()["conserved"]  # parked, it holds nothing yet
+        await pool.close("a")  # the freed engine goes to the parked reservation
         stats = pool.stats()
         assert (stats["free"], stats["live_sessions"], stats["conserved"]) == (0, 2, False), stats
         assert stats["orphaned"] == 1
-        pool.get("nobody")                 # a client reached it after all: no longer an orphan
+        pool.get("nobody")  # a client reached it after all: no longer an orphan
         assert pool.stats()["conserved"] and pool.stats()["orphaned"] == 0
+
     run(go())
 
 
 @dataclasses.dataclass(frozen=True)
 class StormCase:
     env: str
-    sessions: int          # episodes through the pool
-    in_flight: int         # episodes at once (the pool holds fewer: creates park)
-    tasks: int             # resets draw their seed from range(tasks)
-    invalid: str           # an action no state accepts
+    sessions: int  # episodes through the pool
+    in_flight: int  # episodes at once (the pool holds fewer: creates park)
+    tasks: int  # resets draw their seed from range(tasks)
+    invalid: str  # an action no state accepts
     offload: bool = False  # engine calls in worker threads: /close meets in-flight steps
 
 
@@ -329,9 +354,13 @@ STORMS = {
 }
 
 
-@pytest.fixture(params=[pytest.param("shop", marks=pytest.mark.timeout(120)),
-                        pytest.param("shop-offload", marks=pytest.mark.timeout(120)),
-                        pytest.param("alfworld", marks=pytest.mark.timeout(600))])
+@pytest.fixture(
+    params=[
+        pytest.param("shop", marks=pytest.mark.timeout(120)),
+        pytest.param("shop-offload", marks=pytest.mark.timeout(120)),
+        pytest.param("alfworld", marks=pytest.mark.timeout(600)),
+    ]
+)
 def storm_service(request) -> Iterator[tuple[StormCase, str, dict, int]]:
     """(case, url, engine params, pool size) of a live service for each storm case."""
     case = STORMS[request.param]
@@ -368,16 +397,14 @@ def test_pool_conserved_under_storm(storm_service):
             out = await c.reset(sid, rng.randrange(case.tasks))
             for turn in range(rng.randint(0, 3)):
                 action = rng.choice(out["info"]["valid_actions"] + [case.invalid])
-                if rng.random() < 0.3:     # may or may not run; the real step then replays
-                    await _doomed(h, url, "/step", {"session_id": sid, "action": action,
-                                                    "turn": turn}, rng)
+                if rng.random() < 0.3:  # may or may not run; the real step then replays
+                    await _doomed(h, url, "/step", {"session_id": sid, "action": action, "turn": turn}, rng)
                 out = await c.step(sid, action)
                 assert out["info"]["valid_action"] == (action != case.invalid), (action, out)
                 if out["done"]:
                     break
-            if rng.random() < 0.2:         # close while a step on the same env is in flight
-                step, _ = await asyncio.gather(c.step(sid, case.invalid), c.close(sid),
-                                               return_exceptions=True)
+            if rng.random() < 0.2:  # close while a step on the same env is in flight
+                step, _ = await asyncio.gather(c.step(sid, case.invalid), c.close(sid), return_exceptions=True)
                 assert isinstance(step, dict) or getattr(step, "status", None) == 404, step
         finally:
             if rng.random() < 0.5:
@@ -405,9 +432,11 @@ def test_pool_conserved_under_storm(storm_service):
         rng = random.Random(0)
         gate = asyncio.Semaphore(case.in_flight)
         async with EnvClient(url, timeout_s=120) as c, aiohttp.ClientSession() as h:
+
             async def one(k: int):
                 async with gate:
                     await episode(c, h, f"storm-{k}", random.Random(rng.random()))
+
             stop = asyncio.Event()
             watcher = asyncio.ensure_future(watch(c, stop))
             try:
@@ -419,13 +448,15 @@ def test_pool_conserved_under_storm(storm_service):
 
     info = run(go())
     assert not seen_bad, seen_bad[:3]
-    assert (info["free"], info["live_sessions"], info["pending_sessions"], info["conserved"]) == \
-        (pool, 0, 0, True), info
+    assert (info["free"], info["live_sessions"], info["pending_sessions"], info["conserved"]) == (pool, 0, 0, True), (
+        info
+    )
     assert won == [1.0]
     assert info["fingerprint"] == task_order_fingerprint(make_env(case.env, **params))
 
 
 # -------------------------------------------------------------------- invariant 21
+
 
 def test_pool_members_built_concurrently_share_task_order():
     envs = build_pool("shop", 4, PARAMS)
@@ -462,10 +493,17 @@ def test_concurrent_services_report_same_fingerprint():
 def test_service_exits_when_its_launcher_is_killed():
     """SIGKILL on the launcher runs no `finally`; the service must not outlive it as an orphan."""
     launcher = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from envs.service import serve_in_subprocess\n"
-         f"with serve_in_subprocess('shop', 1, {PARAMS!r}) as u:\n"
-         "    print(u, flush=True); time.sleep(600)"],
-        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from envs.service import serve_in_subprocess\n"
+            f"with serve_in_subprocess('shop', 1, {PARAMS!r}) as u:\n"
+            "    print(u, flush=True); time.sleep(600)",
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         pid = run(info(launcher.stdout.readline().strip()))["pid"]
     finally:
@@ -473,7 +511,7 @@ def test_service_exits_when_its_launcher_is_killed():
         launcher.wait()
     service = psutil.Process(pid) if psutil.pid_exists(pid) else None
     if service is not None:
-        service.wait(timeout=15)   # raises TimeoutExpired if it lingers
+        service.wait(timeout=15)  # raises TimeoutExpired if it lingers
 
 
 def test_service_start_failure_is_reported_and_reaped():

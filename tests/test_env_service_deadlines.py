@@ -5,6 +5,7 @@ request's head or body a byte at a time, held its socket for as long as it liked
 sockets were held 75 s). The service's head and body deadlines (`DeadlineProtocol`) answer
 them 408 and close the socket, while ordinary clients go on being served.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,19 +18,18 @@ from envs.service import serve_in_subprocess
 
 PARAMS = {"num_products": 300, "num_goals": 1000, "val_size": 64, "seed": 0}
 HEAD_S, BODY_S = 1.0, 1.5
-REQUEST_HEAD = (b"POST /reset HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Content-Length: 40\r\n\r\n")
+REQUEST_HEAD = b"POST /reset HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
 
 
 @pytest.fixture(scope="module")
 def url():
-    with serve_in_subprocess("shop", 2, PARAMS, header_timeout_s=HEAD_S,
-                             body_timeout_s=BODY_S) as base_url:
+    with serve_in_subprocess("shop", 2, PARAMS, header_timeout_s=HEAD_S, body_timeout_s=BODY_S) as base_url:
         yield base_url
 
 
-async def _held(url: str, prefix: bytes, trickle: bytes, every_s: float = 0.1,
-                give_up_s: float = 8.0) -> tuple[float, bytes]:
+async def _held(
+    url: str, prefix: bytes, trickle: bytes, every_s: float = 0.1, give_up_s: float = 8.0
+) -> tuple[float, bytes]:
     """Open a socket, send `prefix`, then one byte of `trickle` every `every_s` (never the
     whole request); how long until the service closed it (from just before connecting) and
     what it answered. `give_up_s` if it never closed it."""
@@ -42,12 +42,12 @@ async def _held(url: str, prefix: bytes, trickle: bytes, every_s: float = 0.1,
     async def dribble() -> None:
         for i in range(len(trickle)):
             await asyncio.sleep(every_s)
-            writer.write(trickle[i:i + 1])
+            writer.write(trickle[i : i + 1])
             await writer.drain()
 
     sender = asyncio.ensure_future(dribble())
     try:
-        answer = await asyncio.wait_for(reader.read(-1), give_up_s)   # until the service closes
+        answer = await asyncio.wait_for(reader.read(-1), give_up_s)  # until the service closes
         return time.monotonic() - start, answer
     except asyncio.TimeoutError:
         return give_up_s, b""
@@ -71,8 +71,9 @@ def test_slow_sockets_get_408_and_are_closed_while_others_are_served(url):
         silent = [_held(url, b"", b"") for _ in range(40)]
         heads = [_held(url, b"", slow_head) for _ in range(40)]
         bodies = [_held(url, REQUEST_HEAD, b"{" + b" " * 200) for _ in range(39)]
-        kept = [_held(url, served, slow_head)]     # first request answered (404), then a slow one
+        kept = [_held(url, served, slow_head)]  # first request answered (404), then a slow one
         async with EnvClient(url) as c:
+
             async def episode() -> dict:
                 await c.create("normal")
                 out = await c.reset("normal", 3)
@@ -80,22 +81,28 @@ def test_slow_sockets_get_408_and_are_closed_while_others_are_served(url):
                     out = await c.step("normal", await c.expert("normal"))
                 await c.close("normal")
                 return out
+
             *results, final = await asyncio.gather(
-                asyncio.gather(*silent), asyncio.gather(*heads), asyncio.gather(*bodies),
-                asyncio.gather(*kept), episode())
+                asyncio.gather(*silent),
+                asyncio.gather(*heads),
+                asyncio.gather(*bodies),
+                asyncio.gather(*kept),
+                episode(),
+            )
             info = await c.info()
         assert final["reward"] == 1.0 and info["conserved"] and info["free"] == 2, (final, info)
         return tuple(results)
 
     silent, heads, bodies, kept = asyncio.run(go())
     slack = 3.0
-    for name, rows, limit in (("silent", silent, HEAD_S), ("slow head", heads, HEAD_S),
-                              ("slow body", bodies, BODY_S)):
+    for name, rows, limit in (("silent", silent, HEAD_S), ("slow head", heads, HEAD_S), ("slow body", bodies, BODY_S)):
         held = sorted(t for t, _ in rows)
         assert limit - 0.1 <= held[0] and held[-1] <= limit + slack, (name, held[0], held[-1])
-        assert all(a.startswith(b"HTTP/1.1 408 ") and b"did not arrive within" in a
-                   for _, a in rows), (name, rows[0][1])
-    (held, answer), = kept
+        assert all(a.startswith(b"HTTP/1.1 408 ") and b"did not arrive within" in a for _, a in rows), (
+            name,
+            rows[0][1],
+        )
+    ((held, answer),) = kept
     first, _, second = answer.partition(b"HTTP/1.1 408 ")
     assert first.startswith(b"HTTP/1.1 404 ") and b"unknown session" in first, answer
     assert b"request head did not arrive within 1 s" in second and held <= HEAD_S + slack
@@ -104,6 +111,7 @@ def test_slow_sockets_get_408_and_are_closed_while_others_are_served(url):
 def test_a_request_inside_its_deadlines_is_served(url):
     """The deadlines bound the whole head and body, not each byte: a head that arrives in two
     parts and a body sent half a second later, both inside their deadlines, are answered."""
+
     async def go() -> bytes:
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))

@@ -13,6 +13,7 @@ Properties:
 The fast variants run in the default test run (derandomized, a few seconds); the `_long` ones
 are `-m slow`. Each prints how many requests it sent and faults it injected (docs/reliability.md).
 """
+
 from __future__ import annotations
 
 import http.client
@@ -41,8 +42,9 @@ POOL = 4
 VERBS = ["/create", "/close", "/reset", "/step", "/expert", "/reset_batch", "/step_batch"]
 COUNTS: Counter[str] = Counter()
 
-FAST = settings(max_examples=150, derandomize=True, database=None, deadline=None,
-                suppress_health_check=list(HealthCheck))
+FAST = settings(
+    max_examples=150, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
+)
 LONG = settings(max_examples=4000, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 
 
@@ -52,8 +54,7 @@ def wire() -> Iterator[Wire]:
         w = Wire(url)
         yield w
         w.conn.close()
-        print(f"\nenv-service fuzz: {COUNTS['requests']} requests, {COUNTS['faults']} faults injected "
-              f"({dict(COUNTS)})")
+        print(f"\nenv-service fuzz: {COUNTS['requests']} requests, {COUNTS['faults']} faults injected ({dict(COUNTS)})")
 
 
 class Wire:
@@ -65,8 +66,9 @@ class Wire:
         self.addr = (host, int(port))
         self.conn = http.client.HTTPConnection(*self.addr, timeout=30)
 
-    def request(self, method: str, path: str, body: bytes | None = None,
-                headers: dict | None = None) -> tuple[int, object]:
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: dict | None = None
+    ) -> tuple[int, object]:
         COUNTS["requests"] += 1
         for attempt in (0, 1):
             try:
@@ -92,8 +94,10 @@ class Wire:
         COUNTS["faults"] += 1
         data = orjson.dumps(body)
         with socket.create_connection(self.addr) as s:
-            s.sendall(b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%b" % (path.encode(), len(data), data))
+            s.sendall(
+                b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%b" % (path.encode(), len(data), data)
+            )
             time.sleep(after_s)
 
     def raw(self, data: bytes) -> bytes:
@@ -123,9 +127,12 @@ class Wire:
 
 # ------------------------------------------------------------------------ malformed bodies
 
-JSON_SCALARS = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text()
-JSON = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
-                    | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+JSON_SCALARS = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text()
+JSON = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 SIDS = st.one_of(st.just("held"), st.just("held"), st.sampled_from(["nope", ""]), st.text(max_size=12))
 ODD = JSON_SCALARS | st.lists(JSON_SCALARS, max_size=2)
 
@@ -134,16 +141,23 @@ def _item(fields: dict) -> st.SearchStrategy[dict]:
     """Objects with each of `fields` present or absent, well-typed or not, plus stray keys;
     most of them complete and well-typed, so the engine paths get fuzzed too."""
     good = st.fixed_dictionaries(fields)
-    odd = st.builds(lambda d, keep, extra: {**{k: v for k, v in d.items() if k in keep}, **extra},
-                    st.fixed_dictionaries({name: st.one_of(value, ODD) for name, value in fields.items()}),
-                    st.sets(st.sampled_from(sorted(fields))),
-                    st.dictionaries(st.sampled_from(["turn", "extra", "seed", "items"]), ODD, max_size=1))
+    odd = st.builds(
+        lambda d, keep, extra: {**{k: v for k, v in d.items() if k in keep}, **extra},
+        st.fixed_dictionaries({name: st.one_of(value, ODD) for name, value in fields.items()}),
+        st.sets(st.sampled_from(sorted(fields))),
+        st.dictionaries(st.sampled_from(["turn", "extra", "seed", "items"]), ODD, max_size=1),
+    )
     return st.one_of(good, good, odd)
 
 
-STEP_ITEM = _item({"session_id": SIDS, "action": st.sampled_from(["search[shoes]", "click[back to search]"])
-                   | st.text(max_size=30), "turn": st.integers(-3, 3) | st.none()})
-RESET_ITEM = _item({"session_id": SIDS, "seed": st.integers(-2**63, 2**63 - 1)})
+STEP_ITEM = _item(
+    {
+        "session_id": SIDS,
+        "action": st.sampled_from(["search[shoes]", "click[back to search]"]) | st.text(max_size=30),
+        "turn": st.integers(-3, 3) | st.none(),
+    }
+)
+RESET_ITEM = _item({"session_id": SIDS, "seed": st.integers(-(2**63), 2**63 - 1)})
 
 
 def _encode(obj: object) -> bytes:
@@ -154,13 +168,23 @@ def _encode(obj: object) -> bytes:
 SESSION_ITEM = _item({"session_id": SIDS})
 BATCH = _item({"items": st.lists(STEP_ITEM | RESET_ITEM | ODD, max_size=6)})
 ANY_BODY = st.one_of(st.binary(max_size=200), JSON, STEP_ITEM, RESET_ITEM, BATCH).map(
-    lambda b: b if isinstance(b, bytes) else _encode(b))
+    lambda b: b if isinstance(b, bytes) else _encode(b)
+)
 # Each path is mostly sent a body made for it (near-valid), otherwise anything.
-MADE_FOR = {"/create": SESSION_ITEM, "/close": SESSION_ITEM, "/expert": SESSION_ITEM, "/reset": RESET_ITEM,
-            "/step": STEP_ITEM, "/reset_batch": BATCH, "/step_batch": BATCH}
+MADE_FOR = {
+    "/create": SESSION_ITEM,
+    "/close": SESSION_ITEM,
+    "/expert": SESSION_ITEM,
+    "/reset": RESET_ITEM,
+    "/step": STEP_ITEM,
+    "/reset_batch": BATCH,
+    "/step_batch": BATCH,
+}
 REQUESTS = st.sampled_from([*VERBS, "/info", "/nope"]).flatmap(
-    lambda path: st.tuples(st.just(path), st.one_of(*[MADE_FOR[path].map(_encode)] * 3, ANY_BODY)
-                           if path in MADE_FOR else ANY_BODY))
+    lambda path: st.tuples(
+        st.just(path), st.one_of(*[MADE_FOR[path].map(_encode)] * 3, ANY_BODY) if path in MADE_FOR else ANY_BODY
+    )
+)
 
 
 def _bodies(wire: Wire):
@@ -169,13 +193,14 @@ def _bodies(wire: Wire):
         path, body = request
         status, answer = wire.request("POST", path, body, {"Content-Type": content_type})
         sid = orjson.loads(body)["session_id"] if status == 200 and path in ("/create", "/close") else None
-        if path == "/create" and sid != "held":      # never let a fuzzed session hold an engine
+        if path == "/create" and sid != "held":  # never let a fuzzed session hold an engine
             wire.post("/close", session_id=sid)
-        elif path == "/close" and sid == "held":     # the fuzzer closed it: it comes back
+        elif path == "/close" and sid == "held":  # the fuzzer closed it: it comes back
             _hold(wire)
         if status == 200 and path.endswith("_batch"):
             assert len(answer["results"]) == len(orjson.loads(body)["items"])
-        wire.assert_conserved(live=1)                # only "held" holds an engine
+        wire.assert_conserved(live=1)  # only "held" holds an engine
+
     return prop
 
 
@@ -204,15 +229,26 @@ def test_malformed_bodies_long(wire):
 
 # ------------------------------------------------------------------------- raw HTTP bytes
 
+
 def _raw(wire: Wire):
-    @given(head=st.sampled_from([b"POST /step HTTP/1.1\r\n", b"GET /info HTTP/1.1\r\n", b"PUT /create HTTP/1.0\r\n",
-                                 b"POST /step_batch HTTP/1.1\r\nTransfer-Encoding: chunked\r\n", b""]),
-           rest=st.binary(max_size=300))
+    @given(
+        head=st.sampled_from(
+            [
+                b"POST /step HTTP/1.1\r\n",
+                b"GET /info HTTP/1.1\r\n",
+                b"PUT /create HTTP/1.0\r\n",
+                b"POST /step_batch HTTP/1.1\r\nTransfer-Encoding: chunked\r\n",
+                b"",
+            ]
+        ),
+        rest=st.binary(max_size=300),
+    )
     def prop(head: bytes, rest: bytes) -> None:
         answer = wire.raw(head + rest)
         status = answer[9:12]
         assert not answer or (answer.startswith(b"HTTP/1.") and status[:1] in (b"2", b"4")), answer[:200]
         wire.assert_conserved(live=0)
+
     return prop
 
 
@@ -227,6 +263,7 @@ def test_raw_garbage_requests_long(wire):
 
 # --------------------------------------------------------------- sequences with faults
 
+
 class Episodes(RuleBasedStateMachine):
     """Sessions through the pool against a model of what the service holds; faults: dropped
     /create (also parked ones), /step, /reset and /close requests, duplicate requests."""
@@ -236,9 +273,9 @@ class Episodes(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.turn: dict[str, int | None] = {}      # held sessions -> steps since reset (None: no episode)
+        self.turn: dict[str, int | None] = {}  # held sessions -> steps since reset (None: no episode)
         self.actions: dict[str, list[str]] = {}
-        self.ended: set[str] = set()               # episodes that reported done
+        self.ended: set[str] = set()  # episodes that reported done
 
     def teardown(self) -> None:
         for sid in self.NAMES:
@@ -255,10 +292,10 @@ class Episodes(RuleBasedStateMachine):
     @precondition(lambda self: len(self.turn) < POOL)
     @rule(sid=st.sampled_from(NAMES), dropped_first=st.booleans())
     def create(self, sid: str, dropped_first: bool) -> None:
-        if dropped_first:                          # a lost first attempt, then the retry joins
+        if dropped_first:  # a lost first attempt, then the retry joins
             self.wire.drop("/create", {"session_id": sid}, after_s=0.01)
         assert self.wire.post("/create", session_id=sid) == (200, {"ok": True})
-        assert self.wire.post("/create", session_id=sid) == (200, {"ok": True})   # duplicate
+        assert self.wire.post("/create", session_id=sid) == (200, {"ok": True})  # duplicate
         self.turn.setdefault(sid, None)
         self.actions.setdefault(sid, [])
 
@@ -276,13 +313,13 @@ class Episodes(RuleBasedStateMachine):
         assert _poll(lambda: self.wire.info()["pending_sessions"] == 0)
 
     @precondition(lambda self: bool(self.turn))
-    @rule(data=st.data(), seed=st.integers(-2**40, 2**40), dropped_first=st.booleans())
+    @rule(data=st.data(), seed=st.integers(-(2**40), 2**40), dropped_first=st.booleans())
     def reset(self, data: st.DataObject, seed: int, dropped_first: bool) -> None:
         sid = data.draw(st.sampled_from(sorted(self.turn)))
         if dropped_first:
             self.wire.drop("/reset", {"session_id": sid, "seed": seed})
         status, out = self.wire.post("/reset", session_id=sid, seed=seed)
-        again = self.wire.post("/reset", session_id=sid, seed=seed)[1]       # a retry: same task
+        again = self.wire.post("/reset", session_id=sid, seed=seed)[1]  # a retry: same task
         assert status == 200 and again["observation"] == out["observation"]
         assert again["info"]["task_id"] == out["info"]["task_id"]
         self.turn[sid], self.actions[sid] = 0, out["info"]["valid_actions"]
@@ -294,16 +331,16 @@ class Episodes(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(self._playable()))
         action = data.draw(st.sampled_from([*self.actions[sid], "click[nonsense]"]) | st.text(max_size=20))
         item = {"session_id": sid, "action": action, "turn": self.turn[sid]}
-        if fault == "dropped":                     # may or may not run; the retry must not step twice
+        if fault == "dropped":  # may or may not run; the retry must not step twice
             self.wire.drop("/step", item, after_s=0.01)
         status, out = self.wire.request("POST", "/step", orjson.dumps(item))
         assert status == 200, out
-        if fault == "resent":                      # a retry of a step that ran: the same answer
+        if fault == "resent":  # a retry of a step that ran: the same answer
             assert self.wire.request("POST", "/step", orjson.dumps(item)) == (200, out)
         self.turn[sid] += 1
         self.actions[sid] = out["info"]["valid_actions"]
         ahead = {**item, "turn": self.turn[sid] + 1}
-        assert self.wire.request("POST", "/step", orjson.dumps(ahead))[0] == 409   # moved exactly once
+        assert self.wire.request("POST", "/step", orjson.dumps(ahead))[0] == 409  # moved exactly once
         if out["done"]:
             self.ended.add(sid)
 
@@ -316,12 +353,12 @@ class Episodes(RuleBasedStateMachine):
         assert status == 200 and len(out["results"]) == len(items)
         for s, r in zip(sids, out["results"]):
             if s == "ghost" or self.turn[s] is None:
-                assert "error" in r, r             # unknown session, or no episode yet
+                assert "error" in r, r  # unknown session, or no episode yet
             elif "error" not in r:
                 assert r["info"]["valid_action"] is False or s in self.ended, r
                 self.turn[s] += 1
             else:
-                assert s in self.ended, r          # only a finished episode may refuse a step
+                assert s in self.ended, r  # only a finished episode may refuse a step
 
     @precondition(lambda self: bool(self.turn))
     @rule(data=st.data(), dropped_first=st.booleans())
@@ -346,8 +383,9 @@ def _poll(check, timeout_s: float = 5.0) -> bool:
 
 def _machine(wire: Wire, **kw: object) -> None:
     Episodes.wire = wire
-    run_state_machine_as_test(Episodes, settings=settings(database=None, deadline=None,
-                                                          suppress_health_check=list(HealthCheck), **kw))
+    run_state_machine_as_test(
+        Episodes, settings=settings(database=None, deadline=None, suppress_health_check=list(HealthCheck), **kw)
+    )
 
 
 def test_sequences_with_dropped_and_repeated_requests_conserve_the_pool(wire):

@@ -3,6 +3,7 @@ its own env variant (built from the content-hashed record, checked by the traine
 episode), a lane alternating between clients never serves one client's variant to another,
 and validation stays on the unperturbed env. Real env services (uvicorn subprocesses) and a
 real trainer with a random tiny policy."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from trainer_support import SMALL_ENV_PARAMS, model_dir, one_torch_thread, small_config  # noqa: F401
 
 from client_app.trainer import make_trainer
 from client_app.trainer.base import EvalRequest, FitRequest
@@ -23,14 +25,16 @@ from fl_app.config import Config, load_config
 from partitions.pool import build_pool
 from partitions.registry import plan_partition
 from partitions.report import write_partition_report
-from trainer_support import SMALL_ENV_PARAMS, model_dir, one_torch_thread, small_config  # noqa: F401
 
 CLIENTS, TASKS_PER_CLIENT = 8, 20
 
 
 def het_config(model_dir: Path, name: str, **knobs) -> Config:  # noqa: F811
-    return small_config(model_dir, env_partition={"name": name, **knobs},
-                        federation={"clients": CLIENTS, "tasks_per_client": TASKS_PER_CLIENT, "val_tasks": 8})
+    return small_config(
+        model_dir,
+        env_partition={"name": name, **knobs},
+        federation={"clients": CLIENTS, "tasks_per_client": TASKS_PER_CLIENT, "val_tasks": 8},
+    )
 
 
 def shard(c: int) -> list[int]:
@@ -62,8 +66,9 @@ def test_a_variant_service_serves_exactly_the_engine_its_record_builds(model_dir
     the page the in-process engine built from its record shows, not the unperturbed page."""
     services = VariantEnvServices(het_config(model_dir, "rank_wrapper", num_variants=4))
     try:
-        inverted = next(c for c in range(CLIENTS)
-                        if services.for_client(c, shard(c)).variant.label.startswith("v_inverted"))
+        inverted = next(
+            c for c in range(CLIENTS) if services.for_client(c, shard(c)).variant.label.startswith("v_inverted")
+        )
         served = services.for_client(inverted, shard(inverted))
         task = served.tasks[0]
         with SyncEnvClient(served.url) as env:
@@ -94,8 +99,8 @@ def test_a_lane_alternating_clients_never_serves_one_clients_variant_to_another(
             assert len(keep) < SMALL_ENV_PARAMS["num_products"]
             seen.append((env.url, info["pid"], keep))
         assert services.started == 3
-        assert seen[0][2] == seen[2][2] != seen[1][2]                    # client 0 gets its catalog back
-        assert not psutil.pid_exists(seen[0][1]) and not psutil.pid_exists(seen[1][1])   # evicted = stopped
+        assert seen[0][2] == seen[2][2] != seen[1][2]  # client 0 gets its catalog back
+        assert not psutil.pid_exists(seen[0][1]) and not psutil.pid_exists(seen[1][1])  # evicted = stopped
     finally:
         services.close()
     assert not psutil.pid_exists(seen[2][1])
@@ -119,12 +124,22 @@ def test_fits_play_on_the_clients_variant_and_validation_on_the_plain_env(model_
     with serve_in_subprocess("shop", cfg.env.pool_size, cfg.env.params) as plain_url:
         trainer = make_trainer(cfg, plain_url)
         try:
-            a, b = next((x, y) for x in range(CLIENTS) for y in range(CLIENTS)
-                        if services.for_client(x, shard(x)).variant.label
-                        != services.for_client(y, shard(y)).variant.label)
+            a, b = next(
+                (x, y)
+                for x in range(CLIENTS)
+                for y in range(CLIENTS)
+                if services.for_client(x, shard(x)).variant.label != services.for_client(y, shard(y)).variant.label
+            )
             env_a, env_b = services.for_client(a, shard(a)), services.for_client(b, shard(b))
-            req = FitRequest(round=1, client_id=a, task_indices=env_a.tasks, local_epochs=1, seed=0,
-                             env_url=env_a.url, env_variant=env_a.variant.content_hash)
+            req = FitRequest(
+                round=1,
+                client_id=a,
+                task_indices=env_a.tasks,
+                local_epochs=1,
+                seed=0,
+                env_url=env_a.url,
+                env_variant=env_a.variant.content_hash,
+            )
             result = trainer.fit(req)
             assert result.num_examples == cfg.algo.tasks_per_step * cfg.algo.group_size
             with pytest.raises(RuntimeError, match="refusing to train on another env"):

@@ -8,6 +8,7 @@ the same `flwr run` command is rerun until `python -m server_app.status` says co
 failed attempt must have left a one-line root cause in summary.json, never a traceback or ANSI
 codes. The seed of the random points is printed (`FEDAGENT_FAULT_SEED` replays it).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from flower_harness import ROOT, flower, run_config, run_status
 
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest
-from flower_harness import ROOT, flower, run_config, run_status
 from server_app.local_superlink import find_superlink
 
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
@@ -111,8 +112,10 @@ def test_a_kill_at_a_random_point_then_resume_gives_the_uninterrupted_weights(tm
                 assert attempts < 4, log.read_text()[-3000:]
                 fr.run(run_config(RECIPE, run_dir, rounds=ROUNDS), timeout_s=2400)
                 attempts += 1
-            report.append(f"{kind}: killed {'a process' if targets else 'nothing (none found)'} after round "
-                          f"{killed_in} (+{delay:.1f} s); complete after {attempts} attempt(s)")
+            report.append(
+                f"{kind}: killed {'a process' if targets else 'nothing (none found)'} after round "
+                f"{killed_in} (+{delay:.1f} s); complete after {attempts} attempt(s)"
+            )
             assert targets, f"no {kind} process to kill"
             assert _digests(run_dir) == reference, f"{kind}: resumed weights differ from the uninterrupted run"
     print("\n".join(report))

@@ -1,5 +1,6 @@
 """The real thing: `flwr run` against a private local SuperLink, the real ServerApp, ClientApp,
 trainer service, env service and tiny model (issue 4's must-shows, scaled to minutes)."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from flower_harness import FLWR, ROOT, flower, run_config, run_status
 
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest, load_shards
-from flower_harness import FLWR, ROOT, flower, run_config, run_status
 from server_app.local_superlink import find_superlink
 
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
@@ -59,7 +60,7 @@ def test_flwr_run_completes_rounds_and_writes_the_run_dir(two_rounds, fl):
     assert summary["status"] == "complete" and summary["final_round"] == 2
     assert (two_rounds / "validation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (two_rounds / "config.yaml").exists()
-    partition = json.loads((two_rounds / "partition.json").read_text())      # written before round 1 (issue 15)
+    partition = json.loads((two_rounds / "partition.json").read_text())  # written before round 1 (issue 15)
     assert len(partition["clients"]) == summary["config"]["federation"]["clients"]
     assert summary["partition"]["digest"] == partition["digest"]
     assert summary["partition"]["partition"]["name"] == "uniform"
@@ -69,8 +70,8 @@ def test_flwr_run_completes_rounds_and_writes_the_run_dir(two_rounds, fl):
 
 def test_one_trainer_service_serves_every_fit_and_stops(two_rounds, fl):
     summary = json.loads((two_rounds / "summary.json").read_text())
-    (svc,) = summary["services"]                       # one lane (CPU) -> one service
-    assert svc["fits"] == 4 and svc["evals"] == 3      # 2 rounds x 2 clients; rounds 0, 1, 2
+    (svc,) = summary["services"]  # one lane (CPU) -> one service
+    assert svc["fits"] == 4 and svc["evals"] == 3  # 2 rounds x 2 clients; rounds 0, 1, 2
     for pid in _service_pids(fl):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     # the run dir says where every node's trainer log is
@@ -81,7 +82,7 @@ def test_two_nodes_on_one_lane_shut_it_down_once_without_a_traceback(two_rounds_
     """Issue 17: the second node's shutdown used to post to the socket the first had closed."""
     run_dir, output = two_rounds_run
     assert "ClientAppException" not in output and "Connection refused" not in output, output[-6000:]
-    assert "shutdown on node" not in output                    # no failed shutdown reply
+    assert "shutdown on node" not in output  # no failed shutdown reply
     assert len(json.loads((run_dir / "summary.json").read_text())["services"]) == 1
 
 
@@ -115,14 +116,14 @@ def test_bad_config_fails_before_anything_starts(fl, tmp_path):
     p = fl.run(_rc(run_dir, **{"clients-per-round": 9}), timeout_s=600)
     out = p.stdout + p.stderr
     assert "exceeds federation.clients" in out, out[-4000:]
-    assert not run_dir.exists()                         # nothing was created
+    assert not run_dir.exists()  # nothing was created
     assert not _service_pids(fl) or all(not psutil.pid_exists(p) for p in _service_pids(fl))
 
 
 def test_labels_of_another_env_fail_the_run_before_any_lane_starts(fl, tmp_path):
     """Hardness labels made on another task order are refused by the server before round 0 (issue 15)."""
     recipe = tmp_path / "hardness.yaml"
-    labels = ROOT / "configs" / "labels" / "tiny-shop.json"         # the tiny default's pool, not this recipe's
+    labels = ROOT / "configs" / "labels" / "tiny-shop.json"  # the tiny default's pool, not this recipe's
     recipe.write_text(f"extends: {RECIPE}\npartition: {{name: hardness, params: {{xi_prime: 1}}, labels: {labels}}}\n")
     p = fl.run(run_config(recipe, tmp_path / "run"), timeout_s=600)
     out = p.stdout + p.stderr
@@ -152,16 +153,29 @@ def test_sigkill_mid_round_then_rerun_resumes_cleanly(tmp_path):
     home = tmp_path / "flwr"
     with flower(home) as fr:
         log = open(tmp_path / "first-attempt.log", "w")
-        proc = subprocess.Popen([FLWR, "run", str(ROOT), "--run-config",
-                                 _rc(run_dir, rounds=4), "--federation-config", "num-supernodes=2", "--stream"],
-                                env=fr.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                FLWR,
+                "run",
+                str(ROOT),
+                "--run-config",
+                _rc(run_dir, rounds=4),
+                "--federation-config",
+                "num-supernodes=2",
+                "--stream",
+            ],
+            env=fr.env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + 1200
             rd = RunDir(run_dir, total_rounds=4)
             while time.monotonic() < deadline and (rd.last_complete_round() or 0) < 1 and proc.poll() is None:
                 time.sleep(1)
             assert rd.last_complete_round() == 1, (tmp_path / "first-attempt.log").read_text()[-4000:]
-            time.sleep(2)                                   # now inside round 2
+            time.sleep(2)  # now inside round 2
             first_services = _service_pids(fr)
             assert first_services
             _kill_tree(find_superlink(fr.home).pid)
@@ -172,13 +186,14 @@ def test_sigkill_mid_round_then_rerun_resumes_cleanly(tmp_path):
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in first_services):
             time.sleep(0.5)
-        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                       for p in first_services), "a trainer service outlived its killed run"
+        assert not any(
+            psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in first_services
+        ), "a trainer service outlived its killed run"
         p = fr.run(_rc(run_dir, rounds=4), timeout_s=1200)
         assert "resuming after round" in p.stdout, p.stdout[-4000:]
         assert RunDir(run_dir, total_rounds=4).last_complete_round() == 4
-        assert [r["round"] for r in rd.read_metrics()] == [0, 1, 2, 3, 4]   # one line per round
-        assert set(_service_pids(fr)) - set(first_services)   # the rerun got a service of its own
+        assert [r["round"] for r in rd.read_metrics()] == [0, 1, 2, 3, 4]  # one line per round
+        assert set(_service_pids(fr)) - set(first_services)  # the rerun got a service of its own
 
 
 def test_stopping_the_local_superlink_mid_run_stops_the_runtime_too(tmp_path):
@@ -187,9 +202,23 @@ def test_stopping_the_local_superlink_mid_run_stops_the_runtime_too(tmp_path):
     run_dir = tmp_path / "stopped"
     with flower(tmp_path / "flwr") as fr:
         log = open(tmp_path / "run.log", "w")
-        proc = subprocess.Popen([FLWR, "run", str(ROOT), "--run-config", _rc(run_dir, rounds=50),
-                                 "--federation-config", "num-supernodes=1", "--stream"],
-                                env=fr.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                FLWR,
+                "run",
+                str(ROOT),
+                "--run-config",
+                _rc(run_dir, rounds=50),
+                "--federation-config",
+                "num-supernodes=1",
+                "--stream",
+            ],
+            env=fr.env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline and not _service_pids(fr) and proc.poll() is None:
@@ -198,11 +227,17 @@ def test_stopping_the_local_superlink_mid_run_stops_the_runtime_too(tmp_path):
             assert services, (tmp_path / "run.log").read_text()[-4000:]
             superlink = find_superlink(fr.home)
             ports = {c.laddr.port for c in superlink.net_connections() if c.status == psutil.CONN_LISTEN}
-            runtime = [psutil.Process(c.pid) for c in psutil.net_connections(kind="tcp")
-                       if c.pid and c.pid not in (superlink.pid, proc.pid) and c.raddr and c.raddr.port in ports]
+            runtime = [
+                psutil.Process(c.pid)
+                for c in psutil.net_connections(kind="tcp")
+                if c.pid and c.pid not in (superlink.pid, proc.pid) and c.raddr and c.raddr.port in ports
+            ]
             assert runtime, "no process of the run is connected to the SuperLink"
             fr.stop()
-            gone = lambda pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+            def gone(pid):
+                return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
             # stop returns after its targets exited; a runtime left to notice the lost SuperLink by
             # itself lingers for many seconds, so allow only a moment for zombies to be reaped
             deadline = time.monotonic() + 2

@@ -1,16 +1,17 @@
 """PPO through the real thing (`flwr run`, ServerApp, ClientApp, trainer service, env service,
 tiny model): the critic is federated beside the policy every round, a round is complete only
 with both, and a resumed run restores the critic (invariant 7)."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import pytest
+from flower_harness import ROOT, flower, run_config, run_status
 
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest
-from flower_harness import ROOT, flower, run_config, run_status
 
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-ppo-recipe.yaml"
 MEMBERS = ("actor", "critic")
@@ -30,7 +31,7 @@ def _digests(run_dir: Path, r: int) -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)          # three `flwr run`s (2 + 1 + 3 rounds): ~10 min on 2 loaded cores
+@pytest.mark.timeout(2400)  # three `flwr run`s (2 + 1 + 3 rounds): ~10 min on 2 loaded cores
 def test_ppo_flwr_run_federates_the_critic_and_resume_restores_it(tmp_path):
     """rounds=2, then resumed to rounds=3, against an uninterrupted rounds=3 run: every round
     holds an aggregated critic beside the actor; round 3 of the resumed run is bit-identical to
@@ -55,8 +56,11 @@ def test_ppo_flwr_run_federates_the_critic_and_resume_restores_it(tmp_path):
         assert "resuming after round 2" in out, out[-4000:]
         _run(fr, fresh, rounds=3)
     after = json.loads((resumed / "summary.json").read_text())
-    assert after["critic"] == {"init": "resume", "source": str(RunDir(resumed).member_dir(2, "critic")),
-                               "round0": rows[0]["critic_start"]}
+    assert after["critic"] == {
+        "init": "resume",
+        "source": str(RunDir(resumed).member_dir(2, "critic")),
+        "round0": rows[0]["critic_start"],
+    }
     assert _digests(resumed, 2) == _digests(fresh, 2)
     assert _digests(resumed, 3) == _digests(fresh, 3)
     row3 = {name: RunDir(name).read_metrics()[3] for name in (resumed, fresh)}

@@ -1,6 +1,7 @@
 """`python -m client_app.label_tasks`: real rollouts of a real (random-weight) policy through the
 trainer's evaluate on a real env service, one label per training task, with provenance; and a
 run refusing the result where it cannot be used (issue 15)."""
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,7 @@ def test_labels_cover_the_pool_with_their_provenance(labelled, model_dir):  # no
     assert prov["env_fingerprint"] == pool.fingerprint and prov["rollout_mode"] == "windowed"
     assert (prov["temperature"], prov["seed"], prov["history_length"], prov["max_turns"]) == (0.4, 5, 2, 3)
     model, _ = load_causal_lm(model_dir)
-    assert prov["weights_sha256"] == weights_sha256(dict(model.named_parameters()))   # the weights rolled out
+    assert prov["weights_sha256"] == weights_sha256(dict(model.named_parameters()))  # the weights rolled out
     assert prov["successes"] == sum(labels.success.values()) and prov["date"][:2] == "20"
     assert match_labels(labels, pool, "windowed").misses == 0
 
@@ -54,8 +55,11 @@ def test_a_partial_labelling_is_refused_by_a_run(labelled, tmp_path):
 def test_a_reference_that_solves_too_little_cannot_arm_hardness(labelled, model_dir):  # noqa: F811
     """A random policy solves (almost) nothing: quotas up to L easy tasks cannot be met, so the run fails closed."""
     _, path = labelled
-    cfg = small_config(model_dir, partition={"name": "hardness", "params": {"xi_prime": 1}, "labels": str(path)},
-                       federation={"val_tasks": 8, "clients": 10, "tasks_per_client": 20})
-    assert sum(load_labels(path).success.values()) < 20       # a random policy: (almost) never wins
+    cfg = small_config(
+        model_dir,
+        partition={"name": "hardness", "params": {"xi_prime": 1}, "labels": str(path)},
+        federation={"val_tasks": 8, "clients": 10, "tasks_per_client": 20},
+    )
+    assert sum(load_labels(path).success.values()) < 20  # a random policy: (almost) never wins
     with pytest.raises(ValueError, match="easy and .* hard tasks"):
         plan_partition(cfg, build_pool("shop", SMALL_ENV_PARAMS))

@@ -1,6 +1,7 @@
 """`python -m server_app.local_superlink status|stop` find the SuperLink by the FLWR_HOME it was
 started with, never by a port alone (issue 18, item 9): on a shared machine the port this
 environment would use may belong to someone else's SuperLink."""
+
 from __future__ import annotations
 
 import os
@@ -23,12 +24,27 @@ def _start_local_superlink(home: Path, port: int) -> subprocess.Popen:
     """A SuperLink started the way `flwr run` starts its local one (flwr/cli/local_superlink.py)."""
     log = home / "local-superlink" / "superlink.log"
     log.parent.mkdir(parents=True)
-    proc = subprocess.Popen([SUPERLINK, "--insecure", "--simulation", "--isolation", "subprocess",
-                             "--control-api-address", f"127.0.0.1:{choose_free_port()}", "--host", "127.0.0.1",
-                             "--port", str(port), "--log-file", str(log)],
-                            env={**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0",
-                                 "FLWR_DISABLE_UPDATE_CHECK": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            SUPERLINK,
+            "--insecure",
+            "--simulation",
+            "--isolation",
+            "subprocess",
+            "--control-api-address",
+            f"127.0.0.1:{choose_free_port()}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-file",
+            str(log),
+        ],
+        env={**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -43,8 +59,14 @@ def _start_local_superlink(home: Path, port: int) -> subprocess.Popen:
 
 def _cli(action: str, home: Path, port: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port)}
-    return subprocess.run([sys.executable, "-m", "server_app.local_superlink", action], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "server_app.local_superlink", action],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.fixture

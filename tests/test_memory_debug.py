@@ -1,22 +1,23 @@
 """The env-gated memory debug dump (client_app/memory_debug.py, invariant 24's debug aid): it
 names the tensors that grew between fits and who holds them, on a real trainer service."""
+
 from __future__ import annotations
 
 import logging
 
 import torch
+from trainer_support import env_url, model_dir, one_torch_thread, small_config  # noqa: F401
 
 from client_app.memory_debug import MemoryGrowthReport
 from fl_app.weights import save_shards
-from trainer_support import env_url, model_dir, one_torch_thread, small_config  # noqa: F401
 
 
 def test_report_names_a_retired_weight_copy_and_its_holder():
     model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 16))
     reporter = MemoryGrowthReport()
-    assert reporter.report() is None                         # the first census is the baseline
-    assert reporter.report() == []                           # nothing changed
-    retired = {name: p.detach().clone() for name, p in model.named_parameters()}   # a reload leak
+    assert reporter.report() is None  # the first census is the baseline
+    assert reporter.report() == []  # nothing changed
+    retired = {name: p.detach().clone() for name, p in model.named_parameters()}  # a reload leak
     lines = reporter.report()
     assert lines, "a retained copy of every weight must show as growth"
     line = next(x for x in lines if "float32 [48, 32]" in x)
@@ -28,7 +29,7 @@ def test_report_names_a_retired_weight_copy_and_its_holder():
         pass
 
     trainer, kept = Trainer(), [torch.zeros(7, 5)]
-    trainer.anchor = torch.ones(3, 11)                          # an attribute and a list that hold tensors
+    trainer.anchor = torch.ones(3, 11)  # an attribute and a list that hold tensors
     lines = reporter.report()
     assert any(x.endswith("held by: Trainer.anchor") and "[3, 11]" in x for x in lines), lines
     assert any(x.endswith("held by: list") and "[7, 5]" in x for x in lines), lines
@@ -42,21 +43,30 @@ def test_service_logs_what_grew_between_fits(env_url, model_dir, tmp_path, monke
 
     monkeypatch.setenv("FEDAGENT_MEMORY_DEBUG", "1")
     cfg = small_config(model_dir, federation={"clients": 4, "clients_per_round": 2, "tasks_per_client": 20})
-    svc = TrainerService(cfg, run_id=1, lane="cpu", run_dir=tmp_path)   # request paths live in the run dir
+    svc = TrainerService(cfg, run_id=1, lane="cpu", run_dir=tmp_path)  # request paths live in the run dir
     caplog.set_level(logging.INFO, logger="fedagent.service")
     try:
         svc.start()
         weights = save_shards(svc.trainer.export_weights("actor"), tmp_path / "w0", 1 << 20).root
 
         def fit(k: int) -> None:
-            svc.fit(FitBody(run_id=1, round=1, client_id=k, local_epochs=1, seed=0,
-                            weights_in={"actor": str(weights)}, weights_out={"actor": str(tmp_path / f"out{k}")}))
+            svc.fit(
+                FitBody(
+                    run_id=1,
+                    round=1,
+                    client_id=k,
+                    local_epochs=1,
+                    seed=0,
+                    weights_in={"actor": str(weights)},
+                    weights_out={"actor": str(tmp_path / f"out{k}")},
+                )
+            )
 
         fit(0)
         assert "tensor census taken" in caplog.text
         fit(1)
         embed = svc.trainer.engine.model.get_input_embeddings().weight
-        svc.trainer.leaked = {"retired_embedding": embed.detach().clone()}       # what a reload leak looks like
+        svc.trainer.leaked = {"retired_embedding": embed.detach().clone()}  # what a reload leak looks like
         fit(2)
     finally:
         svc.close()

@@ -3,6 +3,7 @@ package, through the real transformers GGUF loader), the SFT warm start of any m
 (content-hash cache, outcome breakdown, round 0 = the warmed model, the KL reference as
 configured) and `model_dirs`, the one place the trainers resolve `model.*`. The packaged
 SmolLM2 itself is in tests/test_models_slow.py."""
+
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from trainer_support import SMALL_ENV_PARAMS, env_url, one_torch_thread, random_model_dir, small_config  # noqa: F401
 
 from client_app import prompts
 from client_app.models import ModelDirs, main, model_dirs
@@ -24,13 +26,12 @@ from envs.registry import make_env, system_prompt
 from fl_app.config import Config, EnvCfg
 from fl_app.hashing import sha256_file
 from fl_app.weights import load_shards, save_shards
-from trainer_support import SMALL_ENV_PARAMS, env_url, one_torch_thread, random_model_dir, small_config  # noqa: F401
 
 gguf = pytest.importorskip("gguf", reason="the GGUF import needs the `gguf` package: pip install -e .[gguf]")
 
-from client_app.gguf_import import (GGUFImportError, import_gguf, load_gguf,  # noqa: E402
-                                    package_gguf)
 from gguf_support import write_smollm_like_gguf  # noqa: E402
+
+from client_app.gguf_import import GGUFImportError, import_gguf, load_gguf, package_gguf  # noqa: E402
 
 SMALL_ENV = EnvCfg(params=SMALL_ENV_PARAMS, max_turns=4)
 
@@ -41,7 +42,7 @@ def _shop_texts() -> list[str]:
 
 
 def _shop_prompt(tok) -> list[int]:
-    demo = collect_demonstrations(SMALL_ENV, 2, 1, 0.0, 0)[1]          # a results page
+    demo = collect_demonstrations(SMALL_ENV, 2, 1, 0.0, 0)[1]  # a results page
     return prompts.prompt_ids(tok, demo.messages, 1024)
 
 
@@ -62,12 +63,13 @@ def from_gguf(gguf_file):
 
 # ----------------------------------------------------------------------------- import
 
+
 def test_import_gives_the_gguf_models_logits_bit_for_bit(imported, from_gguf):
     """Both hold the same dequantized fp32 weights: identical logits on a real shop prompt."""
     gguf_model, gguf_tok = from_gguf
     model, tok = load_causal_lm(imported, "cpu")
     ids = _shop_prompt(tok)
-    assert ids == _shop_prompt(gguf_tok)                      # and the same tokenization
+    assert ids == _shop_prompt(gguf_tok)  # and the same tokenization
     x = torch.tensor([ids])
     with torch.no_grad():
         assert torch.equal(model(input_ids=x).logits, gguf_model(input_ids=x).logits)
@@ -82,7 +84,7 @@ def test_import_ends_turns_at_im_end_not_the_converted_eos(imported, from_gguf):
     _, gguf_tok = from_gguf
     model, tok = load_causal_lm(imported, "cpu")
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert gguf_tok.eos_token == "<|im_start|>"                # the defect being fixed (transformers 5.10-5.17)
+    assert gguf_tok.eos_token == "<|im_start|>"  # the defect being fixed (transformers 5.10-5.17)
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|im_end|>" and tok.bos_token == "<|im_start|>"
     assert model.generation_config.eos_token_id == im_end
     assert turn_end_ids(tok.eos_token_id, model.generation_config.eos_token_id) == (im_end,)
@@ -98,8 +100,12 @@ def test_import_records_provenance(imported, gguf_file):
     import transformers
 
     record = json.loads((imported / "import.json").read_text())
-    assert record["source"] == {"file": gguf_file.name, "sha256": sha256_file(gguf_file),
-                                "bytes": gguf_file.stat().st_size, "package": None}
+    assert record["source"] == {
+        "file": gguf_file.name,
+        "sha256": sha256_file(gguf_file),
+        "bytes": gguf_file.stat().st_size,
+        "package": None,
+    }
     assert record["versions"]["transformers"] == transformers.__version__
     assert record["tokens"]["converted_eos"] == "<|im_start|>" and record["tokens"]["eos"] == "<|im_end|>"
     assert record["dtype"] == "float32" and record["date"]
@@ -148,11 +154,18 @@ def test_import_command_line(gguf_file, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- warm start
 
+
 def _warm_cfg(backbone: Path, cache: Path, **model) -> Config:
-    ws = {"episodes": 4, "epochs": 1, "lr": 1e-3, "batch_size": 4, "noise": 0.1, "shortcut": 0.5,
-          "cache_dir": str(cache)}
-    return small_config(backbone, model={"path": str(backbone), "warm_start": ws, **model},
-                        federation={"val_tasks": 4})
+    ws = {
+        "episodes": 4,
+        "epochs": 1,
+        "lr": 1e-3,
+        "batch_size": 4,
+        "noise": 0.1,
+        "shortcut": 0.5,
+        "cache_dir": str(cache),
+    }
+    return small_config(backbone, model={"path": str(backbone), "warm_start": ws, **model}, federation={"val_tasks": 4})
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +179,7 @@ def warmed(backbone, tmp_path_factory) -> ModelDirs:
 
 
 def test_warm_start_fine_tunes_and_reports_its_outcomes(warmed, backbone):
-    assert model_dirs(small_config(backbone)) == ModelDirs(backbone, backbone)      # off: the path as is
+    assert model_dirs(small_config(backbone)) == ModelDirs(backbone, backbone)  # off: the path as is
     assert warmed.policy != backbone and warmed.reference == warmed.policy
     before, after = load_file(backbone / "model.safetensors"), load_file(warmed.policy / "model.safetensors")
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
@@ -193,15 +206,23 @@ def test_warm_start_key_follows_the_model_files_and_settings(backbone, tmp_path)
     cfg = _warm_cfg(backbone, tmp_path)
     digest = model_digest(backbone)
     key = warm_start_key(digest, cfg)
-    assert key == warm_start_key(digest, _warm_cfg(backbone, tmp_path / "elsewhere"))      # not the location
+    assert key == warm_start_key(digest, _warm_cfg(backbone, tmp_path / "elsewhere"))  # not the location
     assert key == warm_start_key(digest, cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": 5})}))
-    assert key != warm_start_key(digest, _warm_cfg(backbone, tmp_path).model_copy(update={
-        "model": cfg.model.model_copy(update={"warm_start": cfg.model.warm_start.model_copy(update={"lr": 2e-3})})}))
+    assert key != warm_start_key(
+        digest,
+        _warm_cfg(backbone, tmp_path).model_copy(
+            update={
+                "model": cfg.model.model_copy(
+                    update={"warm_start": cfg.model.warm_start.model_copy(update={"lr": 2e-3})}
+                )
+            }
+        ),
+    )
     copy = tmp_path / "copy"
     copy.mkdir()
     for p in backbone.iterdir():
         (copy / p.name).write_bytes(p.read_bytes())
-    (copy / "import.json").write_text("{}")                  # provenance does not count
+    (copy / "import.json").write_text("{}")  # provenance does not count
     assert model_digest(copy) == digest
     cfg_json = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps(cfg_json | {"rms_norm_eps": 1e-5}))
@@ -218,8 +239,10 @@ def test_round_zero_is_the_warmed_model_and_the_reference_as_configured(warmed, 
             ref, _ = load_causal_lm(ref_dir, "cpu")
             exported = trainer.export_weights()
             assert all(torch.equal(exported[n], p) for n, p in policy.named_parameters())
-            assert all(torch.equal(q, p) for (_, q), (_, p) in zip(trainer.engine.ref.named_parameters(),
-                                                                  ref.named_parameters())), reference
+            assert all(
+                torch.equal(q, p)
+                for (_, q), (_, p) in zip(trainer.engine.ref.named_parameters(), ref.named_parameters())
+            ), reference
         finally:
             trainer.close()
 
@@ -230,8 +253,10 @@ def test_config_refuses_warm_start_settings_that_do_nothing(backbone, tmp_path):
     with pytest.raises(ConfigError, match="model.path=tiny already warm-starts"):
         load_config("tiny-shop-grpo", dotlist=["model.warm_start.episodes=8"])
     with pytest.raises(ConfigError, match="shortcut=0.5 demonstrates the shop's buy-now habit"):
-        load_config("tiny-alfworld-grpo", dotlist=[f"model.path={backbone}", "model.warm_start.episodes=8",
-                                                  "model.warm_start.shortcut=0.5"])
+        load_config(
+            "tiny-alfworld-grpo",
+            dotlist=[f"model.path={backbone}", "model.warm_start.episodes=8", "model.warm_start.shortcut=0.5"],
+        )
     with pytest.raises(ConfigError, match="model.reference=backbone picks the KL reference, but there is none"):
         load_config("smollm-shop-grpo", dotlist=["model.reference=backbone", "algo.kl_coef=0"])
 
@@ -259,7 +284,7 @@ def test_outcome_breakdown_names_each_failure(backbone, tmp_path):
     def expert(task: int, hasty: bool = False) -> list[str]:
         env.reset(task)
         actions = []
-        while (a := env.expert_action()):
+        while a := env.expert_action():
             if hasty and SHORTCUT_ACTION in env.valid_actions():
                 a = SHORTCUT_ACTION
             actions.append(a)
@@ -273,16 +298,22 @@ def test_outcome_breakdown_names_each_failure(backbone, tmp_path):
     other = [a for a in env.valid_actions() if a.startswith("click[b") and a != f"click[{target}]"][-1]
     env.step(other)
     terms = env.step(SHORTCUT_ACTION)[3]["reward_terms"]
-    assert terms["r_type"] < 1 or terms["attribute_hits"] < len(env.goal(task).attributes)   # not the asked-for kind
+    assert terms["r_type"] < 1 or terms["attribute_hits"] < len(env.goal(task).attributes)  # not the asked-for kind
     episodes = [
         _scripted(env, task, won),
-        _scripted(env, task, hasty),                                   # the buy-now habit
-        _scripted(env, task, [won[0], other, SHORTCUT_ACTION]),        # another product
-        _scripted(env, task, [won[0], "click[nonsense]", "click[nonsense]"]),   # out of turns
+        _scripted(env, task, hasty),  # the buy-now habit
+        _scripted(env, task, [won[0], other, SHORTCUT_ACTION]),  # another product
+        _scripted(env, task, [won[0], "click[nonsense]", "click[nonsense]"]),  # out of turns
     ]
     out = outcome_breakdown(cfg, episodes)
-    assert out["outcomes"] == {"won": 1, "wrong_product": 1, "over_budget": 0, "wrong_options": 1,
-                               "ended_not_won": 0, "timeout": 1}
+    assert out["outcomes"] == {
+        "won": 1,
+        "wrong_product": 1,
+        "over_budget": 0,
+        "wrong_options": 1,
+        "ended_not_won": 0,
+        "timeout": 1,
+    }
     assert out["success"] == 0.25 and out["episodes_with_invalid_action"] == 1
     assert out["invalid_action_rate"] == pytest.approx(2 / sum(len(e.turns) for e in episodes))
 
@@ -290,11 +321,14 @@ def test_outcome_breakdown_names_each_failure(backbone, tmp_path):
 def test_verl_reference_engine_takes_the_backbone_when_configured(warmed, backbone, env_url, tmp_path):  # noqa: F811
     pytest.importorskip("verl")
     from client_app.models import hf_parameters
+
     data = _warm_cfg(backbone, warmed.policy.parent, reference="backbone").model_dump()
     trainer = make_trainer(Config.model_validate(data | {"backend": "verl"}), env_url, run_dir=tmp_path)
     try:
-        ref = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-               for n, p in trainer.engine.ref.engine.module.named_parameters()}
+        ref = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+            for n, p in trainer.engine.ref.engine.module.named_parameters()
+        }
         expected, policy = hf_parameters(backbone), hf_parameters(warmed.policy)
         assert ref.keys() == expected.keys() and all(torch.equal(ref[n], expected[n]) for n in expected)
         exported = trainer.export_weights()

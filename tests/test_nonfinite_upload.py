@@ -2,6 +2,7 @@
 aggregator refuses it naming the client and member, writes nothing, and the round loop maps the
 refusal to that client (dropped when the round can afford it, else the round fails closed).
 Real Flower messages, real streaming aggregation; nothing mocked."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,9 +24,13 @@ def _reply(cid: int, state: dict[str, torch.Tensor]) -> Message:
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     ref = WeightsRef(inline=True, nbytes=nbytes).to_config(prefix="actor")
-    content = RecordDict({arrays_key("actor"): ArrayRecord(state),
-                          "config": ConfigRecord({**ref, "client-id": cid}),
-                          "metrics": MetricRecord({"num-examples": 8})})
+    content = RecordDict(
+        {
+            arrays_key("actor"): ArrayRecord(state),
+            "config": ConfigRecord({**ref, "client-id": cid}),
+            "metrics": MetricRecord({"num-examples": 8}),
+        }
+    )
     return Message(content=content, dst_node_id=0, message_type="train")
 
 
@@ -37,9 +42,10 @@ def test_a_nan_upload_is_refused_naming_its_client_and_nothing_is_written(tmp_pa
     agg = StreamingAggregator("fedavg", 0.0, SHARD)
     with pytest.raises(NonFiniteWeightsError, match=r"client 7 \(actor\)") as err:
         agg.aggregate(replies, DirStore(tmp_path, SHARD), {"actor": out}, tmp_path / "cache")
-    assert err.value.inputs == [1] and _bad_input(err.value) == 1          # the round loop drops client 7
+    assert err.value.inputs == [1] and _bad_input(err.value) == 1  # the round loop drops client 7
     assert not (out / "manifest.json").exists() and not any(out.glob("*.safetensors"))
-    manifests, _ = agg.aggregate([replies[0], replies[2]], DirStore(tmp_path, SHARD), {"actor": out},
-                                 tmp_path / "cache")
-    assert manifests["actor"].tensor_bytes == 4 * 15                        # the others still average
-    assert _bad_input(WeightsError("a corrupt shard")) is None                 # other errors are not a client's
+    manifests, _ = agg.aggregate(
+        [replies[0], replies[2]], DirStore(tmp_path, SHARD), {"actor": out}, tmp_path / "cache"
+    )
+    assert manifests["actor"].tensor_bytes == 4 * 15  # the others still average
+    assert _bad_input(WeightsError("a corrupt shard")) is None  # other errors are not a client's

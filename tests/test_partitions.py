@@ -1,4 +1,5 @@
 """Partitions and client sampling are pure functions of their inputs (invariants 5, 11)."""
+
 from __future__ import annotations
 
 import random

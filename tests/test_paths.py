@@ -1,4 +1,5 @@
 """fl_app.paths.confine: the one path-confinement rule (issue #18)."""
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,7 @@ def test_a_symlink_inside_the_root_that_points_out_is_refused_for_reads_and_writ
     (root / "rounds").mkdir()
     os.symlink(outside, root / "rounds" / "round-0002")
     with pytest.raises(PathEscapeError, match="resolves to"):
-        confine("rounds/round-0002/actor", root)         # written through: refused before any write
+        confine("rounds/round-0002/actor", root)  # written through: refused before any write
     with pytest.raises(PathEscapeError):
         confine(root / "rounds" / "round-0002", root)
 

@@ -1,5 +1,6 @@
 """Invariant 23: service ports live outside the ephemeral range, are checked free at start
 (relocated only when asked), and a bind collision gets exactly one clean retry."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,16 @@ from pathlib import Path
 import pytest
 
 from envs import ports
-from envs.ports import (PRIVATE_BAND, PortError, bind_listener, check_port_allowed,
-                        choose_free_port, ephemeral_range, in_ephemeral_range, port_is_free)
+from envs.ports import (
+    PRIVATE_BAND,
+    PortError,
+    bind_listener,
+    check_port_allowed,
+    choose_free_port,
+    ephemeral_range,
+    in_ephemeral_range,
+    port_is_free,
+)
 from envs.service import READY_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,10 +89,24 @@ def test_bind_collision_gets_one_clean_retry(busy, monkeypatch):
 
 
 def _cli(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "envs.service", "--env", "shop",
-                             "--pool-size", "1", "--params", '{"num_goals": 100, "val_size": 8}',
-                             *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "envs.service",
+            "--env",
+            "shop",
+            "--pool-size",
+            "1",
+            "--params",
+            '{"num_goals": 100, "val_size": 8}',
+            *args,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_cli_refuses_busy_and_ephemeral_ports(busy):
@@ -99,7 +122,7 @@ def test_cli_relocate_prints_the_chosen_port(busy):
     try:
         line = proc.stdout.readline()
         assert line.startswith(READY_PREFIX), line + proc.stderr.read()
-        ready = json.loads(line[len(READY_PREFIX):])
+        ready = json.loads(line[len(READY_PREFIX) :])
         assert ready["port"] != busy and not in_ephemeral_range(ready["port"])
         assert ready["pid"] == proc.pid
         with socket.create_connection(("127.0.0.1", ready["port"]), timeout=5):

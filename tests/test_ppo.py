@@ -2,12 +2,14 @@
 round trip through aggregation, where the starting critic comes from (invariant 7), and a PPO
 fit without its critic failing closed. Real env service, real (random-weight) Qwen2 policy and
 critic, real fits on CPU."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 import torch
+from trainer_support import SMALL_ENV_PARAMS, env_url, model_dir, one_torch_thread, small_config  # noqa: F401
 
 from client_app.critic import VALUE_HEAD, build_critic
 from client_app.rollout import derive_seed, group_specs, training_rows
@@ -18,8 +20,6 @@ from fl_app.aggregate import fedavg_manifests
 from fl_app.rundir import RunDir, RunDirError
 from fl_app.transport import WeightsRef, fedavg_received
 from fl_app.weights import load_shards, save_shards, state_nbytes
-from trainer_support import (SMALL_ENV_PARAMS, env_url, model_dir, one_torch_thread,  # noqa: F401
-                             small_config)
 
 TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))
 SHARD_BYTES = 1 << 20
@@ -60,8 +60,8 @@ def _changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 # ---------------------------------------------------------------- federation of the critic
 
-def test_critic_round_trip_export_aggregate_load_gives_identical_values(trainer, initial, env_url, model_dir,
-                                                                        tmp_path):
+
+def test_critic_round_trip_export_aggregate_load_gives_identical_values(trainer, initial, env_url, model_dir, tmp_path):
     """A trained critic exported, FedAvg'd (inline and through the store), and loaded into another
     trainer predicts exactly the same values (invariant 1 for the critic)."""
     _load(trainer, initial)
@@ -75,7 +75,7 @@ def test_critic_round_trip_export_aggregate_load_gives_identical_values(trainer,
     clients = [save_shards(critic, tmp_path / f"client-{k}", SHARD_BYTES) for k in range(2)]
     stored = fedavg_manifests([(clients[0], 3.0), (clients[1], 5.0)], tmp_path / "stored", SHARD_BYTES)
     assert [s.digest for s in inline.shards] == [s.digest for s in stored.shards]
-    other = make_trainer(ppo_config(model_dir, run={"seed": 1}), env_url)     # another fresh value head
+    other = make_trainer(ppo_config(model_dir, run={"seed": 1}), env_url)  # another fresh value head
     try:
         assert not all(torch.equal(a, b) for a, b in zip(other.engine.values(rows), values))
         other.load_weights(load_shards(tmp_path / "stored"), "critic")
@@ -86,6 +86,7 @@ def test_critic_round_trip_export_aggregate_load_gives_identical_values(trainer,
 
 
 # ---------------------------------------------------------------- the starting critic
+
 
 def _write_run(run: Path, weights: dict[str, dict[str, torch.Tensor]], rounds: int) -> RunDir:
     """A run dir whose rounds 0..rounds-1 are complete and hold `weights` (every member given)."""
@@ -106,8 +107,7 @@ def trained(trainer, initial) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def test_warm_start_from_an_aggregated_actor_loads_its_sibling_critic(env_url, model_dir, trained, initial,
-                                                                      tmp_path):
+def test_warm_start_from_an_aggregated_actor_loads_its_sibling_critic(env_url, model_dir, trained, initial, tmp_path):
     rd = _write_run(tmp_path / "earlier", trained, rounds=2)
     t = make_trainer(ppo_config(model_dir, model={"init_from": str(rd.member_dir(1))}), env_url)
     try:
@@ -156,7 +156,7 @@ def test_warm_start_without_a_critic_needs_a_deliberate_fresh_value_head(env_url
 
 def test_init_from_an_incomplete_round_is_refused(env_url, model_dir, trained, tmp_path):
     rd = _write_run(tmp_path / "dead", trained, rounds=1)
-    for member, state in trained.items():                 # round 1 was written but never completed
+    for member, state in trained.items():  # round 1 was written but never completed
         save_shards(state, rd.member_dir(1, member), SHARD_BYTES)
     with pytest.raises(RunDirError, match="never completed"):
         make_trainer(ppo_config(model_dir, model={"init_from": str(rd.member_dir(1))}), env_url)
@@ -171,8 +171,15 @@ def test_a_ppo_fit_without_its_critic_fails_closed(model_dir, tmp_path):
     try:
         svc.start()
         actor = save_shards(svc.trainer.export_weights("actor"), tmp_path / "actor", SHARD_BYTES).root
-        body = FitBody(run_id=1, round=1, client_id=0, local_epochs=1, seed=0,
-                       weights_in={"actor": str(actor)}, weights_out={"actor": str(tmp_path / "out")})
+        body = FitBody(
+            run_id=1,
+            round=1,
+            client_id=0,
+            local_epochs=1,
+            seed=0,
+            weights_in={"actor": str(actor)},
+            weights_out={"actor": str(tmp_path / "out")},
+        )
         with pytest.raises(Refused, match=r"carries weights for \['actor'\] but this trainer federates"):
             svc.fit(body)
         assert svc.fits == 0 and not (tmp_path / "out").exists()

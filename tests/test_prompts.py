@@ -1,4 +1,5 @@
 """Windowed prompts (invariant 15): window contents, structural truncation, action parsing."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,13 @@ SYSTEM = system_prompt("shop")
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    corpus = [INSTRUCTION, SYSTEM, "search[red cotton shirt]", "click[b0000042]",
-              "Observation: results page 1 of 5 [SEP] b0000042 [SEP] Red Cotton Shirt [SEP] $12.50"] * 3
+    corpus = [
+        INSTRUCTION,
+        SYSTEM,
+        "search[red cotton shirt]",
+        "click[b0000042]",
+        "Observation: results page 1 of 5 [SEP] b0000042 [SEP] Red Cotton Shirt [SEP] $12.50",
+    ] * 3
     return train_tokenizer(corpus, vocab_size=300)
 
 
@@ -24,8 +30,9 @@ def _history(n: int) -> list[tuple[str, str]]:
 
 def test_windowed_prompt_keeps_last_k_turns():
     history = _history(5)
-    msgs = prompts.build_messages(INSTRUCTION, history, "current page", ["click[a]", "click[b]"], history_length=2,
-                                  system_prompt=SYSTEM)
+    msgs = prompts.build_messages(
+        INSTRUCTION, history, "current page", ["click[a]", "click[b]"], history_length=2, system_prompt=SYSTEM
+    )
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert msgs[0]["content"] == SYSTEM
     assert msgs[1]["content"] == "Observation: page number 3 with products"
@@ -39,15 +46,17 @@ def test_windowed_prompt_keeps_last_k_turns():
     assert "page number 2" not in text and "item 2" not in text
 
     assert len(prompts.build_messages(INSTRUCTION, history, "p", ["a"], history_length=0, system_prompt=SYSTEM)) == 2
-    assert len(prompts.build_messages(INSTRUCTION, _history(1), "p", ["a"], history_length=2,
-                                      system_prompt=SYSTEM)) == 4
+    assert (
+        len(prompts.build_messages(INSTRUCTION, _history(1), "p", ["a"], history_length=2, system_prompt=SYSTEM)) == 4
+    )
     # deterministic text: the same inputs render the same bytes
     assert msgs == prompts.build_messages(INSTRUCTION, history, "current page", ["click[a]", "click[b]"], 2, SYSTEM)
 
 
 def test_prompt_ids_render_the_chat_template_with_generation_prompt(tokenizer):
-    msgs = prompts.build_messages(INSTRUCTION, _history(2), "current page", ["click[a]"], history_length=2,
-                                  system_prompt=SYSTEM)
+    msgs = prompts.build_messages(
+        INSTRUCTION, _history(2), "current page", ["click[a]"], history_length=2, system_prompt=SYSTEM
+    )
     ids = prompts.prompt_ids(tokenizer, msgs, max_prompt_tokens=10_000)
     text = tokenizer.decode(ids)
     assert text == tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -77,8 +86,9 @@ def test_prompt_truncation_is_identical_for_generation_and_training(tokenizer):
     assert tokenizer.decode(cut).endswith("<|im_start|>assistant\n")
 
     # The trainer rebuilds the row later from the stored turn: identical ids, for every budget.
-    rebuilt = prompts.build_messages(INSTRUCTION, list(history), obs, list(actions), history_length=3,
-                                     system_prompt=SYSTEM)
+    rebuilt = prompts.build_messages(
+        INSTRUCTION, list(history), obs, list(actions), history_length=3, system_prompt=SYSTEM
+    )
     for b in (len(full), len(no_oldest), len(no_oldest) - 1, budget, 1):
         ids = prompts.prompt_ids(tokenizer, rebuilt, b)
         assert ids == prompts.prompt_ids(tokenizer, msgs, b)
@@ -91,17 +101,20 @@ def test_response_ids_end_with_eos(tokenizer):
     assert tokenizer.decode(ids[:-1]) == prompts.response_text("click[b0000042]") == "click[b0000042]"
 
 
-@pytest.mark.parametrize("text, action", [
-    ("click[b0000042]", "click[b0000042]"),
-    ("  search[red shirt]  \nmore text", "search[red shirt]"),
-    ("\n\n click[buy now]<|im_end|>", "click[buy now]"),
-    ("click[next >]<|im_end|>\ngarbage", "click[next >]"),
-    ("<think>hmm</think>\n<action>click[size: large]</action>", "click[size: large]"),
-    ("I will buy. <action> click[buy now] </action> done", "click[buy now]"),
-    ("<action>search[blue mug]<|endoftext|>", "search[blue mug]"),
-    ("click[< prev]</s>", "click[< prev]"),
-    ("", ""),
-    ("   \n<|im_end|>click[x]", ""),
-])
+@pytest.mark.parametrize(
+    "text, action",
+    [
+        ("click[b0000042]", "click[b0000042]"),
+        ("  search[red shirt]  \nmore text", "search[red shirt]"),
+        ("\n\n click[buy now]<|im_end|>", "click[buy now]"),
+        ("click[next >]<|im_end|>\ngarbage", "click[next >]"),
+        ("<think>hmm</think>\n<action>click[size: large]</action>", "click[size: large]"),
+        ("I will buy. <action> click[buy now] </action> done", "click[buy now]"),
+        ("<action>search[blue mug]<|endoftext|>", "search[blue mug]"),
+        ("click[< prev]</s>", "click[< prev]"),
+        ("", ""),
+        ("   \n<|im_end|>click[x]", ""),
+    ],
+)
 def test_parse_action(text, action):
     assert prompts.parse_action(text) == action

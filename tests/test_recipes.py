@@ -3,6 +3,7 @@ published protocol with a source on every number, the baselines are one round of
 and `python -m fl_app.config --check` prints the per-round work a recipe implies (so an 8x
 rollout volume is visible before a run). Also the config keys PPO added: per-algorithm group
 size, inherited critic batch sizes, `extends`, `only_clients`."""
+
 from __future__ import annotations
 
 import inspect
@@ -18,7 +19,9 @@ from server_app.strategy import ClientSampler
 
 RECIPES = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
 PAPER = [f"{env}-{algo}-qwen2.5-1.5b" for env in ("webshop", "alfworld") for algo in ("grpo", "ppo")]
-PAPER_FILES = [f"{r}{s}.yaml" for r in PAPER for s in ("", "-centralized", "-local")] + ["base/fedagent-qwen2.5-1.5b.yaml"]
+PAPER_FILES = [f"{r}{s}.yaml" for r in PAPER for s in ("", "-centralized", "-local")] + [
+    "base/fedagent-qwen2.5-1.5b.yaml"
+]
 
 
 def _check_output(capsys, *argv: str) -> str:
@@ -62,11 +65,18 @@ def test_paper_recipes_carry_the_published_protocol(recipe):
     assert (f.strategy, f.proximal_mu, f.eval_every, f.val_tasks, cfg.run.seed) == ("fedavg", 0.01, 1, 64, 42)
     assert (a.lr, a.kl_coef, a.kl_type, a.ref_anchor, a.mini_batch_size) == (1e-6, 0.01, "low_var_kl", "base", 64)
     assert (a.clip_ratio, a.clip_ratio_c, a.entropy_coeff, a.grad_clip) == (0.2, 3.0, 0.001, 1.0)
-    assert (r.mode, r.history_length, r.max_response_tokens, r.temperature, r.val_temperature,
-            r.invalid_action_penalty) == ("windowed", 2, 512, 1.0, 0.4, 0.1)
+    assert (
+        r.mode,
+        r.history_length,
+        r.max_response_tokens,
+        r.temperature,
+        r.val_temperature,
+        r.invalid_action_penalty,
+    ) == ("windowed", 2, 512, 1.0, 0.4, 0.1)
     webshop = recipe.startswith("webshop")
     assert (cfg.env.name, cfg.env.max_turns, r.max_prompt_tokens) == (
-        ("shop", 15, 4096) if webshop else ("alfworld", 50, 2048))
+        ("shop", 15, 4096) if webshop else ("alfworld", 50, 2048)
+    )
     if a.name == "grpo":
         assert (a.tasks_per_step, a.group_size, a.micro_batch_size) == (8, 8, 8 if webshop else 16)
     else:
@@ -95,7 +105,7 @@ def test_baselines_are_one_round_of_t_times_e_epochs(recipe):
     cfg = load_config(recipe)
     f = cfg.federation
     assert (f.rounds, f.local_epochs, f.clients_per_round) == (1, 210, 1)
-    assert round_work(cfg).fresh_optimizers == 1                  # one optimizer for all 210 iterations
+    assert round_work(cfg).fresh_optimizers == 1  # one optimizer for all 210 iterations
     if recipe.endswith("-centralized"):
         assert f.clients == 1 and f.tasks_per_client == (6410 if recipe.startswith("webshop") else 3553)
     else:
@@ -108,7 +118,7 @@ def test_group_size_follows_the_algorithm_unless_set():
     assert load_config("tiny-shop-grpo", dotlist=["algo.group_size=null"]).algo.group_size == 8
     ppo = load_config("tiny-shop-ppo", dotlist=["algo.group_size=null", "algo.micro_batch_size=4"])
     assert ppo.algo.group_size == 1
-    assert (ppo.algo.critic.mini_batch_size, ppo.algo.critic.micro_batch_size) == (64, 4)   # inherited
+    assert (ppo.algo.critic.mini_batch_size, ppo.algo.critic.micro_batch_size) == (64, 4)  # inherited
     assert load_config("tiny-shop-ppo", dotlist=["algo.group_size=4"]).algo.group_size == 4
 
 

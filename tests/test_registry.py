@@ -1,5 +1,6 @@
 """The env registry: engines by name, their params checked before an engine is built, and the
 system prompt each engine's policy gets (env-specific prompt text lives with the engine)."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,11 @@ def test_every_engine_has_its_own_system_prompt():
 
 
 def test_unknown_env_params_are_refused_naming_the_engine_params():
-    with pytest.raises(ValueError, match=r"'shop' has no param\(s\) \['num_product'\]; its params are \["
-                                         r"'num_products'"):
+    with pytest.raises(
+        ValueError,
+        match=r"'shop' has no param\(s\) \['num_product'\]; its params are \["
+        r"'num_products'",
+    ):
         make_env("shop", num_product=30)
     with pytest.raises(ValueError, match=r"'alfworld' has no param\(s\) \['num_game'\].*'num_games'"):
         make_env("alfworld", num_game=12)

@@ -1,19 +1,31 @@
 """The batched multi-turn rollout: seeded task draws (invariant 8), served task identity per GRPO
 group (invariant 9), the windowed context (invariant 15), and the penalty's scope (invariant 10).
 Real env service (uvicorn subprocess), real (random-weight) Qwen2 policy and tokenizer."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from trainer_support import POOL_SIZE, SMALL_ENV_PARAMS, one_torch_thread, random_model_dir  # noqa: F401
 
 from client_app import prompts
-from client_app.rollout import (BatchedGenerator, EpisodeSpec, RolloutSettings, check_groups, derive_seed,
-                                draw_tasks, group_specs, row_seed, run_episodes, training_rows, training_score)
+from client_app.rollout import (
+    BatchedGenerator,
+    EpisodeSpec,
+    RolloutSettings,
+    check_groups,
+    derive_seed,
+    draw_tasks,
+    group_specs,
+    row_seed,
+    run_episodes,
+    training_rows,
+    training_score,
+)
 from client_app.tiny_model import load_causal_lm
 from envs.client import SyncEnvClient
 from envs.registry import system_prompt
 from envs.service import serve_in_subprocess
-from trainer_support import POOL_SIZE, SMALL_ENV_PARAMS, one_torch_thread, random_model_dir  # noqa: F401
 
 SHOP = system_prompt("shop")
 
@@ -39,8 +51,16 @@ def test_row_seeds_pure_function():
         assert row_seed(*changed) != row_seed(*args), k
     # pinned values: independent of the process, the machine and Python's salted hash()
     assert row_seed(*args) == 7947676143409073410
-    assert draw_tasks(list(range(100, 200)), 8, seed=0, round=2, client=5, epoch=0) == \
-        [158, 130, 198, 133, 144, 175, 119, 117]
+    assert draw_tasks(list(range(100, 200)), 8, seed=0, round=2, client=5, epoch=0) == [
+        158,
+        130,
+        198,
+        133,
+        144,
+        175,
+        119,
+        117,
+    ]
     # draws: pure, fresh per epoch (invariant 8), no repeats within a draw, cycling when asked for more
     shard = list(range(100, 200))
     draw = draw_tasks(shard, 8, seed=0, round=2, client=5, epoch=0)
@@ -83,7 +103,7 @@ def test_windowed_context_equals_trained_context(env, policy):
     rebuilt independently from the recorded episode; greedy decoding from it reproduces the reply."""
     model, tok = policy
     gen = BatchedGenerator(model, tok, max_new_tokens=8)
-    max_prompt = 160            # short enough that history and then the prompt head get cut
+    max_prompt = 160  # short enough that history and then the prompt head get cut
     settings = RolloutSettings(max_turns=3, history_length=2, max_prompt_tokens=max_prompt, system_prompt=SHOP)
     # fewer sessions than episodes: finished sessions are reset with pending episodes mid-rollout
     episodes, stats = run_episodes(gen, env, group_specs([40, 41, 42], 2), settings, 0.0, seed=0, max_sessions=4)
@@ -130,10 +150,14 @@ def test_sampling_is_seeded_per_row(policy):
     """A row's sample depends on its seed only: not on the global RNG, not on its batch."""
     model, tok = policy
     gen = BatchedGenerator(model, tok, max_new_tokens=8)
-    p = prompts.prompt_ids(tok, prompts.build_messages("buy a mug", [], "Search", ["search[<your query>]"], 2, SHOP),
-                           384)
-    q = prompts.prompt_ids(tok, prompts.build_messages("buy a red lamp under 30 dollars", [], "Search",
-                                                       ["search[<your query>]"], 2, SHOP), 384)
+    p = prompts.prompt_ids(
+        tok, prompts.build_messages("buy a mug", [], "Search", ["search[<your query>]"], 2, SHOP), 384
+    )
+    q = prompts.prompt_ids(
+        tok,
+        prompts.build_messages("buy a red lamp under 30 dollars", [], "Search", ["search[<your query>]"], 2, SHOP),
+        384,
+    )
     seeds = [derive_seed("x", i) for i in range(4)]
     torch.manual_seed(123)
     before = torch.random.get_rng_state()

@@ -1,5 +1,6 @@
 """Run directory (invariant 6): resume is keyed on what is on disk, partial rounds are moved
 aside (never deleted), rounds beyond the configured total are refused, no fabricated final round."""
+
 from __future__ import annotations
 
 import json
@@ -189,8 +190,9 @@ def test_plot_validation_writes_a_png(tmp_path):
     run = RunDir(tmp_path / "run")
     for r in range(6):
         save_shards(_weights(r), run.member_dir(r), SHARD)
-        run.complete_round(r, {"val_success": r / 10, "train_success": r / 8} if r % 2 == 0 else
-                           {"train_success": r / 8})
+        run.complete_round(
+            r, {"val_success": r / 10, "train_success": r / 8} if r % 2 == 0 else {"train_success": r / 8}
+        )
     out = plot_validation(run.metrics_path, tmp_path / "plots" / "validation.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     height, width, _ = matplotlib.image.imread(out).shape
@@ -211,17 +213,17 @@ def _shard(run: RunDir, r: int, member: str = "actor"):
 
 def test_resume_reads_the_resume_rounds_shards_and_moves_a_corrupt_round_aside(tmp_path):
     run = _run_with(tmp_path, complete=3, members=("actor", "critic"))
-    _flip_last_byte(_shard(run, 3, "critic"))     # bit rot: marker and manifest still match
+    _flip_last_byte(_shard(run, 3, "critic"))  # bit rot: marker and manifest still match
     _flip_last_byte(_shard(run, 2))
     fresh = RunDir(run.path, total_rounds=10, members=run.members)
-    assert fresh.prepare_resume() == 1                # 3 and 2 are corrupt: resume after round 1
+    assert fresh.prepare_resume() == 1  # 3 and 2 are corrupt: resume after round 1
     aside = sorted(p.name for p in run.rounds_dir.iterdir() if ".corrupt-" in p.name)
     assert [n[:10] for n in aside] == ["round-0002", "round-0003"]  # renamed, never deleted
     assert run.rounds_on_disk() == [0, 1]
     assert [str(p.name)[:10] for p, _ in fresh.moved_aside] == ["round-0003", "round-0002"]
     assert "corrupt" in fresh.moved_aside[0][1]
     assert [row["round"] for row in run.read_metrics()] == [0, 1]
-    _finish(run, 2)                                   # the re-run round writes into a fresh dir
+    _finish(run, 2)  # the re-run round writes into a fresh dir
     assert run.last_complete_round() == 2
 
 
@@ -229,7 +231,9 @@ def test_a_corrupt_round_zero_restarts_from_scratch(tmp_path):
     run = _run_with(tmp_path, complete=0)
     (run.member_dir(0) / Manifest.from_dir(run.member_dir(0)).shards[0].file).unlink()
     assert _relaunch(run, total_rounds=3) is None
-    assert run.rounds_on_disk() == [] and any(p.name.startswith("round-0000.corrupt-") for p in run.rounds_dir.iterdir())
+    assert run.rounds_on_disk() == [] and any(
+        p.name.startswith("round-0000.corrupt-") for p in run.rounds_dir.iterdir()
+    )
 
 
 @pytest.mark.parametrize("how", ["deleted", "marker removed"])
@@ -250,22 +254,37 @@ def test_a_gap_below_the_last_complete_round_is_refused_naming_the_ways_out(tmp_
     assert _relaunch(run, total_rounds=10) == 1
 
 
-@pytest.mark.parametrize("marker", ["{not json", "[]", '{"members": []}', '{"members": {"actor": 3}}',
-                                    '{"members": {"actor": {}}}', "{}", '{"members": {"actor": {"manifest_sha256": 5}}}',
-                                    "\udcff"])
+@pytest.mark.parametrize(
+    "marker",
+    [
+        "{not json",
+        "[]",
+        '{"members": []}',
+        '{"members": {"actor": 3}}',
+        '{"members": {"actor": {}}}',
+        "{}",
+        '{"members": {"actor": {"manifest_sha256": 5}}}',
+        "\udcff",
+    ],
+)
 def test_malformed_markers_are_run_dir_errors_naming_the_file(tmp_path, marker):
     run = _run_with(tmp_path, complete=1)
     path = run.round_dir(1) / MARKER
     path.write_bytes(marker.encode("utf-8", "surrogateescape"))
-    for call in (lambda: _relaunch(run, total_rounds=5), lambda: run.recorded_members(1),
-                 lambda: sibling_member(run.member_dir(1), "critic")):
+    for call in (
+        lambda: _relaunch(run, total_rounds=5),
+        lambda: run.recorded_members(1),
+        lambda: sibling_member(run.member_dir(1), "critic"),
+    ):
         with pytest.raises(RunDirError, match=str(path)):
             call()
     assert run.rounds_on_disk() == [0, 1]  # refused, nothing moved
 
 
-@pytest.mark.parametrize("manifest", ["{", '{"format": "fedagent-weights", "version": 2, "hash": "blake3", '
-                                            '"max_shard_bytes": 5, "shards": 7}', "null"])
+@pytest.mark.parametrize(
+    "manifest",
+    ["{", '{"format": "fedagent-weights", "version": 2, "hash": "blake3", "max_shard_bytes": 5, "shards": 7}', "null"],
+)
 def test_a_malformed_member_manifest_is_a_run_dir_error_naming_it(tmp_path, manifest):
     run = _run_with(tmp_path, complete=1)
     (run.member_dir(1) / "manifest.json").write_text(manifest)
@@ -285,13 +304,13 @@ def test_round_and_client_dirs_are_never_read_or_written_through_a_symlink_out_o
     run = _run_with(tmp_path, complete=1)
     outside = tmp_path / "outside"
     outside.mkdir()
-    os.symlink(outside, run.round_dir(2))            # a planted rounds/round-0002 -> outside
+    os.symlink(outside, run.round_dir(2))  # a planted rounds/round-0002 -> outside
     with pytest.raises(PathEscapeError):
-        run.member_dir(2)                             # the server's aggregate target
+        run.member_dir(2)  # the server's aggregate target
     with pytest.raises(PathEscapeError):
-        run.client_dir(2, 3)                          # a client's upload dir
+        run.client_dir(2, 3)  # a client's upload dir
     with pytest.raises(PathEscapeError):
-        _relaunch(run, total_rounds=5)                # resume does not read through it either
+        _relaunch(run, total_rounds=5)  # resume does not read through it either
     os.unlink(run.rounds_dir / "round-0002")
     run.metrics_path.rename(run.path / "metrics.real")
     os.symlink(outside / "m.jsonl", run.path / "metrics.jsonl")
@@ -299,6 +318,6 @@ def test_round_and_client_dirs_are_never_read_or_written_through_a_symlink_out_o
         _finish(run, 2)
     os.symlink(outside / "planted", run.path / "summary.json.tmp")
     os.unlink(run.path / "metrics.jsonl")
-    run.write_summary({"status": "x"})                # a planted tmp link is replaced, not written through
+    run.write_summary({"status": "x"})  # a planted tmp link is replaced, not written through
     assert not (outside / "planted").exists() and not (outside / "m.jsonl").exists()
     assert json.loads(run.summary_path.read_text())["status"] == "x"

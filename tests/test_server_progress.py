@@ -1,4 +1,5 @@
 """The ServerApp never sits silent while it waits on clients (a tiny-model build, a long round)."""
+
 from __future__ import annotations
 
 import threading
@@ -14,7 +15,7 @@ def test_heartbeat_logs_elapsed_time_while_waiting_and_stops_after(capsys):
     assert len(beats) >= 3, beats
     assert all(line.startswith("[fedagent] ") and line.endswith(" s)") for line in beats)
     time.sleep(0.15)
-    assert capsys.readouterr().out == ""          # stopped with the block
+    assert capsys.readouterr().out == ""  # stopped with the block
     assert not any(t.name == "fedagent-heartbeat" for t in threading.enumerate())
 
 

@@ -1,5 +1,6 @@
 """`python -m server_app.status` (issue 18, item 5) and the one-line errors summary.json carries
 (item 4): what scripts and CI read, since `flwr run` exits 0 after a failed run."""
+
 from __future__ import annotations
 
 import json
@@ -28,21 +29,26 @@ def _run_dir(tmp_path: Path, rounds: int) -> RunDir:
 
 
 def _cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server_app.status", str(run_dir), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "server_app.status", str(run_dir), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_exit_codes_follow_the_summary_and_the_disk(tmp_path):
     assert _cli(tmp_path / "nope").returncode == UNKNOWN
     rd = _run_dir(tmp_path, 2)
-    assert run_status(rd.path)[0] == UNFINISHED                      # no summary yet
+    assert run_status(rd.path)[0] == UNFINISHED  # no summary yet
     rd.write_summary({"status": "running", "target_rounds": 2})
     p = _cli(rd.path)
     assert p.returncode == UNFINISHED and "running, 2 of 2 rounds done" in p.stdout
     rd.write_summary({"status": "complete", "final_round": 2})
     p = _cli(rd.path)
     assert p.returncode == COMPLETE and "complete, 2 rounds" in p.stdout, p.stdout
-    save_shards({"w": torch.zeros(4)}, rd.member_dir(3), 1 << 20)     # the dir moved on after the summary
+    save_shards({"w": torch.zeros(4)}, rd.member_dir(3), 1 << 20)  # the dir moved on after the summary
     rd.complete_round(3, {})
     assert run_status(rd.path)[0] == UNKNOWN
 
@@ -70,19 +76,21 @@ def test_wait_returns_when_the_run_ends(tmp_path):
     assert wait_for(rd.path, timeout_s=0.3, poll_s=0.1)[0] == UNFINISHED
 
 
-RAY_TRACEBACK = "\n".join([
-    "\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=4242, ip=10.0.0.1)",
-    "Traceback (most recent call last):",
-    '  File "/x/flwr/simulation/ray_transport/ray_actor.py", line 60, in run',
-    "    out_message = app(message=message, context=context)",
-    *[f'  File "/x/frame{i}.py", line {i}, in f' for i in range(300)],
-    "client_app.lane.ServiceError: trainer service for lane cpu failed during /fit: [Errno 104] Connection "
-    "reset by peer; its log ends:",
-    "2026-12-04 service[9] fit 3 (round 2, client 7): load 0.1 s",
-    "\x1b[31mThe above exception was the direct cause of the following exception:\x1b[0m",
-    "ray.exceptions.RayTaskError(ClientAppException): \x1b[36mray::ClientAppActor.run()\x1b[39m",
-    "  class_name: ClientAppActor",
-])
+RAY_TRACEBACK = "\n".join(
+    [
+        "\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=4242, ip=10.0.0.1)",
+        "Traceback (most recent call last):",
+        '  File "/x/flwr/simulation/ray_transport/ray_actor.py", line 60, in run',
+        "    out_message = app(message=message, context=context)",
+        *[f'  File "/x/frame{i}.py", line {i}, in f' for i in range(300)],
+        "client_app.lane.ServiceError: trainer service for lane cpu failed during /fit: [Errno 104] Connection "
+        "reset by peer; its log ends:",
+        "2026-12-04 service[9] fit 3 (round 2, client 7): load 0.1 s",
+        "\x1b[31mThe above exception was the direct cause of the following exception:\x1b[0m",
+        "ray.exceptions.RayTaskError(ClientAppException): \x1b[36mray::ClientAppActor.run()\x1b[39m",
+        "  class_name: ClientAppActor",
+    ]
+)
 
 
 def test_one_line_keeps_the_root_cause_and_drops_ansi_and_tracebacks():
@@ -93,16 +101,22 @@ def test_one_line_keeps_the_root_cause_and_drops_ansi_and_tracebacks():
     assert one_line(flower) == line
     bare = "ClientAppException: \nException ClientAppException occurred. Message: WeightsError: bad shard"
     assert one_line(bare) == "WeightsError: bad shard"
-    wrapped = "<class 'client_app.lane.ServiceRequestError'>:<'trainer service /fit failed (HTTP 422): " \
-              "WeightsError: /r/x: no manifest.json'>"
-    assert one_line(wrapped) == ("ServiceRequestError: trainer service /fit failed (HTTP 422): WeightsError: "
-                                 "/r/x: no manifest.json")
-    clientapp = (f"{RAY_TRACEBACK}\n\nThe above exception was the direct cause of the following exception:\n"
-                 "ray::ClientAppActor.run()\nflwr.clientapp.client_app.ClientAppException: \nException "
-                 "ClientAppException occurred. Message: trainer service for lane cpu failed during /fit: Server "
-                 "disconnected without sending a response.; its log ends:\n2026-12-04 service[9] fit 3")
+    wrapped = (
+        "<class 'client_app.lane.ServiceRequestError'>:<'trainer service /fit failed (HTTP 422): "
+        "WeightsError: /r/x: no manifest.json'>"
+    )
+    assert one_line(wrapped) == (
+        "ServiceRequestError: trainer service /fit failed (HTTP 422): WeightsError: /r/x: no manifest.json"
+    )
+    clientapp = (
+        f"{RAY_TRACEBACK}\n\nThe above exception was the direct cause of the following exception:\n"
+        "ray::ClientAppActor.run()\nflwr.clientapp.client_app.ClientAppException: \nException "
+        "ClientAppException occurred. Message: trainer service for lane cpu failed during /fit: Server "
+        "disconnected without sending a response.; its log ends:\n2026-12-04 service[9] fit 3"
+    )
     assert one_line(f"<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'{clientapp}'>") == (
         "trainer service for lane cpu failed during /fit: Server disconnected without sending a response.; "
-        "its log ends:")
+        "its log ends:"
+    )
     assert one_line("") == "unknown error (no message)"
     assert one_line("x" * 5000).endswith("...") and len(one_line("x" * 5000)) == 600

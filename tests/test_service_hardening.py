@@ -5,6 +5,7 @@ is asked to read and write outside its roots, to serve another run, to load noth
 dir is pre-created by someone else or planted with symlinks; two nodes of one lane stop it at
 once. Each case must be refused with the root cause in the caller's exception, nothing written.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,22 +14,28 @@ import threading
 from pathlib import Path
 
 import pytest
+from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F401
 
 from client_app.lane import LaneService, ServiceRequestError
 from client_app.runtime_dir import NodeOwner, RuntimeDirError, node_owner, private_dir
 from fl_app.config import save_config
-from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F401
 
 RUN_ID = 7
-OTHER_UID = 65534     # nobody
+OTHER_UID = 65534  # nobody
 
 
 def _lane(root: Path, model_dir: Path, lane: str) -> LaneService:  # noqa: F811
     recipe = root / "recipe.yaml"
-    save_config(small_config(model_dir, run={"run_dir": str(root / "run"),
-                                             "weight_cache_dir": str(root / "cache")}), recipe)
-    return LaneService(run_id=RUN_ID, run_config={"recipe": str(recipe)}, log_dir=root / "run" / "logs",
-                       lane=lane, run_dir=root / "run")
+    save_config(
+        small_config(model_dir, run={"run_dir": str(root / "run"), "weight_cache_dir": str(root / "cache")}), recipe
+    )
+    return LaneService(
+        run_id=RUN_ID,
+        run_config={"recipe": str(recipe)},
+        log_dir=root / "run" / "logs",
+        lane=lane,
+        run_dir=root / "run",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +56,16 @@ def _refused(lane: LaneService, path: str, body: dict) -> ServiceRequestError:
 
 
 def _fit(root: Path, weights_in: str, weights_out: str, **extra: object) -> dict:
-    return {"run_id": RUN_ID, "round": 1, "client_id": 0, "local_epochs": 1, "seed": 0,
-            "weights_in": {"actor": weights_in}, "weights_out": {"actor": weights_out}, **extra}
+    return {
+        "run_id": RUN_ID,
+        "round": 1,
+        "client_id": 0,
+        "local_epochs": 1,
+        "seed": 0,
+        "weights_in": {"actor": weights_in},
+        "weights_out": {"actor": weights_out},
+        **extra,
+    }
 
 
 def test_init_refuses_to_write_outside_the_run_dir(svc, tmp_path):
@@ -81,7 +96,7 @@ def test_fit_refuses_dotdot_and_symlinks_out_of_the_run_dir_before_any_work(svc,
         assert err.status == 403 and err.error_type == "PathEscapeError", (what, err)
     assert list(outside.iterdir()) == []
     assert not (root / "run" / "out").exists()
-    assert lane.health()["fits"] == health["fits"]          # nothing trained
+    assert lane.health()["fits"] == health["fits"]  # nothing trained
 
 
 def test_evaluate_refuses_a_weights_dir_outside_its_roots(svc):
@@ -92,7 +107,7 @@ def test_evaluate_refuses_a_weights_dir_outside_its_roots(svc):
 
 def test_the_node_weight_cache_is_the_one_other_root(svc):
     lane, root = svc
-    cache_in = root / "cache" / "fetched" / "actor"          # inside run.weight_cache_dir: accepted, then read
+    cache_in = root / "cache" / "fetched" / "actor"  # inside run.weight_cache_dir: accepted, then read
     cache_in.mkdir(parents=True)
     err = _refused(lane, "/evaluate", {"run_id": RUN_ID, "round": 0, "seed": 0, "weights_in": str(cache_in)})
     assert err.status == 422 and err.error_type == "WeightsError" and "manifest" in err.message
@@ -146,8 +161,7 @@ def test_a_fresh_runtime_dir_is_created_private(tmp_path, monkeypatch):
     assert stat.S_IMODE(os.stat(owner.runtime_dir()).st_mode) == 0o700
 
 
-def test_planted_symlinks_for_pid_and_lock_files_are_refused_not_written_through(tmp_path, monkeypatch,
-                                                                               model_dir):  # noqa: F811
+def test_planted_symlinks_for_pid_and_lock_files_are_refused_not_written_through(tmp_path, monkeypatch, model_dir):  # noqa: F811
     rt = tmp_path / "rt"
     rt.mkdir(mode=0o700)
     _runtime_env(monkeypatch, rt)
@@ -161,7 +175,7 @@ def test_planted_symlinks_for_pid_and_lock_files_are_refused_not_written_through
     with pytest.raises(RuntimeDirError, match="symlink"):
         lane.ensure_started()
     assert victim.read_text() == "precious\n"
-    assert not lane.log_path.exists()                        # nothing was started
+    assert not lane.log_path.exists()  # nothing was started
 
 
 def test_private_dir_accepts_its_own_dir_again(tmp_path):
@@ -177,8 +191,9 @@ def test_a_deployed_clientapp_belongs_to_the_root_of_its_parent_pid_chain(tmp_pa
 
     _runtime_env(monkeypatch, tmp_path / "rt")
     supernode = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    superexec = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--parent-pid",
-                                  str(supernode.pid)])
+    superexec = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "--parent-pid", str(supernode.pid)]
+    )
     try:
         owner = node_owner(argv=["flwr-clientapp", "--token", "t", "--parent-pid", str(superexec.pid)])
         assert owner.pid == supernode.pid and owner.alive()

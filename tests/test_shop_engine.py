@@ -1,4 +1,5 @@
 """Shop engine: contract, task order, search/pages/actions, heterogeneity hooks, speed."""
+
 from __future__ import annotations
 
 import inspect
@@ -32,7 +33,7 @@ def test_shop_env_satisfies_env_protocol():
     env = make_env("shop", **TINY)
     assert isinstance(env, Env) and env.name == "shop"
     assert env.num_tasks == 1000 and env.val_size == 64
-    obs, info = env.reset(1000 + 7)                       # seed % num_tasks
+    obs, info = env.reset(1000 + 7)  # seed % num_tasks
     assert info["task_id"] == env.task_ids()[7]
     assert set(info) >= {"task_id", "instruction", "valid_actions", "won"}
     obs, reward, done, info = env.step("click[buy now]")
@@ -60,10 +61,10 @@ def test_task_ids_are_stable_strings_naming_the_target():
 def test_default_build_is_fast_and_shares_the_world():
     spec = WorldSpec(**{k: TINY[k] for k in ("num_products", "num_goals", "seed")})
     t0 = time.process_time()
-    build_world(spec)                                     # a cold, uncached build
+    build_world(spec)  # a cold, uncached build
     assert time.process_time() - t0 < 1.0
     a, b = ShopEnv(**TINY), ShopEnv(**TINY)
-    assert a._world is b._world                           # one catalog + index per process
+    assert a._world is b._world  # one catalog + index per process
     t0 = time.perf_counter()
     pool = [ShopEnv(**TINY) for _ in range(16)]
     assert time.perf_counter() - t0 < 0.5 and all(e._world is a._world for e in pool)
@@ -78,7 +79,7 @@ def test_concurrent_builds_serve_identical_order():
 
     def build(k: int) -> None:
         barrier.wait()
-        random.random(), np.random.random()               # touch the global RNGs mid-race
+        random.random(), np.random.random()  # touch the global RNGs mid-race
         results[k] = build_world(spec)
 
     threads = [threading.Thread(target=build, args=(k,)) for k in range(len(results))]
@@ -111,7 +112,7 @@ def test_build_neither_reads_nor_moves_global_rng():
     np.random.seed(5)
     build_world(WorldSpec(num_products=50, num_goals=60, seed=3))
     assert (random.random(), np.random.random()) == expected
-    random.seed(99)                                       # global state must not leak in
+    random.seed(99)  # global state must not leak in
     a = build_world(WorldSpec(num_products=50, num_goals=60, seed=3))
     random.seed(1234)
     b = build_world(WorldSpec(num_products=50, num_goals=60, seed=3))
@@ -132,7 +133,7 @@ def test_catalog_schema_is_complete():
         assert p.title and p.query and p.description and len(p.bullets) == len(p.attributes) >= 3
         assert " › " in p.product_category
         assert p.pricing[0] <= p.price <= p.pricing[-1] and len(p.pricing) in (1, 2)
-        for name, values in p.options.items():
+        for _name, values in p.options.items():
             assert values and len(set(values)) == len(values)
     assert any(len(p.pricing) == 2 for p in products) and any(not p.options for p in products)
 
@@ -177,13 +178,22 @@ def test_every_listed_action_is_accepted():
 def test_invalid_actions_keep_state_and_never_raise():
     env = ShopEnv(**TINY)
     env.reset(4)
-    env.step(env.expert_action())                         # on a results page
+    env.step(env.expert_action())  # on a results page
     before = env.observation
-    for action in ("click[nothing here]", "search[shoes]", "buy now", "", "click[]",
-                   "search[]", "click buy now", None, 42):
+    for action in (
+        "click[nothing here]",
+        "search[shoes]",
+        "buy now",
+        "",
+        "click[]",
+        "search[]",
+        "click buy now",
+        None,
+        42,
+    ):
         obs, reward, done, info = env.step(action)
         assert (obs, reward, done, info["valid_action"]) == (before, 0.0, False, False)
-    assert env.step("CLICK[ Back To Search ]")[3]["valid_action"]   # case/space-insensitive
+    assert env.step("CLICK[ Back To Search ]")[3]["valid_action"]  # case/space-insensitive
 
 
 def test_step_after_buy_is_invalid_and_done():
@@ -235,7 +245,7 @@ def test_catalog_tripwire_refuses_a_filter_that_loses_a_served_target():
     count; a filter without the tasks it must keep is refused too."""
     base = ShopEnv(**TINY)
     served = list(range(100, 200))
-    wrong_order = list(range(200, 300))                   # another client's (or order's) goals
+    wrong_order = list(range(200, 300))  # another client's (or order's) goals
     keep = sorted({base.goal(t).asin for t in wrong_order})
     lost = sum(base.goal(t).asin not in keep for t in served)
     assert lost > 0
@@ -253,9 +263,11 @@ def test_search_memo_is_shared_by_equal_engines_and_never_across_catalogs_or_ran
     and a memoized answer equals a fresh search."""
     a, b = ShopEnv(**TINY), ShopEnv(**TINY)
     keep = sorted(set(random.Random(1).sample(a.product_ids(), 60)) | {a.goal(t).asin for t in range(10)})
-    others = [ShopEnv(**TINY, catalog_keep=keep, protected_tasks=range(10)),
-              ShopEnv(**TINY, ranking="inverted_topk"),
-              ShopEnv(**{**TINY, "search_return_n": 5})]
+    others = [
+        ShopEnv(**TINY, catalog_keep=keep, protected_tasks=range(10)),
+        ShopEnv(**TINY, ranking="inverted_topk"),
+        ShopEnv(**{**TINY, "search_return_n": 5}),
+    ]
     assert a._search is b._search
     assert len({id(e._search) for e in [a, *others]}) == 4
     query = "organic gluten free"
@@ -296,7 +308,7 @@ def test_lookalikes_share_text_but_lose_reward():
     fakes = [p for p in world.products if p.asin in env.lookalike_of()]
     assert len(world.products) == 300 + len(fakes) and fakes
     assert len(env.task_ids()) == 1000 and all(g.asin in world.position for g in world.goals)
-    assert env.task_ids() == ShopEnv(**TINY).task_ids()               # goals are unchanged
+    assert env.task_ids() == ShopEnv(**TINY).task_ids()  # goals are unchanged
     fake = fakes[0]
     original = env.product(env.lookalike_of()[fake.asin])
     assert fake.title == original.title and fake.description == original.description
@@ -314,7 +326,7 @@ def test_lookalikes_share_text_but_lose_reward():
 def test_index_fields_and_bm25_params_change_ranking():
     world = ShopEnv(**TINY)._world
     titles_only = ShopEnv(**TINY, index_fields=("title",))._world
-    query = "thoroughly expect"                           # bullet text, never in titles
+    query = "thoroughly expect"  # bullet text, never in titles
     assert world.index.search(query, 50) and not titles_only.index.search(query, 50)
     flat = ShopEnv(**TINY, bm25_k1=0.3, bm25_b=0.0)._world
     queries = [g.instruction for g in world.goals[:20]]

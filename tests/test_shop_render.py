@@ -3,6 +3,7 @@
 The fixtures were generated once from the tiny default shop (configs/tiny-shop-grpo.yaml) with
 SHOP_WRITE_FIXTURES=1 and are committed; a diff here means the policy's input changed.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,13 +42,21 @@ def _scripted_actions(env: ShopEnv, task: int) -> list[str]:
 
 def _transcript(env: ShopEnv, task: int, actions: list[str]) -> str:
     obs, info = env.reset(task)
-    lines = [f"RESET\t{task}", f"RAW\t{env.raw_observation}", f"OBS\t{obs}",
-             f"VALID\t{json.dumps(info['valid_actions'])}"]
+    lines = [
+        f"RESET\t{task}",
+        f"RAW\t{env.raw_observation}",
+        f"OBS\t{obs}",
+        f"VALID\t{json.dumps(info['valid_actions'])}",
+    ]
     for action in actions:
         obs, reward, done, info = env.step(action)
-        lines += [f"ACTION\t{action}", f"RAW\t{env.raw_observation}", f"OBS\t{obs}",
-                  f"VALID\t{json.dumps(info['valid_actions'])}",
-                  f"STEP\treward={reward!r} done={done} valid_action={info['valid_action']} won={info['won']}"]
+        lines += [
+            f"ACTION\t{action}",
+            f"RAW\t{env.raw_observation}",
+            f"OBS\t{obs}",
+            f"VALID\t{json.dumps(info['valid_actions'])}",
+            f"STEP\treward={reward!r} done={done} valid_action={info['valid_action']} won={info['won']}",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -74,8 +83,9 @@ def test_observation_rendering_bytes(task):
     if WRITE:
         actions = _scripted_actions(env, task)
     else:
-        actions = [line.split("\t", 1)[1] for line in (FIXTURES / name).read_text().splitlines()
-                   if line.startswith("ACTION\t")]
+        actions = [
+            line.split("\t", 1)[1] for line in (FIXTURES / name).read_text().splitlines() if line.startswith("ACTION\t")
+        ]
     _check(name, _transcript(env, task, actions))
 
 
@@ -85,8 +95,15 @@ def test_catalog_and_goal_order_bytes():
 
 def test_fixture_episode_covers_every_page_kind():
     text = (FIXTURES / "shop_episode_task5.txt").read_text()
-    for marker in ("'Search'", "'Next >'", "'< Prev'", "'Buy Now'", "'Thank you for shopping",
-                   "valid_action=False", "won=True"):
+    for marker in (
+        "'Search'",
+        "'Next >'",
+        "'< Prev'",
+        "'Buy Now'",
+        "'Thank you for shopping",
+        "valid_action=False",
+        "won=True",
+    ):
         assert marker in text, marker
 
 
@@ -117,10 +134,10 @@ def test_results_page_lists_asin_title_price_only():
     env.reset(3)
     obs, _, _, info = env.step(env.expert_action())
     raw_parts = env.raw_observation.split(pages.SEP)
-    page = raw_parts[raw_parts.index("Back to Search"):]
+    page = raw_parts[raw_parts.index("Back to Search") :]
     hits = [p for p in page if p.startswith("B0") and p.upper() == p]
     assert 1 <= len(hits) <= pages.PAGE_SIZE
     for asin in hits:
         product = env.product(asin)
         at = page.index(asin)
-        assert page[at + 1: at + 3] == [product.title, product.price_tag]
+        assert page[at + 1 : at + 3] == [product.title, product.price_tag]

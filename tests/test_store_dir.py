@@ -1,16 +1,17 @@
 """The directory store's side of the weight channel (fetch in place, publish by link or copy)
 and open_store's mapping from config values to stores (issue #14 item 2)."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
+from store_support import model, same_bits
 
 from fl_app.store import DirStore
 from fl_app.store_http import HttpWeightStore
 from fl_app.store_open import open_store
 from fl_app.weights import MANIFEST_NAME, WeightsError, save_shards
-from store_support import model, same_bits
 
 SHARD = 8 << 10
 KEY = "rounds/round-0001/clients/client-0000/actor"
@@ -41,10 +42,10 @@ def test_publish_from_elsewhere_links_the_files_and_leaves_the_source(tmp_path):
     published = store.publish(local.root, KEY)
     assert published.root == tmp_path / "run" / KEY and published.sha256 == local.sha256
     shard = local.shards[0].file
-    assert (local.root / shard).stat().st_ino == (published.root / shard).stat().st_ino   # a link, not a copy
+    assert (local.root / shard).stat().st_ino == (published.root / shard).stat().st_ino  # a link, not a copy
     assert same_bits(store.get(KEY), model(2)) and (local.root / MANIFEST_NAME).is_file()
-    assert not [p for p in published.root.parent.iterdir() if p.name.startswith(".")]   # no staging left
-    assert store.publish(local.root, KEY).sha256 == local.sha256                          # same bytes: no-op
+    assert not [p for p in published.root.parent.iterdir() if p.name.startswith(".")]  # no staging left
+    assert store.publish(local.root, KEY).sha256 == local.sha256  # same bytes: no-op
     with pytest.raises(WeightsError, match="immutable"):
         store.publish(save_shards(model(3), tmp_path / "other", SHARD).root, KEY)
 
@@ -70,8 +71,12 @@ def test_open_store_maps_config_values_to_stores(tmp_path):
     assert open_store("file:///shared/w", run_dir=run, max_shard_bytes=SHARD).root.as_posix() == "/shared/w"
     http = open_store("https://10.0.0.1:20456", run_dir=run, max_shard_bytes=SHARD, token="t" * 43, node="3")
     assert isinstance(http, HttpWeightStore) and http.url == "https://10.0.0.1:20456"
-    for spec, why in (("http", "built-in store the ServerApp serves"), ("runs/x", "neither"),
-                      ("file://host/x", "file:///absolute"), ("https://10.0.0.1:20456", "needs this run's token"),
-                      ("nosuchproto://x", "not a URL fsspec knows")):
+    for spec, why in (
+        ("http", "built-in store the ServerApp serves"),
+        ("runs/x", "neither"),
+        ("file://host/x", "file:///absolute"),
+        ("https://10.0.0.1:20456", "needs this run's token"),
+        ("nosuchproto://x", "not a URL fsspec knows"),
+    ):
         with pytest.raises(WeightsError, match=why):
             open_store(spec, run_dir=run, max_shard_bytes=SHARD)

@@ -1,5 +1,6 @@
 """The built-in HTTP weight store, end to end: a real uvicorn server on loopback (a thread, as in
 the ServerApp) and real aiohttp clients, no mocks (issue #14 item 2)."""
+
 from __future__ import annotations
 
 import os
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from store_support import CuttingProxy, model, same_bits, write_ca_and_cert
 
 from envs.ports import PRIVATE_BAND, bind_listener, in_ephemeral_range
 from fl_app.store import DirStore
@@ -16,7 +18,6 @@ from fl_app.store_http import HttpWeightStore
 from fl_app.store_remote import WeightStoreRefused, WeightStoreUnreachable
 from fl_app.store_server import WeightStoreServer, new_token
 from fl_app.weights import Manifest, WeightsError, load_shards, save_shards
-from store_support import CuttingProxy, model, same_bits, write_ca_and_cert
 
 SHARD = 8 << 10
 KEY = "rounds/round-0000/actor"
@@ -55,7 +56,7 @@ def test_fetch_gives_identical_fp32_bits_and_a_refetch_needs_no_server(served, r
     assert same_bits(load_shards(got), model(0))
     assert len(got.shards) >= 3
     served.stop()
-    again = store.fetch(KEY, _pin(run_dir), tmp_path / "cache")    # cached by digest: no request at all
+    again = store.fetch(KEY, _pin(run_dir), tmp_path / "cache")  # cached by digest: no request at all
     assert again.root == got.root
     with pytest.raises(WeightStoreUnreachable, match="node n1: cannot reach the weight store at http://127.0.0.1"):
         store.fetch(KEY, _pin(run_dir), tmp_path / "other-cache")
@@ -66,7 +67,7 @@ def test_fetch_refuses_an_entry_that_is_not_the_pinned_one(served, run_dir, tmp_
     with pytest.raises(WeightsError, match="not the one the sender wrote"):
         store.fetch(KEY, "0" * 64, tmp_path / "cache")
     assert not any((tmp_path / "cache").glob("0000*"))
-    with pytest.raises(WeightsError, match="not a manifest digest"):     # it names a cache dir: hex only
+    with pytest.raises(WeightsError, match="not a manifest digest"):  # it names a cache dir: hex only
         store.fetch(KEY, "../planted", tmp_path / "cache")
 
 
@@ -79,7 +80,7 @@ def test_publish_uploads_a_result_that_the_server_sees_only_complete(served, run
     assert server_view.manifest(key).sha256 == local.sha256
     assert same_bits(server_view.get(key), model(1))
     assert not [p for p in (run_dir / "rounds/round-0001/clients/client-0003").iterdir() if p.name.startswith(".")]
-    assert store.publish(local.root, key).sha256 == local.sha256      # the same bytes again: a no-op
+    assert store.publish(local.root, key).sha256 == local.sha256  # the same bytes again: a no-op
     other = save_shards(model(2), tmp_path / "other", SHARD)
     with pytest.raises(WeightStoreRefused, match="immutable"):
         store.publish(other.root, key)
@@ -106,7 +107,7 @@ def test_a_corrupt_upload_is_refused_and_never_published(served, run_dir, tmp_pa
     local = save_shards(model(1), tmp_path / "out", SHARD)
     shard = local.root / local.shards[1].file
     data = bytearray(shard.read_bytes())
-    data[-3] ^= 0x01                                   # one flipped bit in tensor data, size unchanged
+    data[-3] ^= 0x01  # one flipped bit in tensor data, size unchanged
     shard.write_bytes(bytes(data))
     key = "rounds/round-0001/clients/client-0001/actor"
     with pytest.raises(WeightStoreRefused, match="HTTP 422.*nothing published.*corrupt"):
@@ -146,7 +147,7 @@ def test_concurrent_clients_fetch_and_publish_at_once(served, run_dir, tmp_path)
 
 
 def test_a_dropped_connection_resumes_with_a_range_request(served, run_dir, tmp_path):
-    big = save_shards(model(3, rows=4096), tmp_path / "big", 256 << 10)     # 2 shards of ~256 KiB
+    big = save_shards(model(3, rows=4096), tmp_path / "big", 256 << 10)  # 2 shards of ~256 KiB
     key = "rounds/round-0002/actor"
     DirStore(run_dir, SHARD).publish(big.root, key)
     proxy = CuttingProxy(served.sock.getsockname()[:2], cuts=2, after=100_000)
@@ -156,13 +157,13 @@ def test_a_dropped_connection_resumes_with_a_range_request(served, run_dir, tmp_
         proxy.close()
     assert same_bits(load_shards(got), load_shards(big))
     resumed = [r for r in proxy.ranges() if r > 0]
-    assert len(resumed) >= 2, proxy.requests        # both cut shards went on where they stopped
+    assert len(resumed) >= 2, proxy.requests  # both cut shards went on where they stopped
     # nothing was sent twice beyond what was in flight at the cut
     assert proxy.response_bytes < big.total_bytes + 2 * 100_000
 
 
 def test_an_interrupted_fetch_resumes_in_the_next_call(served, run_dir, tmp_path):
-    big = save_shards(model(4, rows=8192), tmp_path / "big", 1 << 20)      # 1 shard of 1 MiB
+    big = save_shards(model(4, rows=8192), tmp_path / "big", 1 << 20)  # 1 shard of 1 MiB
     key = "rounds/round-0002/actor"
     DirStore(run_dir, SHARD).publish(big.root, key)
     cache = tmp_path / "cache"
@@ -191,9 +192,13 @@ def test_wrong_or_missing_token_is_refused_on_every_route(served, run_dir, tmp_p
     first = DirStore(run_dir, SHARD).manifest(KEY).shards[0].file
     for headers in ({}, {"Authorization": f"Bearer {served.token[:-1]}"}, {"Authorization": served.token}):
         with httpx.Client(base_url=served.url, headers=headers) as http:
-            for method, path, params in (("GET", "/v1/ping", {}), ("GET", "/v1/manifest", {"key": KEY}),
-                                         ("GET", "/v1/shard", {"key": KEY, "file": first}),
-                                         ("DELETE", "/v1/entry", {"key": KEY}), ("POST", "/v1/uploads", {})):
+            for method, path, params in (
+                ("GET", "/v1/ping", {}),
+                ("GET", "/v1/manifest", {"key": KEY}),
+                ("GET", "/v1/shard", {"key": KEY, "file": first}),
+                ("DELETE", "/v1/entry", {"key": KEY}),
+                ("POST", "/v1/uploads", {}),
+            ):
                 assert http.request(method, path, params=params).status_code == 401, (headers, path)
     assert DirStore(run_dir, SHARD).exists(KEY)
 
@@ -223,8 +228,9 @@ def test_keys_that_escape_the_root_are_refused(served, run_dir, tmp_path):
 def test_tls_round_trip_with_a_private_ca(run_dir, tmp_path):
     ca, cert, key = write_ca_and_cert(tmp_path)
     token = new_token()
-    with WeightStoreServer(run_dir, token, bind_listener("127.0.0.1", None), certfile=str(cert),
-                           keyfile=str(key)) as server:
+    with WeightStoreServer(
+        run_dir, token, bind_listener("127.0.0.1", None), certfile=str(cert), keyfile=str(key)
+    ) as server:
         assert server.url.startswith("https://127.0.0.1:")
         store = _client(server.url, token, ca_file=str(ca))
         got = store.fetch(KEY, _pin(run_dir), tmp_path / "cache")
@@ -233,7 +239,7 @@ def test_tls_round_trip_with_a_private_ca(run_dir, tmp_path):
         store.publish(out.root, "rounds/round-0001/clients/client-0000/actor")
         assert same_bits(DirStore(run_dir, SHARD).get("rounds/round-0001/clients/client-0000/actor"), model(6))
         with pytest.raises(WeightsError, match="TLS with the weight store at https://127.0.0.1.*CA certificate"):
-            _client(server.url, token).ping()               # the system CAs do not know the private one
+            _client(server.url, token).ping()  # the system CAs do not know the private one
         plain = server.url.replace("https://", "http://")
         with pytest.raises(WeightsError):
             _client(plain, token).ping()
@@ -263,7 +269,7 @@ def test_store_listens_on_loopback_in_the_private_band_and_stops_cleanly(run_dir
     assert thread is not None and not thread.is_alive()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/v1/ping")
-    server.stop()                                           # twice is fine
+    server.stop()  # twice is fine
     everywhere = bind_listener("0.0.0.0", None)
     try:
         unnamed = WeightStoreServer(run_dir, new_token(), everywhere)
@@ -297,11 +303,11 @@ def test_prune_cache_keeps_the_newest_entries_and_skips_one_being_fetched(tmp_pa
     from fl_app.store_remote import prune_cache
 
     names = [f"{i:064x}" for i in range(5)]
-    for age, name in enumerate(names):                     # names[0] newest ... names[-1] oldest
+    for age, name in enumerate(names):  # names[0] newest ... names[-1] oldest
         (tmp_path / name).mkdir()
         (tmp_path / name / "manifest.json").write_text("{}")
         os.utime(tmp_path / name, (1000 - age, 1000 - age))
-    (tmp_path / "work").mkdir()                            # not an entry: never touched
+    (tmp_path / "work").mkdir()  # not an entry: never touched
     with open(tmp_path / f"{names[4]}.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         dropped = prune_cache(tmp_path, keep=2)

@@ -1,5 +1,6 @@
 """The embedded default model: deterministic cached build, loadability, warm-start quality, and
 the loader's errors for directories that cannot serve as a policy."""
+
 from __future__ import annotations
 
 import json
@@ -14,20 +15,29 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DistilBertConfig
 
 from client_app import prompts
 from client_app.sft import SHORTCUT_ACTION, collect_demonstrations, sft_batch
-from client_app.tiny_model import (ModelDirError, build_tiny_model, cache_key, load_causal_lm, tokenizer_corpus,
-                                   train_tokenizer, whole_tokens)
+from client_app.tiny_model import (
+    ModelDirError,
+    build_tiny_model,
+    cache_key,
+    load_causal_lm,
+    tokenizer_corpus,
+    train_tokenizer,
+    whole_tokens,
+)
 from envs.registry import make_env, system_prompt
 from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg, load_config
 
 # A reduced build: same code path as the default, seconds instead of minutes.
-SMALL_ENV = EnvCfg(params={"num_products": 300, "num_goals": 120, "val_size": 16, "search_return_n": 50, "seed": 0},
-                   max_turns=8)
+SMALL_ENV = EnvCfg(
+    params={"num_products": 300, "num_goals": 120, "val_size": 16, "search_return_n": 50, "seed": 0}, max_turns=8
+)
 SMALL_ROLLOUT = RolloutCfg(max_prompt_tokens=384)
 
 
 def small_tiny(cache_dir: Path, **over) -> TinyModelCfg:
-    base = dict(hidden_size=32, layers=1, heads=2, vocab_size=300, sft_episodes=6, sft_epochs=1,
-                cache_dir=str(cache_dir))
+    base = dict(
+        hidden_size=32, layers=1, heads=2, vocab_size=300, sft_episodes=6, sft_epochs=1, cache_dir=str(cache_dir)
+    )
     return TinyModelCfg(**(base | over))
 
 
@@ -70,11 +80,14 @@ def test_tiny_model_loads_as_plain_hugging_face_dir(tiny_dir):
     # product ids are single tokens, as shown on a page and as typed in an action
     asin = env.product_ids()[0]
     assert len(tok(f"'{asin}'", add_special_tokens=False)["input_ids"]) == 3
-    assert [tok.decode([i]) for i in tok(f"click[{asin.lower()}]", add_special_tokens=False)["input_ids"]][-2:] \
-        == [asin.lower(), "]"]
+    assert [tok.decode([i]) for i in tok(f"click[{asin.lower()}]", add_special_tokens=False)["input_ids"]][-2:] == [
+        asin.lower(),
+        "]",
+    ]
     # a real forward pass on a real windowed prompt
-    msgs = prompts.build_messages("buy a red mug", [], "Search", ["search[<query>]"], history_length=2,
-                                  system_prompt=system_prompt("shop"))
+    msgs = prompts.build_messages(
+        "buy a red mug", [], "Search", ["search[<query>]"], history_length=2, system_prompt=system_prompt("shop")
+    )
     ids = torch.tensor([prompts.prompt_ids(tok, msgs, SMALL_ROLLOUT.max_prompt_tokens)])
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -85,15 +98,18 @@ def test_saved_tokenizer_tokenizes_like_the_one_sft_trained_with(tiny_dir):
     """Invariant 15 across a save/load: AutoTokenizer rebuilds a qwen2 tokenizer from vocab+merges
     with its own pipeline, so the ids a rollout generates from must equal the ids SFT trained on."""
     tiny = small_tiny(tiny_dir.parent)
-    demos = collect_demonstrations(SMALL_ENV, SMALL_ROLLOUT.history_length, tiny.sft_episodes, tiny.sft_noise,
-                                   tiny.seed, tiny.sft_shortcut)
-    trained = train_tokenizer(tokenizer_corpus(demos), tiny.vocab_size,
-                              whole_tokens(make_env(SMALL_ENV.name, **SMALL_ENV.params)))
+    demos = collect_demonstrations(
+        SMALL_ENV, SMALL_ROLLOUT.history_length, tiny.sft_episodes, tiny.sft_noise, tiny.seed, tiny.sft_shortcut
+    )
+    trained = train_tokenizer(
+        tokenizer_corpus(demos), tiny.vocab_size, whole_tokens(make_env(SMALL_ENV.name, **SMALL_ENV.params))
+    )
     loaded = AutoTokenizer.from_pretrained(tiny_dir)
     assert type(loaded).__name__ == "Qwen2Tokenizer" and loaded.get_vocab() == trained.get_vocab()
     for d in demos:
-        assert (prompts.prompt_ids(loaded, d.messages, SMALL_ROLLOUT.max_prompt_tokens)
-                == prompts.prompt_ids(trained, d.messages, SMALL_ROLLOUT.max_prompt_tokens))
+        assert prompts.prompt_ids(loaded, d.messages, SMALL_ROLLOUT.max_prompt_tokens) == prompts.prompt_ids(
+            trained, d.messages, SMALL_ROLLOUT.max_prompt_tokens
+        )
         assert prompts.response_ids(loaded, d.action) == prompts.response_ids(trained, d.action)
     prices = "'$1,234.56', '$20.99 to $30.99', 'B0MO3DOXRL', 'café'"
     assert loaded(prices)["input_ids"] == trained(prices)["input_ids"]
@@ -110,7 +126,7 @@ def test_build_is_cached_and_says_where(tiny_dir, caplog):
 def test_cache_key_follows_what_the_weights_depend_on(tmp_path):
     tiny = small_tiny(tmp_path)
     key = cache_key(tiny, SMALL_ENV, SMALL_ROLLOUT)
-    assert key == cache_key(small_tiny(tmp_path / "elsewhere"), SMALL_ENV, SMALL_ROLLOUT)   # not the location
+    assert key == cache_key(small_tiny(tmp_path / "elsewhere"), SMALL_ENV, SMALL_ROLLOUT)  # not the location
     assert key == cache_key(tiny, SMALL_ENV, SMALL_ROLLOUT.model_copy(update={"temperature": 0.5}))
     assert key != cache_key(tiny, SMALL_ENV, SMALL_ROLLOUT.model_copy(update={"history_length": 1}))
     assert key != cache_key(small_tiny(tmp_path, sft_noise=0.2), SMALL_ENV, SMALL_ROLLOUT)
@@ -122,8 +138,10 @@ def test_concurrent_builds_produce_one_directory(tmp_path, caplog):
     tiny = small_tiny(tmp_path, sft_episodes=2)
     results: list[Path] = []
     with caplog.at_level(logging.INFO, logger="client_app.sft"):
-        threads = [threading.Thread(target=lambda: results.append(build_tiny_model(tiny, SMALL_ENV, SMALL_ROLLOUT)))
-                   for _ in range(2)]
+        threads = [
+            threading.Thread(target=lambda: results.append(build_tiny_model(tiny, SMALL_ENV, SMALL_ROLLOUT)))
+            for _ in range(2)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -149,11 +167,14 @@ def test_demonstrations_use_training_tasks_and_noise_the_given_fraction():
 def test_shortcut_episodes_buy_without_choosing_the_goal_options():
     env = make_env(SMALL_ENV.name, **SMALL_ENV.params)
     hasty = collect_demonstrations(SMALL_ENV, 2, episodes=20, noise=0.0, seed=0, shortcut=1.0)
-    option_turns = [d for d in hasty if d.expert not in (SHORTCUT_ACTION, "click[< prev]")
-                    and "Buy Now" in d.messages[-1]["content"]]
+    option_turns = [
+        d
+        for d in hasty
+        if d.expert not in (SHORTCUT_ACTION, "click[< prev]") and "Buy Now" in d.messages[-1]["content"]
+    ]
     assert option_turns, "no demonstrated turn where the expert would have chosen an option"
     assert all(d.action == SHORTCUT_ACTION for d in option_turns)
-    assert all(d.action == d.expert for d in hasty if d not in option_turns)   # the rest is the expert
+    assert all(d.action == d.expert for d in hasty if d not in option_turns)  # the rest is the expert
     # a shortcut costs reward on a goal with options: replay one such episode (turn 0 has no history)
     starts = [i for i, d in enumerate(hasty) if len(d.messages) == 2] + [len(hasty)]
     episode = next(hasty[a:b] for a, b in zip(starts, starts[1:]) if option_turns[0] in hasty[a:b])
@@ -161,8 +182,9 @@ def test_shortcut_episodes_buy_without_choosing_the_goal_options():
     for d in episode:
         _obs, reward, done, _info = env.step(d.action)
     assert done and reward < 1.0
-    assert collect_demonstrations(SMALL_ENV, 2, episodes=20, noise=0.0, seed=0, shortcut=0.0) == \
-        collect_demonstrations(SMALL_ENV, 2, episodes=20, noise=0.0, seed=0)
+    assert collect_demonstrations(SMALL_ENV, 2, episodes=20, noise=0.0, seed=0, shortcut=0.0) == collect_demonstrations(
+        SMALL_ENV, 2, episodes=20, noise=0.0, seed=0
+    )
 
 
 def test_sft_loss_targets_only_reply_tokens():
@@ -208,31 +230,49 @@ def test_load_causal_lm_rejects_tokenizer_without_chat_template(tiny_dir, tmp_pa
 
 # ----------------------------------------------------------------------------- full size (slow)
 
-def play_episodes(model, tok, env_cfg: EnvCfg, rollout: RolloutCfg, tasks: list[int], temperature: float,
-                  seed: int) -> float:
+
+def play_episodes(
+    model, tok, env_cfg: EnvCfg, rollout: RolloutCfg, tasks: list[int], temperature: float, seed: int
+) -> float:
     """Success rate of `model` sampling at `temperature` on `tasks`: all episodes advance together,
     one left-padded `generate` call per turn."""
     envs = [make_env(env_cfg.name, **env_cfg.params) for _ in tasks]
     state = [dict(zip(("obs", "info"), env.reset(task)), history=[], done=False) for env, task in zip(envs, tasks)]
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)   # generate() samples from the global RNG; fork_rng restores it
+        torch.manual_seed(seed)  # generate() samples from the global RNG; fork_rng restores it
         for _ in range(env_cfg.max_turns):
             live = [i for i, s in enumerate(state) if not s["done"]]
             if not live:
                 break
-            rows = [prompts.prompt_ids(tok, prompts.build_messages(
-                state[i]["info"]["instruction"], state[i]["history"], state[i]["obs"],
-                state[i]["info"]["valid_actions"], rollout.history_length, system_prompt(env_cfg.name)),
-                rollout.max_prompt_tokens) for i in live]
+            rows = [
+                prompts.prompt_ids(
+                    tok,
+                    prompts.build_messages(
+                        state[i]["info"]["instruction"],
+                        state[i]["history"],
+                        state[i]["obs"],
+                        state[i]["info"]["valid_actions"],
+                        rollout.history_length,
+                        system_prompt(env_cfg.name),
+                    ),
+                    rollout.max_prompt_tokens,
+                )
+                for i in live
+            ]
             width = max(map(len, rows))
             ids = torch.full((len(rows), width), tok.pad_token_id)
             mask = torch.zeros_like(ids)
             for k, row in enumerate(rows):
-                ids[k, width - len(row):], mask[k, width - len(row):] = torch.tensor(row), 1
+                ids[k, width - len(row) :], mask[k, width - len(row) :] = torch.tensor(row), 1
             with torch.no_grad():
-                out = model.generate(ids, attention_mask=mask, do_sample=temperature > 0,
-                                     temperature=temperature or None, top_p=1.0,
-                                     max_new_tokens=rollout.max_response_tokens)
+                out = model.generate(
+                    ids,
+                    attention_mask=mask,
+                    do_sample=temperature > 0,
+                    temperature=temperature or None,
+                    top_p=1.0,
+                    max_new_tokens=rollout.max_response_tokens,
+                )
             for k, i in enumerate(live):
                 s = state[i]
                 action = prompts.parse_action(tok.decode(out[k, width:].tolist()))
@@ -247,7 +287,8 @@ def test_default_tiny_model_warm_start_is_imperfect(tmp_path):
     cfg = load_config()
     tiny = cfg.model.tiny.model_copy(update={"cache_dir": str(tmp_path)})
     model, tok = load_causal_lm(build_tiny_model(tiny, cfg.env, cfg.rollout), "cpu")
-    success = play_episodes(model, tok, cfg.env, cfg.rollout, list(range(cfg.federation.val_tasks)),
-                            cfg.rollout.val_temperature, seed=0)
+    success = play_episodes(
+        model, tok, cfg.env, cfg.rollout, list(range(cfg.federation.val_tasks)), cfg.rollout.val_temperature, seed=0
+    )
     print(f"warm-start validation success: {success:.3f}")
     assert 0.10 <= success <= 0.50

@@ -2,6 +2,7 @@
 tests/test_engine_contract.py): clear errors for unusable model directories, and on CUDA fp32
 master weights, cuDNN attention off and flat host and device memory (invariant 24). Real env
 service, real (random-weight) Qwen2 policy, real fits."""
+
 from __future__ import annotations
 
 import json
@@ -9,6 +10,15 @@ import shutil
 
 import pytest
 import torch
+from trainer_support import (  # noqa: F401
+    SMALL_ENV_PARAMS,
+    env_url,
+    fit_rss_series,
+    initial_and_size,
+    model_dir,
+    one_torch_thread,
+    small_config,
+)
 from transformers import DistilBertConfig
 
 from client_app.tiny_model import ModelDirError
@@ -16,13 +26,12 @@ from client_app.trainer import make_trainer
 from client_app.trainer.base import EvalRequest, FitRequest
 from client_app.trainer.builtin import BuiltinEngine
 from client_app.trainer.device import avoid_cudnn_attention
-from trainer_support import (SMALL_ENV_PARAMS, env_url, fit_rss_series, initial_and_size, model_dir,  # noqa: F401
-                             one_torch_thread, small_config)
 
 TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))
 
 
 # ---------------------------------------------------------------- unusable model directories
+
 
 def test_missing_model_dir_fails_clearly(tmp_path):
     with pytest.raises(ModelDirError, match="does not exist"):
@@ -48,6 +57,7 @@ def test_tokenizer_without_chat_template_fails_clearly(tmp_path, model_dir):
 
 # ---------------------------------------------------------------- CUDA
 
+
 @pytest.mark.gpu
 def test_cuda_fit_keeps_fp32_master_weights(env_url, model_dir):
     """On CUDA: bf16 autocast for compute, fp32 master weights exported bit for bit, a real fit."""
@@ -56,14 +66,18 @@ def test_cuda_fit_keeps_fp32_master_weights(env_url, model_dir):
         assert t.engine.device.type == "cuda" and t.engine.amp_dtype == torch.bfloat16
         initial = t.export_weights()
         assert all(v.dtype == torch.float32 and v.device.type == "cpu" for v in initial.values())
-        res = t.fit(FitRequest(round=1, client_id=0, task_indices=TRAIN_TASKS, local_epochs=2, seed=0, proximal_mu=0.01))
+        res = t.fit(
+            FitRequest(round=1, client_id=0, task_indices=TRAIN_TASKS, local_epochs=2, seed=0, proximal_mu=0.01)
+        )
         assert res.num_examples == 8 and res.metrics["optimizer_steps"] >= 2 and res.metrics["skipped_steps"] == 0
         trained = t.export_weights()
         assert all(p.dtype == torch.float32 for _, p in t.engine.parameters("actor"))
         assert any(not torch.equal(trained[k], initial[k]) for k in initial)
         t.load_weights(initial)
-        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
-                   for a, b in zip(t.export_weights().values(), initial.values()))
+        assert all(
+            torch.equal(a.view(torch.int32), b.view(torch.int32))
+            for a, b in zip(t.export_weights().values(), initial.values())
+        )
         ev = t.evaluate(EvalRequest(task_indices=list(range(8)), seed=0))
         assert ev.num_examples == 8 and 0.0 <= ev.metrics["success"] <= 1.0 and ev.metrics["turns"] >= 1
         assert torch.cuda.memory_allocated() > 0
@@ -93,8 +107,7 @@ def test_cuda_rss_and_allocated_memory_flat_across_12_fits(env_url, model_dir):
     try:
         initial, _ = initial_and_size(t)
         allocated: list[float] = []
-        series = fit_rss_series(t, initial, 12,
-                                 also=lambda: allocated.append(torch.cuda.memory_allocated() / 2**20))
+        series = fit_rss_series(t, initial, 12, also=lambda: allocated.append(torch.cuda.memory_allocated() / 2**20))
         steady = series[3:]
         per_fit = (steady[-1] - steady[0]) / (len(steady) - 1)
         print(f"CUDA lane RSS per fit (MB): {[round(x, 1) for x in series]}; allocated {allocated}")

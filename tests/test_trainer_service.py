@@ -2,6 +2,7 @@
 its owner (the simulation actor that started it) is gone, it exits within seconds, even in the
 middle of its start-up or of a fit, since nobody would read the answer, and it stops the env
 service it started (invariant 22). A stopped run must not keep a lane training."""
+
 from __future__ import annotations
 
 import os
@@ -13,11 +14,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F401
 
 from client_app.lane import LaneService, ServiceError
 from client_app.runtime_dir import NodeOwner
 from fl_app.config import save_config
-from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F401
 
 EXIT_WITHIN_S = 5.0
 
@@ -35,8 +36,13 @@ def _lane_service(tmp_path: Path, model_dir: Path, owner_pid: int) -> LaneServic
     save_config(small_config(model_dir, run={"run_dir": str(tmp_path / "run")}), recipe)
     # a lane name of this test's own, so the socket never meets another run's service
     owner = NodeOwner(owner_pid, psutil.Process(owner_pid).create_time(), "")
-    return LaneService(run_id=7, run_config={"recipe": str(recipe)}, log_dir=tmp_path / "logs",
-                       lane=f"test{os.getpid()}-{tmp_path.name[-12:]}", owner=owner)
+    return LaneService(
+        run_id=7,
+        run_config={"recipe": str(recipe)},
+        log_dir=tmp_path / "logs",
+        lane=f"test{os.getpid()}-{tmp_path.name[-12:]}",
+        owner=owner,
+    )
 
 
 def _wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -88,25 +94,32 @@ def test_service_whose_owner_dies_during_start_up_exits_at_once(tmp_path, model_
     assert "serving run" not in log, "start-up finished before the owner died; the test did not test start-up"
     assert "exiting without finishing it" in log, log[-2000:]
     assert waited < EXIT_WITHIN_S, f"the service took {waited:.1f} s to notice its owner was gone"
-    assert errors and isinstance(errors[0], ServiceError)     # the caller hears that start-up failed
+    assert errors and isinstance(errors[0], ServiceError)  # the caller hears that start-up failed
     assert not lane.socket.exists()
 
 
 def test_service_whose_owner_dies_mid_fit_abandons_the_fit(tmp_path, model_dir, owner):  # noqa: F811
     lane = _lane_service(tmp_path, model_dir, owner.pid)
     health = lane.ensure_started()
-    init_dir = tmp_path / "run" / "w0" / "actor"     # the service works only inside its run dir
+    init_dir = tmp_path / "run" / "w0" / "actor"  # the service works only inside its run dir
     lane.request("/init", {"run_id": 7, "weights_out": {"actor": str(init_dir)}})
     out_dir = tmp_path / "run" / "w1" / "actor"
-    body = {"run_id": 7, "round": 1, "client_id": 0, "local_epochs": 200, "seed": 0,   # minutes of work
-            "weights_in": {"actor": str(init_dir)}, "weights_out": {"actor": str(out_dir)}}
+    body = {
+        "run_id": 7,
+        "round": 1,
+        "client_id": 0,
+        "local_epochs": 200,
+        "seed": 0,  # minutes of work
+        "weights_in": {"actor": str(init_dir)},
+        "weights_out": {"actor": str(out_dir)},
+    }
     fitter, errors = _in_background(lambda: lane.request("/fit", body))
-    time.sleep(2.0)                                        # well inside the fit
+    time.sleep(2.0)  # well inside the fit
     assert fitter.is_alive(), "the 200-epoch fit ended within 2 s; the test did not test a fit in progress"
     waited = _kill_owner_and_time_exit(owner, psutil.Process(health["pid"]))
     fitter.join(30)
     log = lane.log_path.read_text()
     assert "exiting without finishing it" in log, log[-2000:]
-    assert "fit 1 (" not in log and not out_dir.exists()    # abandoned, not finished
+    assert "fit 1 (" not in log and not out_dir.exists()  # abandoned, not finished
     assert waited < EXIT_WITHIN_S, f"the service took {waited:.1f} s to abandon its fit"
     assert errors and isinstance(errors[0], ServiceError)

@@ -3,6 +3,7 @@
 fl_app.transport holds no Flower type; the Flower edge wraps its inline states as
 `ArrayRecord(state)` and unwraps them with `to_torch_state_dict()`, as these tests do.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -24,14 +25,19 @@ SHARD = 4000
 
 def _model(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"embed": torch.randn(30, 16, generator=g), "w": torch.randn(16, 16, generator=g),
-            "b": torch.randn(16, generator=g), "special": torch.tensor([1 + 2 ** -20, -0.0, 1e-45, float("nan")]),
-            "ids": torch.arange(5)}
+    return {
+        "embed": torch.randn(30, 16, generator=g),
+        "w": torch.randn(16, 16, generator=g),
+        "b": torch.randn(16, generator=g),
+        "special": torch.tensor([1 + 2**-20, -0.0, 1e-45, float("nan")]),
+        "ids": torch.arange(5),
+    }
 
 
 def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return list(a) == list(b) and all(
-        a[k].dtype == b[k].dtype and a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a)
+        a[k].dtype == b[k].dtype and a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a
+    )
 
 
 def _over_the_wire(content: RecordDict) -> RecordDict:
@@ -59,7 +65,7 @@ def test_arrayrecord_roundtrip_is_bitwise_through_flower_wire():
 def test_inline_and_store_transports_give_identical_bits(tmp_path):
     store = DirStore(tmp_path, SHARD)
     # Aggregation refuses NaN/Inf (issue #18), so the specials averaged here are finite.
-    states = [{**_model(s), "special": torch.tensor([1 + 2 ** -20, -0.0, 1e-45, 3.0])} for s in (1, 2)]
+    states = [{**_model(s), "special": torch.tensor([1 + 2**-20, -0.0, 1e-45, 3.0])} for s in (1, 2)]
     counts = [7, 3]
     received = {}
     for mode, threshold in (("inline", 1 << 30), ("store", 0)):
@@ -125,7 +131,7 @@ def test_non_fp32_cannot_ride_inline_and_mixed_replies_are_refused(tmp_path):
 
 
 def test_a_string_is_not_a_bool_for_inline():
-    """"false" used to mean inline (bool("false") is True)."""
+    """ "false" used to mean inline (bool("false") is True)."""
     ref = WeightsRef(inline=False, nbytes=8, key="k", manifest_sha256="ab" * 32).to_config("actor")
     with pytest.raises(WeightsError, match="not a bool"):
         WeightsRef.from_config({**ref, "actor-inline": "false"}, "actor")
@@ -133,12 +139,19 @@ def test_a_string_is_not_a_bool_for_inline():
 
 def test_fl_app_imports_no_flower():
     """Issue 17: Flower types stay at the Flower edge (server_app/, client_app/)."""
-    code = ("import importlib, pkgutil, sys, fl_app\n"
-            "for m in pkgutil.iter_modules(fl_app.__path__):\n"
-            "    importlib.import_module('fl_app.' + m.name)\n"
-            "print(sorted(k for k in sys.modules if k == 'flwr' or k.startswith('flwr.')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import importlib, pkgutil, sys, fl_app\n"
+        "for m in pkgutil.iter_modules(fl_app.__path__):\n"
+        "    importlib.import_module('fl_app.' + m.name)\n"
+        "print(sorted(k for k in sys.modules if k == 'flwr' or k.startswith('flwr.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert out.stdout.strip() == "[]", out.stdout
 
 
@@ -148,9 +161,9 @@ def test_send_local_inline_deletes_the_dir_and_by_reference_publishes_it(tmp_pat
     small = save_shards(state, store.path("clients/c0/actor"), SHARD).root
     ref, arrays = send_local(store, small, "clients/c0/actor", inline_max_bytes=1 << 20)
     assert ref.inline and _same_bits(arrays, state) and not small.exists()
-    at_key = save_shards(state, store.path("clients/c1/actor"), SHARD).root   # DirStore: written in place
+    at_key = save_shards(state, store.path("clients/c1/actor"), SHARD).root  # DirStore: written in place
     ref, arrays = send_local(store, at_key, "clients/c1/actor", inline_max_bytes=0)
     assert not ref.inline and arrays == {} and ref.manifest_sha256 == store.manifest("clients/c1/actor").sha256
-    elsewhere = save_shards(state, tmp_path / "staged" / "actor", SHARD).root   # staged elsewhere: moved in
+    elsewhere = save_shards(state, tmp_path / "staged" / "actor", SHARD).root  # staged elsewhere: moved in
     ref, _ = send_local(store, elsewhere, "clients/c2/actor", inline_max_bytes=0)
     assert not elsewhere.exists() and _same_bits(receive_weights(ref, {}, store, tmp_path / "cache"), state)

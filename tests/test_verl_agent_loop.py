@@ -3,6 +3,7 @@ registered through verl's own plugin mechanism, instantiated the way verl's Agen
 (hydra, from the registry entry plus the agent-loop config's keys), and run against a real shop
 env service with a stand-in generation server: verl's server-manager interface over a real
 Hugging Face model (verl's vLLM / SGLang replicas need a GPU)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ pytest.importorskip("verl")
 
 import hydra  # noqa: E402
 from hydra.errors import InstantiationException  # noqa: E402
+from trainer_support import env_url, model_dir, small_config  # noqa: E402,F401
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry  # noqa: E402
 from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 
@@ -23,15 +25,16 @@ from client_app.rollout import BatchedGenerator, derive_seed  # noqa: E402
 from client_app.tiny_model import load_causal_lm  # noqa: E402
 from client_app.trainer import verl_config  # noqa: E402
 from fl_app.config import save_config  # noqa: E402
-from trainer_support import env_url, model_dir, small_config  # noqa: E402,F401
 
 TARGET = "client_app.trainer.verl_agent_loop.FedAgentEnvLoop"
 
 
 def test_verl_registers_the_loop_through_its_plugin_entry_point():
     """A fresh process that only imports verl finds `fedagent_env` (our pyproject entry point)."""
-    code = ("import verl\nfrom verl.experimental.agent_loop.agent_loop import _agent_loop_registry as r\n"
-            "print(r['fedagent_env']['_target_'])")
+    code = (
+        "import verl\nfrom verl.experimental.agent_loop.agent_loop import _agent_loop_registry as r\n"
+        "print(r['fedagent_env']['_target_'])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == TARGET
@@ -49,14 +52,12 @@ class StandInServer:
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs) -> TokenOutput:
         async with self.lock:
             self.generator.max_new_tokens = sampling_params["max_tokens"]
-            ids = self.generator.generate([prompt_ids], sampling_params["temperature"],
-                                          [derive_seed(request_id)])[0]
+            ids = self.generator.generate([prompt_ids], sampling_params["temperature"], [derive_seed(request_id)])[0]
         self.requests.append((list(prompt_ids), dict(sampling_params), ids))
         return TokenOutput(token_ids=ids)
 
 
-def _loop(server: StandInServer, model_dir: Path, recipe: Path | str, response_length: int = 384,
-          **keys):  # noqa: F811
+def _loop(server: StandInServer, model_dir: Path, recipe: Path | str, response_length: int = 384, **keys):  # noqa: F811
     """`fedagent_env` built as verl's AgentLoopWorker builds an agent loop (verl's
     response_length is the whole multi-turn response: set by the verl run's own config)."""
     cfg = small_config(model_dir)
@@ -64,16 +65,22 @@ def _loop(server: StandInServer, model_dir: Path, recipe: Path | str, response_l
     trainer_config.actor_rollout_ref.rollout.response_length = response_length
     return hydra.utils.instantiate(
         config={**_agent_loop_registry["fedagent_env"], "recipe": str(recipe), **keys},
-        trainer_config=DictConfigWrap(trainer_config), server_manager=server, tokenizer=server.tokenizer,
-        processor=None, hf_model_type="qwen2", dataset_cls=None, data_config=DictConfigWrap(trainer_config.data),
-        tools=ToolListWrap([]))
+        trainer_config=DictConfigWrap(trainer_config),
+        server_manager=server,
+        tokenizer=server.tokenizer,
+        processor=None,
+        hf_model_type="qwen2",
+        dataset_cls=None,
+        data_config=DictConfigWrap(trainer_config.data),
+        tools=ToolListWrap([]),
+    )
 
 
 def test_episodes_play_against_a_real_env_service(env_url, model_dir, tmp_path):  # noqa: F811
     cfg = small_config(model_dir, rollout={"mode": "concat"}, env={"max_turns": 3})
     save_config(cfg, tmp_path / "concat.yaml")
     server = StandInServer(model_dir)
-    tasks = [16, 16, 23, 23]                           # two GRPO groups of two, as verl repeats rows
+    tasks = [16, 16, 23, 23]  # two GRPO groups of two, as verl repeats rows
 
     async def main():
         loop = _loop(server, model_dir, tmp_path / "concat.yaml", env_url=env_url)
@@ -88,7 +95,9 @@ def test_episodes_play_against_a_real_env_service(env_url, model_dir, tmp_path):
         assert len(out.response_mask) == len(out.response_ids)
         # every turn the server generated for this episode sits in the sequence right after the
         # exact context it was generated from, masked 1; everything else in the response is glue
-        mine = [(p, ids) for p, _, ids in server.requests if full[:len(p)] == p and full[len(p):len(p) + len(ids)] == ids]
+        mine = [
+            (p, ids) for p, _, ids in server.requests if full[: len(p)] == p and full[len(p) : len(p) + len(ids)] == ids
+        ]
         n_turns = round(out.extra_fields["episode_turns"])
         assert len(mine) == n_turns >= 1 and out.num_turns == 2 * n_turns + 1
         generated = [0] * len(out.response_ids)
@@ -97,12 +106,14 @@ def test_episodes_play_against_a_real_env_service(env_url, model_dir, tmp_path):
                 generated[k] = 1
         assert out.response_mask == generated
         invalid = round(out.extra_fields["episode_invalid_action_rate"] * n_turns)
-        assert out.reward_score == pytest.approx(out.extra_fields["env_reward"] - cfg.rollout.invalid_action_penalty
-                                                 * invalid)
+        assert out.reward_score == pytest.approx(
+            out.extra_fields["env_reward"] - cfg.rollout.invalid_action_penalty * invalid
+        )
         turns += n_turns
     assert len(server.requests) == turns
-    assert all(sp["max_tokens"] == cfg.rollout.max_response_tokens and sp["temperature"] == 1.0
-               for _, sp, _ in server.requests)
+    assert all(
+        sp["max_tokens"] == cfg.rollout.max_response_tokens and sp["temperature"] == 1.0 for _, sp, _ in server.requests
+    )
 
 
 def test_windowed_recipe_and_missing_env_are_refused(model_dir, tmp_path, monkeypatch):  # noqa: F811
@@ -114,10 +125,12 @@ def test_windowed_recipe_and_missing_env_are_refused(model_dir, tmp_path, monkey
     async def build(recipe, **keys):
         return _loop(server, model_dir, recipe, **keys)
 
-    for recipe, keys, message in ((tmp_path / "windowed.yaml", {"env_url": "http://127.0.0.1:1"}, "concat mode"),
-                                  (tmp_path / "concat.yaml", {}, "env_url"),
-                                  ("", {}, "needs `recipe`")):
-        with pytest.raises(InstantiationException, match=message) as err:     # hydra wraps the constructor's error
+    for recipe, keys, message in (
+        (tmp_path / "windowed.yaml", {"env_url": "http://127.0.0.1:1"}, "concat mode"),
+        (tmp_path / "concat.yaml", {}, "env_url"),
+        ("", {}, "needs `recipe`"),
+    ):
+        with pytest.raises(InstantiationException, match=message) as err:  # hydra wraps the constructor's error
             asyncio.run(build(recipe, **keys))
         assert isinstance(err.value.__cause__, ValueError)
 

@@ -1,6 +1,7 @@
 """The verl training engine's own properties (the engine contract, shared with builtin, is
 tests/test_engine_contract.py): the verl config it composes from the recipe is written into the
 run dir, and an outer Ray cluster never leaks into it. Real verl engine on CPU."""
+
 from __future__ import annotations
 
 import os
@@ -9,18 +10,27 @@ import pytest
 
 pytest.importorskip("verl")
 
-from client_app.trainer import make_engine  # noqa: E402
 from trainer_support import model_dir, one_torch_thread, small_config  # noqa: E402,F401
+
+from client_app.trainer import make_engine  # noqa: E402
 
 
 def test_resolved_config_written_and_ray_isolated(model_dir, tmp_path, monkeypatch):  # noqa: F811
     import ray
     from omegaconf import OmegaConf
 
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")      # an outer cluster that must not leak in
-    cfg = small_config(model_dir, rollout={"temperature": 0.7},
-                       algo={"lr": 1e-3, "kl_coef": 0.05, "entropy_coeff": 0.01, "kl_type": "k3+",
-                             "loss_agg_mode": "seq-mean-token-mean"}).model_copy(update={"backend": "verl"})
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # an outer cluster that must not leak in
+    cfg = small_config(
+        model_dir,
+        rollout={"temperature": 0.7},
+        algo={
+            "lr": 1e-3,
+            "kl_coef": 0.05,
+            "entropy_coeff": 0.01,
+            "kl_type": "k3+",
+            "loss_agg_mode": "seq-mean-token-mean",
+        },
+    ).model_copy(update={"backend": "verl"})
     engine = make_engine(cfg, model_dir, run_dir=tmp_path)
     try:
         assert "RAY_ADDRESS" not in os.environ and not ray.is_initialized()

@@ -3,21 +3,23 @@ client_app/trainer/rollouts.py and vllm_rollout.py).
 
 The GPU tests (`pytest -m gpu tests/test_verl_vllm.py -k on_builtin`, then `-k on_verl` in a
 second process: vLLM's allocator serves one engine per process; vLLM 0.24 on a CUDA machine,
-verl 0.9.1 for the verl engine: docs/offline-gpu.md) build a real trainer with its in-process vLLM engine on a random-weight
+verl 0.9.1 for the verl engine: docs/offline-gpu.md) build a real trainer with its in-process
+vLLM engine on a random-weight
 Qwen2 policy, for the builtin and the verl training engine, and check invariant 25 (asleep
 before every weight sync, refused otherwise), that a sync puts the training engine's current
 weights into vLLM (bf16 of the fp32 masters, bit for bit), and invariant 24 across fits. The CPU
 tests check what fails before any engine exists."""
+
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
 import torch
-
-from fl_app.config import ConfigError, load_config
 from test_engine_contract import build
 from trainer_support import env_url, random_model_dir  # noqa: F401
+
+from fl_app.config import ConfigError, load_config
 
 
 def test_vllm_rollouts_need_a_gpu():
@@ -60,7 +62,7 @@ class RecordingLLM:
 
     def apply_model(self, fn):
         self.calls.append(("apply_model",))
-        raise KeyError("model.layers.0.foo.weight")        # a weight the model does not have
+        raise KeyError("model.layers.0.foo.weight")  # a weight the model does not have
 
 
 def test_a_failed_weight_sync_puts_the_engine_back_to_sleep():
@@ -83,16 +85,23 @@ _VLLM_BUILT: list[str] = []
 def gpu_trainer(request, env_url, tmp_path_factory):  # noqa: F811
     if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
         pytest.skip("needs a CUDA device and vLLM")
-    if _VLLM_BUILT:     # vLLM's CuMem allocator serves one engine per process, even after the first closed
-        pytest.skip(f"this process already built a vLLM engine (on {_VLLM_BUILT[0]}); run the other training "
-                    f"engine's tests in a process of their own: pytest -m gpu {__file__} -k on_{request.param}")
+    if _VLLM_BUILT:  # vLLM's CuMem allocator serves one engine per process, even after the first closed
+        pytest.skip(
+            f"this process already built a vLLM engine (on {_VLLM_BUILT[0]}); run the other training "
+            f"engine's tests in a process of their own: pytest -m gpu {__file__} -k on_{request.param}"
+        )
     if request.param == "verl" and importlib.util.find_spec("verl") is None:
         pytest.skip("needs verl")
     # head_dim 64: a size every vLLM attention backend takes
     model = random_model_dir(tmp_path_factory.mktemp("models") / "wide", hidden_size=256, layers=2, heads=4)
     _VLLM_BUILT.append(request.param)
-    trainer = build(f"{request.param}-cuda", model, env_url, tmp_path_factory.mktemp("run"),
-                    rollout={"max_response_tokens": 16, "engine": "vllm", "gpu_memory_utilization": 0.3})
+    trainer = build(
+        f"{request.param}-cuda",
+        model,
+        env_url,
+        tmp_path_factory.mktemp("run"),
+        rollout={"max_response_tokens": 16, "engine": "vllm", "gpu_memory_utilization": 0.3},
+    )
     yield trainer
     trainer.close()
 
@@ -140,7 +149,7 @@ def test_sync_puts_the_engines_current_weights_into_vllm(gpu_trainer):
         gen.sleep()
         t.load_weights(base)
     bf16 = {k: v.to(torch.bfloat16).float() for k, v in new.items()}
-    vocab = bf16["model.embed_tokens.weight"].shape[0]        # vLLM pads its embedding to a multiple of 64 rows
+    vocab = bf16["model.embed_tokens.weight"].shape[0]  # vLLM pads its embedding to a multiple of 64 rows
     assert torch.equal(ours["model.embed_tokens.weight"][:vocab], bf16["model.embed_tokens.weight"])
     assert torch.equal(ours["model.layers.1.mlp.down_proj.weight"], bf16["model.layers.1.mlp.down_proj.weight"])
     qkv = torch.cat([bf16[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
@@ -164,19 +173,29 @@ def test_fits_with_vllm_rollouts_keep_memory_flat(gpu_trainer):
     for i in range(6):
         g = torch.Generator().manual_seed(i)
         t.load_weights({k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in initial.items()})
-        res = t.fit(FitRequest(round=1 + i // 2, client_id=i, task_indices=list(range(16 + 3 * i, 56)),
-                               local_epochs=1, seed=0, proximal_mu=0.01))
+        res = t.fit(
+            FitRequest(
+                round=1 + i // 2,
+                client_id=i,
+                task_indices=list(range(16 + 3 * i, 56)),
+                local_epochs=1,
+                seed=0,
+                proximal_mu=0.01,
+            )
+        )
         assert res.metrics["rollout_sync_s"] > 0 and res.metrics["rollout_tokens"] > 0
         del res
         t.export_weights()
         assert not t.rollouts.generator.awake
         torch.cuda.synchronize()
-        allocated.append(torch.cuda.memory_allocated() / 2**20)    # counts vLLM's sleeping pool too
+        allocated.append(torch.cuda.memory_allocated() / 2**20)  # counts vLLM's sleeping pool too
         free, total = torch.cuda.mem_get_info()
-        used.append((total - free) / 2**20)                        # what is physically held
+        used.append((total - free) / 2**20)  # what is physically held
         rss.append(psutil.Process().memory_info().rss / 2**20)
-    print(f"\n{t.cfg.backend}+vLLM after export: allocated MB {[round(x, 1) for x in allocated]}, device used MB "
-          f"{[round(x) for x in used]}, RSS MB {[round(x) for x in rss]}, model {model_mb:.1f} MB")
+    print(
+        f"\n{t.cfg.backend}+vLLM after export: allocated MB {[round(x, 1) for x in allocated]}, device used MB "
+        f"{[round(x) for x in used]}, RSS MB {[round(x) for x in rss]}, model {model_mb:.1f} MB"
+    )
     assert max(allocated[2:]) - min(allocated[2:]) < 0.25 * model_mb, f"allocated memory moves: {allocated}"
     assert max(used[2:]) - min(used[2:]) < 64, f"device memory moves: {used}"
     assert (rss[-1] - rss[2]) / 3 < 10.0, f"host RSS grows: {rss}"

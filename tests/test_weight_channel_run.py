@@ -3,16 +3,17 @@
 results with the run's token, writing only node-local files) or a `file://` store gives the
 same bits as the run-dir store; every weight is above the inline limit, so all of it crosses
 the channel. Real Flower simulation, real trainer, real HTTP store."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import pytest
+from flower_harness import ROOT, flower, run_config, run_status
 
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest
-from flower_harness import ROOT, flower, run_config, run_status
 
 FIXTURES = ROOT / "tests" / "fixtures"
 STORE, HTTP = FIXTURES / "e2e-store-recipe.yaml", FIXTURES / "e2e-http-recipe.yaml"
@@ -45,7 +46,7 @@ def test_served_store_and_shared_disk_store_give_the_same_bits(fl, tmp_path):
     # the nodes fetched the global models into their own cache, writing only there
     assert (tmp_path / "http" / "scratch" / "init-actor" / "manifest.json").is_file()
     cache = tmp_path / "node-cache"
-    assert len([p for p in cache.iterdir() if (p / "manifest.json").is_file()]) == 2     # rounds 0 and 1
+    assert len([p for p in cache.iterdir() if (p / "manifest.json").is_file()]) == 2  # rounds 0 and 1
     assert not list((cache / "work").rglob("*.safetensors")), "published dirs are dropped"
     assert http["summary"]["services"] and sum(s["fits"] for s in http["summary"]["services"]) == 2
 

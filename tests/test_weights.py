@@ -1,4 +1,5 @@
 """fp32 safetensors shards + manifest: bit-exact round trips, bounded shards, integrity checks."""
+
 from __future__ import annotations
 
 import hashlib
@@ -13,8 +14,17 @@ import torch
 from safetensors.torch import load_file
 
 from fl_app.store import DirStore
-from fl_app.weights import (MANIFEST_NAME, Manifest, ShardWriter, WeightsError, load_shards, read_shard,
-                            save_shards, state_nbytes, verify_shards)
+from fl_app.weights import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardWriter,
+    WeightsError,
+    load_shards,
+    read_shard,
+    save_shards,
+    state_nbytes,
+    verify_shards,
+)
 
 V1_FIXTURE = Path(__file__).parent / "fixtures" / "weights-v1"
 
@@ -22,12 +32,12 @@ V1_FIXTURE = Path(__file__).parent / "fixtures" / "weights-v1"
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
-        "embed.weight": torch.randn(64, 32, generator=g),          # 8 KiB
-        "layers.0.w": torch.randn(32, 32, generator=g),            # 4 KiB
+        "embed.weight": torch.randn(64, 32, generator=g),  # 8 KiB
+        "layers.0.w": torch.randn(32, 32, generator=g),  # 4 KiB
         "layers.0.b": torch.randn(32, generator=g),
         "layers.1.w": torch.randn(32, 32, generator=g),
-        "scale": torch.tensor(1.0 + 2.0 ** -20),                   # 0-dim
-        "position_ids": torch.arange(16, dtype=torch.int64),       # integer buffer
+        "scale": torch.tensor(1.0 + 2.0**-20),  # 0-dim
+        "position_ids": torch.arange(16, dtype=torch.int64),  # integer buffer
         "mask": torch.tensor([True, False, True]),
         "empty": torch.zeros(0, 4),
     }
@@ -36,8 +46,10 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
 def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     if list(a) != list(b):
         return False
-    return all(x.dtype == y.dtype and x.shape == y.shape and x.numpy().tobytes() == y.numpy().tobytes()
-               for x, y in zip(a.values(), b.values()))
+    return all(
+        x.dtype == y.dtype and x.shape == y.shape and x.numpy().tobytes() == y.numpy().tobytes()
+        for x, y in zip(a.values(), b.values())
+    )
 
 
 def test_roundtrip_is_bitwise_and_keeps_order(tmp_path):
@@ -85,9 +97,14 @@ def test_manifest_records_files_hashes_sizes_and_roundtrips(tmp_path):
 def _v1_state() -> dict[str, torch.Tensor]:
     """What tests/fixtures/weights-v1 holds: written by the v1 code (sha256 manifests, safetensors.save_file)."""
     g = torch.Generator().manual_seed(7)
-    return {"embed.weight": torch.randn(24, 8, generator=g), "layers.0.w": torch.randn(8, 8, generator=g),
-            "layers.0.b": torch.randn(8, generator=g), "scale": torch.tensor(1.0 + 2.0 ** -20),
-            "position_ids": torch.arange(6, dtype=torch.int64), "mask": torch.tensor([True, False, True])}
+    return {
+        "embed.weight": torch.randn(24, 8, generator=g),
+        "layers.0.w": torch.randn(8, 8, generator=g),
+        "layers.0.b": torch.randn(8, generator=g),
+        "scale": torch.tensor(1.0 + 2.0**-20),
+        "position_ids": torch.arange(6, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+    }
 
 
 def test_v1_sha256_manifests_still_read_verify_and_keep_their_digest(tmp_path):
@@ -178,8 +195,14 @@ def test_dir_store_put_get_exists_delete(tmp_path):
 
 def test_tied_and_odd_dtypes_lay_out_aligned_and_durable_false_still_publishes_last(tmp_path):
     w = torch.randn(5, 3)
-    state = {"mask": torch.tensor([True, False, True]), "w": w, "tied": w, "ids": torch.arange(3, dtype=torch.int64),
-             "h": torch.tensor([1, 2, 3], dtype=torch.int16), "zero": torch.zeros(0, 2)}
+    state = {
+        "mask": torch.tensor([True, False, True]),
+        "w": w,
+        "tied": w,
+        "ids": torch.arange(3, dtype=torch.int64),
+        "h": torch.tensor([1, 2, 3], dtype=torch.int16),
+        "zero": torch.zeros(0, 2),
+    }
     m = save_shards(state, tmp_path / "w", 1 << 20, durable=False)
     assert (tmp_path / "w" / MANIFEST_NAME).is_file()
     assert [t.name for t in m.tensors] == list(state)  # the manifest keeps the state's order
@@ -210,8 +233,9 @@ def _rewrite_manifest(d: Path, edit) -> None:
     (d / MANIFEST_NAME).write_text(json.dumps(doc))
 
 
-@pytest.mark.parametrize("name", ["/abs/shard.safetensors", "../outside.safetensors", "sub/shard.safetensors", "..",
-                                  "", "a\\b"])
+@pytest.mark.parametrize(
+    "name", ["/abs/shard.safetensors", "../outside.safetensors", "sub/shard.safetensors", "..", "", "a\\b"]
+)
 def test_manifest_shard_files_must_be_plain_names(tmp_path, name):
     save_shards(_state(), tmp_path / "w", 6000)
     _rewrite_manifest(tmp_path / "w", lambda d: d["shards"][0].update(file=name))
@@ -239,26 +263,53 @@ def test_shards_outside_the_weights_dir_are_never_read_even_with_a_matching_dige
         verify_shards(Manifest.from_dir(tmp_path / "w"))
 
 
-@pytest.mark.parametrize("text,match", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "not a fedagent-weights"),
-    ('{"format": "fedagent-weights", "version": 2, "hash": "md5", "max_shard_bytes": 1, "shards": []}', "unknown hash"),
-    ('{"format": "fedagent-weights", "version": 2, "hash": "blake3", "max_shard_bytes": 10}', "missing 'shards'"),
-    ('{"format": "fedagent-weights", "version": 2, "hash": "blake3", "max_shard_bytes": "10", "shards": []}',
-     "'max_shard_bytes' is str"),
-    ('{"format": "fedagent-weights", "version": 2, "hash": "blake3", "max_shard_bytes": 10, "shards": [3]}',
-     "missing 'file'"),
-    ('{"format": "fedagent-weights", "version": 1, "max_shard_bytes": 10, "shards": [{"file": "a", "sha256": "x",'
-     ' "bytes": 1, "tensors": []}]}', "not a 64-digit hex digest"),
-    ('{"format": "fedagent-weights", "version": 2, "hash": "blake3", "max_shard_bytes": 10, "shards": [{"file": "a",'
-     ' "digest": "' + "0" * 64 + '", "bytes": 8, "tensors": [{"name": "w", "shape": [2, "x"], "dtype": "float32"}]}]}',
-     "not a tensor layout"),
-    ('{"format": "fedagent-weights", "version": 2, "hash": "blake3", "max_shard_bytes": 10, "shards": [{"file": "a",'
-     ' "digest": "' + "0" * 64 + '", "bytes": 8, "tensors": [{"name": "w", "shape": [2], "dtype": "__class__"}]}]}',
-     "not a tensor layout"),
-    ('{"format": "fedagent-weights", "version": 2, "hash": "blake3", "max_shard_bytes": 10, "total_bytes": 5,'
-     ' "shards": []}', "does not add up"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "not a fedagent-weights"),
+        (
+            '{"format": "fedagent-weights", "version": 2, "hash": "md5", "max_shard_bytes": 1, "shards": []}',
+            "unknown hash",
+        ),
+        ('{"format": "fedagent-weights", "version": 2, "hash": "blake3", "max_shard_bytes": 10}', "missing 'shards'"),
+        (
+            '{"format": "fedagent-weights", "version": 2, "hash": "blake3", "max_shard_bytes": "10", "shards": []}',
+            "'max_shard_bytes' is str",
+        ),
+        (
+            '{"format": "fedagent-weights", "version": 2, "hash": "blake3", "max_shard_bytes": 10, "shards": [3]}',
+            "missing 'file'",
+        ),
+        (
+            '{"format": "fedagent-weights", "version": 1, "max_shard_bytes": 10, '
+            '"shards": [{"file": "a", "sha256": "x",'
+            ' "bytes": 1, "tensors": []}]}',
+            "not a 64-digit hex digest",
+        ),
+        (
+            '{"format": "fedagent-weights", "version": 2, "hash": "blake3", "max_shard_bytes": 10, '
+            '"shards": [{"file": "a",'
+            ' "digest": "'
+            + "0" * 64
+            + '", "bytes": 8, "tensors": [{"name": "w", "shape": [2, "x"], "dtype": "float32"}]}]}',
+            "not a tensor layout",
+        ),
+        (
+            '{"format": "fedagent-weights", "version": 2, "hash": "blake3", "max_shard_bytes": 10, '
+            '"shards": [{"file": "a",'
+            ' "digest": "'
+            + "0" * 64
+            + '", "bytes": 8, "tensors": [{"name": "w", "shape": [2], "dtype": "__class__"}]}]}',
+            "not a tensor layout",
+        ),
+        (
+            '{"format": "fedagent-weights", "version": 2, "hash": "blake3", "max_shard_bytes": 10, "total_bytes": 5,'
+            ' "shards": []}',
+            "does not add up",
+        ),
+    ],
+)
 def test_malformed_manifests_raise_weights_errors_naming_the_file(tmp_path, text, match):
     (tmp_path / MANIFEST_NAME).write_text(text)
     with pytest.raises(WeightsError, match=match) as e:
@@ -270,6 +321,7 @@ def test_a_disk_full_mid_shard_is_a_weights_error_and_leaves_nothing(tmp_path, m
     import errno
 
     import fl_app.weights as weights_module
+
     real_write, calls = os.write, []
 
     def write_until_full(fd, data):  # fault injection: the disk fills after two writes

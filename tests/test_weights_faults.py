@@ -5,6 +5,7 @@ the project's own error (WeightsError, RunDirError, PathEscapeError) or, where t
 consistent, in exactly the right tensors: never a raw exception, never a silently different
 model, never a deleted round. The example counts are recorded in docs/reliability.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,19 +27,32 @@ from fl_app.rundir import MARKER, RunDir, RunDirError
 from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError, load_shards, save_shards, verify_shards
 
 SHARD = 3000
+
+
 def fuzz(examples: int) -> settings:
-    return settings(max_examples=examples, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.function_scoped_fixture])
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
-                    | st.text(max_size=12), lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c,
-                                                                                                  max_size=3), max_leaves=6)
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+    )
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+    max_leaves=6,
+)
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"embed": torch.randn(24, 16, generator=g), "w": torch.randn(16, 16, generator=g),
-            "b": torch.randn(16, generator=g), "ids": torch.arange(5), "mask": torch.tensor([True, False, True])}
+    return {
+        "embed": torch.randn(24, 16, generator=g),
+        "w": torch.randn(16, 16, generator=g),
+        "b": torch.randn(16, generator=g),
+        "ids": torch.arange(5),
+        "mask": torch.tensor([True, False, True]),
+    }
 
 
 def _bits(state: dict[str, torch.Tensor]) -> dict[str, bytes]:
@@ -102,14 +116,14 @@ def _corrupt(data: st.DataObject, raw: bytes) -> bytes:
     op = data.draw(st.sampled_from(["flip", "truncate", "extend", "overwrite"]))
     if op == "flip":
         at = data.draw(st.integers(0, len(raw) - 1))
-        return raw[:at] + bytes([raw[at] ^ data.draw(st.integers(1, 255))]) + raw[at + 1:]
+        return raw[:at] + bytes([raw[at] ^ data.draw(st.integers(1, 255))]) + raw[at + 1 :]
     if op == "truncate":
-        return raw[:data.draw(st.integers(0, len(raw) - 1))]
+        return raw[: data.draw(st.integers(0, len(raw) - 1))]
     if op == "extend":
         return raw + data.draw(st.binary(min_size=1, max_size=64))
     at = data.draw(st.integers(0, len(raw) - 1))
     junk = data.draw(st.binary(min_size=1, max_size=32))
-    return raw[:at] + junk + raw[at + len(junk):]
+    return raw[:at] + junk + raw[at + len(junk) :]
 
 
 @fuzz(200)
@@ -123,8 +137,11 @@ def test_any_shard_corruption_is_refused_by_load_verify_and_aggregation(original
     bad = _corrupt(data, raw)
     victim.write_bytes(bad)
     changed = bad != raw
-    for check in (lambda: load_shards(d), lambda: verify_shards(m),
-                  lambda: fedavg_manifests([(original, 2), (d, 1)], scratch / "g", SHARD)):
+    for check in (
+        lambda: load_shards(d),
+        lambda: verify_shards(m),
+        lambda: fedavg_manifests([(original, 2), (d, 1)], scratch / "g", SHARD),
+    ):
         if changed:
             with pytest.raises(WeightsError):
                 check()
@@ -156,8 +173,9 @@ def test_a_malicious_client_with_a_consistent_manifest_cannot_crash_the_reader(o
         got = None
     event("refused" if got is None else "loaded")
     if got is not None:
-        assert [(k, tuple(v.shape), v.dtype) for k, v in got.items()] == \
-            [(t.name, t.shape, t.torch_dtype) for t in m.tensors]
+        assert [(k, tuple(v.shape), v.dtype) for k, v in got.items()] == [
+            (t.name, t.shape, t.torch_dtype) for t in m.tensors
+        ]
     try:
         fedavg_manifests([(d, 1), (original, 1)], scratch / "g", SHARD)
     except NonFiniteWeightsError as e:
@@ -174,8 +192,17 @@ def test_non_finite_uploads_are_refused_naming_exactly_the_contributing_culprits
     states = [_state(c) for c in range(n)]
     weights = data.draw(st.lists(st.integers(0, 9), min_size=n, max_size=n).filter(lambda w: sum(w) > 0))
     floating = ["embed", "w", "b"]
-    poison = data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.sampled_from(floating), st.integers(0, 15),
-                                          st.sampled_from([float("nan"), float("inf"), float("-inf")])), max_size=4))
+    poison = data.draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, n - 1),
+                st.sampled_from(floating),
+                st.integers(0, 15),
+                st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+            ),
+            max_size=4,
+        )
+    )
     for c, name, at, value in poison:
         states[c][name].view(-1)[at] = value
     expected: dict[int, set[str]] = {}
@@ -189,8 +216,10 @@ def test_non_finite_uploads_are_refused_naming_exactly_the_contributing_culprits
         got = load_shards(fedavg_manifests(list(zip(ms, weights)), scratch / "g", SHARD, names=names).root)
         assert _bits(got) == _bits(ref)
         return
-    for run in (lambda: fedavg_states(list(zip(states, weights)), names),
-                lambda: fedavg_manifests(list(zip(ms, weights)), scratch / "g", SHARD, names=names)):
+    for run in (
+        lambda: fedavg_states(list(zip(states, weights)), names),
+        lambda: fedavg_manifests(list(zip(ms, weights)), scratch / "g", SHARD, names=names),
+    ):
         with pytest.raises(NonFiniteWeightsError) as e:
             run()
         assert {i: {t for t, _, _ in bad} for i, bad in e.value.culprits.items()} == expected
@@ -198,13 +227,25 @@ def test_non_finite_uploads_are_refused_naming_exactly_the_contributing_culprits
         assert not (scratch / "g").exists()
 
 
-_RESUME_FAULTS = ["flip shard byte", "truncate shard", "delete shard", "garble manifest", "garble marker",
-                  "delete marker", "delete round", "symlink round out", "empty manifest"]
+_RESUME_FAULTS = [
+    "flip shard byte",
+    "truncate shard",
+    "delete shard",
+    "garble manifest",
+    "garble marker",
+    "delete marker",
+    "delete round",
+    "symlink round out",
+    "empty manifest",
+]
 
 
 @fuzz(150)
-@given(faults=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(_RESUME_FAULTS), st.binary(max_size=40)),
-                       min_size=1, max_size=3))
+@given(
+    faults=st.lists(
+        st.tuples(st.integers(0, 3), st.sampled_from(_RESUME_FAULTS), st.binary(max_size=40)), min_size=1, max_size=3
+    )
+)
 def test_resume_after_any_corruption_refuses_or_picks_a_verified_round_and_deletes_nothing(base, faults):
     scratch = _fresh(base)
     run = RunDir(scratch / "run", total_rounds=5)
@@ -237,15 +278,21 @@ def test_resume_after_any_corruption_refuses_or_picks_a_verified_round_and_delet
             os.symlink(scratch, rd)
         elif fault == "empty manifest":
             (rd / "actor" / MANIFEST_NAME).write_text("{}")
-    before = {p.name: sorted(q.name for q in p.rglob("*")) for p in run.rounds_dir.iterdir()
-              if p.is_dir() and not p.is_symlink()}
+    before = {
+        p.name: sorted(q.name for q in p.rglob("*"))
+        for p in run.rounds_dir.iterdir()
+        if p.is_dir() and not p.is_symlink()
+    }
     fresh = RunDir(run.path, total_rounds=5)
     try:
         last = fresh.prepare_resume()
     except (RunDirError, PathEscapeError) as e:
         event(f"refused: {type(e).__name__}")
-        after = {p.name: sorted(q.name for q in p.rglob("*")) for p in run.rounds_dir.iterdir()
-                 if p.is_dir() and not p.is_symlink()}
+        after = {
+            p.name: sorted(q.name for q in p.rglob("*"))
+            for p in run.rounds_dir.iterdir()
+            if p.is_dir() and not p.is_symlink()
+        }
         assert after == before  # a refusal touches nothing
         return
     event(f"resumed after round {last}")

@@ -1,6 +1,7 @@
 """tools.wheelhouse with real pip, offline: tiny packages are built into real wheels (and one
 into a real sdist) in a temp dir, brought into a wheelhouse by `build` from --find-links,
 split into small tar parts, damaged, joined and installed with pip --target."""
+
 from __future__ import annotations
 
 import hashlib
@@ -18,15 +19,17 @@ import pytest
 from tools import wheelhouse as wh
 
 TARGET = wh.Target(f"{sys.version_info[0]}.{sys.version_info[1]}", "cp", wh.manylinux_platforms("2.28", "x86_64"))
-BIG_BYTES = 150_000          # incompressible: the big wheel is cut across several 64 KiB parts
+BIG_BYTES = 150_000  # incompressible: the big wheel is cut across several 64 KiB parts
 PART_BYTES = 64 * 1024
 
 
 def _pyproject(name: str, version: str) -> str:
-    return (f'[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
-            f'[project]\nname = "{name}"\nversion = "{version}"\n'
-            f'[tool.setuptools]\npackages = ["{name}"]\n'
-            f'[tool.setuptools.package-data]\n{name} = ["*.bin"]\n')
+    return (
+        f'[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        f'[project]\nname = "{name}"\nversion = "{version}"\n'
+        f'[tool.setuptools]\npackages = ["{name}"]\n'
+        f'[tool.setuptools.package-data]\n{name} = ["*.bin"]\n'
+    )
 
 
 def _package(root: Path, name: str, version: str, extra: dict[str, bytes] | None = None) -> Path:
@@ -42,8 +45,11 @@ def _package(root: Path, name: str, version: str, extra: dict[str, bytes] | None
 def _sdist(out: Path, name: str, version: str) -> None:
     """A real sdist (what PyPI serves for antlr4-python3-runtime): source only, no wheel."""
     top = f"{name}-{version}"
-    files = {"pyproject.toml": _pyproject(name, version), f"{name}/__init__.py": f"VALUE = {name!r} + '-sdist'\n",
-             "PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"}
+    files = {
+        "pyproject.toml": _pyproject(name, version),
+        f"{name}/__init__.py": f"VALUE = {name!r} + '-sdist'\n",
+        "PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+    }
     with tarfile.open(out / f"{top}.tar.gz", "w:gz") as tar:
         for rel, text in files.items():
             data = text.encode()
@@ -59,8 +65,23 @@ def index(tmp_path_factory) -> Path:
     big = random.Random(0).randbytes(BIG_BYTES)
     srcs = [_package(root, "whdemo_a", "1.0"), _package(root, "whdemo_big", "1.0", {"blob.bin": big})]
     links = root / "links"
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                           "-q", "-w", str(links), *map(str, srcs)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(links),
+            *map(str, srcs),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     _sdist(links, "whdemo_src", "1.0")
     return links
@@ -72,17 +93,23 @@ def house(index, tmp_path_factory) -> tuple[Path, wh.Manifest]:
     freeze = out.parent / "target-freeze.txt"
     freeze.write_text("whdemo-skip==1.0\nwhdemo_big==0.5\ntorch==2.11.0+cu130\n")
     reqs = ["whdemo-a==1.0", "whdemo_big>=1", "whdemo-src==1.0", "whdemo-skip>=1", "torch==2.11.0"]
-    m = wh.build(reqs, out, TARGET, wh.read_freeze(freeze), skip=(), pip_index_args=["--no-index", "--find-links", str(index)])
+    m = wh.build(
+        reqs, out, TARGET, wh.read_freeze(freeze), skip=(), pip_index_args=["--no-index", "--find-links", str(index)]
+    )
     return out, m
 
 
 def test_build_brings_wheels_for_the_target_and_skips_what_it_has(house):
     out, m = house
     assert {w.name: (w.version, w.source) for w in m.wheels} == {
-        "whdemo-a": ("1.0", "download"), "whdemo-big": ("1.0", "download"),   # the target's 0.5 misses the pin
-        "whdemo-src": ("1.0", "sdist-build")}
+        "whdemo-a": ("1.0", "download"),
+        "whdemo-big": ("1.0", "download"),  # the target's 0.5 misses the pin
+        "whdemo-src": ("1.0", "sdist-build"),
+    }
     assert {s["requirement"]: s["reason"] for s in m.skipped} == {
-        "whdemo-skip>=1": "target has whdemo-skip 1.0", "torch==2.11.0": "target has torch 2.11.0+cu130"}
+        "whdemo-skip>=1": "target has whdemo-skip 1.0",
+        "torch==2.11.0": "target has torch 2.11.0+cu130",
+    }
     for w in m.wheels:
         data = (out / w.file).read_bytes()
         assert hashlib.sha256(data).hexdigest() == w.sha256 and len(data) == w.size
@@ -98,8 +125,9 @@ def test_split_join_gives_identical_wheels(house, tmp_path):
     assert all(p.stat().st_size < PART_BYTES for p in parts)
     big = next(w for w in m.wheels if w.name == "whdemo-big")
     chunks = [pc for p in index["parts"] for pc in p["pieces"] if pc["wheel"] == big.file]
-    assert len(chunks) >= 3 and len({p["file"] for p in index["parts"] for pc in p["pieces"]
-                                     if pc["wheel"] == big.file}) == len(chunks)
+    assert len(chunks) >= 3 and len(
+        {p["file"] for p in index["parts"] for pc in p["pieces"] if pc["wheel"] == big.file}
+    ) == len(chunks)
     joined = wh.join(tmp_path / "parts", tmp_path / "joined")
     for w in joined.wheels:
         assert hashlib.sha256((tmp_path / "joined" / w.file).read_bytes()).hexdigest() == w.sha256
@@ -141,16 +169,22 @@ def test_install_target_is_importable(house, tmp_path):
     site = tmp_path / "site"
     assert wh.main(["install", str(tmp_path / "parts"), "--target", str(site)]) == 0
     env = {**os.environ, "PYTHONPATH": str(site)}
-    code = ("import whdemo_a, whdemo_src, whdemo_big, importlib.resources as r; "
-            "print(whdemo_a.VALUE, whdemo_src.VALUE, len(r.files('whdemo_big').joinpath('blob.bin').read_bytes()))")
+    code = (
+        "import whdemo_a, whdemo_src, whdemo_big, importlib.resources as r; "
+        "print(whdemo_a.VALUE, whdemo_src.VALUE, len(r.files('whdemo_big').joinpath('blob.bin').read_bytes()))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert proc.stdout.split() == ["whdemo_a-1.0", "whdemo_src-sdist", str(BIG_BYTES)], proc.stderr
 
 
 def test_missing_requirement_and_foreign_wheel_fail_clearly(index, tmp_path):
     with pytest.raises(wh.WheelhouseError, match="whdemo-nothere==9.9: no wheel for the target"):
-        wh.build(["whdemo-a==1.0", "whdemo-nothere==9.9"], tmp_path / "a", TARGET,
-                 pip_index_args=["--no-index", "--find-links", str(index)])
+        wh.build(
+            ["whdemo-a==1.0", "whdemo-nothere==9.9"],
+            tmp_path / "a",
+            TARGET,
+            pip_index_args=["--no-index", "--find-links", str(index)],
+        )
     foreign = tmp_path / "whdemo_c-1.0-cp27-cp27mu-manylinux1_x86_64.whl"
     shutil.copyfile(next(index.glob("whdemo_a-*.whl")), foreign)
     with pytest.raises(wh.WheelhouseError, match="whdemo_c-1.0-cp27.*no tag the target accepts"):

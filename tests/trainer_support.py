@@ -2,10 +2,11 @@
 random-weight Qwen2 policy with the tiny model's tokenizer (built from the tiny build's own
 pieces, but without its warm start, so these tests do not depend on its tuning), and a config
 sized for CPU."""
+
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Iterator
 
 import psutil
@@ -34,14 +35,16 @@ def model_dir(tmp_path_factory) -> Path:
     return random_model_dir(tmp_path_factory.mktemp("models") / "policy")
 
 
-def random_model_dir(out: Path, hidden_size: int = 32, layers: int = 1, heads: int = 2,
-                     vocab_size: int = 300, max_positions: int = 512) -> Path:
+def random_model_dir(
+    out: Path, hidden_size: int = 32, layers: int = 1, heads: int = 2, vocab_size: int = 300, max_positions: int = 512
+) -> Path:
     """A Hugging Face directory: BPE tokenizer trained on shop demonstrations + random Qwen2."""
     if (out / "config.json").exists():
         return out
     demos = collect_demonstrations(EnvCfg(params=SMALL_ENV_PARAMS, max_turns=4), 2, 8, 0.0, 0)
-    tokenizer = train_tokenizer(sorted({m["content"] for d in demos for m in d.messages} | {d.action for d in demos}),
-                                vocab_size)
+    tokenizer = train_tokenizer(
+        sorted({m["content"] for d in demos for m in d.messages} | {d.action for d in demos}), vocab_size
+    )
     tiny = TinyModelCfg(hidden_size=hidden_size, layers=layers, heads=heads, vocab_size=vocab_size)
     init_model(tiny, tokenizer, max_positions).save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -53,10 +56,23 @@ def small_config(model_dir: Path, **sections: dict[str, Any]) -> Config:
     data: dict[str, Any] = {
         "model": {"path": str(model_dir)},
         "env": {"name": "shop", "params": dict(SMALL_ENV_PARAMS), "pool_size": POOL_SIZE, "max_turns": 3},
-        "rollout": {"history_length": 2, "max_prompt_tokens": 384, "max_response_tokens": 8,
-                    "temperature": 1.0, "val_temperature": 0.4, "invalid_action_penalty": 0.1},
-        "algo": {"tasks_per_step": 2, "group_size": 2, "lr": 1e-3, "mini_batch_size": 4, "micro_batch_size": 2,
-                 "kl_coef": 0.01, "entropy_coeff": 0.001},
+        "rollout": {
+            "history_length": 2,
+            "max_prompt_tokens": 384,
+            "max_response_tokens": 8,
+            "temperature": 1.0,
+            "val_temperature": 0.4,
+            "invalid_action_penalty": 0.1,
+        },
+        "algo": {
+            "tasks_per_step": 2,
+            "group_size": 2,
+            "lr": 1e-3,
+            "mini_batch_size": 4,
+            "micro_batch_size": 2,
+            "kl_coef": 0.01,
+            "entropy_coeff": 0.001,
+        },
         "federation": {"val_tasks": 8},
         "run": {"device": "cpu", "seed": 0},
     }
@@ -77,8 +93,9 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def fit_rss_series(trainer: Any, initial: dict[str, dict[str, torch.Tensor]], fits: int,
-                    also: Callable[[], None] = lambda: None) -> list[float]:
+def fit_rss_series(
+    trainer: Any, initial: dict[str, dict[str, torch.Tensor]], fits: int, also: Callable[[], None] = lambda: None
+) -> list[float]:
     """RSS (MB) at one phase point (after export) of consecutive fits of different clients; `also`
     records anything else at that point."""
     proc = psutil.Process()
@@ -86,9 +103,10 @@ def fit_rss_series(trainer: Any, initial: dict[str, dict[str, torch.Tensor]], fi
     for i in range(fits):
         for member, weights in initial.items():
             trainer.load_weights(weights, member)
-        shard = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))[(7 * i) % 50:][:40]
-        trainer.fit(FitRequest(round=1 + i // 2, client_id=i, task_indices=shard, local_epochs=1, seed=0,
-                               proximal_mu=0.01))
+        shard = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))[(7 * i) % 50 :][:40]
+        trainer.fit(
+            FitRequest(round=1 + i // 2, client_id=i, task_indices=shard, local_epochs=1, seed=0, proximal_mu=0.01)
+        )
         exported = {m: trainer.export_weights(m) for m in trainer.members}
         del exported
         series.append(proc.memory_info().rss / 2**20)

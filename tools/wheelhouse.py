@@ -24,6 +24,7 @@ before pip ever sees it.
 
 Standard library + `packaging` only (pip vendors it; every image with pip has it installed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,7 +77,8 @@ class Target:
             raise WheelhouseError(f"implementation {self.implementation!r} is not supported; only CPython (cp)")
         interpreter = f"cp{version[0]}{version[1]}"
         return set(cpython_tags(version, platforms=self.platforms)) | set(
-            compatible_tags(version, interpreter=interpreter, platforms=self.platforms))
+            compatible_tags(version, interpreter=interpreter, platforms=self.platforms)
+        )
 
 
 def manylinux_platforms(glibc: str, arch: str) -> tuple[str, ...]:
@@ -93,11 +95,11 @@ def manylinux_platforms(glibc: str, arch: str) -> tuple[str, ...]:
 @dataclass
 class Wheel:
     file: str
-    name: str               # canonical project name
+    name: str  # canonical project name
     version: str
     sha256: str
     size: int
-    source: str             # download | sdist-build | local
+    source: str  # download | sdist-build | local
     requirement: str
 
 
@@ -108,17 +110,26 @@ class Manifest:
     skipped: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, "target": asdict(self.target),
-                "wheels": [asdict(w) for w in self.wheels], "skipped": self.skipped}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "target": asdict(self.target),
+            "wheels": [asdict(w) for w in self.wheels],
+            "skipped": self.skipped,
+        }
 
     @classmethod
     def from_json(cls, data: dict, where: Path) -> Manifest:
         if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise WheelhouseError(f"{where} is not a {FORMAT} v{VERSION} manifest; rebuild it with "
-                                  "`python -m tools.wheelhouse build`")
+            raise WheelhouseError(
+                f"{where} is not a {FORMAT} v{VERSION} manifest; rebuild it with `python -m tools.wheelhouse build`"
+            )
         t = data["target"]
-        return cls(Target(t["python_version"], t["implementation"], tuple(t["platforms"])),
-                   [Wheel(**w) for w in data["wheels"]], list(data["skipped"]))
+        return cls(
+            Target(t["python_version"], t["implementation"], tuple(t["platforms"])),
+            [Wheel(**w) for w in data["wheels"]],
+            list(data["skipped"]),
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -138,6 +149,7 @@ def _fresh_dir(path: Path, what: str) -> None:
 
 
 # ----------------------------------------------------------------------------- build
+
 
 def read_requirements(paths: Iterable[Path], extra: Iterable[str] = ()) -> list[str]:
     """Requirement lines from files (comments and blank lines dropped) plus `extra`."""
@@ -172,16 +184,21 @@ def _provided_by_target(req: Requirement, have: dict[str, str]) -> str | None:
 
 
 def _pip(args: Sequence[str], python: str = sys.executable) -> subprocess.CompletedProcess:
-    return subprocess.run([python, "-m", "pip", *args, "--disable-pip-version-check"],
-                          capture_output=True, text=True)
+    return subprocess.run([python, "-m", "pip", *args, "--disable-pip-version-check"], capture_output=True, text=True)
 
 
 def _tail(proc: subprocess.CompletedProcess, lines: int = 6) -> str:
     return "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-lines:])
 
 
-def build(requirements: Sequence[str], out: Path, target: Target, have: dict[str, str] | None = None,
-          skip: Iterable[str] = (), pip_index_args: Sequence[str] = ()) -> Manifest:
+def build(
+    requirements: Sequence[str],
+    out: Path,
+    target: Target,
+    have: dict[str, str] | None = None,
+    skip: Iterable[str] = (),
+    pip_index_args: Sequence[str] = (),
+) -> Manifest:
     """Download (or build, for pure-Python sdists) one wheel per requirement for `target` into `out`.
 
     A requirement line is a pip requirement (`flwr==1.42.0`) or a path to a local .whl.
@@ -218,26 +235,48 @@ def build(requirements: Sequence[str], out: Path, target: Target, have: dict[str
         for path, (source, requirement) in sorted(files.items(), key=lambda kv: kv[0].name):
             name, version, _build, tags = parse_wheel_filename(path.name)
             if not tags & accepted:
-                raise WheelhouseError(f"{path.name} has no tag the target accepts (Python {target.python_version}, "
-                                      f"{', '.join(target.platforms[:3])}...); bring a wheel built for the target")
+                raise WheelhouseError(
+                    f"{path.name} has no tag the target accepts (Python {target.python_version}, "
+                    f"{', '.join(target.platforms[:3])}...); bring a wheel built for the target"
+                )
             if name in seen:
                 raise WheelhouseError(f"two wheels for {name}: {seen[name]} and {path.name}; keep one version of each")
             seen[name] = path.name
             shutil.copyfile(path, out / path.name)
-            manifest.wheels.append(Wheel(path.name, name, str(version), sha256_file(out / path.name),
-                                         (out / path.name).stat().st_size, source, requirement))
+            manifest.wheels.append(
+                Wheel(
+                    path.name,
+                    name,
+                    str(version),
+                    sha256_file(out / path.name),
+                    (out / path.name).stat().st_size,
+                    source,
+                    requirement,
+                )
+            )
     _write_json(out / MANIFEST, manifest.to_json())
     return manifest
 
 
-def _fetch(reqs: Sequence[Requirement], staging: Path, target: Target,
-           pip_index_args: Sequence[str]) -> dict[Requirement, tuple[Path, str]]:
+def _fetch(
+    reqs: Sequence[Requirement], staging: Path, target: Target, pip_index_args: Sequence[str]
+) -> dict[Requirement, tuple[Path, str]]:
     """{requirement: (wheel path, source)}: one pip download for all; a requirement pip names as
     having no wheel for the target is built from its sdist (pure-Python results only) and the
     download repeated without it (files already downloaded are kept)."""
-    base = ["download", "--no-deps", "--only-binary=:all:", "--python-version", target.python_version,
-            "--implementation", target.implementation, *[a for p in target.platforms for a in ("--platform", p)],
-            *pip_index_args, "-d", str(staging / "dl")]
+    base = [
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        target.python_version,
+        "--implementation",
+        target.implementation,
+        *[a for p in target.platforms for a in ("--platform", p)],
+        *pip_index_args,
+        "-d",
+        str(staging / "dl"),
+    ]
     pending, found, errors = list(reqs), {}, []
     while pending:
         proc = _pip([*base, *map(str, pending)])
@@ -267,21 +306,26 @@ def _named_failure(proc: subprocess.CompletedProcess, pending: Sequence[Requirem
     return None
 
 
-def _build_pure(req: Requirement, staging: Path, pip_index_args: Sequence[str],
-                download: subprocess.CompletedProcess) -> Path:
+def _build_pure(
+    req: Requirement, staging: Path, pip_index_args: Sequence[str], download: subprocess.CompletedProcess
+) -> Path:
     """Build `req` from its sdist with this environment's build backend; only a pure-Python
     wheel (py3-none-any) can serve another interpreter and platform."""
     out = staging / f"sdist-{canonicalize_name(req.name)}"
-    proc = _pip(["wheel", "--no-deps", "--no-binary=:all:", "--no-build-isolation", *pip_index_args,
-                 "-w", str(out), str(req)])
+    proc = _pip(
+        ["wheel", "--no-deps", "--no-binary=:all:", "--no-build-isolation", *pip_index_args, "-w", str(out), str(req)]
+    )
     if proc.returncode != 0:
-        raise WheelhouseError(f"{req}: no wheel for the target ({_tail(download, 1)}) and its sdist did not "
-                              f"build here:\n{_tail(proc)}")
+        raise WheelhouseError(
+            f"{req}: no wheel for the target ({_tail(download, 1)}) and its sdist did not build here:\n{_tail(proc)}"
+        )
     path = _one_wheel(out, req)
     if any(t.abi != "none" or t.platform != "any" for t in parse_wheel_filename(path.name)[3]):
-        raise WheelhouseError(f"{req}: only an sdist exists, and building it here gave the platform wheel "
-                              f"{path.name} for THIS machine; build it on a machine like the target and pass "
-                              "the .whl path")
+        raise WheelhouseError(
+            f"{req}: only an sdist exists, and building it here gave the platform wheel "
+            f"{path.name} for THIS machine; build it on a machine like the target and pass "
+            "the .whl path"
+        )
     return path
 
 
@@ -294,11 +338,14 @@ def _one_wheel(directory: Path, req: Requirement) -> Path:
 
 # ----------------------------------------------------------------------------- verify
 
+
 def load_manifest(directory: Path) -> Manifest:
     path = directory / MANIFEST
     if not path.is_file():
-        raise WheelhouseError(f"{directory} has no {MANIFEST}: it is not a wheelhouse made by "
-                              "`python -m tools.wheelhouse build` (or `join`)")
+        raise WheelhouseError(
+            f"{directory} has no {MANIFEST}: it is not a wheelhouse made by "
+            "`python -m tools.wheelhouse build` (or `join`)"
+        )
     return Manifest.from_json(json.loads(path.read_text()), path)
 
 
@@ -313,12 +360,14 @@ def verify(directory: Path) -> Manifest:
         elif p.stat().st_size != w.size or sha256_file(p) != w.sha256:
             problems.append(f"{w.file}: corrupt (size {p.stat().st_size}, expected {w.size}; sha256 differs)")
     if problems:
-        raise WheelhouseError(f"wheelhouse {directory} is damaged; rebuild or re-copy these wheels:\n  "
-                              + "\n  ".join(problems))
+        raise WheelhouseError(
+            f"wheelhouse {directory} is damaged; rebuild or re-copy these wheels:\n  " + "\n  ".join(problems)
+        )
     return manifest
 
 
 # ----------------------------------------------------------------------------- split / join
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -334,7 +383,7 @@ def plan_parts(files: Sequence[tuple[str, int]], max_bytes: int) -> list[list[Pi
     """Pieces per part so that every part's tar stays below `max_bytes`: largest files first,
     first fit; a file larger than a part fills whole parts with chunks and its rest fits in
     like any file. A pure function of the (name, size) list."""
-    capacity = max_bytes - 1 - _TAR_END       # strictly below the limit
+    capacity = max_bytes - 1 - _TAR_END  # strictly below the limit
     room = capacity - _MEMBER_OVERHEAD
     if room < 4096:
         raise WheelhouseError(f"parts of {max_bytes} bytes are too small to hold data; use a larger --max-mib")
@@ -378,12 +427,18 @@ def split(directory: Path, out: Path, max_bytes: int = int(DEFAULT_MAX_MIB * MiB
                     f.seek(pc.offset)
                     tar.addfile(info, f)
         size = path.stat().st_size
-        if size >= max_bytes:          # the overhead bounds above are wrong: never ship it
+        if size >= max_bytes:  # the overhead bounds above are wrong: never ship it
             raise WheelhouseError(f"internal: {path.name} is {size} bytes, not below {max_bytes}")
-        parts.append({"file": path.name, "sha256": sha256_file(path), "size": size,
-                      "pieces": [asdict(pc) for pc in pieces]})
-    index = {"format": PARTS_FORMAT, "version": VERSION, "max_bytes": max_bytes,
-             "manifest": manifest.to_json(), "parts": parts}
+        parts.append(
+            {"file": path.name, "sha256": sha256_file(path), "size": size, "pieces": [asdict(pc) for pc in pieces]}
+        )
+    index = {
+        "format": PARTS_FORMAT,
+        "version": VERSION,
+        "max_bytes": max_bytes,
+        "manifest": manifest.to_json(),
+        "parts": parts,
+    }
     _write_json(out / PARTS_MANIFEST, index)
     return index
 
@@ -392,8 +447,9 @@ def join(parts_dir: Path, out: Path) -> Manifest:
     """Check every part, reassemble the wheels into `out`, check every wheel; returns the manifest."""
     index_path = parts_dir / PARTS_MANIFEST
     if not index_path.is_file():
-        raise WheelhouseError(f"{parts_dir} has no {PARTS_MANIFEST}; copy it along with the parts "
-                              "(`split` writes it next to them)")
+        raise WheelhouseError(
+            f"{parts_dir} has no {PARTS_MANIFEST}; copy it along with the parts (`split` writes it next to them)"
+        )
     index = json.loads(index_path.read_text())
     if index.get("format") != PARTS_FORMAT or index.get("version") != VERSION:
         raise WheelhouseError(f"{index_path} is not a {PARTS_FORMAT} v{VERSION} index")
@@ -401,8 +457,10 @@ def join(parts_dir: Path, out: Path) -> Manifest:
     n = len(index["parts"])
     missing = [p["file"] for p in index["parts"] if not (parts_dir / p["file"]).is_file()]
     if missing:
-        raise WheelhouseError(f"{len(missing)} of {n} parts missing from {parts_dir}: {', '.join(missing)}; "
-                              "copy them again from where `split` wrote them")
+        raise WheelhouseError(
+            f"{len(missing)} of {n} parts missing from {parts_dir}: {', '.join(missing)}; "
+            "copy them again from where `split` wrote them"
+        )
     corrupt = []
     for p in index["parts"]:
         path = parts_dir / p["file"]
@@ -410,8 +468,9 @@ def join(parts_dir: Path, out: Path) -> Manifest:
         if size != p["size"] or sha256_file(path) != p["sha256"]:
             corrupt.append(f"{p['file']} (size {size}, expected {p['size']}; sha256 differs)")
     if corrupt:
-        raise WheelhouseError(f"{len(corrupt)} of {n} parts in {parts_dir} are corrupt: {', '.join(corrupt)}; "
-                              "copy them again")
+        raise WheelhouseError(
+            f"{len(corrupt)} of {n} parts in {parts_dir} are corrupt: {', '.join(corrupt)}; copy them again"
+        )
     out.mkdir(parents=True, exist_ok=True)
     for w in manifest.wheels:
         with open(out / w.file, "wb") as f:
@@ -419,7 +478,7 @@ def join(parts_dir: Path, out: Path) -> Manifest:
     for p in index["parts"]:
         with tarfile.open(parts_dir / p["file"]) as tar:
             for pc in map(lambda d: Piece(**d), p["pieces"]):
-                src = tar.extractfile(pc.member)       # by name: nothing is extracted to a path
+                src = tar.extractfile(pc.member)  # by name: nothing is extracted to a path
                 with open(out / pc.wheel, "r+b") as f:
                     f.seek(pc.offset)
                     shutil.copyfileobj(src, f)
@@ -428,6 +487,7 @@ def join(parts_dir: Path, out: Path) -> Manifest:
 
 
 # ----------------------------------------------------------------------------- install
+
 
 def install(source: Path, target_dir: Path | None = None, python: str = sys.executable) -> Manifest:
     """Install every wheel of a wheelhouse (or of its parts, joined first) with pip, offline and
@@ -448,6 +508,7 @@ def install(source: Path, target_dir: Path | None = None, python: str = sys.exec
 
 
 # ----------------------------------------------------------------------------- CLI
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.wheelhouse", description=__doc__.split("\n")[0])
@@ -482,10 +543,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "build":
             platforms = tuple(args.platform) or manylinux_platforms(args.glibc, args.arch)
-            index_args = [a for d in args.find_links for a in ("--find-links", d)] + (["--no-index"] if args.no_index else [])
-            m = build(read_requirements(args.requirement, args.requirements), args.out,
-                      Target(args.python_version, args.implementation, platforms),
-                      read_freeze(args.target_freeze) if args.target_freeze else None, args.skip, index_args)
+            index_args = [a for d in args.find_links for a in ("--find-links", d)] + (
+                ["--no-index"] if args.no_index else []
+            )
+            m = build(
+                read_requirements(args.requirement, args.requirements),
+                args.out,
+                Target(args.python_version, args.implementation, platforms),
+                read_freeze(args.target_freeze) if args.target_freeze else None,
+                args.skip,
+                index_args,
+            )
             for sk in m.skipped:
                 print(f"skipped {sk['requirement']}: {sk['reason']}")
             print(f"{len(m.wheels)} wheels, {m.total_bytes / MiB:.1f} MiB -> {args.out}")
@@ -501,8 +569,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(m.wheels)} wheels, {m.total_bytes / MiB:.1f} MiB: every sha256 matches")
         else:
             m = install(args.source, args.target, args.python)
-            print(f"installed {len(m.wheels)} wheels" + (f" into {args.target}; use it with:\n"
-                  f"  export PYTHONPATH={args.target}${{PYTHONPATH:+:$PYTHONPATH}}" if args.target else ""))
+            print(
+                f"installed {len(m.wheels)} wheels"
+                + (
+                    f" into {args.target}; use it with:\n  export PYTHONPATH={args.target}${{PYTHONPATH:+:$PYTHONPATH}}"
+                    if args.target
+                    else ""
+                )
+            )
     except WheelhouseError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ A GRPO update step, in order:
      and backward;
   3. FedProx (if mu > 0): `anchor.add_grad_(actor.named_parameters(), mu)`; then clip, step.
 """
+
 from client_app.algos.advantages import gae_advantage_return, grpo_outcome_advantage
 from client_app.algos.fedprox import FedProxAnchor, fedprox_term
 from client_app.algos.logits import entropy_from_logits, token_log_probs

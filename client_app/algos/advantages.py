@@ -4,6 +4,7 @@ Semantics match `verl.trainer.ppo.core_algos` 0.9.1 (`compute_grpo_outcome_advan
 `compute_gae_advantage_return`); tests/test_algos_parity.py holds them to 1e-6.
 Advantages are targets, not functions of the parameters being trained: no autograd graph.
 """
+
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence

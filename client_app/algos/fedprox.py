@@ -12,6 +12,7 @@ Two equivalent ways to apply it, both giving each parameter the extra gradient m
     and before gradient clipping (it is then the same as having the term in the loss).
 Adding the term to every micro-batch loss would apply it once per micro-batch: don't.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -33,8 +34,10 @@ def _checked_pairs(params: NamedParams, anchor: Mapping[str, torch.Tensor]) -> l
         pairs.append((param, anchor[name]))
     missing = set(anchor) - seen
     if missing:
-        raise KeyError(f"FedProx anchor entries without a parameter: {sorted(missing)[:5]} (of {len(missing)}); "
-                       "pass the same named parameters the anchor was taken from")
+        raise KeyError(
+            f"FedProx anchor entries without a parameter: {sorted(missing)[:5]} (of {len(missing)}); "
+            "pass the same named parameters the anchor was taken from"
+        )
     return pairs
 
 

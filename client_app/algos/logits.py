@@ -6,6 +6,7 @@ first, as verl's actor does, so the trained distribution is the one that was sam
 Semantics match verl 0.9.1 `verl.utils.torch_functional.logprobs_from_logits` (its CPU path) and
 `entropy_from_logits`.
 """
+
 from __future__ import annotations
 
 import torch

@@ -9,6 +9,7 @@ token aggregates to 0 where verl divides 0 by 0 (NaN would poison the weights).
 Gradient accumulation: aggregate every micro-batch with the `AggNorm` of its whole mini-batch and
 backward each micro loss; the accumulated gradient is then exactly that of the unsplit mini-batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,9 +19,7 @@ import torch
 
 from client_app.algos.masked import masked_count, masked_mean, masked_sum
 
-LossAggMode = Literal[
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 
 # Per-token KL estimators of KL(pi || ref) from sampled-token log-probs (Schulman, "Approximating
@@ -112,9 +111,9 @@ def check_clip_ratios(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_
 class PolicyLoss:
     """Output of `ppo_clip_policy_loss`; the statistics are detached micro-batch means."""
 
-    loss: torch.Tensor            # scalar, carries the graph
-    clipfrac: torch.Tensor        # valid tokens where the ratio clip bound the objective
-    ppo_kl: torch.Tensor          # mean(old_log_prob - log_prob): how far the policy moved
+    loss: torch.Tensor  # scalar, carries the graph
+    clipfrac: torch.Tensor  # valid tokens where the ratio clip bound the objective
+    ppo_kl: torch.Tensor  # mean(old_log_prob - log_prob): how far the policy moved
     clipfrac_lower: torch.Tensor  # valid tokens with A < 0 where the dual-clip bound was active
 
 
@@ -228,7 +227,7 @@ class ActorLossSpec:
     kl_coef: float = 0.0
     kl_type: str = "low_var_kl"
     loss_agg_mode: LossAggMode = "token-mean"
-    horizon: int | None = None          # seq-mean-token-sum-norm's constant (see AggNorm)
+    horizon: int | None = None  # seq-mean-token-sum-norm's constant (see AggNorm)
 
     def __post_init__(self) -> None:
         check_clip_ratios(self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c)
@@ -289,9 +288,15 @@ def actor_loss(
     if spec.kl_coef > 0 and ref_log_prob is None:
         raise ValueError("kl_coef > 0 needs ref_log_prob (the reference model's log-probs); pass it or set kl_coef=0")
     pg = ppo_clip_policy_loss(
-        old_log_prob, log_prob, advantages, response_mask,
-        clip_ratio_low=spec.clip_ratio_low, clip_ratio_high=spec.clip_ratio_high,
-        clip_ratio_c=spec.clip_ratio_c, loss_agg_mode=spec.loss_agg_mode, norm=norm,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio_low=spec.clip_ratio_low,
+        clip_ratio_high=spec.clip_ratio_high,
+        clip_ratio_c=spec.clip_ratio_c,
+        loss_agg_mode=spec.loss_agg_mode,
+        norm=norm,
     )
     loss = pg.loss
     metrics = {

@@ -4,6 +4,7 @@ Masks are 0/1 (bool or numeric) and mark the tokens the policy generated. Values
 positions are *never read*: they are selected away with `torch.where`, so NaN or inf left there by
 padding cannot leak into a sum or a gradient (multiplying by 0 would turn inf into NaN).
 """
+
 from __future__ import annotations
 
 import torch

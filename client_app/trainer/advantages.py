@@ -4,6 +4,7 @@ An estimator takes the rollout's episodes, their training rows, the critic's rol
 (None for an algorithm without a critic) and the algo config, and returns one 1-D advantage
 tensor per row (over its response tokens) and, when it trains a critic, the value targets.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -17,8 +18,9 @@ from fl_app.config import ALGORITHMS, AlgoCfg
 Targets = tuple[list[torch.Tensor], list[torch.Tensor] | None]
 
 
-def group_relative(episodes: Sequence[Episode], rows: Sequence[TrainRow], values: Sequence[torch.Tensor] | None,
-                   algo: AlgoCfg) -> Targets:
+def group_relative(
+    episodes: Sequence[Episode], rows: Sequence[TrainRow], values: Sequence[torch.Tensor] | None, algo: AlgoCfg
+) -> Targets:
     """GRPO: each episode's score relative to its group's (one score per EPISODE, so long
     episodes do not weigh more in the group statistics), broadcast to every token of the
     episode's rows; divided by the group std unless `algo.grpo_norm_by_std` is off (Dr.GRPO)."""
@@ -31,8 +33,9 @@ def group_relative(episodes: Sequence[Episode], rows: Sequence[TrainRow], values
     return [torch.full((len(rw.response_ids),), float(adv[rw.episode, 0])) for rw in rows], None
 
 
-def gae(episodes: Sequence[Episode], rows: Sequence[TrainRow], values: Sequence[torch.Tensor] | None,
-        algo: AlgoCfg) -> Targets:
+def gae(
+    episodes: Sequence[Episode], rows: Sequence[TrainRow], values: Sequence[torch.Tensor] | None, algo: AlgoCfg
+) -> Targets:
     """PPO: GAE advantages and value targets from the critic's rollout-time values.
 
     The row's score is the reward of its last generated token (every windowed turn of an
@@ -50,23 +53,24 @@ def gae(episodes: Sequence[Episode], rows: Sequence[TrainRow], values: Sequence[
             rewards[b, generated[-1]] = rw.score
     adv, ret = gae_advantage_return(rewards, pad_rows(values, mask.shape[1]), mask, algo.gamma, algo.lam)
     n = [len(rw.response_ids) for rw in rows]
-    return [adv[b, :n[b]].clone() for b in range(len(rows))], [ret[b, :n[b]].clone() for b in range(len(rows))]
+    return [adv[b, : n[b]].clone() for b in range(len(rows))], [ret[b, : n[b]].clone() for b in range(len(rows))]
 
 
 Estimator = Callable[[Sequence[Episode], Sequence[TrainRow], Sequence[torch.Tensor] | None, AlgoCfg], Targets]
 ADVANTAGES: dict[str, Estimator] = {"group_relative": group_relative, "gae": gae}
 _missing = {a.advantage for a in ALGORITHMS.values()} - set(ADVANTAGES)
-if _missing:      # the table and the estimators must agree (import-time, so it cannot ship broken)
+if _missing:  # the table and the estimators must agree (import-time, so it cannot ship broken)
     raise ImportError(f"fl_app.config.ALGORITHMS names advantage estimators {sorted(_missing)} that do not exist")
 
 
-def pad_rows(seqs: Sequence[torch.Tensor], width: int | None = None, device: torch.device | None = None
-             ) -> torch.Tensor:
+def pad_rows(
+    seqs: Sequence[torch.Tensor], width: int | None = None, device: torch.device | None = None
+) -> torch.Tensor:
     """Right-pad 1-D per-row tensors to [B, width] with zeros (fp32)."""
     width = max((len(s) for s in seqs), default=0) if width is None else width
     out = torch.zeros((len(seqs), width), dtype=torch.float32, device=device)
     for b, s in enumerate(seqs):
-        out[b, :len(s)] = s
+        out[b, : len(s)] = s
     return out
 
 

@@ -5,6 +5,7 @@ Per fit it swaps weights in, rebuilds only the optimizer and LR schedule (a fres
 fit is what FedAvg assumes), trains, and exports fp32 weights. Weights come in named members:
 `actor` always, `critic` too for PPO (invariant 7: the critic is federated beside the policy).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,12 +20,12 @@ from client_app.critic import CriticStart
 class FitRequest:
     """One client's local training in one round."""
 
-    round: int                       # federated round (1-based)
-    client_id: int                   # logical client id in [0, federation.clients)
-    task_indices: list[int]          # the client's shard: env task indices it may draw from
-    local_epochs: int                # E: RL iterations (rollout batch + update) in this fit
-    seed: int                        # master seed; row seeds derive from (seed, round, client, epoch, index)
-    proximal_mu: float = 0.0         # FedProx mu; anchor = the weights loaded for this fit; policy only
+    round: int  # federated round (1-based)
+    client_id: int  # logical client id in [0, federation.clients)
+    task_indices: list[int]  # the client's shard: env task indices it may draw from
+    local_epochs: int  # E: RL iterations (rollout batch + update) in this fit
+    seed: int  # master seed; row seeds derive from (seed, round, client, epoch, index)
+    proximal_mu: float = 0.0  # FedProx mu; anchor = the weights loaded for this fit; policy only
     # the client's env variant (issue 19): the env service serving it and the variant's content
     # hash that service must report; empty: the trainer's own (unperturbed) env service
     env_url: str = ""
@@ -33,21 +34,21 @@ class FitRequest:
 
 @dataclass
 class FitResult:
-    num_examples: int                # weight of this client in FedAvg (episodes trained on)
+    num_examples: int  # weight of this client in FedAvg (episodes trained on)
     metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class EvalRequest:
-    task_indices: list[int]          # the fixed validation set
-    seed: int                        # decoding seed (fixed across rounds)
+    task_indices: list[int]  # the fixed validation set
+    seed: int  # decoding seed (fixed across rounds)
 
 
 @dataclass
 class EvalResult:
     num_examples: int
-    metrics: dict[str, float] = field(default_factory=dict)   # success, reward, per-type breakdowns
-    outcomes: dict[int, bool] = field(default_factory=dict)   # task index -> won (labelling; one episode per task)
+    metrics: dict[str, float] = field(default_factory=dict)  # success, reward, per-type breakdowns
+    outcomes: dict[int, bool] = field(default_factory=dict)  # task index -> won (labelling; one episode per task)
 
 
 class Trainer(Protocol):

@@ -9,6 +9,7 @@ Scoring reads the backbone's hidden states only at the positions that predict a 
 so the [tokens, vocab] logits stay small for 150k vocabularies, and the policy's log-probs and
 the critic's values are read at the same positions: the state each token was generated from.
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,8 +20,15 @@ from pathlib import Path
 
 import torch
 
-from client_app.algos import ActorLossSpec, AggNorm, ValueLossSpec, actor_loss, clipped_value_loss, \
-    entropy_from_logits, token_log_probs
+from client_app.algos import (
+    ActorLossSpec,
+    AggNorm,
+    ValueLossSpec,
+    actor_loss,
+    clipped_value_loss,
+    entropy_from_logits,
+    token_log_probs,
+)
 from client_app.critic import CriticStart, build_critic, resolve_start_critic
 from client_app.rollout import TrainRow, autocast, derive_seed
 from client_app.tiny_model import load_causal_lm
@@ -42,15 +50,17 @@ class BuiltinEngine:
         avoid_cudnn_attention(self.device)
         self.model, self.tokenizer = load_causal_lm(model_path, self.device)
         self.model.requires_grad_(True)
-        self.params = dict(self.model.named_parameters())     # the exchanged names (tied weights once)
+        self.params = dict(self.model.named_parameters())  # the exchanged names (tied weights once)
         self._members: dict[str, dict[str, torch.nn.Parameter]] = {"actor": self.params}
         for name, p in self.params.items():
             if p.dtype != torch.float32:
                 raise TypeError(f"parameter {name} is {p.dtype}; the trainer keeps fp32 master weights")
         rows = self.model.get_output_embeddings().weight.shape[0]
         if rows < len(self.tokenizer):
-            raise ValueError(f"the model's output layer has {rows} rows but the tokenizer has {len(self.tokenizer)} "
-                             "tokens; model and tokenizer do not belong together")
+            raise ValueError(
+                f"the model's output layer has {rows} rows but the tokenizer has {len(self.tokenizer)} "
+                "tokens; model and tokenizer do not belong together"
+            )
         # Scored over what the rollout engine samples from: the tokenizer's ids (hf masks padded
         # embedding rows) or every output row (vLLM samples over all of them).
         self.vocab_size = rows if cfg.rollout.engine == "vllm" else len(self.tokenizer)
@@ -76,8 +86,12 @@ class BuiltinEngine:
             self._members["critic"] = dict(self.critic.named_parameters())
             if self.critic_start.path:
                 self._load_start("critic", self.critic_start.path, "the starting critic")
-            log.info("critic: %s (%s)%s", self.critic_start.mode, self.critic_start.reason,
-                     f" from {self.critic_start.path}" if self.critic_start.path else "")
+            log.info(
+                "critic: %s (%s)%s",
+                self.critic_start.mode,
+                self.critic_start.reason,
+                f" from {self.critic_start.path}" if self.critic_start.path else "",
+            )
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
 
     # ------------------------------------------------------------------ weights
@@ -103,16 +117,19 @@ class BuiltinEngine:
         missing = sorted(set(params) - set(state))
         unexpected = sorted(set(state) - set(params))
         if missing or unexpected:
-            raise KeyError(f"weights do not match the {member} model: missing {missing[:5]} ({len(missing)}), "
-                           f"unexpected {unexpected[:5]} ({len(unexpected)}); they must come from "
-                           f"export_weights({member!r}) of the same architecture")
+            raise KeyError(
+                f"weights do not match the {member} model: missing {missing[:5]} ({len(missing)}), "
+                f"unexpected {unexpected[:5]} ({len(unexpected)}); they must come from "
+                f"export_weights({member!r}) of the same architecture"
+            )
         for name, t in state.items():
             p = params[name]
             if t.shape != p.shape:
                 raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model {tuple(p.shape)}")
             if t.dtype != torch.float32:
-                raise TypeError(f"weight {name} is {t.dtype}; weights travel as fp32 (invariant 1), "
-                                "never cast them on the way")
+                raise TypeError(
+                    f"weight {name} is {t.dtype}; weights travel as fp32 (invariant 1), never cast them on the way"
+                )
         for name, t in state.items():
             params[name].copy_(t)
 
@@ -134,8 +151,9 @@ class BuiltinEngine:
         a = self.cfg.algo
         self.optimizers = {"actor": torch.optim.AdamW(self.params.values(), lr=a.lr, weight_decay=a.weight_decay)}
         if self.critic is not None:
-            self.optimizers["critic"] = torch.optim.AdamW(self._members["critic"].values(), lr=a.critic.lr,
-                                                          weight_decay=a.critic.weight_decay)
+            self.optimizers["critic"] = torch.optim.AdamW(
+                self._members["critic"].values(), lr=a.critic.lr, weight_decay=a.critic.weight_decay
+            )
         if reference_from_policy and self.ref is not None:
             with torch.no_grad():
                 for p_ref, p in zip(self.ref.parameters(), self.model.parameters()):
@@ -160,6 +178,7 @@ class BuiltinEngine:
         def one(part: Sequence[TrainRow]) -> torch.Tensor:
             logits, labels, _mask = self._response_logits(model, part)
             return token_log_probs(logits, labels)
+
         return _per_row(rows, self.cfg.algo.micro_batch_size, one)
 
     @torch.no_grad()
@@ -168,8 +187,9 @@ class BuiltinEngine:
 
     # ------------------------------------------------------------------ steps
 
-    def policy_step(self, batch: PolicyBatch, loss: ActorLossSpec,
-                    after_backward: Callable[[], None] | None = None) -> StepResult:
+    def policy_step(
+        self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: Callable[[], None] | None = None
+    ) -> StepResult:
         """Policy gradients micro-batch by micro-batch, every micro loss normalised by the whole
         mini-batch (so the sum is the mini-batch loss whatever the micro size), then the step."""
         rows = batch.rows
@@ -182,10 +202,18 @@ class BuiltinEngine:
             entropy = entropy_from_logits(logits)
             if loss.entropy_coeff == 0:
                 entropy = entropy.detach()
-            out = actor_loss(loss, log_prob, _pad([batch.old_log_probs[i] for i in part], mask),
-                             _pad([batch.advantages[i] for i in part], mask), mask, entropy=entropy, norm=norm,
-                             ref_log_prob=(_pad([batch.ref_log_probs[i] for i in part], mask)
-                                           if batch.ref_log_probs is not None else None))
+            out = actor_loss(
+                loss,
+                log_prob,
+                _pad([batch.old_log_probs[i] for i in part], mask),
+                _pad([batch.advantages[i] for i in part], mask),
+                mask,
+                entropy=entropy,
+                norm=norm,
+                ref_log_prob=(
+                    _pad([batch.ref_log_probs[i] for i in part], mask) if batch.ref_log_probs is not None else None
+                ),
+            )
             out.loss.backward()
             for k, v in out.metrics.items():
                 # shares of the mini-batch loss add up; fractions and ppo_kl are averaged
@@ -194,8 +222,9 @@ class BuiltinEngine:
             after_backward()
         return self._step("actor", self.cfg.algo.grad_clip, dict(sums))
 
-    def critic_step(self, batch: ValueBatch, loss: ValueLossSpec,
-                    after_backward: Callable[[], None] | None = None) -> StepResult:
+    def critic_step(
+        self, batch: ValueBatch, loss: ValueLossSpec, after_backward: Callable[[], None] | None = None
+    ) -> StepResult:
         """Critic gradients of one mini-batch: coef x the clipped squared error reduced over the
         WHOLE mini-batch (micro-batch invariant: the field log's 2026-07-22 critic-loss drift
         cannot happen here), then the step. FedProx never touches it (invariant 4)."""
@@ -207,11 +236,18 @@ class BuiltinEngine:
         parts = _micro_batches(rows, int(self.cfg.algo.critic.micro_batch_size))
         for part in parts:
             values, mask = self._response_values([rows[i] for i in part])
-            value_loss, clipfrac = clipped_value_loss(values, _pad([batch.returns[i] for i in part], mask),
-                                                      _pad([batch.old_values[i] for i in part], mask), mask,
-                                                      loss.value_clip, loss.loss_agg_mode, norm, coef=loss.coef)
+            value_loss, clipfrac = clipped_value_loss(
+                values,
+                _pad([batch.returns[i] for i in part], mask),
+                _pad([batch.old_values[i] for i in part], mask),
+                mask,
+                loss.value_clip,
+                loss.loss_agg_mode,
+                norm,
+                coef=loss.coef,
+            )
             value_loss.backward()
-            sums["loss"] += float(value_loss.detach())           # shares of the mini-batch loss add up
+            sums["loss"] += float(value_loss.detach())  # shares of the mini-batch loss add up
             sums["clipfrac"] += float(clipfrac) / len(parts)
         if after_backward is not None:
             after_backward()
@@ -231,8 +267,9 @@ class BuiltinEngine:
 
     # ------------------------------------------------------------------ forward passes
 
-    def _response_hidden(self, model: torch.nn.Module, rows: Sequence[TrainRow]
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _response_hidden(
+        self, model: torch.nn.Module, rows: Sequence[TrainRow]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The backbone's hidden states at the positions that predict each response token
         [B, T, H], the labels [B, T] and the generated-token mask [B, T] (call under autocast).
 
@@ -251,8 +288,8 @@ class BuiltinEngine:
         for b, rw in enumerate(rows):
             seq = rw.prompt_ids + rw.response_ids
             n_p, n_r = len(rw.prompt_ids), len(rw.response_ids)
-            ids[b, :len(seq)] = torch.tensor(seq)
-            pos[b, :n_r] = torch.arange(n_p - 1, n_p - 1 + n_r)   # position t predicts token t+1
+            ids[b, : len(seq)] = torch.tensor(seq)
+            pos[b, :n_r] = torch.arange(n_p - 1, n_p - 1 + n_r)  # position t predicts token t+1
             labels[b, :n_r] = torch.tensor(rw.response_ids)
             mask[b, :n_r] = torch.tensor(rw.mask, dtype=torch.bool)
         ids, pos, labels, mask = (t.to(self.device) for t in (ids, pos, labels, mask))
@@ -260,13 +297,14 @@ class BuiltinEngine:
         picked = torch.gather(hidden, 1, pos[:, :, None].expand(-1, -1, hidden.shape[-1]))
         return picked, labels, mask
 
-    def _response_logits(self, model: torch.nn.Module, rows: Sequence[TrainRow]
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _response_logits(
+        self, model: torch.nn.Module, rows: Sequence[TrainRow]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tempered logits at the response positions [B, T, V] (V: the tokenizer's ids), plus
         labels and mask [B, T]."""
         with autocast(self.device, self.amp_dtype):
             picked, labels, mask = self._response_hidden(model, rows)
-            logits = model.get_output_embeddings()(picked)[..., :self.vocab_size]
+            logits = model.get_output_embeddings()(picked)[..., : self.vocab_size]
         return logits.float() / self.cfg.rollout.temperature, labels, mask
 
     def _response_values(self, rows: Sequence[TrainRow]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,7 +331,7 @@ def _row_len(row: TrainRow) -> int:
 def _micro_batches(rows: Sequence[TrainRow], micro: int) -> list[list[int]]:
     """Row indices in micro-batches of similar length (less padding)."""
     order = sorted(range(len(rows)), key=lambda i: _row_len(rows[i]))
-    return [order[s:s + micro] for s in range(0, len(order), micro)]
+    return [order[s : s + micro] for s in range(0, len(order), micro)]
 
 
 def _mini_batch_norm(rows: Sequence[TrainRow], horizon: int | None) -> AggNorm:
@@ -301,14 +339,15 @@ def _mini_batch_norm(rows: Sequence[TrainRow], horizon: int | None) -> AggNorm:
     return AggNorm(num_tokens=float(sum(sum(rw.mask) for rw in rows)), num_seqs=float(len(rows)), horizon=horizon)
 
 
-def _per_row(rows: Sequence[TrainRow], micro: int,
-             compute: Callable[[Sequence[TrainRow]], torch.Tensor]) -> list[torch.Tensor]:
+def _per_row(
+    rows: Sequence[TrainRow], micro: int, compute: Callable[[Sequence[TrainRow]], torch.Tensor]
+) -> list[torch.Tensor]:
     """`compute` ([B, T] per micro-batch of length-sorted rows), cut back to one 1-D CPU tensor per row."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
     for part in _micro_batches(rows, micro):
-        batch = compute([rows[i] for i in part]).detach().float().cpu()   # one device sync per micro-batch
+        batch = compute([rows[i] for i in part]).detach().float().cpu()  # one device sync per micro-batch
         for k, i in enumerate(part):
-            out[i] = batch[k, :len(rows[i].response_ids)].clone()
+            out[i] = batch[k, : len(rows[i].response_ids)].clone()
     return out
 
 

@@ -1,4 +1,5 @@
 """The lane's device: which one, process settings for it, and giving memory back."""
+
 from __future__ import annotations
 
 import ctypes
@@ -33,5 +34,5 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:       # not glibc: nothing to trim
+    except OSError:  # not glibc: nothing to trim
         pass

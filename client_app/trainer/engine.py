@@ -10,6 +10,7 @@ Rows (`client_app.rollout.TrainRow`) carry token ids and a generated-token mask;
 quantities (log-probs, values, advantages, returns) are 1-D fp32 tensors over a row's response
 tokens, as the loop passes them around.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -61,7 +62,7 @@ class TrainingEngine(Protocol):
 
     device: torch.device
     tokenizer: Any
-    critic_start: CriticStart | None      # where the starting critic came from; None without a critic
+    critic_start: CriticStart | None  # where the starting critic came from; None without a critic
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -107,15 +108,17 @@ class TrainingEngine(Protocol):
         """The critic's value at each response token of each row (no gradient)."""
         ...
 
-    def policy_step(self, batch: PolicyBatch, loss: ActorLossSpec,
-                    after_backward: Callable[[], None] | None = None) -> StepResult:
+    def policy_step(
+        self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: Callable[[], None] | None = None
+    ) -> StepResult:
         """One optimizer step of the policy on one mini-batch: gradients accumulated over
         micro-batches of the loss normalised by the WHOLE mini-batch (micro-batching changes
         memory, not the gradient), `after_backward` (FedProx) before the clip, then the step."""
         ...
 
-    def critic_step(self, batch: ValueBatch, loss: ValueLossSpec,
-                    after_backward: Callable[[], None] | None = None) -> StepResult:
+    def critic_step(
+        self, batch: ValueBatch, loss: ValueLossSpec, after_backward: Callable[[], None] | None = None
+    ) -> StepResult:
         """One optimizer step of the critic on one mini-batch, as `policy_step` (FedProx never
         touches it: the loop passes no `after_backward` here)."""
         ...

@@ -19,6 +19,7 @@ before it returns, so a trainer serving hundreds of fits keeps a flat memory (in
 The engine (`engine.TrainingEngine`) does the tensor work: builtin (torch + transformers) or
 verl (FSDP2); the rollout engine (hf or vllm) is chosen separately.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +34,7 @@ import torch
 
 from client_app.algos import ActorLossSpec, FedProxAnchor, ValueLossSpec
 from client_app.critic import CriticStart
-from client_app.rollout import Episode, TrainRow, derive_seed, draw_tasks, episode_metrics, group_specs, \
-    training_rows
+from client_app.rollout import Episode, TrainRow, derive_seed, draw_tasks, episode_metrics, group_specs, training_rows
 from client_app.trainer.advantages import ADVANTAGES, token_mean
 from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
 from client_app.trainer.device import release_memory
@@ -47,19 +47,36 @@ log = logging.getLogger("fedagent.trainer")
 
 IterationCallback = Callable[[int, dict[str, float]], None]
 # Fit metrics that add up over local epochs (with every `*_s` timing); the rest are averaged.
-_SUMMED = frozenset({"rows", "rollout_tokens", "rollout_steps", "optimizer_steps", "skipped_steps",
-                     "critic_optimizer_steps", "critic_skipped_steps"})
+_SUMMED = frozenset(
+    {
+        "rows",
+        "rollout_tokens",
+        "rollout_steps",
+        "optimizer_steps",
+        "skipped_steps",
+        "critic_optimizer_steps",
+        "critic_skipped_steps",
+    }
+)
 
 
 def loss_specs(cfg: Config) -> tuple[ActorLossSpec, ValueLossSpec]:
     """The policy and value objectives the recipe asks for (both engines train these)."""
     a, r = cfg.algo, cfg.rollout
     horizon = r.max_prompt_tokens if r.mode == "concat" else r.max_response_tokens
-    policy = ActorLossSpec(clip_ratio_low=a.clip_ratio, clip_ratio_high=a.clip_ratio, clip_ratio_c=a.clip_ratio_c,
-                           entropy_coeff=a.entropy_coeff, kl_coef=a.kl_coef, kl_type=a.kl_type,
-                           loss_agg_mode=a.loss_agg_mode, horizon=horizon)
-    value = ValueLossSpec(value_clip=a.critic.value_clip, coef=a.critic.loss_coef, loss_agg_mode=a.loss_agg_mode,
-                          horizon=horizon)
+    policy = ActorLossSpec(
+        clip_ratio_low=a.clip_ratio,
+        clip_ratio_high=a.clip_ratio,
+        clip_ratio_c=a.clip_ratio_c,
+        entropy_coeff=a.entropy_coeff,
+        kl_coef=a.kl_coef,
+        kl_type=a.kl_type,
+        loss_agg_mode=a.loss_agg_mode,
+        horizon=horizon,
+    )
+    value = ValueLossSpec(
+        value_clip=a.critic.value_clip, coef=a.critic.loss_coef, loss_agg_mode=a.loss_agg_mode, horizon=horizon
+    )
     return policy, value
 
 
@@ -76,7 +93,7 @@ class RLTrainer:
             self.rollouts = Rollouts(cfg, engine, model_path)
             if env_url:
                 self.env = SyncEnvClient(env_url)
-                self.max_sessions = int(self.env.info()["pool_size"])   # the service blocks /create beyond it
+                self.max_sessions = int(self.env.info()["pool_size"])  # the service blocks /create beyond it
         except BaseException:
             self.close()
             raise
@@ -120,12 +137,15 @@ class RLTrainer:
             info = env.info()
             served = (info.get("variant") or {}).get("hash")
             if served != req.env_variant:
-                raise RuntimeError(f"env service {req.env_url} serves variant {served!r}, not client "
-                                   f"{req.client_id}'s {req.env_variant!r}: refusing to train on another env")
+                raise RuntimeError(
+                    f"env service {req.env_url} serves variant {served!r}, not client "
+                    f"{req.client_id}'s {req.env_variant!r}: refusing to train on another env"
+                )
             yield env, int(info["pool_size"])
 
-    def _fit(self, req: FitRequest, env: SyncEnvClient, sessions: int,
-             on_iteration: IterationCallback | None) -> FitResult:
+    def _fit(
+        self, req: FitRequest, env: SyncEnvClient, sessions: int, on_iteration: IterationCallback | None
+    ) -> FitResult:
         self.engine.begin_fit(reference_from_policy=self.cfg.algo.ref_anchor == "round")
         anchor = FedProxAnchor.snapshot(self.engine.parameters("actor")) if req.proximal_mu > 0 else None
         per_epoch: list[dict[str, float]] = []
@@ -142,8 +162,9 @@ class RLTrainer:
             if anchor is not None:
                 anchor.release()
             release_memory(self.engine.device)
-        metrics = {k: (sum if k in _SUMMED or k.endswith("_s") else _mean)([m[k] for m in per_epoch])
-                   for k in per_epoch[0]}
+        metrics = {
+            k: (sum if k in _SUMMED or k.endswith("_s") else _mean)([m[k] for m in per_epoch]) for k in per_epoch[0]
+        }
         metrics["tokens_per_s"] = metrics["rollout_tokens"] / max(metrics["rollout_generate_s"], 1e-9)
         metrics["rollout_tokens_per_s"] = metrics["tokens_per_s"]
         metrics["rollout_steps_per_s"] = metrics["rollout_steps"] / max(metrics["rollout_s"], 1e-9)
@@ -154,12 +175,22 @@ class RLTrainer:
         rewards: the training-only invalid-action penalty never applies (invariant 10)."""
         if not req.task_indices:
             raise ValueError("EvalRequest.task_indices is empty; pass the fixed validation tasks")
-        episodes, stats, sync_s = self._play(group_specs(req.task_indices, 1), self.cfg.rollout.val_temperature,
-                                             derive_seed("eval", req.seed), "validate")
-        return EvalResult(num_examples=len(episodes),
-                          metrics={**episode_metrics(episodes, ""), "eval_s": stats.wall_s,
-                                   "rollout_sync_s": sync_s, **stats.as_metrics("rollout_")},
-                          outcomes={e.spec.task_index: e.won for e in episodes})
+        episodes, stats, sync_s = self._play(
+            group_specs(req.task_indices, 1),
+            self.cfg.rollout.val_temperature,
+            derive_seed("eval", req.seed),
+            "validate",
+        )
+        return EvalResult(
+            num_examples=len(episodes),
+            metrics={
+                **episode_metrics(episodes, ""),
+                "eval_s": stats.wall_s,
+                "rollout_sync_s": sync_s,
+                **stats.as_metrics("rollout_"),
+            },
+            outcomes={e.spec.task_index: e.won for e in episodes},
+        )
 
     def close(self) -> None:
         """Close the env client, the rollout engine and the training engine (the env service is
@@ -174,16 +205,22 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one iteration
 
-    def _iteration(self, req: FitRequest, epoch: int, anchor: FedProxAnchor | None, env: SyncEnvClient,
-                   sessions: int) -> tuple[dict[str, float], int]:
+    def _iteration(
+        self, req: FitRequest, epoch: int, anchor: FedProxAnchor | None, env: SyncEnvClient, sessions: int
+    ) -> tuple[dict[str, float], int]:
         a, r = self.cfg.algo, self.cfg.rollout
         seed = (req.seed, req.round, req.client_id, epoch)
         # 1. draw tasks, 2. rollout
         tasks = draw_tasks(req.task_indices, a.tasks_per_step, req.seed, req.round, req.client_id, epoch)
         t0 = time.perf_counter()
-        episodes, stats, sync_s = self._play(group_specs(tasks, int(a.group_size)), r.temperature,
-                                             derive_seed("sample", *seed), f"r{req.round} c{req.client_id} e{epoch}",
-                                             env, sessions)
+        episodes, stats, sync_s = self._play(
+            group_specs(tasks, int(a.group_size)),
+            r.temperature,
+            derive_seed("sample", *seed),
+            f"r{req.round} c{req.client_id} e{epoch}",
+            env,
+            sessions,
+        )
         rollout_s = time.perf_counter() - t0
         # 3. rows
         rows = training_rows(episodes, r.invalid_action_penalty)
@@ -194,14 +231,22 @@ class RLTrainer:
         update = self._policy_pass(rows, advantages, anchor, req.proximal_mu, derive_seed("minibatch", *seed))
         update_s = time.perf_counter() - t0
         # 6. metrics
-        metrics = {**episode_metrics(episodes, "train_"),
-                   "train_score": sum(rw.score for rw in rows) / max(len(rows), 1), "rows": float(len(rows)),
-                   "rollout_s": rollout_s, "rollout_sync_s": sync_s, "update_s": update_s,
-                   **stats.as_metrics("rollout_"), **update, **critic_metrics}
+        metrics = {
+            **episode_metrics(episodes, "train_"),
+            "train_score": sum(rw.score for rw in rows) / max(len(rows), 1),
+            "rows": float(len(rows)),
+            "rollout_s": rollout_s,
+            "rollout_sync_s": sync_s,
+            "update_s": update_s,
+            **stats.as_metrics("rollout_"),
+            **update,
+            **critic_metrics,
+        }
         return metrics, len(episodes)
 
-    def _play(self, specs: Any, temperature: float, seed: int, desc: str, env: SyncEnvClient | None = None,
-              sessions: int = 0) -> tuple[list[Episode], Any, float]:
+    def _play(
+        self, specs: Any, temperature: float, seed: int, desc: str, env: SyncEnvClient | None = None, sessions: int = 0
+    ) -> tuple[list[Episode], Any, float]:
         """Play `specs` on `env` (default: the trainer's own, unperturbed env: validation)."""
         self._need_env()
         assert self.rollouts is not None and self.env is not None
@@ -209,62 +254,100 @@ class RLTrainer:
             env, sessions = self.env, self.max_sessions
         return self.rollouts.play(env, specs, temperature, seed, sessions, desc)
 
-    def _advantages(self, episodes: Sequence[Episode], rows: Sequence[TrainRow], seed: int
-                    ) -> tuple[list[torch.Tensor], dict[str, float]]:
+    def _advantages(
+        self, episodes: Sequence[Episode], rows: Sequence[TrainRow], seed: int
+    ) -> tuple[list[torch.Tensor], dict[str, float]]:
         """The algorithm's advantages; with a critic, its rollout-time values feed the estimator
         and the critic then takes one pass toward the value targets, before the policy update."""
         values = self.engine.values(rows) if self.algorithm.critic else None
         advantages, returns = ADVANTAGES[self.algorithm.advantage](episodes, rows, values, self.cfg.algo)
         if values is None or returns is None:
             return advantages, {}
-        return advantages, critic_pass(self.engine, self.value_loss, rows, values, returns,
-                                       int(self.cfg.algo.critic.mini_batch_size), seed)
+        return advantages, critic_pass(
+            self.engine, self.value_loss, rows, values, returns, int(self.cfg.algo.critic.mini_batch_size), seed
+        )
 
-    def _policy_pass(self, rows: Sequence[TrainRow], advantages: Sequence[torch.Tensor],
-                     anchor: FedProxAnchor | None, mu: float, seed: int) -> dict[str, float]:
+    def _policy_pass(
+        self,
+        rows: Sequence[TrainRow],
+        advantages: Sequence[torch.Tensor],
+        anchor: FedProxAnchor | None,
+        mu: float,
+        seed: int,
+    ) -> dict[str, float]:
         fedprox = (lambda: anchor.add_grad_(self.engine.parameters("actor"), mu)) if anchor is not None else None
-        return policy_pass(self.engine, self.policy_loss, rows, advantages, self.cfg.algo.mini_batch_size, seed,
-                           fedprox)
+        return policy_pass(
+            self.engine, self.policy_loss, rows, advantages, self.cfg.algo.mini_batch_size, seed, fedprox
+        )
 
     def _need_env(self) -> None:
         if self.env is None:
             raise RuntimeError("this trainer was built without an env service URL; fit and evaluate need one")
 
 
-def policy_pass(engine: TrainingEngine, loss: ActorLossSpec, rows: Sequence[TrainRow],
-                advantages: Sequence[torch.Tensor], mini: int, seed: int,
-                after_backward: Callable[[], None] | None = None) -> dict[str, float]:
+def policy_pass(
+    engine: TrainingEngine,
+    loss: ActorLossSpec,
+    rows: Sequence[TrainRow],
+    advantages: Sequence[torch.Tensor],
+    mini: int,
+    seed: int,
+    after_backward: Callable[[], None] | None = None,
+) -> dict[str, float]:
     """One pass of the policy over `rows`: rollout-time (and reference) log-probs, then one
     optimizer step per mini-batch in a seeded order; `after_backward` (FedProx) in every step."""
     old = engine.log_probs(rows, "policy")
     ref = engine.log_probs(rows, "reference") if loss.kl_coef > 0 else None
-    return _mini_batch_pass(len(rows), mini, seed, lambda idx: engine.policy_step(
-        PolicyBatch([rows[i] for i in idx], [old[i] for i in idx], [advantages[i] for i in idx],
-                    [ref[i] for i in idx] if ref is not None else None), loss, after_backward))
+    return _mini_batch_pass(
+        len(rows),
+        mini,
+        seed,
+        lambda idx: engine.policy_step(
+            PolicyBatch(
+                [rows[i] for i in idx],
+                [old[i] for i in idx],
+                [advantages[i] for i in idx],
+                [ref[i] for i in idx] if ref is not None else None,
+            ),
+            loss,
+            after_backward,
+        ),
+    )
 
 
-def critic_pass(engine: TrainingEngine, loss: ValueLossSpec, rows: Sequence[TrainRow],
-                values: Sequence[torch.Tensor], returns: Sequence[torch.Tensor], mini: int, seed: int
-                ) -> dict[str, float]:
+def critic_pass(
+    engine: TrainingEngine,
+    loss: ValueLossSpec,
+    rows: Sequence[TrainRow],
+    values: Sequence[torch.Tensor],
+    returns: Sequence[torch.Tensor],
+    mini: int,
+    seed: int,
+) -> dict[str, float]:
     """One pass of the critic toward the value targets, from its rollout-time values; metrics
     prefixed `critic_`, with the value and return means."""
-    out = _mini_batch_pass(len(rows), mini, seed, lambda idx: engine.critic_step(
-        ValueBatch([rows[i] for i in idx], [values[i] for i in idx], [returns[i] for i in idx]), loss))
+    out = _mini_batch_pass(
+        len(rows),
+        mini,
+        seed,
+        lambda idx: engine.critic_step(
+            ValueBatch([rows[i] for i in idx], [values[i] for i in idx], [returns[i] for i in idx]), loss
+        ),
+    )
     metrics = {f"critic_{k}": v for k, v in out.items()}
     metrics["critic_value_mean"] = token_mean(values, rows)
     metrics["critic_return_mean"] = token_mean(returns, rows)
     return metrics
 
 
-def _mini_batch_pass(n_rows: int, mini: int, seed: int, step: Callable[[list[int]], StepResult]
-                     ) -> dict[str, float]:
+def _mini_batch_pass(n_rows: int, mini: int, seed: int, step: Callable[[list[int]], StepResult]) -> dict[str, float]:
     """One pass over `n_rows` rows in a seeded order, one optimizer step per `mini` rows; the
     steps' metrics averaged, steps taken and skipped (non-finite gradient) counted."""
     order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed)).tolist()
     sums: dict[str, float] = defaultdict(float)
     steps = skipped = 0
     for start in range(0, n_rows, mini):
-        result = step(order[start:start + mini])
+        result = step(order[start : start + mini])
         for k, v in result.metrics.items():
             sums[k] += v
         sums["grad_norm"] += result.grad_norm

@@ -10,6 +10,7 @@
 Either way the same episode loop (`client_app.rollout.run_episodes`) plays the episodes, so
 the context a policy acted on is exactly the row it trains on, whichever engine generated.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,15 +31,21 @@ CPU_MAX_PADDING = 0.25
 def rollout_settings(cfg: Config) -> RolloutSettings:
     """How the recipe's episodes are played and prompted (every generator alike)."""
     r = cfg.rollout
-    return RolloutSettings(cfg.env.max_turns, r.history_length, r.max_prompt_tokens, system_prompt(cfg.env.name),
-                           mode=r.mode)
+    return RolloutSettings(
+        cfg.env.max_turns, r.history_length, r.max_prompt_tokens, system_prompt(cfg.env.name), mode=r.mode
+    )
 
 
 def hf_generator(model: Any, tokenizer: Any, cfg: Config, device: torch.device) -> BatchedGenerator:
     """Hugging Face `generate` on `model`: bf16 autocast on CUDA; on the CPU length-grouped batches."""
     on_cpu = device.type == "cpu"
-    return BatchedGenerator(model, tokenizer, cfg.rollout.max_response_tokens, None if on_cpu else torch.bfloat16,
-                            max_padding=CPU_MAX_PADDING if on_cpu else None)
+    return BatchedGenerator(
+        model,
+        tokenizer,
+        cfg.rollout.max_response_tokens,
+        None if on_cpu else torch.bfloat16,
+        max_padding=CPU_MAX_PADDING if on_cpu else None,
+    )
 
 
 class Rollouts:
@@ -52,9 +59,14 @@ class Rollouts:
         if r.engine == "vllm":
             from client_app.trainer.vllm_rollout import VllmGenerator
 
-            self.generator = VllmGenerator(model_path, engine.tokenizer, r.max_response_tokens,
-                                           max_model_len=r.max_prompt_tokens + r.max_response_tokens,
-                                           gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.run.seed)
+            self.generator = VllmGenerator(
+                model_path,
+                engine.tokenizer,
+                r.max_response_tokens,
+                max_model_len=r.max_prompt_tokens + r.max_response_tokens,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                seed=cfg.run.seed,
+            )
         else:
             self.generator = hf_generator(engine.generation_model(), engine.tokenizer, cfg, engine.device)
 
@@ -62,18 +74,21 @@ class Rollouts:
     def syncs_weights(self) -> bool:
         return not isinstance(self.generator, BatchedGenerator)
 
-    def play(self, env: Any, specs: Sequence[EpisodeSpec], temperature: float, seed: int, max_sessions: int,
-             desc: str) -> tuple[list[Episode], RolloutStats, float]:
+    def play(
+        self, env: Any, specs: Sequence[EpisodeSpec], temperature: float, seed: int, max_sessions: int, desc: str
+    ) -> tuple[list[Episode], RolloutStats, float]:
         """Play `specs` to the end: (episodes, stats, seconds spent syncing weights)."""
         if not self.syncs_weights:
-            self.engine.generation_model()          # eval mode: rollout and update score the same policy
-            episodes, stats = run_episodes(self.generator, env, specs, self.settings, temperature, seed, max_sessions,
-                                           desc=desc)
+            self.engine.generation_model()  # eval mode: rollout and update score the same policy
+            episodes, stats = run_episodes(
+                self.generator, env, specs, self.settings, temperature, seed, max_sessions, desc=desc
+            )
             return episodes, stats, 0.0
         try:
             sync_s = self.generator.load_weights(self.engine.policy_tensors())
-            episodes, stats = run_episodes(self.generator, env, specs, self.settings, temperature, seed, max_sessions,
-                                           desc=desc)
+            episodes, stats = run_episodes(
+                self.generator, env, specs, self.settings, temperature, seed, max_sessions, desc=desc
+            )
         finally:
             self.generator.sleep()
         return episodes, stats, sync_s

@@ -27,6 +27,7 @@ sequences, which one `AgentLoopOutput` cannot carry: `rollout.mode: windowed` is
 verl gives `run` no sign of a validation pass, so its validation scores carry the penalty too;
 the unpenalised return and the outcome are in `extra_fields` (`env_reward`, `won`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,16 +40,24 @@ from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
-from client_app.rollout import RolloutSettings, cut_at_eos, episode_metrics, group_specs, run_episodes, \
-    training_rows, turn_end_ids_of
+from client_app.rollout import (
+    RolloutSettings,
+    cut_at_eos,
+    episode_metrics,
+    group_specs,
+    run_episodes,
+    training_rows,
+    turn_end_ids_of,
+)
 from envs.client import SyncEnvClient
 from envs.registry import system_prompt
 from fl_app.config import Config, load_config
 
 # episodes block on their turns in threads (the env client and the episode loop are synchronous);
 # verl runs hundreds of trajectories per worker at once, more than the default executor's threads
-_EPISODE_THREADS = ThreadPoolExecutor(max_workers=int(os.environ.get("FEDAGENT_AGENT_LOOP_THREADS", "256")),
-                                      thread_name_prefix="fedagent-episode")
+_EPISODE_THREADS = ThreadPoolExecutor(
+    max_workers=int(os.environ.get("FEDAGENT_AGENT_LOOP_THREADS", "256")), thread_name_prefix="fedagent-episode"
+)
 
 
 class _ServerGenerator:
@@ -57,17 +66,30 @@ class _ServerGenerator:
     request id (verl routes one id to one replica: its prefix cache keeps the episode). The
     sampling settings are verl's (`sampling_params`), so `temperature` and `seeds` are unused."""
 
-    def __init__(self, server_manager: Any, loop: asyncio.AbstractEventLoop, tokenizer: Any,
-                 eos_ids: Sequence[int], sampling_params: dict[str, Any], max_new_tokens: int) -> None:
+    def __init__(
+        self,
+        server_manager: Any,
+        loop: asyncio.AbstractEventLoop,
+        tokenizer: Any,
+        eos_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        max_new_tokens: int,
+    ) -> None:
         self.server, self.loop, self.tokenizer = server_manager, loop, tokenizer
         self.eos_ids = list(eos_ids)
         self.sampling_params = {**sampling_params, "max_tokens": max_new_tokens}
         self.request_id = uuid4().hex
 
     def generate(self, prompts: Sequence[Sequence[int]], temperature: float, seeds: Sequence[int]) -> list[list[int]]:
-        futures = [asyncio.run_coroutine_threadsafe(
-            self.server.generate(request_id=self.request_id, prompt_ids=list(p),
-                                 sampling_params=dict(self.sampling_params)), self.loop) for p in prompts]
+        futures = [
+            asyncio.run_coroutine_threadsafe(
+                self.server.generate(
+                    request_id=self.request_id, prompt_ids=list(p), sampling_params=dict(self.sampling_params)
+                ),
+                self.loop,
+            )
+            for p in prompts
+        ]
         return [cut_at_eos(list(f.result().token_ids), self.eos_ids) for f in futures]
 
 
@@ -81,22 +103,34 @@ def _recipe(recipe: str, overrides: tuple[str, ...]) -> Config:
 class FedAgentEnvLoop(AgentLoopBase):
     """One multi-turn env episode per trajectory (concat mode), scored for training."""
 
-    def __init__(self, *args: Any, recipe: str = "", overrides: Sequence[str] = (), env_url: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, recipe: str = "", overrides: Sequence[str] = (), env_url: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         if not recipe:
-            raise ValueError("fedagent_env needs `recipe` (a name in configs/ or a .yaml path) in its agent-loop "
-                             "config, e.g. recipe: tiny-shop-grpo with overrides: [rollout.mode=concat]")
+            raise ValueError(
+                "fedagent_env needs `recipe` (a name in configs/ or a .yaml path) in its agent-loop "
+                "config, e.g. recipe: tiny-shop-grpo with overrides: [rollout.mode=concat]"
+            )
         cfg = _recipe(str(recipe), tuple(str(o) for o in overrides))
         if cfg.rollout.mode != "concat":
-            raise ValueError(f"recipe {recipe!r} has rollout.mode={cfg.rollout.mode!r}; verl's AgentLoopOutput carries "
-                             "one sequence per episode, which is concat mode: set rollout.mode: concat in the recipe")
+            raise ValueError(
+                f"recipe {recipe!r} has rollout.mode={cfg.rollout.mode!r}; verl's AgentLoopOutput carries "
+                "one sequence per episode, which is concat mode: set rollout.mode: concat in the recipe"
+            )
         self.env_url = env_url or os.environ.get("FEDAGENT_ENV_URL")
         if not self.env_url:
-            raise ValueError("fedagent_env needs an env service: set `env_url` in its agent-loop config (or "
-                             "FEDAGENT_ENV_URL); start one with `python -m envs.service`")
-        self.settings = RolloutSettings(cfg.env.max_turns, cfg.rollout.history_length, cfg.rollout.max_prompt_tokens,
-                                        system_prompt(cfg.env.name), mode="concat")
+            raise ValueError(
+                "fedagent_env needs an env service: set `env_url` in its agent-loop config (or "
+                "FEDAGENT_ENV_URL); start one with `python -m envs.service`"
+            )
+        self.settings = RolloutSettings(
+            cfg.env.max_turns,
+            cfg.rollout.history_length,
+            cfg.rollout.max_prompt_tokens,
+            system_prompt(cfg.env.name),
+            mode="concat",
+        )
         self.max_new_tokens = cfg.rollout.max_response_tokens
         self.penalty = cfg.rollout.invalid_action_penalty
         # the replicas stop on the generation config's eos ids too (Qwen: <|im_end|>, <|endoftext|>)
@@ -106,32 +140,59 @@ class FedAgentEnvLoop(AgentLoopBase):
         if "task_index" not in kwargs:
             raise KeyError("fedagent_env rows need a `task_index` column (the env task to play)")
         task = int(kwargs["task_index"])
-        generator = _ServerGenerator(self.server_manager, asyncio.get_running_loop(), self.tokenizer, self.eos_ids,
-                                     sampling_params, self.max_new_tokens)
+        generator = _ServerGenerator(
+            self.server_manager,
+            asyncio.get_running_loop(),
+            self.tokenizer,
+            self.eos_ids,
+            sampling_params,
+            self.max_new_tokens,
+        )
         temperature = float(sampling_params.get("temperature", 1.0))
         episodes, stats = await asyncio.get_running_loop().run_in_executor(
-            _EPISODE_THREADS, self._play, generator, task, temperature)
+            _EPISODE_THREADS, self._play, generator, task, temperature
+        )
         ep = episodes[0]
         row = training_rows([ep], self.penalty)[0]
         # cutting either part would keep the episode's reward on turns the sequence no longer shows
-        bound = self.settings.max_prompt_tokens + self.max_new_tokens     # a whole concat episode, at most
-        for part, ids, limit in (("prompt", row.prompt_ids, self.rollout_config.prompt_length),
-                                 ("response", row.response_ids, self.rollout_config.response_length)):
+        bound = self.settings.max_prompt_tokens + self.max_new_tokens  # a whole concat episode, at most
+        for part, ids, limit in (
+            ("prompt", row.prompt_ids, self.rollout_config.prompt_length),
+            ("response", row.response_ids, self.rollout_config.response_length),
+        ):
             if len(ids) > limit:
-                raise ValueError(f"a {len(ep.turns)}-turn episode of task {task} has {len(ids)} {part} tokens but "
-                                 f"actor_rollout_ref.rollout.{part}_length is {limit}; raise it to {bound} (the "
-                                 "recipe's rollout.max_prompt_tokens + max_response_tokens bound a concat episode)")
+                raise ValueError(
+                    f"a {len(ep.turns)}-turn episode of task {task} has {len(ids)} {part} tokens but "
+                    f"actor_rollout_ref.rollout.{part}_length is {limit}; raise it to {bound} (the "
+                    "recipe's rollout.max_prompt_tokens + max_response_tokens bound a concat episode)"
+                )
         return AgentLoopOutput(
-            prompt_ids=row.prompt_ids, response_ids=row.response_ids, response_mask=row.mask,
-            reward_score=row.score, num_turns=2 * len(ep.turns) + 1,
+            prompt_ids=row.prompt_ids,
+            response_ids=row.response_ids,
+            response_mask=row.mask,
+            reward_score=row.score,
+            num_turns=2 * len(ep.turns) + 1,
             metrics=AgentLoopMetrics(generate_sequences=stats.generate_s),
-            extra_fields={"task_id": ep.task_id, "won": ep.won, "env_reward": ep.reward,
-                          **{f"episode_{k}": v for k, v in episode_metrics([ep], "").items()}})
+            extra_fields={
+                "task_id": ep.task_id,
+                "won": ep.won,
+                "env_reward": ep.reward,
+                **{f"episode_{k}": v for k, v in episode_metrics([ep], "").items()},
+            },
+        )
 
     def _play(self, generator: _ServerGenerator, task: int, temperature: float) -> tuple[list, Any]:
         env = SyncEnvClient(self.env_url)
         try:
-            return run_episodes(generator, env, group_specs([task], 1), self.settings, temperature, seed=0,
-                                max_sessions=1, desc=f"fedagent_env task {task}")
+            return run_episodes(
+                generator,
+                env,
+                group_specs([task], 1),
+                self.settings,
+                temperature,
+                seed=0,
+                max_sessions=1,
+                desc=f"fedagent_env task {task}",
+            )
         finally:
             env.close()

@@ -35,6 +35,7 @@ batched Hugging Face `generate` on the engine's own FSDP2 module; `vllm` (GPU), 
 vLLM engine woken with the engine's full tensors before each rollout and asleep otherwise
 (`vllm_rollout.py`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,15 +65,22 @@ from fl_app.weights import load_shards
 log = logging.getLogger("fedagent.trainer.verl")
 # verl's per-micro-batch actor metrics -> ours (shares of the mini-batch loss are summed over
 # micro-batches, fractions and ppo_kl averaged, as builtin reports them)
-_METRICS = {"actor/pg_loss": ("pg_loss", "sum"), "actor/entropy_loss": ("entropy", "sum"),
-            "kl_loss": ("kl_loss", "sum"), "actor/pg_clipfrac": ("pg_clipfrac", "mean"),
-            "actor/ppo_kl": ("ppo_kl", "mean"), "actor/pg_clipfrac_lower": ("pg_clipfrac_lower", "mean")}
+_METRICS = {
+    "actor/pg_loss": ("pg_loss", "sum"),
+    "actor/entropy_loss": ("entropy", "sum"),
+    "kl_loss": ("kl_loss", "sum"),
+    "actor/pg_clipfrac": ("pg_clipfrac", "mean"),
+    "actor/ppo_kl": ("ppo_kl", "mean"),
+    "actor/pg_clipfrac_lower": ("pg_clipfrac_lower", "mean"),
+}
 
 
 # ---------------------------------------------------------------------------------- CPU seams
 
+
 def _platform_base() -> type:
     from verl.plugin.platform import PlatformBase
+
     return PlatformBase
 
 
@@ -118,7 +126,7 @@ def make_cpu_platform() -> Any:
         def is_available(self) -> bool:
             return True
 
-        def current_device(self) -> str:         # used as `tensor.to(get_device_id())`
+        def current_device(self) -> str:  # used as `tensor.to(get_device_id())`
             return "cpu"
 
         def device_count(self) -> int:
@@ -190,8 +198,9 @@ def arm_cpu() -> None:
     if current is None or (current.device_name == "cuda" and not torch.cuda.is_available()):
         set_platform(PlatformRegistry.get("cpu")())
     elif current.device_name != "cpu":
-        raise RuntimeError(f"verl already runs on {current.device_name!r} in this process; run.device=cpu "
-                           "needs a process of its own")
+        raise RuntimeError(
+            f"verl already runs on {current.device_name!r} in this process; run.device=cpu needs a process of its own"
+        )
     # imported only now: verl's engine modules read the platform when they are imported
     from verl.utils.device import get_device_name
     from verl.workers.engine import EngineRegistry
@@ -212,16 +221,24 @@ def ensure_process_group(device: str) -> None:
 
     if dist.is_initialized():
         if dist.get_world_size() != 1:
-            raise RuntimeError(f"a process group of world size {dist.get_world_size()} already exists; the verl "
-                               "backend runs one rank per lane service")
+            raise RuntimeError(
+                f"a process group of world size {dist.get_world_size()} already exists; the verl "
+                "backend runs one rank per lane service"
+            )
     else:
         backend = "cpu:gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
         fd, store = tempfile.mkstemp(prefix=f"fedagent-verl-pg-{os.getpid()}-")
         os.close(fd)
-        os.unlink(store)   # the file store creates it; a leftover file would hold a stale rendezvous
+        os.unlink(store)  # the file store creates it; a leftover file would hold a stale rendezvous
         dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=0, world_size=1)
-    for key, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "0")):
+    for key, value in (
+        ("WORLD_SIZE", "1"),
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("LOCAL_WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "0"),
+    ):
         os.environ[key] = value
 
 
@@ -243,8 +260,12 @@ def value_model_attention(flash: bool):
         from transformers import AutoModelForTokenClassification
 
         return AutoModelForTokenClassification.from_pretrained(
-            local_path, torch_dtype=torch_dtype, config=model_config, attn_implementation="sdpa",
-            trust_remote_code=trust_remote_code)
+            local_path,
+            torch_dtype=torch_dtype,
+            config=model_config,
+            attn_implementation="sdpa",
+            trust_remote_code=trust_remote_code,
+        )
 
     verl_model.load_valuehead_model = load_with_sdpa
     try:
@@ -259,11 +280,16 @@ def _check_value_model(module: torch.nn.Module, flash: bool) -> None:
     inner = getattr(module, "_fsdp_wrapped_module", module)
     config = inner.config
     wanted = "flash_attention_2" if flash else "sdpa"
-    if not type(inner).__name__.endswith("ForTokenClassification") or config.num_labels != 1 \
-            or config._attn_implementation != wanted:
-        raise RuntimeError(f"verl built the critic as {type(inner).__name__} (num_labels={config.num_labels}, "
-                           f"attention {config._attn_implementation!r}); expected a one-output "
-                           f"*ForTokenClassification with {wanted!r}")
+    if (
+        not type(inner).__name__.endswith("ForTokenClassification")
+        or config.num_labels != 1
+        or config._attn_implementation != wanted
+    ):
+        raise RuntimeError(
+            f"verl built the critic as {type(inner).__name__} (num_labels={config.num_labels}, "
+            f"attention {config._attn_implementation!r}); expected a one-output "
+            f"*ForTokenClassification with {wanted!r}"
+        )
 
 
 def isolate_from_outer_ray() -> None:
@@ -274,13 +300,15 @@ def isolate_from_outer_ray() -> None:
 
 # ---------------------------------------------------------------------------------- the engine
 
+
 class VerlEngine:
     """`engine.TrainingEngine` on verl's FSDP2 training engines (policy, reference, critic)."""
 
-    critic_start: CriticStart | None = None    # set when the algorithm trains a critic
+    critic_start: CriticStart | None = None  # set when the algorithm trains a critic
 
-    def __init__(self, cfg: Config, model_path: Path, run_dir: Path | str | None = None,
-                 reference_path: Path | None = None) -> None:
+    def __init__(
+        self, cfg: Config, model_path: Path, run_dir: Path | str | None = None, reference_path: Path | None = None
+    ) -> None:
         if cfg.backend != "verl":
             raise ValueError(f"VerlEngine needs backend=verl, got backend={cfg.backend!r}")
         self.cfg = cfg
@@ -316,24 +344,32 @@ class VerlEngine:
             critic_config = omega_conf_to_dataclass(self.verl_cfg.critic)
             flash = verl_config.has_flash_attn(self.device.type)
             with value_model_attention(flash):
-                self.critic = self._worker(critic_config, critic_config.model, forward_only=False,
-                                           model_type="value_model", micro=int(cfg.algo.critic.micro_batch_size))
+                self.critic = self._worker(
+                    critic_config,
+                    critic_config.model,
+                    forward_only=False,
+                    model_type="value_model",
+                    micro=int(cfg.algo.critic.micro_batch_size),
+                )
             _check_value_model(self.critic.engine.module, flash)
             # verl's value loss carries a fixed 0.5; ours is critic.loss_coef x the same reduction
-            self.critic_loss_fn = partial(scaled_value_loss, config=critic_config,
-                                          scale=cfg.algo.critic.loss_coef / VERL_VALUE_LOSS_COEF)
+            self.critic_loss_fn = partial(
+                scaled_value_loss, config=critic_config, scale=cfg.algo.critic.loss_coef / VERL_VALUE_LOSS_COEF
+            )
             self.critic.set_loss_fn(self.critic_loss_fn)
         self.tokenizer = load_causal_lm_tokenizer(self.model_path)
         rows = self.engine.module.get_output_embeddings().weight.shape[0]
         if cfg.rollout.engine == "hf" and rows != len(self.tokenizer):
             # the hf rollout samples over the tokenizer's ids only; verl's engine normalises its
             # log-probs over every output row, so it would train on a distribution it did not sample from
-            raise ValueError(f"the model has {rows} output rows and its tokenizer {len(self.tokenizer)} tokens; "
-                             "backend=verl with rollout.engine=hf needs them equal (verl scores over every "
-                             "row). Use backend: builtin for this model, or rollout.engine: vllm on a GPU")
+            raise ValueError(
+                f"the model has {rows} output rows and its tokenizer {len(self.tokenizer)} tokens; "
+                "backend=verl with rollout.engine=hf needs them equal (verl scores over every "
+                "row). Use backend: builtin for this model, or rollout.engine: vllm on a GPU"
+            )
         self._names = {"actor": [n for n, _ in self.engine.module.named_parameters()]}
         if self.ref is not None and reference_path is not None and Path(reference_path) != self.model_path:
-            from client_app.models import hf_parameters     # model.reference: backbone under a warm start
+            from client_app.models import hf_parameters  # model.reference: backbone under a warm start
 
             _inject(self.ref.engine.module, self._names["actor"], hf_parameters(Path(reference_path)))
         if cfg.model.init_from:
@@ -344,12 +380,22 @@ class VerlEngine:
                 self._load_start(self.critic_start.path, "critic")
             else:
                 self.load_weights(self._fresh_critic(), "critic")
-            log.info("critic: %s (%s)%s", self.critic_start.mode, self.critic_start.reason,
-                     f" from {self.critic_start.path}" if self.critic_start.path else "")
+            log.info(
+                "critic: %s (%s)%s",
+                self.critic_start.mode,
+                self.critic_start.reason,
+                f" from {self.critic_start.path}" if self.critic_start.path else "",
+            )
         self.pad_id = self.tokenizer.pad_token_id
 
-    def _worker(self, role_config: Any, model_config: Any, forward_only: bool, model_type: str = "language_model",
-                micro: int | None = None) -> Any:
+    def _worker(
+        self,
+        role_config: Any,
+        model_config: Any,
+        forward_only: bool,
+        model_type: str = "language_model",
+        micro: int | None = None,
+    ) -> Any:
         """One in-process verl TrainingWorker (fsdp2), built as verl's trainer builds its actor,
         reference and critic workers."""
         import copy
@@ -367,11 +413,15 @@ class VerlEngine:
         engine_config.infer_micro_batch_size_per_gpu = micro
         engine_config.use_dynamic_bsz = False
         engine_config.use_remove_padding = bool(model_config.get("use_remove_padding", False))
-        config = TrainingWorkerConfig(model_type=model_type, model_config=copy.deepcopy(model_config),
-                                      engine_config=engine_config, optimizer_config=role_config.optim,
-                                      checkpoint_config=role_config.checkpoint)
+        config = TrainingWorkerConfig(
+            model_type=model_type,
+            model_config=copy.deepcopy(model_config),
+            engine_config=engine_config,
+            optimizer_config=role_config.optim,
+            checkpoint_config=role_config.checkpoint,
+        )
         worker = TrainingWorker(config=config)
-        worker.reset()       # builds model (from model.path), optimizer, LR schedule once
+        worker.reset()  # builds model (from model.path), optimizer, LR schedule once
         return worker
 
     # ------------------------------------------------------------------ weights
@@ -397,8 +447,9 @@ class VerlEngine:
         (`client_app.critic.seeded_value_head`): the same fresh critic on both engines."""
         actor = self.export_weights("actor")
         shape = tuple(dict(self.critic.engine.module.named_parameters())["score.weight"].shape)
-        head = seeded_value_head(shape, self.critic.engine.model_config.hf_config,
-                                 derive_seed("value-head", self.cfg.run.seed))
+        head = seeded_value_head(
+            shape, self.critic.engine.model_config.hf_config, derive_seed("value-head", self.cfg.run.seed)
+        )
         return {n: head[n] if n in head else actor[n] for n in self._names["critic"]}
 
     @torch.no_grad()
@@ -414,7 +465,7 @@ class VerlEngine:
         return self.engine.module.eval()
 
     def policy_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
-        weights, _peft = self.engine.get_per_tensor_param()     # (name, fp32 full tensor) pairs, lazily
+        weights, _peft = self.engine.get_per_tensor_param()  # (name, fp32 full tensor) pairs, lazily
         return weights
 
     def parameters(self, member: str = "actor") -> Iterable[tuple[str, torch.nn.Parameter]]:
@@ -473,46 +524,66 @@ class VerlEngine:
 
         out: list[torch.Tensor] = []
         for start in range(0, len(rows), micro):
-            part = rows[start:start + micro]
+            part = rows[start : start + micro]
             td = self._batch(part, micro_batch=len(part))
             tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
             result = worker.infer_batch(td)
             padded = no_padding_2_padding(tu.get(result, key), td).float()
-            out.extend(padded[b, :len(rw.response_ids)].clone() for b, rw in enumerate(part))
+            out.extend(padded[b, : len(rw.response_ids)].clone() for b, rw in enumerate(part))
         return out
 
     # ------------------------------------------------------------------ steps
 
-    def policy_step(self, batch: PolicyBatch, loss: ActorLossSpec,
-                    after_backward: Callable[[], None] | None = None) -> StepResult:
+    def policy_step(
+        self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: Callable[[], None] | None = None
+    ) -> StepResult:
         """verl's forward_backward_batch with verl's ppo_loss, the FedProx gradient, clip + AdamW."""
         if loss != self.policy_loss:
-            raise ValueError(f"verl's policy loss is composed from the recipe when the engine is built "
-                             f"({self.policy_loss}); it cannot train {loss}")
-        td = self._batch(batch.rows, _largest_divisor_at_most(len(batch.rows), self.cfg.algo.micro_batch_size),
-                         old=batch.old_log_probs, advantages=batch.advantages, ref=batch.ref_log_probs)
+            raise ValueError(
+                f"verl's policy loss is composed from the recipe when the engine is built "
+                f"({self.policy_loss}); it cannot train {loss}"
+            )
+        td = self._batch(
+            batch.rows,
+            _largest_divisor_at_most(len(batch.rows), self.cfg.algo.micro_batch_size),
+            old=batch.old_log_probs,
+            advantages=batch.advantages,
+            ref=batch.ref_log_probs,
+        )
         return _step(self.engine, self.loss_fn, td, _metrics, after_backward)
 
-    def critic_step(self, batch: ValueBatch, loss: ValueLossSpec,
-                    after_backward: Callable[[], None] | None = None) -> StepResult:
+    def critic_step(
+        self, batch: ValueBatch, loss: ValueLossSpec, after_backward: Callable[[], None] | None = None
+    ) -> StepResult:
         """verl's value loss (scaled to algo.critic.loss_coef), clip + AdamW; never FedProx."""
         if self.critic is None:
             raise RuntimeError(f"algo.name={self.cfg.algo.name!r} trains no critic")
         if loss != self.value_loss:
-            raise ValueError(f"verl's value loss is composed from the recipe when the engine is built "
-                             f"({self.value_loss}); it cannot train {loss}")
+            raise ValueError(
+                f"verl's value loss is composed from the recipe when the engine is built "
+                f"({self.value_loss}); it cannot train {loss}"
+            )
         micro = _largest_divisor_at_most(len(batch.rows), int(self.cfg.algo.critic.micro_batch_size))
         td = self._batch(batch.rows, micro, values=batch.old_values, returns=batch.returns)
 
         def metrics(raw: Mapping[str, Any]) -> dict[str, float]:
-            return {"loss": _aggregate(raw["critic/vf_loss"], "sum"),
-                    "clipfrac": _aggregate(raw["critic/vf_clipfrac"], "mean")}
+            return {
+                "loss": _aggregate(raw["critic/vf_loss"], "sum"),
+                "clipfrac": _aggregate(raw["critic/vf_clipfrac"], "mean"),
+            }
 
         return _step(self.critic.engine, self.critic_loss_fn, td, metrics, after_backward)
 
-    def _batch(self, rows: Sequence[TrainRow], micro_batch: int, old: Sequence[torch.Tensor] | None = None,
-               advantages: Sequence[torch.Tensor] | None = None, ref: Sequence[torch.Tensor] | None = None,
-               values: Sequence[torch.Tensor] | None = None, returns: Sequence[torch.Tensor] | None = None) -> Any:
+    def _batch(
+        self,
+        rows: Sequence[TrainRow],
+        micro_batch: int,
+        old: Sequence[torch.Tensor] | None = None,
+        advantages: Sequence[torch.Tensor] | None = None,
+        ref: Sequence[torch.Tensor] | None = None,
+        values: Sequence[torch.Tensor] | None = None,
+        returns: Sequence[torch.Tensor] | None = None,
+    ) -> Any:
         """Rows in verl's layout: left-padded prompts + right-padded responses, converted to
         verl's no-padding (nested) TensorDict with the engine keys train_batch would inject."""
         from verl.utils import tensordict_utils as tu
@@ -525,24 +596,42 @@ class VerlEngine:
         response_mask = torch.zeros((n, r_max), dtype=torch.long)
         for b, rw in enumerate(rows):
             lp, lr = len(rw.prompt_ids), len(rw.response_ids)
-            prompts[b, p_max - lp:] = torch.tensor(rw.prompt_ids)
+            prompts[b, p_max - lp :] = torch.tensor(rw.prompt_ids)
             responses[b, :lr] = torch.tensor(rw.response_ids)
-            attention[b, p_max - lp:p_max + lr] = 1
+            attention[b, p_max - lp : p_max + lr] = 1
             response_mask[b, :lr] = torch.tensor(rw.mask)
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-                   "attention_mask": attention, "position_ids": position_ids, "response_mask": response_mask}
-        for key, per_row in (("old_log_probs", old), ("advantages", advantages), ("ref_log_prob", ref),
-                             ("values", values), ("returns", returns)):
+        tensors = {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": attention,
+            "position_ids": position_ids,
+            "response_mask": response_mask,
+        }
+        for key, per_row in (
+            ("old_log_probs", old),
+            ("advantages", advantages),
+            ("ref_log_prob", ref),
+            ("values", values),
+            ("returns", returns),
+        ):
             if per_row is not None:
                 tensors[key] = pad_rows(per_row, r_max)
         td = tu.get_tensordict(tensors)
         td = left_right_2_no_padding(td)
         tu.assign_non_tensor(
-            td, temperature=float(self.cfg.rollout.temperature), calculate_entropy=True,
-            global_batch_size=n, use_remove_padding=bool(self.engine.model_config.use_remove_padding),
-            use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch, use_fused_kernels=False,
-            max_token_len_per_gpu=None, pad_token_id=self.pad_id)
+            td,
+            temperature=float(self.cfg.rollout.temperature),
+            calculate_entropy=True,
+            global_batch_size=n,
+            use_remove_padding=bool(self.engine.model_config.use_remove_padding),
+            use_dynamic_bsz=False,
+            micro_batch_size_per_gpu=micro_batch,
+            use_fused_kernels=False,
+            max_token_len_per_gpu=None,
+            pad_token_id=self.pad_id,
+        )
         return td
 
     def close(self) -> None:
@@ -552,6 +641,7 @@ class VerlEngine:
 
 
 # ---------------------------------------------------------------------------------- helpers
+
 
 def load_causal_lm_tokenizer(path: Path) -> Any:
     """The model directory's tokenizer, checked as the builtin backend checks it."""
@@ -573,9 +663,11 @@ def _inject(module: torch.nn.Module, names: Sequence[str], state: Mapping[str, t
     missing = sorted(set(names) - set(state))
     unexpected = sorted(set(state) - set(names))
     if missing or unexpected:
-        raise KeyError(f"weights do not match the verl actor: missing {missing[:5]} ({len(missing)}), unexpected "
-                       f"{unexpected[:5]} ({len(unexpected)}); they must come from export_weights() of the same "
-                       "architecture")
+        raise KeyError(
+            f"weights do not match the verl actor: missing {missing[:5]} ({len(missing)}), unexpected "
+            f"{unexpected[:5]} ({len(unexpected)}); they must come from export_weights() of the same "
+            "architecture"
+        )
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     for name, t in state.items():
         if tuple(t.shape) != shapes[name]:
@@ -604,7 +696,7 @@ def _export(engine: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
     generator, _peft = engine.get_per_tensor_param()
     for name, tensor in generator:
         if name not in wanted:
-            continue      # a tied alias: exported once under the parameter's own name
+            continue  # a tied alias: exported once under the parameter's own name
         if tensor.dtype != torch.float32:
             raise TypeError(f"verl engine returned {name} as {tensor.dtype}; the export must be fp32 (invariant 1)")
         out[name] = tensor.detach().to("cpu", copy=True)
@@ -614,8 +706,13 @@ def _export(engine: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
     return {n: out[n] for n in names}
 
 
-def _step(engine: Any, loss_fn: Any, td: Any, metrics: Callable[[Mapping[str, Any]], dict[str, float]],
-          after_backward: Callable[[], None] | None = None) -> StepResult:
+def _step(
+    engine: Any,
+    loss_fn: Any,
+    td: Any,
+    metrics: Callable[[Mapping[str, Any]], dict[str, float]],
+    after_backward: Callable[[], None] | None = None,
+) -> StepResult:
     """One optimizer step on one mini-batch, exactly what verl's `BaseEngine.train_batch` does
     (zero_grad, `forward_backward_batch`, clip + AdamW, a non-finite norm skipped), with
     `after_backward` (FedProx) between the backward and the step. The LR is constant, so the
@@ -652,16 +749,17 @@ def _aggregate(value: Any, how: str) -> float:
     return sum(values) if how == "sum" else sum(values) / len(values)
 
 
-VERL_VALUE_LOSS_COEF = 0.5      # verl 0.9.1's compute_value_loss: 0.5 * agg(max(...))
+VERL_VALUE_LOSS_COEF = 0.5  # verl 0.9.1's compute_value_loss: 0.5 * agg(max(...))
 
 
-def scaled_value_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None, *,
-                      scale: float) -> tuple[torch.Tensor, dict[str, Any]]:
+def scaled_value_loss(
+    config: Any, model_output: Any, data: Any, dp_group: Any = None, *, scale: float
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl's `value_loss` times `scale`, its loss metric scaled with it (our critic loss is
     critic.loss_coef x the token mean; verl's is 0.5 x it)."""
     from verl.workers.utils.losses import value_loss
 
     loss, metrics = value_loss(config, model_output, data, dp_group)
     metric = metrics["critic/vf_loss"]
-    metric.values = [v * scale for v in metric.values]      # a verl Metric holds its micro-batch values
+    metric.values = [v * scale for v in metric.values]  # a verl Metric holds its micro-batch values
     return loss * scale, metrics

@@ -8,6 +8,7 @@ with no warmup, our own mini-batch loop). What verl cannot honour is refused by 
 itself (`fl_app.config.Config._check_backend`) or here (`check_resolved`), never defaulted.
 docs/verl.md prints the table.
 """
+
 from __future__ import annotations
 
 import os
@@ -152,16 +153,17 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
 def compose(cfg: Config, model_path: Path, device: str) -> Any:
     """verl's `ppo_trainer` config (an OmegaConf DictConfig) with the recipe's overrides,
     composed from the installed verl's config directory; Hydra's global state is restored."""
+    import verl
+    import verl.trainer.config as verl_config_pkg
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import verl
-    import verl.trainer.config as verl_config_pkg
-
     if verl.__version__ != VERL_VERSION:
-        raise ConfigError(f"backend=verl is built and tested on verl=={VERL_VERSION}, found verl=={verl.__version__}; "
-                          f"pip install 'verl=={VERL_VERSION}' (or `pip install -e .[verl]`)")
+        raise ConfigError(
+            f"backend=verl is built and tested on verl=={VERL_VERSION}, found verl=={verl.__version__}; "
+            f"pip install 'verl=={VERL_VERSION}' (or `pip install -e .[verl]`)"
+        )
     config_dir = os.path.dirname(verl_config_pkg.__file__)
     was_initialized = GlobalHydra.instance().is_initialized()
     if was_initialized:
@@ -182,7 +184,7 @@ def check_resolved(cfg: Config, verl_cfg: Any) -> None:
     a = cfg.algo
     try:
         actor = omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.actor)
-        omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.model)     # reads the model dir's config
+        omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.model)  # reads the model dir's config
         critic = omega_conf_to_dataclass(verl_cfg.critic) if a.spec.critic else None
     except (ValueError, AssertionError, TypeError, OSError, InstantiationException) as e:
         raise ConfigError(f"verl rejects the config derived from this recipe: {e}") from None

@@ -19,9 +19,11 @@ the model's buffers (rotary tables) on the host across it. The trainer sleeps th
 every rollout, so the update and the export run with the GPU to themselves.
 
 Sampling: the tempered full distribution over every output row (no top-k/top-p), which is what
-the training engines' log-probs normalise over with this engine; each request carries its own seed (row i of turn t samples
-with the rollout loop's `derive_seed`), so what an episode does does not depend on its batch.
+the training engines' log-probs normalise over with this engine; each request carries its own
+seed (row i of turn t samples with the rollout loop's `derive_seed`), so what an episode does
+does not depend on its batch.
 """
+
 from __future__ import annotations
 
 import gc
@@ -46,8 +48,10 @@ def arm_vllm_env() -> None:
     absent (the lean offline install, docs/offline-gpu.md): without it vLLM imports FlashInfer
     unguarded and fails."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-        raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING is set to non-zero in this environment; the lane "
-                           "runs vLLM inside its own process (weight sync by reference). Unset it")
+        raise RuntimeError(
+            "VLLM_ENABLE_V1_MULTIPROCESSING is set to non-zero in this environment; the lane "
+            "runs vLLM inside its own process (weight sync by reference). Unset it"
+        )
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if importlib.util.find_spec("flashinfer") is None:
         os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
@@ -56,11 +60,20 @@ def arm_vllm_env() -> None:
 class VllmGenerator:
     """Batched sampling with vLLM, asleep except between a weight sync and the end of a rollout."""
 
-    def __init__(self, model_path: Path, tokenizer: Any, max_new_tokens: int, max_model_len: int,
-                 gpu_memory_utilization: float, seed: int) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        tokenizer: Any,
+        max_new_tokens: int,
+        max_model_len: int,
+        gpu_memory_utilization: float,
+        seed: int,
+    ) -> None:
         if importlib.util.find_spec("vllm") is None:
-            raise RuntimeError("rollout.engine=vllm needs vLLM in this environment (vllm==0.24.0; offline "
-                               "GPU nodes: docs/offline-gpu.md); or use rollout.engine: hf")
+            raise RuntimeError(
+                "rollout.engine=vllm needs vLLM in this environment (vllm==0.24.0; offline "
+                "GPU nodes: docs/offline-gpu.md); or use rollout.engine: hf"
+            )
         arm_vllm_env()
         from vllm import LLM
 
@@ -68,14 +81,20 @@ class VllmGenerator:
         self.max_new_tokens = max_new_tokens
         self.eos_ids = list(turn_end_ids_of(tokenizer.eos_token_id, str(model_path)))
         t0 = time.perf_counter()
-        self.llm = LLM(model=str(model_path), skip_tokenizer_init=True, dtype="bfloat16", seed=seed,
-                       enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, tensor_parallel_size=1)
+        self.llm = LLM(
+            model=str(model_path),
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            seed=seed,
+            enable_sleep_mode=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            tensor_parallel_size=1,
+        )
         self.startup_s = time.perf_counter() - t0
         self.awake = True
         self.sleep()
-        log.info("vLLM engine for %s ready in %.1f s (asleep until the first weight sync)", model_path,
-                 self.startup_s)
+        log.info("vLLM engine for %s ready in %.1f s (asleep until the first weight sync)", model_path, self.startup_s)
 
     def sleep(self) -> None:
         """Drop weights and KV cache from the GPU (level 2). Idempotent."""
@@ -100,7 +119,7 @@ class VllmGenerator:
             raise
         self.llm.wake_up(tags=["kv_cache"])
         self.awake = True
-        self.llm.reset_prefix_cache()       # cached prefixes were computed with the old weights
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -120,9 +139,18 @@ class VllmGenerator:
             raise RuntimeError("generate on a sleeping vLLM engine: sync the weights first (load_weights)")
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one seed per prompt")
-        params = [SamplingParams(max_tokens=self.max_new_tokens, temperature=temperature, top_p=1.0, top_k=0,
-                                 seed=int(s) if temperature > 0 else None, stop_token_ids=self.eos_ids,
-                                 detokenize=False) for s in seeds]
+        params = [
+            SamplingParams(
+                max_tokens=self.max_new_tokens,
+                temperature=temperature,
+                top_p=1.0,
+                top_k=0,
+                seed=int(s) if temperature > 0 else None,
+                stop_token_ids=self.eos_ids,
+                detokenize=False,
+            )
+            for s in seeds
+        ]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         return [cut_at_eos(list(o.outputs[0].token_ids), self.eos_ids) for o in outs]
 

@@ -20,6 +20,7 @@ Everything that imports `alfworld` or `textworld` goes through here, for three r
   same episodes with the fast paths off (`FEDAGENT_ALFWORLD_FAST_PATHS=0`, in a subprocess) and
   compares every byte.
 """
+
 from __future__ import annotations
 
 import copy
@@ -67,6 +68,7 @@ def alfworld_module(name: str) -> ModuleType:
 
 
 # ------------------------------------------------------------------------------ fast paths
+
 
 class _TranslationCache:
     """LRU of compressed `pddl2sas` results; each hit unpickles a private copy of the task."""
@@ -121,7 +123,7 @@ def _install_fast_paths() -> None:
         try:
             result = translate(domain, problem, verbose=verbose, optimize=optimize)
         finally:
-            sys.argv = argv          # the translator overwrites it on every call
+            sys.argv = argv  # the translator overwrites it on every call
         translations.put(key, result)
         return result
 
@@ -134,9 +136,13 @@ def _install_fast_paths() -> None:
     parse_query = functools.lru_cache(maxsize=4096)(logic.Rule.parse_conjunctive_query.__func__)
 
     def copy_context(context: dict) -> dict:
-        return {"state": context["state"], "facts": context["facts"],
-                "variables": dict(context["variables"]), "mapping": dict(context["mapping"]),
-                "entity_infos": context["entity_infos"]}
+        return {
+            "state": context["state"],
+            "facts": context["facts"],
+            "variables": dict(context["variables"]),
+            "mapping": dict(context["mapping"]),
+            "entity_infos": context["entity_infos"],
+        }
 
     fast_downward.pddl2sas = pddl2sas
     textgen._parse_and_convert = parse_and_convert
@@ -145,6 +151,7 @@ def _install_fast_paths() -> None:
 
 
 # ------------------------------------------------------------------------------ playing
+
 
 class Frame(NamedTuple):
     """What the engine shows after a reset or a step."""

@@ -11,14 +11,21 @@ belongs to the rollout.
 Task addressing (envs/base.py): `reset(seed)` plays task `seed % num_tasks`; tasks
 [0, val_size) are the validation games. Which games and in which order: games.py.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
 from envs.alfworld.engine import AlfredGame
-from envs.alfworld.games import (DEFAULT_GENERATED_GAMES, OFFICIAL_MANIFESTS, Game, generated_games,
-                                 official_games, resolve_data_dir)
+from envs.alfworld.games import (
+    DEFAULT_GENERATED_GAMES,
+    OFFICIAL_MANIFESTS,
+    Game,
+    generated_games,
+    official_games,
+    resolve_data_dir,
+)
 from envs.alfworld.generate import GameSetSpec
 from envs.alfworld.tasks import TASK_TYPES
 
@@ -52,11 +59,19 @@ class AlfworldEnv:
 
     name = "alfworld"
 
-    def __init__(self, num_games: int | None = None, val_size: int = 24, seed: int = 0,
-                 data_dir: str | None = None, cache_dir: str | None = None,
-                 task_types: Sequence[str] | None = None, val_split: str = "valid_seen",
-                 max_steps: int | None = None, manifest_dir: str | None = None,
-                 only_tasks: Sequence[str] | None = None):
+    def __init__(
+        self,
+        num_games: int | None = None,
+        val_size: int = 24,
+        seed: int = 0,
+        data_dir: str | None = None,
+        cache_dir: str | None = None,
+        task_types: Sequence[str] | None = None,
+        val_split: str = "valid_seen",
+        max_steps: int | None = None,
+        manifest_dir: str | None = None,
+        only_tasks: Sequence[str] | None = None,
+    ):
         types = tuple(sorted(set(task_types or TASK_TYPES), key=_type_rank))
         if val_size < 0 or (max_steps is not None and max_steps < 1):
             raise ValueError(f"val_size must be >= 0 and max_steps >= 1 (got {val_size}, {max_steps})")
@@ -68,8 +83,9 @@ class AlfworldEnv:
             spec = GameSetSpec(seed, total - val_size, val_size, val_split, types)
             self._games: list[Game] = generated_games(spec, cache_dir)
         else:
-            self._games = official_games(root, manifest_dir or OFFICIAL_MANIFESTS, types, seed,
-                                         val_size, num_games, val_split)
+            self._games = official_games(
+                root, manifest_dir or OFFICIAL_MANIFESTS, types, seed, val_size, num_games, val_split
+            )
         if not self._games:
             raise ValueError("no ALFWorld game to serve: raise num_games or widen task_types")
         self._val_size = val_size
@@ -101,16 +117,20 @@ class AlfworldEnv:
         where = {g.task_id: i for i, g in enumerate(self._games)}
         unknown = [t for t in ids if where.get(t, -1) < self._val_size]
         if unknown or not ids:
-            raise ValueError(f"only_tasks must name training games this engine serves; {len(unknown)} of "
-                             f"{len(ids)} do not, e.g. {unknown[:3]} (another game set, seed or val_size?)")
+            raise ValueError(
+                f"only_tasks must name training games this engine serves; {len(unknown)} of "
+                f"{len(ids)} do not, e.g. {unknown[:3]} (another game set, seed or val_size?)"
+            )
         return frozenset(where[t] for t in ids)
 
     # -- episode -----------------------------------------------------------------------------
     def reset(self, seed: int) -> tuple[str, dict]:
         task = seed % self.num_tasks
         if self._allowed is not None and task not in self._allowed:
-            raise ValueError(f"task {task} ({self._games[task].task_id}) is not one of this engine's "
-                             f"only_tasks: this engine does not serve it")
+            raise ValueError(
+                f"task {task} ({self._games[task].task_id}) is not one of this engine's "
+                f"only_tasks: this engine does not serve it"
+            )
         self._task = task
         frame = self._engine.reset(self._games[self._task].path)
         self._obs, self._admissible, self._won = frame.feedback, frame.admissible, frame.won
@@ -151,9 +171,14 @@ class AlfworldEnv:
 
     def _info(self) -> dict[str, Any]:
         game = self._games[self._task]
-        return {"task_id": game.task_id, "task_index": self._task, "task_type": game.task_type,
-                "instruction": self._instruction, "valid_actions": list(self._admissible),
-                "won": self._won}
+        return {
+            "task_id": game.task_id,
+            "task_index": self._task,
+            "task_type": game.task_type,
+            "instruction": self._instruction,
+            "valid_actions": list(self._admissible),
+            "won": self._won,
+        }
 
 
 def _type_rank(task_type: str) -> int:
@@ -166,5 +191,5 @@ def _instruction(intro: str) -> str:
     """The goal sentence of the intro's "Your task is to: <goal>." line."""
     for line in intro.splitlines():
         if line.startswith(TASK_PREFIX):
-            return line[len(TASK_PREFIX):].rstrip(".")
+            return line[len(TASK_PREFIX) :].rstrip(".")
     raise ValueError(f"the game's intro has no {TASK_PREFIX!r} line: {intro[-200:]!r}")

@@ -12,6 +12,7 @@ served order (invariant 11, field log 2026-07-26/27):
 
 A task-type filter keeps the manifest's relative order (filter, then shuffle).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,8 @@ DEFAULT_GENERATED_GAMES = 120
 
 @dataclass(frozen=True)
 class Game:
-    task_id: str        # "<split>/<task folder>/<trial>": stable per game, on every machine
-    path: Path          # the game.tw-pddl file
+    task_id: str  # "<split>/<task folder>/<trial>": stable per game, on every machine
+    path: Path  # the game.tw-pddl file
     task_type: str
 
 
@@ -47,30 +48,47 @@ def split_games(root: Path, manifest: Manifest, split: str, task_types: tuple[st
     split_root = Path(root) / OFFICIAL_ROOT / split
     verify_games(manifest, split_root)
     suffix = "/" + GAME_FILE
-    return [Game(f"{split}/{e.path[: -len(suffix)]}", split_root / e.path, e.task_type)
-            for e in manifest.entries if e.task_type in task_types]
+    return [
+        Game(f"{split}/{e.path[: -len(suffix)]}", split_root / e.path, e.task_type)
+        for e in manifest.entries
+        if e.task_type in task_types
+    ]
 
 
-def served_order(val: list[Game], train: list[Game], seed: int, val_size: int,
-                 num_train: int | None, val_split: str) -> list[Game]:
+def served_order(
+    val: list[Game], train: list[Game], seed: int, val_size: int, num_train: int | None, val_split: str
+) -> list[Game]:
     val, train = list(val), list(train)
     random.Random(f"alfworld-order/{seed}/{val_split}").shuffle(val)
     random.Random(f"alfworld-order/{seed}/train").shuffle(train)
     if len(val) < val_size:
-        raise ValueError(f"val_size={val_size} but the {val_split!r} split has only {len(val)} games "
-                         "of the requested task types; lower val_size")
+        raise ValueError(
+            f"val_size={val_size} but the {val_split!r} split has only {len(val)} games "
+            "of the requested task types; lower val_size"
+        )
     if num_train is not None and len(train) < num_train:
-        raise ValueError(f"{num_train} training games requested but the train split has only "
-                         f"{len(train)} of the requested task types; lower num_games")
+        raise ValueError(
+            f"{num_train} training games requested but the train split has only "
+            f"{len(train)} of the requested task types; lower num_games"
+        )
     return val[:val_size] + (train if num_train is None else train[:num_train])
 
 
-def official_games(data_dir: Path, manifest_dir: Path, task_types: tuple[str, ...], seed: int,
-                   val_size: int, num_games: int | None, val_split: str) -> list[Game]:
+def official_games(
+    data_dir: Path,
+    manifest_dir: Path,
+    task_types: tuple[str, ...],
+    seed: int,
+    val_size: int,
+    num_games: int | None,
+    val_split: str,
+) -> list[Game]:
     """Games of the official data under `data_dir`, pinned by the manifests in `manifest_dir`."""
     if not (Path(data_dir) / OFFICIAL_ROOT).is_dir():
-        raise ManifestError(f"{data_dir} does not hold {OFFICIAL_ROOT}/ (the layout alfworld-download "
-                            f"writes); point data_dir/ALFWORLD_DATA at the directory that holds it")
+        raise ManifestError(
+            f"{data_dir} does not hold {OFFICIAL_ROOT}/ (the layout alfworld-download "
+            f"writes); point data_dir/ALFWORLD_DATA at the directory that holds it"
+        )
     splits = {}
     for split in ("train", val_split):
         path = Path(manifest_dir) / f"{split}.json"
@@ -79,7 +97,8 @@ def official_games(data_dir: Path, manifest_dir: Path, task_types: tuple[str, ..
                 f"no manifest for split {split!r} at {path}. The task set must be pinned before it "
                 f"is used: on the machine whose preprocessing is complete run\n  python -m "
                 f"envs.alfworld.manifest --data-dir {data_dir} --out-dir {manifest_dir}\nand commit "
-                f"the result (or pass manifest_dir= pointing at manifests cut elsewhere).")
+                f"the result (or pass manifest_dir= pointing at manifests cut elsewhere)."
+            )
         splits[split] = split_games(data_dir, Manifest.load(path), split, task_types)
     num_train = None if num_games is None else num_games - val_size
     return served_order(splits[val_split], splits["train"], seed, val_size, num_train, val_split)
@@ -97,10 +116,10 @@ def generated_games(spec: GameSetSpec, cache_dir: Path | None) -> list[Game]:
             raise ManifestError(
                 f"generated {split!r} games of {spec.key} have digest {manifest.digest[:12]}, but "
                 f"pinned_sets.json pins {pinned[split][:12]}: this machine generates a different "
-                f"task set (alfworld/textworld/fast-downward versions? see {root}/generation.json)")
+                f"task set (alfworld/textworld/fast-downward versions? see {root}/generation.json)"
+            )
         games[split] = split_games(root, manifest, split, spec.task_types)
-    return served_order(games[spec.val_split], games["train"], spec.seed, spec.num_val,
-                        spec.num_train, spec.val_split)
+    return served_order(games[spec.val_split], games["train"], spec.seed, spec.num_val, spec.num_train, spec.val_split)
 
 
 def resolve_data_dir(data_dir: str | None) -> Path | None:

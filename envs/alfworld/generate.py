@@ -17,6 +17,7 @@ default set replayed with -m slow).
 
 Run at setup:  python -m envs.alfworld.generate [--seed 0 --num-games 120 --val-size 24]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,16 @@ from pathlib import Path
 from envs.alfworld.engine import AlfredGame, alfworld_module, default_cache_dir
 from envs.alfworld.manifest import GAME_FILE, OFFICIAL_ROOT, Manifest, cut_manifest
 from envs.alfworld.rooms import build_room, split_scenes
-from envs.alfworld.tasks import (TASK_TYPES, Task, populate, problem_pddl, project, sample_task,
-                                 task_sentence, task_valid_in)
+from envs.alfworld.tasks import (
+    TASK_TYPES,
+    Task,
+    populate,
+    problem_pddl,
+    project,
+    sample_task,
+    task_sentence,
+    task_valid_in,
+)
 
 GENERATOR_VERSION = 1
 MAX_ATTEMPTS = 64
@@ -67,8 +76,9 @@ class GameSetSpec:
     @property
     def key(self) -> str:
         types = "".join(str(TASK_TYPES.index(t) + 1) for t in sorted(self.task_types, key=TASK_TYPES.index))
-        return (f"gen{GENERATOR_VERSION}-seed{self.seed}-train{self.num_train}-"
-                f"{self.val_split}{self.num_val}-types{types}")
+        return (
+            f"gen{GENERATOR_VERSION}-seed{self.seed}-train{self.num_train}-{self.val_split}{self.num_val}-types{types}"
+        )
 
     @property
     def splits(self) -> dict[str, int]:
@@ -127,29 +137,48 @@ def make_game(spec: GameSetSpec, split: str, index: int, split_root: Path) -> tu
         traj = _traj_data(task, scene_number, trial, task_sentence(task, rng))
         # the sentence goes in as the trial's one annotation, drawn with a local rng: the
         # template path of add_task_to_grammar would draw from the global `random`
-        grammar = misc.add_task_to_grammar(Path(info.ALFRED_TWL2_PATH).read_text(), traj,
-                                           goal_desc_human_anns_prob=1.0, rng=rng)
+        grammar = misc.add_task_to_grammar(
+            Path(info.ALFRED_TWL2_PATH).read_text(), traj, goal_desc_human_anns_prob=1.0, rng=rng
+        )
         scene = populate(room, task, rng)
-        plan = walkthrough({"pddl_domain": domain, "grammar": grammar,
-                            "pddl_problem": problem_pddl(project(scene, task), task, trial)}, max_plan)
+        plan = walkthrough(
+            {
+                "pddl_domain": domain,
+                "grammar": grammar,
+                "pddl_problem": problem_pddl(project(scene, task), task, trial),
+            },
+            max_plan,
+        )
         if plan is None:
             continue
         folder = split_root / task.folder(scene_number) / trial
         folder.mkdir(parents=True, exist_ok=True)
         _write_json(folder / "traj_data.json", traj)
-        _write_json(folder / GAME_FILE, {"pddl_domain": domain, "grammar": grammar,
-                                         "pddl_problem": problem_pddl(scene, task, trial),
-                                         "solvable": True, "walkthrough": plan})
+        _write_json(
+            folder / GAME_FILE,
+            {
+                "pddl_domain": domain,
+                "grammar": grammar,
+                "pddl_problem": problem_pddl(scene, task, trial),
+                "solvable": True,
+                "walkthrough": plan,
+            },
+        )
         return (folder / GAME_FILE).relative_to(split_root).as_posix(), attempt
     raise RuntimeError(f"no solvable {task_type} game for {split}[{index}] in {MAX_ATTEMPTS} attempts")
 
 
 def _traj_data(task: Task, scene: int, trial: str, sentence: str) -> dict:
     """The traj_data.json fields ALFWorld reads (task type, pddl_params, scene, annotations)."""
-    return {"task_id": trial, "task_type": task.task_type, "pddl_params": task.pddl_params(),
-            "scene": {"floor_plan": f"FloorPlan{scene}", "scene_num": scene},
-            "turk_annotations": {"anns": [{"task_desc": sentence, "assignment_id": "fedagent-generated",
-                                           "high_descs": [], "votes": []}]}}
+    return {
+        "task_id": trial,
+        "task_type": task.task_type,
+        "pddl_params": task.pddl_params(),
+        "scene": {"floor_plan": f"FloorPlan{scene}", "scene_num": scene},
+        "turk_annotations": {
+            "anns": [{"task_desc": sentence, "assignment_id": "fedagent-generated", "high_descs": [], "votes": []}]
+        },
+    }
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -162,6 +191,7 @@ def _make_games(spec: GameSetSpec, split: str, indices: list[int], split_root: s
 
 # ------------------------------------------------------------------------------ a set
 
+
 def generate_set(spec: GameSetSpec, root: Path, workers: int = 1) -> dict[str, Manifest]:
     """Generate every game of `spec` under `root` and write the manifests. With `workers` > 1,
     worker processes take indices one at a time; the output does not depend on how many."""
@@ -173,10 +203,11 @@ def generate_set(spec: GameSetSpec, root: Path, workers: int = 1) -> dict[str, M
         split_root.mkdir(parents=True, exist_ok=True)
         if workers <= 1 or count < 2:
             results = _make_games(spec, split, list(range(count)), str(split_root))
-        else:   # one index per task: kitchens plan ~10x slower than bathrooms, so balance live
+        else:  # one index per task: kitchens plan ~10x slower than bathrooms, so balance live
             with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
-                parts = ex.map(_make_games, [spec] * count, [split] * count,
-                               [[i] for i in range(count)], [str(split_root)] * count)
+                parts = ex.map(
+                    _make_games, [spec] * count, [split] * count, [[i] for i in range(count)], [str(split_root)] * count
+                )
                 results = [r for part in parts for r in part]
         discards[split] = sum(d for _, d in results)
     manifests = {}
@@ -186,10 +217,15 @@ def generate_set(spec: GameSetSpec, root: Path, workers: int = 1) -> dict[str, M
             raise RuntimeError(f"{split}: generated {count} games but the manifest lists {len(m.entries)}")
         m.dump(root / "manifests" / f"{split}.json")
         manifests[split] = m
-    report = {"spec": asdict(spec), "key": spec.key, "seconds": round(time.time() - started, 1),
-              "workers": workers, "discarded": discards,
-              "digests": {s: m.digest for s, m in manifests.items()},
-              "versions": _versions()}
+    report = {
+        "spec": asdict(spec),
+        "key": spec.key,
+        "seconds": round(time.time() - started, 1),
+        "workers": workers,
+        "discarded": discards,
+        "digests": {s: m.digest for s, m in manifests.items()},
+        "versions": _versions(),
+    }
     (root / "generation.json").write_text(json.dumps(report, indent=1) + "\n")
     return manifests
 
@@ -241,21 +277,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--val-size", type=int, default=24)
     ap.add_argument("--val-split", default="valid_seen", choices=["valid_seen", "valid_unseen"])
     ap.add_argument("--task-types", nargs="+", default=list(TASK_TYPES), choices=TASK_TYPES)
-    ap.add_argument("--cache-dir", default=None, help="default: $FEDAGENT_CACHE_DIR/alfworld or "
-                                                       "~/.cache/fedagent-flower/alfworld")
+    ap.add_argument(
+        "--cache-dir", default=None, help="default: $FEDAGENT_CACHE_DIR/alfworld or ~/.cache/fedagent-flower/alfworld"
+    )
     ap.add_argument("--workers", type=int, default=None, help="generator processes (default: up to 4)")
     args = ap.parse_args(argv)
-    spec = GameSetSpec(args.seed, args.num_games - args.val_size, args.val_size, args.val_split,
-                       tuple(args.task_types))
+    spec = GameSetSpec(args.seed, args.num_games - args.val_size, args.val_size, args.val_split, tuple(args.task_types))
     started = time.time()
     root = ensure_set(spec, args.cache_dir, args.workers)
     report = json.loads((root / "generation.json").read_text())
     pinned = pinned_digests(spec)
-    print(f"{root} ({time.time() - started:.1f} s; generated in {report['seconds']} s with "
-          f"{report['workers']} workers; discarded {report['discarded']})")
+    print(
+        f"{root} ({time.time() - started:.1f} s; generated in {report['seconds']} s with "
+        f"{report['workers']} workers; discarded {report['discarded']})"
+    )
     for split, digest in report["digests"].items():
-        mark = "" if pinned is None else (" pinned OK" if pinned.get(split) == digest
-                                          else " DIFFERS FROM PIN")
+        mark = "" if pinned is None else (" pinned OK" if pinned.get(split) == digest else " DIFFERS FROM PIN")
         print(f"  {split}: {spec.splits[split]} games, digest {digest[:16]}{mark}")
     return 0
 

@@ -11,6 +11,7 @@ which; games on disk that the manifest does not list are ignored.
 Cut one (on the machine whose preprocessing is complete, then commit it):
     python -m envs.alfworld.manifest --data-dir $ALFWORLD_DATA --out-dir envs/alfworld/manifests/official
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ from envs.alfworld.tasks import TASK_TYPES
 
 FORMAT = "fedagent-alfworld-manifest/1"
 GAME_FILE = "game.tw-pddl"
-OFFICIAL_ROOT = "json_2.1.1"                  # $ALFWORLD_DATA/json_2.1.1/<split>/...
+OFFICIAL_ROOT = "json_2.1.1"  # $ALFWORLD_DATA/json_2.1.1/<split>/...
 SPLITS = ("train", "valid_seen", "valid_unseen")
 
 
@@ -35,7 +36,7 @@ class ManifestError(RuntimeError):
 
 @dataclass(frozen=True)
 class Entry:
-    path: str          # split-relative POSIX path of the game file
+    path: str  # split-relative POSIX path of the game file
     sha256: str
     task_type: str
 
@@ -43,7 +44,7 @@ class Entry:
 @dataclass(frozen=True)
 class Manifest:
     split: str
-    entries: tuple[Entry, ...]     # sorted by path
+    entries: tuple[Entry, ...]  # sorted by path
 
     @property
     def digest(self) -> str:
@@ -53,9 +54,19 @@ class Manifest:
         return h.hexdigest()
 
     def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, "split": self.split, "count": len(self.entries),
-                           "digest": self.digest,
-                           "games": [e.__dict__ for e in self.entries]}, indent=1) + "\n"
+        return (
+            json.dumps(
+                {
+                    "format": FORMAT,
+                    "split": self.split,
+                    "count": len(self.entries),
+                    "digest": self.digest,
+                    "games": [e.__dict__ for e in self.entries],
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
     def dump(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,8 +80,10 @@ class Manifest:
         entries = tuple(sorted((Entry(**g) for g in data["games"]), key=lambda e: e.path))
         m = cls(data["split"], entries)
         if m.digest != data["digest"]:
-            raise ManifestError(f"{path}: stored digest {data['digest'][:12]} does not match its "
-                                f"entries ({m.digest[:12]}); the file was edited by hand - re-cut it")
+            raise ManifestError(
+                f"{path}: stored digest {data['digest'][:12]} does not match its "
+                f"entries ({m.digest[:12]}); the file was edited by hand - re-cut it"
+            )
         return m
 
 
@@ -124,13 +137,15 @@ def verify_games(manifest: Manifest, split_root: Path) -> None:
                     f"{len(bad)} of {len(manifest.entries)} games listed in the {manifest.split!r} "
                     f"manifest are {what} under {split_root}:\n  {shown}\nThe task set would "
                     f"differ from the pinned one; complete the data (or its preprocessing) or "
-                    f"re-cut the manifest on purpose.")
+                    f"re-cut the manifest on purpose."
+                )
         _verified.add(key)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m envs.alfworld.manifest",
-                                 description="Cut (or --check) manifests of an ALFWorld data dir.")
+    ap = argparse.ArgumentParser(
+        prog="python -m envs.alfworld.manifest", description="Cut (or --check) manifests of an ALFWorld data dir."
+    )
     ap.add_argument("--data-dir", required=True, help=f"the dir holding {OFFICIAL_ROOT}/<split>/")
     ap.add_argument("--out-dir", required=True, help="where <split>.json manifests go / are")
     ap.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS)

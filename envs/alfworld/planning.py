@@ -10,6 +10,7 @@ help reach it or block it (the domain has no capacity limits), so the projected 
 valid and cost-optimal plan of the whole game; the generator replays every walkthrough in the
 whole game and keeps the game only if it ends won, and a test does the same for the expert.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -34,15 +35,23 @@ def projected_problem(facts: list[Any], name2type: dict[str, str], goal: str) ->
     """A PDDL problem holding the current facts restricted to every non-object entity, the
     objects of the goal's object types, and whatever the agent holds."""
     wanted = {t.lower() for t in _GOAL_TYPE.findall(goal)}
-    keep = {f.arguments[0].name for f in facts
-            if f.name == "objecttype" and f.arguments[1].name in wanted}
+    keep = {f.arguments[0].name for f in facts if f.name == "objecttype" and f.arguments[1].name in wanted}
     keep |= {f.arguments[1].name for f in facts if f.name == "holds"}
     entities = {n: t for n, t in name2type.items() if t != "object" or n in keep}
-    init = sorted("(" + " ".join([f.name, *(a.name for a in f.arguments)]) + ")"
-                  for f in facts if all(a.name in entities for a in f.arguments))
+    init = sorted(
+        "(" + " ".join([f.name, *(a.name for a in f.arguments)]) + ")"
+        for f in facts
+        if all(a.name in entities for a in f.arguments)
+    )
     objects = "\n".join(f"{n} - {t}" for n, t in sorted(entities.items()))
-    return ("(define (problem projection)\n(:domain alfred)\n(:objects\n" + objects
-            + "\n)\n(:init\n" + "\n".join(init) + "\n)\n" + goal)
+    return (
+        "(define (problem projection)\n(:domain alfred)\n(:objects\n"
+        + objects
+        + "\n)\n(:init\n"
+        + "\n".join(init)
+        + "\n)\n"
+        + goal
+    )
 
 
 def solve(domain: str, problem: str) -> list[str]:
@@ -66,7 +75,6 @@ def solve(domain: str, problem: str) -> list[str]:
 
 def plan_commands(state: Any, game_data: dict, entity_infos: dict) -> list[str]:
     """Commands (as the game spells them) that reach the goal from `state` (a PddlState)."""
-    problem = projected_problem(list(state.facts), state.name2type,
-                                goal_section(game_data["pddl_problem"]))
+    problem = projected_problem(list(state.facts), state.name2type, goal_section(game_data["pddl_problem"]))
     ops = solve(game_data["pddl_domain"], problem)
     return state.plan_to_templated_actions(ops, entity_infos) if ops else []

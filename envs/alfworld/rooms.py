@@ -7,6 +7,7 @@ receptacle types present in a scene have no shipped pose (garbage cans, stove bu
 machines, toasters, towel holders, ...); `build_room` gives each such type an instance at a
 seeded free floor point, with an ALFRED-shaped id. Everything else is read as shipped.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,37 +18,39 @@ from pathlib import Path
 
 from envs.alfworld.engine import alfworld_module
 
-GRID_M = 0.25                      # ALFRED's agent step: poses are stored in grid units
-HORIZON = 30                       # camera pitch of synthesised poses (ALFRED's usual value)
+GRID_M = 0.25  # ALFRED's agent step: poses are stored in grid units
+HORIZON = 30  # camera pitch of synthesised poses (ALFRED's usual value)
 UNPOSED_COUNTS = {"StoveBurner": 4}  # instances of a pose-less receptacle type (default 1)
-SPLIT_SCENES = {"train": "TRAIN_SCENE_NUMBERS", "valid_seen": "TRAIN_SCENE_NUMBERS",
-                "valid_unseen": "TEST_SCENE_NUMBERS"}
+SPLIT_SCENES = {
+    "train": "TRAIN_SCENE_NUMBERS",
+    "valid_seen": "TRAIN_SCENE_NUMBERS",
+    "valid_unseen": "TEST_SCENE_NUMBERS",
+}
 
-Location = tuple[int, int, int, int]    # (x, z) grid, rotation / 90 degrees, horizon
+Location = tuple[int, int, int, int]  # (x, z) grid, rotation / 90 degrees, horizon
 
 
 @dataclass(frozen=True)
 class Receptacle:
-    id: str            # ALFRED object id, e.g. "Cabinet|+00.68|+00.50|-02.20"
-    type: str          # e.g. "Cabinet", "SinkBasin"
+    id: str  # ALFRED object id, e.g. "Cabinet|+00.68|+00.50|-02.20"
+    type: str  # e.g. "Cabinet", "SinkBasin"
     location: Location
 
 
 @dataclass(frozen=True)
 class Room:
     scene: int
-    kind: str                              # Kitchen | LivingRoom | Bedroom | Bathroom
-    object_types: frozenset[str]           # every type objects.json lists
-    receptacles: tuple[Receptacle, ...]    # sorted by id
-    floor: tuple[tuple[int, int], ...]     # navigable grid points, sorted
+    kind: str  # Kitchen | LivingRoom | Bedroom | Bathroom
+    object_types: frozenset[str]  # every type objects.json lists
+    receptacles: tuple[Receptacle, ...]  # sorted by id
+    floor: tuple[tuple[int, int], ...]  # navigable grid points, sorted
 
     @property
     def receptacle_types(self) -> frozenset[str]:
         return frozenset(r.type for r in self.receptacles)
 
 
-def free_location(floor: tuple[tuple[int, int], ...], rng: random.Random,
-                  taken: set[Location]) -> Location:
+def free_location(floor: tuple[tuple[int, int], ...], rng: random.Random, taken: set[Location]) -> Location:
     """A seeded floor pose that no receptacle (or earlier draw) uses; added to `taken`."""
     while True:
         x, z = rng.choice(floor)
@@ -108,7 +111,7 @@ def scene_receptacle_types(scene: int) -> frozenset[str]:
 
 
 def receptacle_type(alfred_id: str) -> str:
-    """"Cabinet|..." -> Cabinet; basins carry their type last: "Sink|x|y|z|SinkBasin" -> SinkBasin."""
+    """ "Cabinet|..." -> Cabinet; basins carry their type last: "Sink|x|y|z|SinkBasin" -> SinkBasin."""
     parts = alfred_id.split("|")
     return parts[-1] if len(parts) == 5 else parts[0]
 
@@ -139,6 +142,5 @@ def build_room(scene: int, rng: random.Random) -> Room:
     taken_locs = {r.location for r in receptacles}
     for t in sorted((types & static) - posed):
         for _ in range(UNPOSED_COUNTS.get(t, 1)):
-            receptacles.append(Receptacle(alfred_id(t, rng, taken_ids), t,
-                                          free_location(floor, rng, taken_locs)))
+            receptacles.append(Receptacle(alfred_id(t, rng, taken_ids), t, free_location(floor, rng, taken_locs)))
     return Room(scene, scene_kind(scene), types, tuple(sorted(receptacles, key=lambda r: r.id)), floor)

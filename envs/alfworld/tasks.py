@@ -9,42 +9,74 @@ Our own choices, kept small: every pickupable type the room lists gets 1..3 inst
 fitting receptacles; the goal object never starts inside the goal receptacle type (so no game is
 won at step 0); a cooling goal's object never starts in the fridge; lamps stand on furniture.
 """
+
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
 
 from envs.alfworld.engine import alfworld_module
-from envs.alfworld.rooms import (Location, Receptacle, Room, alfred_id, constants, free_location, scene_kind,
-                                 scene_object_types, scene_receptacle_types, static_receptacle_types)
+from envs.alfworld.rooms import (
+    Location,
+    Receptacle,
+    Room,
+    alfred_id,
+    constants,
+    free_location,
+    scene_kind,
+    scene_object_types,
+    scene_receptacle_types,
+    static_receptacle_types,
+)
 
-TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
-              "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep",
-              "pick_two_obj_and_place")
+TASK_TYPES = (
+    "pick_and_place_simple",
+    "look_at_obj_in_light",
+    "pick_clean_then_place_in_recep",
+    "pick_heat_then_place_in_recep",
+    "pick_cool_then_place_in_recep",
+    "pick_two_obj_and_place",
+)
 #: The appliance a state-change task needs, and the state predicate it sets.
-APPLIANCE = {"pick_clean_then_place_in_recep": ("SinkBasin", "Cleanable", "isClean"),
-             "pick_heat_then_place_in_recep": ("Microwave", "Heatable", "isHot"),
-             "pick_cool_then_place_in_recep": ("Fridge", "Coolable", "isCool")}
-LAMP_SURFACES = ("Desk", "SideTable", "Dresser", "Shelf", "CoffeeTable", "DiningTable", "TVStand",
-                 "ArmChair", "Sofa", "Bed")
+APPLIANCE = {
+    "pick_clean_then_place_in_recep": ("SinkBasin", "Cleanable", "isClean"),
+    "pick_heat_then_place_in_recep": ("Microwave", "Heatable", "isHot"),
+    "pick_cool_then_place_in_recep": ("Fridge", "Coolable", "isCool"),
+}
+LAMP_SURFACES = (
+    "Desk",
+    "SideTable",
+    "Dresser",
+    "Shelf",
+    "CoffeeTable",
+    "DiningTable",
+    "TVStand",
+    "ArmChair",
+    "Sofa",
+    "Bed",
+)
 
 
 @dataclass(frozen=True)
 class Task:
     task_type: str
-    object_target: str          # e.g. "Apple"
-    parent_target: str          # goal receptacle type, "" for look_at_obj_in_light
-    toggle_target: str = ""     # lamp type for look_at_obj_in_light
+    object_target: str  # e.g. "Apple"
+    parent_target: str  # goal receptacle type, "" for look_at_obj_in_light
+    toggle_target: str = ""  # lamp type for look_at_obj_in_light
 
     def pddl_params(self) -> dict:
         """ALFRED's traj_data `pddl_params` (what `add_task_to_grammar` reads)."""
-        return {"object_target": self.object_target, "parent_target": self.parent_target,
-                "toggle_target": self.toggle_target, "mrecep_target": "", "object_sliced": False}
+        return {
+            "object_target": self.object_target,
+            "parent_target": self.parent_target,
+            "toggle_target": self.toggle_target,
+            "mrecep_target": "",
+            "object_sliced": False,
+        }
 
     def folder(self, scene: int) -> str:
         """ALFRED's task folder name: <type>-<object>-<movable recep>-<receptacle or lamp>-<scene>."""
-        return (f"{self.task_type}-{self.object_target}-None-"
-                f"{self.parent_target or self.toggle_target}-{scene}")
+        return f"{self.task_type}-{self.object_target}-None-{self.parent_target or self.toggle_target}-{scene}"
 
 
 @dataclass(frozen=True)
@@ -66,8 +98,7 @@ def _pickupable_types(room: Room) -> list[str]:
     fits = constants().VAL_RECEPTACLE_OBJECTS
     static = static_receptacle_types()
     here = room.receptacle_types
-    return sorted(t for t in room.object_types - static
-                  if any(t in fits[r] for r in here) and not t.endswith("Sliced"))
+    return sorted(t for t in room.object_types - static if any(t in fits[r] for r in here) and not t.endswith("Sliced"))
 
 
 def task_valid_in(task_type: str, scene: int) -> bool:
@@ -143,8 +174,7 @@ def populate(room: Room, task: Task, rng: random.Random) -> Scene:
         if surfaces:
             things.append(Thing(alfred_id(lamp, rng, taken_ids), lamp, rng.choice(surfaces)))
     taken_locs = {r.location for r in room.receptacles}
-    return Scene(room, tuple(sorted(things, key=lambda th: th.id)),
-                 free_location(room.floor, rng, taken_locs))
+    return Scene(room, tuple(sorted(things, key=lambda th: th.id)), free_location(room.floor, rng, taken_locs))
 
 
 def project(scene: Scene, task: Task) -> Scene:
@@ -156,16 +186,17 @@ def project(scene: Scene, task: Task) -> Scene:
 def task_sentence(task: Task, rng: random.Random) -> str:
     """One of ALFRED's templates for the task type, filled as ALFWorld fills it (lower-case types)."""
     template = rng.choice(alfworld_module("alfworld.gen.goal_library").gdict[task.task_type]["templates"])
-    return template.format(obj=task.object_target.lower(), recep=task.parent_target.lower(),
-                           toggle=task.toggle_target.lower(), mrecep="")
+    return template.format(
+        obj=task.object_target.lower(), recep=task.parent_target.lower(), toggle=task.toggle_target.lower(), mrecep=""
+    )
 
 
 # ------------------------------------------------------------------------------ PDDL
 
+
 def mangle(name: str) -> str:
     """ALFRED's PDDL-safe spelling of ids (PlannedGameState.fix_pddl_str_chars, minus '#')."""
-    for char, word in (("-", "_minus_"), ("|", "_bar_"), ("+", "_plus_"), (".", "_dot_"),
-                       (",", "_comma_")):
+    for char, word in (("-", "_minus_"), ("|", "_bar_"), ("+", "_plus_"), (".", "_dot_"), (",", "_comma_")):
         name = name.replace(char, word)
     return name
 
@@ -187,15 +218,20 @@ def problem_pddl(scene: Scene, task: Task, name: str) -> str:
     otypes = sorted(c.OBJECTS_SET - set(rtypes))
     receps = scene.room.receptacles
     locations = sorted({r.location for r in receps} | {scene.start})
-    decl = (["agent1 - agent"] + [f"{t}Type - otype" for t in otypes]
-            + [f"{t}Type - rtype" for t in rtypes]
-            + [f"{mangle(th.id)} - object" for th in scene.things]
-            + [f"{mangle(r.id)} - receptacle" for r in receps]
-            + [f"{_loc(loc)} - location" for loc in locations])
+    decl = (
+        ["agent1 - agent"]
+        + [f"{t}Type - otype" for t in otypes]
+        + [f"{t}Type - rtype" for t in rtypes]
+        + [f"{mangle(th.id)} - object" for th in scene.things]
+        + [f"{mangle(r.id)} - receptacle" for r in receps]
+        + [f"{_loc(loc)} - location" for loc in locations]
+    )
     init = [f"(atLocation agent1 {_loc(scene.start)})"]
     for r in receps:
-        init += [f"(receptacleType {mangle(r.id)} {r.type}Type)",
-                 f"(receptacleAtLocation {mangle(r.id)} {_loc(r.location)})"]
+        init += [
+            f"(receptacleType {mangle(r.id)} {r.type}Type)",
+            f"(receptacleAtLocation {mangle(r.id)} {_loc(r.location)})",
+        ]
         if r.type in c.OPENABLE_CLASS_SET:
             init.append(f"(openable {mangle(r.id)})")
     present = sorted({th.type for th in scene.things})
@@ -203,22 +239,34 @@ def problem_pddl(scene: Scene, task: Task, name: str) -> str:
         init += [f"(canContain {rt}Type {ot}Type)" for ot in present if ot in fits.get(rt, ())]
     for th in scene.things:
         o = mangle(th.id)
-        init += [f"(objectType {o} {th.type}Type)", f"(inReceptacle {o} {mangle(th.receptacle.id)})",
-                 f"(objectAtLocation {o} {_loc(th.receptacle.location)})"]
+        init += [
+            f"(objectType {o} {th.type}Type)",
+            f"(inReceptacle {o} {mangle(th.receptacle.id)})",
+            f"(objectAtLocation {o} {_loc(th.receptacle.location)})",
+        ]
         if th.type in act["Toggleable"]:
             init.append(f"(toggleable {o})")
             continue
         init.append(f"(pickupable {o})")
-        for predicate, group in (("cleanable", "Cleanable"), ("heatable", "Heatable"),
-                                 ("coolable", "Coolable"), ("sliceable", "Sliceable")):
+        for predicate, group in (
+            ("cleanable", "Cleanable"),
+            ("heatable", "Heatable"),
+            ("coolable", "Coolable"),
+            ("sliceable", "Sliceable"),
+        ):
             if th.type in act[group]:
                 init.append(f"({predicate} {o})")
         if th.type in c.MOVABLE_RECEPTACLES_SET:
             init.append(f"(isReceptacleObject {o})")
-    goal = alfworld_module("alfworld.gen.goal_library").gdict[task.task_type]["pddl"].format(
-        obj=task.object_target, recep=task.parent_target, toggle=task.toggle_target, mrecep="")
+    goal = (
+        alfworld_module("alfworld.gen.goal_library")
+        .gdict[task.task_type]["pddl"]
+        .format(obj=task.object_target, recep=task.parent_target, toggle=task.toggle_target, mrecep="")
+    )
     pad = "\n        "
-    return (f"(define (problem plan_{name})\n    (:domain alfred)\n"
-            f"    (:objects{pad}{pad.join(decl)}\n    )\n"
-            f"    (:init{pad}{pad.join(init)}\n    )\n"
-            f"{goal.replace('#', '-').strip()}\n")
+    return (
+        f"(define (problem plan_{name})\n    (:domain alfred)\n"
+        f"    (:objects{pad}{pad.join(decl)}\n    )\n"
+        f"    (:init{pad}{pad.join(init)}\n    )\n"
+        f"{goal.replace('#', '-').strip()}\n"
+    )

@@ -6,6 +6,7 @@ validation pass, so each cell is k/n_t on that pass's composition and the pooled
 same number of episodes) repeats games and measures a different quantity that cannot reproduce
 the tables. This groups one pass's episodes by the task type of the game each one played.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping

@@ -3,6 +3,7 @@
 All random draws for the whole catalog come from one local numpy Generator in a few array
 calls; the per-product Python loop only assembles strings. 50k products take about a second.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,7 +19,7 @@ _TYPES = [(cat, pt) for cat, types in vocab.CATEGORIES.items() for pt in types]
 _MAX_ATTRS = max(len(pt.attributes) for _, pt in _TYPES)
 _MAX_OPTS = max(len(pt.options) for _, pt in _TYPES)
 _MAX_VALUES = max(len(vals) for _, pt in _TYPES for _, vals in pt.options)
-_TRAILING = ("for ", "with ")   # attribute phrases that read after the noun in a title
+_TRAILING = ("for ", "with ")  # attribute phrases that read after the noun in a title
 
 
 def _codes(rng: np.random.Generator, n: int, prefix: str, taken: set[str]) -> list[str]:
@@ -96,7 +97,7 @@ def generate_catalog(num_products: int, seed: int) -> list[Product]:
             for s, (name, pool) in enumerate(pt.options):
                 if keep_opt[i][s] or not options and s == len(pt.options) - 1:
                     subset = [j for j in value_order[i][s] if j < len(pool)][: n_values[i][s]]
-                    chosen = sorted(subset)   # a random subset, shown in pool order
+                    chosen = sorted(subset)  # a random subset, shown in pool order
                     options[name] = tuple(pool[j] for j in chosen)
         lo, hi = pt.price
         base = _dollars(math.exp(math.log(lo) + price_u[i] * (math.log(hi) - math.log(lo))) + 1)
@@ -109,11 +110,23 @@ def generate_catalog(num_products: int, seed: int) -> list[Product]:
             price = base
         bullets = tuple(_bullet(bullet_tpl[i][k], a, pt.noun) for k, a in enumerate(attrs))
         description = vocab.DESCRIPTION_TEMPLATES[desc_tpl[i]].format(
-            brand=brand, line=line, noun=pt.noun, a0=attrs[0], a1=attrs[1])
+            brand=brand, line=line, noun=pt.noun, a0=attrs[0], a1=attrs[1]
+        )
         reviews = tuple(vocab.REVIEWS[r] for r in review_idx[i][: n_reviews[i]])
-        products.append(Product(
-            asin=asins[i], title=title, category=category, query=pt.query,
-            product_category=pt.path, attributes=attrs, bullets=bullets,
-            description=description, options=options, pricing=pricing, price=price,
-            reviews=reviews))
+        products.append(
+            Product(
+                asin=asins[i],
+                title=title,
+                category=category,
+                query=pt.query,
+                product_category=pt.path,
+                attributes=attrs,
+                bullets=bullets,
+                description=description,
+                options=options,
+                pricing=pricing,
+                price=price,
+                reviews=reviews,
+            )
+        )
     return products

@@ -6,6 +6,7 @@ are matched case-insensitively and listed lower-case, as WebShop does. An action
 valid in the current state changes nothing (same observation, reward 0, valid_action False).
 The episode ends at Buy Now with WebShop's reward; the step budget belongs to the rollout.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,7 +24,7 @@ from envs.shop.schema import Goal, Product
 from envs.shop.search import DEFAULT_FIELDS, RANKINGS, random_results
 from envs.shop.world import World, WorldSpec, get_world
 
-SEARCH_MARKER = "search[<your query>]"   # the valid-action entry for the search bar
+SEARCH_MARKER = "search[<your query>]"  # the valid-action entry for the search bar
 _ACTION = re.compile(r"\s*(search|click)\s*\[(.*)\]\s*", re.IGNORECASE | re.DOTALL)
 _REWARD_TERMS = tuple(f.name for f in fields(Reward))
 
@@ -47,23 +48,43 @@ class ShopEnv:
 
     name = "shop"
 
-    def __init__(self, num_products: int = 300, num_goals: int = 1000, val_size: int = 64,
-                 search_return_n: int = 50, seed: int = 0, data_dir: str | None = None,
-                 human_goals: bool = False, catalog_keep: Sequence[str] | None = None,
-                 protected_tasks: Sequence[int] | None = None, ranking: str = "bm25",
-                 rank_seed: int | None = None, index_fields: Sequence[str] = DEFAULT_FIELDS,
-                 bm25_k1: float = 1.2, bm25_b: float = 0.75, lookalike: str = ""):
+    def __init__(
+        self,
+        num_products: int = 300,
+        num_goals: int = 1000,
+        val_size: int = 64,
+        search_return_n: int = 50,
+        seed: int = 0,
+        data_dir: str | None = None,
+        human_goals: bool = False,
+        catalog_keep: Sequence[str] | None = None,
+        protected_tasks: Sequence[int] | None = None,
+        ranking: str = "bm25",
+        rank_seed: int | None = None,
+        index_fields: Sequence[str] = DEFAULT_FIELDS,
+        bm25_k1: float = 1.2,
+        bm25_b: float = 0.75,
+        lookalike: str = "",
+    ):
         if ranking not in RANKINGS:
             raise ValueError(f"unknown ranking {ranking!r}; choose from {RANKINGS}")
         if search_return_n < 1:
             raise ValueError(f"search_return_n must be >= 1, got {search_return_n}")
         if lookalike and lookalike not in ATTACKS:
-            raise ValueError(f"unknown lookalike attack {lookalike!r}; choose from {ATTACKS} (or \"\")")
-        self._world: World = get_world(WorldSpec(
-            num_products=num_products, num_goals=num_goals, seed=seed,
-            data_dir=None if data_dir is None else str(data_dir), human_goals=human_goals,
-            lookalike=lookalike, index_fields=tuple(index_fields), bm25_k1=bm25_k1,
-            bm25_b=bm25_b))
+            raise ValueError(f'unknown lookalike attack {lookalike!r}; choose from {ATTACKS} (or "")')
+        self._world: World = get_world(
+            WorldSpec(
+                num_products=num_products,
+                num_goals=num_goals,
+                seed=seed,
+                data_dir=None if data_dir is None else str(data_dir),
+                human_goals=human_goals,
+                lookalike=lookalike,
+                index_fields=tuple(index_fields),
+                bm25_k1=bm25_k1,
+                bm25_b=bm25_b,
+            )
+        )
         if not 0 <= val_size <= self.num_tasks:
             raise ValueError(f"val_size={val_size} must lie in [0, num_tasks={self.num_tasks}]")
         self._val_size = val_size
@@ -73,8 +94,9 @@ class ShopEnv:
         self._rank_seed = seed if rank_seed is None else rank_seed
         # partial_random's coins are per search (_results_for); its searcher is plain BM25
         scored = "bm25" if ranking == "partial_random" else ranking
-        self._search = self._world.index.searcher(search_return_n, self._visible, scored,
-                                                  self._rank_seed if scored == "shuffled_topk" else 0)
+        self._search = self._world.index.searcher(
+            search_return_n, self._visible, scored, self._rank_seed if scored == "shuffled_topk" else 0
+        )
         self._task = -1
         self._goal: Goal | None = None
         if catalog_keep is not None:
@@ -115,7 +137,8 @@ class ShopEnv:
     def reachable(self, task: int) -> bool:
         """True when the target of `task` is shown and one of the expert's queries retrieves it."""
         return self.winnable(task) and self._world.position[self.goal(task).asin] in self._search(
-            self.expert_query(task))
+            self.expert_query(task)
+        )
 
     def target_ids(self) -> list[str]:
         """The target product id of every task, in served order (what catalog filters protect)."""
@@ -131,8 +154,10 @@ class ShopEnv:
             return np.ones(len(products), dtype=bool)
         unknown = [a for a in keep if a not in self._world.position]
         if unknown:
-            raise ValueError(f"catalog_keep names {len(unknown)} unknown product ids, e.g. "
-                             f"{unknown[:3]}; take ids from ShopEnv.product_ids()")
+            raise ValueError(
+                f"catalog_keep names {len(unknown)} unknown product ids, e.g. "
+                f"{unknown[:3]}; take ids from ShopEnv.product_ids()"
+            )
         mask = np.zeros(len(products), dtype=bool)
         mask[[self._world.position[a] for a in keep]] = True
         return mask
@@ -141,21 +166,26 @@ class ShopEnv:
         """Refuse to serve a filtered catalog that loses a protected task's target (invariant 13;
         field log 2026-07-28: a floor derived from another goal order than the served one)."""
         if protected is None:
-            raise ValueError("catalog_keep needs protected_tasks: the tasks this engine serves, whose "
-                             "targets the filter must keep (a client's training shard)")
+            raise ValueError(
+                "catalog_keep needs protected_tasks: the tasks this engine serves, whose "
+                "targets the filter must keep (a client's training shard)"
+            )
         lost = [t for t in protected if not self.reachable(t % self.num_tasks)]
         if lost:
             raise ValueError(
                 f"refusing to serve: {len(lost)} of {len(protected)} protected tasks lost their target "
                 f"product from this catalog, e.g. {[self._task_id(t % self.num_tasks) for t in lost[:3]]}; "
-                "the filter was computed from other goals than the ones this engine serves in this order")
+                "the filter was computed from other goals than the ones this engine serves in this order"
+            )
 
     # -- episode -----------------------------------------------------------------------------
     def reset(self, seed: int) -> tuple[str, dict]:
         self._task = seed % self.num_tasks
         if not self.winnable(self._task):
-            raise ValueError(f"task {self._task} ({self._task_id(self._task)}) has its target filtered "
-                             "out of this catalog: this engine does not serve it (see protected_tasks)")
+            raise ValueError(
+                f"task {self._task} ({self._task_id(self._task)}) has its target filtered "
+                "out of this catalog: this engine does not serve it (see protected_tasks)"
+            )
         self._goal = self._world.goals[self._task]
         self._tid = self._task_id(self._task)
         self._state = "search"
@@ -177,14 +207,18 @@ class ShopEnv:
         reward = self._reward.total if (done and valid) else 0.0
         info = self._info()
         info["valid_action"] = valid
-        if done and self._reward is not None:   # a plain dict: JSON-safe
+        if done and self._reward is not None:  # a plain dict: JSON-safe
             info["reward_terms"] = {name: getattr(self._reward, name) for name in _REWARD_TERMS}
         return self.observation, reward, done, info
 
     def _info(self) -> dict[str, Any]:
-        return {"task_id": self._tid, "task_index": self._task,
-                "instruction": self._goal.instruction, "valid_actions": self.valid_actions(),
-                "won": self._reward is not None and self._reward.won}
+        return {
+            "task_id": self._tid,
+            "task_index": self._task,
+            "instruction": self._goal.instruction,
+            "valid_actions": self.valid_actions(),
+            "won": self._reward is not None and self._reward.won,
+        }
 
     # -- pages -------------------------------------------------------------------------------
     @property
@@ -194,8 +228,7 @@ class ShopEnv:
         if self._state == "search":
             return pages.search_page(instruction)
         if self._state == "results":
-            return pages.results_page(instruction, self._page_products(), self._page_no,
-                                      len(self._results))
+            return pages.results_page(instruction, self._page_products(), self._page_no, len(self._results))
         if self._state == "item":
             return pages.item_page(instruction, self._item)
         if self._state == "detail":
@@ -218,7 +251,7 @@ class ShopEnv:
 
     def _page_products(self) -> list[Product]:
         start = (self._page_no - 1) * pages.PAGE_SIZE
-        return [self._world.products[i] for i in self._results[start:start + pages.PAGE_SIZE]]
+        return [self._world.products[i] for i in self._results[start : start + pages.PAGE_SIZE]]
 
     def _clickables(self) -> dict[str, tuple[str, Any]]:
         """Lower-cased button text -> (kind, payload) for the current page."""
@@ -257,7 +290,7 @@ class ShopEnv:
     def _apply(self, action: str) -> bool:
         """Advance the state for a valid action; False (state untouched) otherwise."""
         kind = self._transition(action)
-        if kind is not None and kind != "option":   # choosing an option leaves the page as is
+        if kind is not None and kind != "option":  # choosing an option leaves the page as is
             self._page_changed()
         return kind is not None
 
@@ -286,7 +319,7 @@ class ShopEnv:
             self._state, self._item, self._chosen = "item", payload, {}
         elif kind == "results":
             self._state = "results"
-        elif kind == "return":                  # from a detail tab: options stay chosen
+        elif kind == "return":  # from a detail tab: options stay chosen
             self._state = "item"
         elif kind == "option":
             name, value = payload
@@ -323,10 +356,13 @@ class ShopEnv:
         target = self.product(goal.asin)
         position = self._world.position[goal.asin]
         clause = price_clause(goal.price_upper)
-        wish = goal.instruction[: -len(clause)] if clause and goal.instruction.endswith(clause) \
-            else goal.instruction
-        candidates = (wish, target.title, f"{target.title} {target.description}",
-                      " ".join((target.title, *target.bullets)))
+        wish = goal.instruction[: -len(clause)] if clause and goal.instruction.endswith(clause) else goal.instruction
+        candidates = (
+            wish,
+            target.title,
+            f"{target.title} {target.description}",
+            " ".join((target.title, *target.bullets)),
+        )
         for query in candidates:
             if position in self._search(query.lower()):
                 return query.lower()

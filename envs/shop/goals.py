@@ -5,6 +5,7 @@ the target offers, and (usually) a price ceiling picked from the $10 grid above 
 price. The pool order is a pure function of the seed: one local `random.Random`, no global
 RNG, so instances built concurrently serve identical task orders.
 """
+
 from __future__ import annotations
 
 import random
@@ -37,7 +38,7 @@ def options_clause(goal_options: dict[str, str]) -> str:
 
 
 def _describe(noun: str, attributes: Sequence[str]) -> str:
-    """"a sulfate free, vegan shampoo for dry hair" from the noun and attribute phrases."""
+    """ "a sulfate free, vegan shampoo for dry hair" from the noun and attribute phrases."""
     trailing = [a for a in attributes if a.startswith(("for ", "with "))]
     leading = ", ".join(a for a in attributes if a not in trailing)
     head = f"{leading} {noun}" if leading else noun
@@ -64,10 +65,18 @@ def synthesize_goals(products: Sequence[Product], num_goals: int, seed: int) -> 
         goal_options = {name: rng.choice(values) for name, values in target.options.items()}
         ceiling = price_ceiling(target.price, rng)
         opener = rng.choice(vocab.OPENERS)
-        text = (f"{opener} {_describe(target.query, attributes)}"
-                f"{options_clause(goal_options)}{price_clause(ceiling)}")
-        goals.append(Goal(
-            asin=target.asin, instruction=text, attributes=attributes,
-            goal_options=goal_options, price_upper=ceiling, category=target.category,
-            query=target.query, name=target.title, product_category=target.product_category))
+        text = f"{opener} {_describe(target.query, attributes)}{options_clause(goal_options)}{price_clause(ceiling)}"
+        goals.append(
+            Goal(
+                asin=target.asin,
+                instruction=text,
+                attributes=attributes,
+                goal_options=goal_options,
+                price_upper=ceiling,
+                category=target.category,
+                query=target.query,
+                name=target.title,
+                product_category=target.product_category,
+            )
+        )
     return goals

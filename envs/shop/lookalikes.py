@@ -24,6 +24,7 @@ own values, never come from a value the fuzzy matcher equates with a goal value,
 the original's product type first (issue #19: 9 of 748 published-style lookalike purchases
 scored 1.0).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -69,14 +70,15 @@ def _matches_any(value: str, others: Sequence[str]) -> bool:
     return any(option_matches([value], [o]) for o in others)
 
 
-def _decoys(src: Product, name: str, pools: dict[tuple[str, str], list[str]],
-            by_name: dict[str, list[str]], attack: str) -> tuple[str, ...]:
+def _decoys(
+    src: Product, name: str, pools: dict[tuple[str, str], list[str]], by_name: dict[str, list[str]], attack: str
+) -> tuple[str, ...]:
     """As many decoy values as the original offers under `name`, never one the matcher equates
     with a value the original offers: from its product type's values first, then the option
     name's values anywhere, then (colours) WebShop's colour words; a keyed pick within a tier."""
     own = src.options[name]
     tiers = [pools.get((src.query, name), []), by_name.get(name, []), list(COLOR_SET) if _is_color(name) else []]
-    shown = list(dict.fromkeys(v for tier in tiers for v in tier))   # display order
+    shown = list(dict.fromkeys(v for tier in tiers for v in tier))  # display order
     chosen: list[str] = []
     for tier in tiers:
         fresh = [v for v in dict.fromkeys(tier) if v not in chosen and not _matches_any(v, own)]
@@ -94,8 +96,9 @@ def _asin(src: Product, attack: str, taken: set[str]) -> str:
     raise LookalikeError(f"no free id for the {attack} lookalike of {src.asin}")
 
 
-def make_lookalikes(products: Sequence[Product], goals: Sequence[Goal],
-                    attack: str) -> tuple[list[Product], dict[str, str]]:
+def make_lookalikes(
+    products: Sequence[Product], goals: Sequence[Goal], attack: str
+) -> tuple[list[Product], dict[str, str]]:
     """The lookalikes of `attack` and a map lookalike id -> original id.
 
     Targets the attack cannot flip for every one of their goals are skipped: no finite price
@@ -137,8 +140,9 @@ def make_lookalikes(products: Sequence[Product], goals: Sequence[Goal],
     return out, origin
 
 
-def place_lookalikes(products: Sequence[Product], lookalikes: Sequence[Product], origin: dict[str, str],
-                     attack: str) -> list[Product]:
+def place_lookalikes(
+    products: Sequence[Product], lookalikes: Sequence[Product], origin: dict[str, str], attack: str
+) -> list[Product]:
     """The catalog with each lookalike next to its original, before or after it by a keyed coin.
 
     Search breaks score ties by catalog position, and a price lookalike ties its original
@@ -177,8 +181,13 @@ def _failures(fake: Product, src: Product, goals: Sequence[Goal], attack: str) -
     return bad
 
 
-def check_lookalikes(products: Sequence[Product], goals: Sequence[Goal], lookalikes: Sequence[Product],
-                     origin: dict[str, str], attack: str) -> None:
+def check_lookalikes(
+    products: Sequence[Product],
+    goals: Sequence[Goal],
+    lookalikes: Sequence[Product],
+    origin: dict[str, str],
+    attack: str,
+) -> None:
     """The loader guard: raise `LookalikeError` unless every lookalike is a fresh id that is no
     goal's target and copies a catalog product, and buying it instead of its original loses the
     attacked term, hence the full reward, for every goal of the original under every option
@@ -198,5 +207,6 @@ def check_lookalikes(products: Sequence[Product], goals: Sequence[Goal], lookali
             raise LookalikeError(f"lookalike {fake.asin} copies no catalog product")
         bad += _failures(fake, src, goals_of.get(src.asin, ()), attack)
     if bad:
-        raise LookalikeError(f"{len(bad)} {attack} lookalike purchase(s) would keep the attacked term "
-                             f"or earn 1.0, e.g. {bad[:3]}")
+        raise LookalikeError(
+            f"{len(bad)} {attack} lookalike purchase(s) would keep the attacked term or earn 1.0, e.g. {bad[:3]}"
+        )

@@ -7,6 +7,7 @@ A raw page is its parts joined by " [SEP] ", always starting
 rest, so the search page reads "'Search'". Changing a byte here changes the recipe: the
 rendering is locked by fixture tests (tests/fixtures/shop_*.txt).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -57,15 +58,26 @@ def item_page(instruction: str, product: Product) -> str:
 
 def detail_page(instruction: str, product: Product, tab: str) -> str:
     """The Description, Features (bullet points) or Reviews tab of an item."""
-    body = {DESCRIPTION: [product.description],
-            FEATURES: list(product.bullets),
-            REVIEWS: list(product.reviews) or ["No reviews yet."]}[tab]
+    body = {
+        DESCRIPTION: [product.description],
+        FEATURES: list(product.bullets),
+        REVIEWS: list(product.reviews) or ["No reviews yet."],
+    }[tab]
     return _page(instruction, [BACK_TO_SEARCH, PREV, *body])
 
 
 def done_page(instruction: str, product: Product, reward: float) -> str:
-    return _page(instruction, ["Thank you for shopping with us!", "Purchased", product.asin,
-                               product.title, "Your score (min 0.0, max 1.0)", f"{reward:.4f}"])
+    return _page(
+        instruction,
+        [
+            "Thank you for shopping with us!",
+            "Purchased",
+            product.asin,
+            product.title,
+            "Your score (min 0.0, max 1.0)",
+            f"{reward:.4f}",
+        ],
+    )
 
 
 def format_observation(raw: str, instruction: str) -> str:
@@ -82,4 +94,4 @@ def format_observation(raw: str, instruction: str) -> str:
         if instruction.strip() not in stripped:
             return raw
         index = stripped.index(instruction.strip())
-    return ", ".join(f"'{p}'" for p in parts[index + 1:])
+    return ", ".join(f"'{p}'" for p in parts[index + 1 :])

@@ -8,6 +8,7 @@ both sides pass through the same normalisers. The normalisers raise TypeError on
 `str`: the predecessor's engine compared values with tuples, `normalize_color` silently passed
 the tuples through, and 6.8% of its goals could never score 1.0 (field log 2026-07-25).
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,17 +23,108 @@ from envs.shop.schema import CATEGORY_SEP, Goal, Product
 # "dark grey" -> "dark" but "light grey" -> "grey" (a mismatch, as in WebShop). Until 2026-12 the
 # shop had 63 of them, so e.g. "dark grey" for "light grey" matched here and not in WebShop.
 COLOR_SET = (
-    "alabaster", "apricot", "aqua", "ash", "asphalt", "azure", "banana", "beige", "black", "blue",
-    "blush", "bordeaux", "bronze", "brown", "burgundy", "camel", "camo", "caramel", "champagne",
-    "charcoal", "cheetah", "chestnut", "chocolate", "christmas", "coffee", "cognac", "copper",
-    "coral", "cranberry", "cream", "crystal", "dark", "denim", "eggplant", "elephant", "espresso",
-    "fuchsia", "gold", "granite", "grape", "graphite", "grass", "gray", "green", "grey", "heather",
-    "indigo", "ivory", "ivy", "khaki", "lavender", "lemon", "leopard", "light", "lilac", "lime",
-    "magenta", "maroon", "mauve", "merlot", "midnight", "mint", "mocha", "multicolor", "mushroom",
-    "mustard", "natural", "navy", "nude", "olive", "orange", "peach", "pewter", "pink", "plum",
-    "purple", "rainbow", "red", "rose", "royal", "rust", "sand", "sapphire", "seashell", "silver",
-    "skull", "slate", "steel", "stone", "stonewash", "sunflower", "tan", "taupe", "teal", "tiger",
-    "turquoise", "violet", "walnut", "wheat", "white", "wine", "yellow",
+    "alabaster",
+    "apricot",
+    "aqua",
+    "ash",
+    "asphalt",
+    "azure",
+    "banana",
+    "beige",
+    "black",
+    "blue",
+    "blush",
+    "bordeaux",
+    "bronze",
+    "brown",
+    "burgundy",
+    "camel",
+    "camo",
+    "caramel",
+    "champagne",
+    "charcoal",
+    "cheetah",
+    "chestnut",
+    "chocolate",
+    "christmas",
+    "coffee",
+    "cognac",
+    "copper",
+    "coral",
+    "cranberry",
+    "cream",
+    "crystal",
+    "dark",
+    "denim",
+    "eggplant",
+    "elephant",
+    "espresso",
+    "fuchsia",
+    "gold",
+    "granite",
+    "grape",
+    "graphite",
+    "grass",
+    "gray",
+    "green",
+    "grey",
+    "heather",
+    "indigo",
+    "ivory",
+    "ivy",
+    "khaki",
+    "lavender",
+    "lemon",
+    "leopard",
+    "light",
+    "lilac",
+    "lime",
+    "magenta",
+    "maroon",
+    "mauve",
+    "merlot",
+    "midnight",
+    "mint",
+    "mocha",
+    "multicolor",
+    "mushroom",
+    "mustard",
+    "natural",
+    "navy",
+    "nude",
+    "olive",
+    "orange",
+    "peach",
+    "pewter",
+    "pink",
+    "plum",
+    "purple",
+    "rainbow",
+    "red",
+    "rose",
+    "royal",
+    "rust",
+    "sand",
+    "sapphire",
+    "seashell",
+    "silver",
+    "skull",
+    "slate",
+    "steel",
+    "stone",
+    "stonewash",
+    "sunflower",
+    "tan",
+    "taupe",
+    "teal",
+    "tiger",
+    "turquoise",
+    "violet",
+    "walnut",
+    "wheat",
+    "white",
+    "wine",
+    "yellow",
 )
 
 MATCH_THRESHOLD = 85  # WebShop: fuzzy token-set ratio must exceed this
@@ -40,8 +132,9 @@ MATCH_THRESHOLD = 85  # WebShop: fuzzy token-set ratio must exceed this
 
 def _require_str(value: object, who: str) -> str:
     if not isinstance(value, str):
-        raise TypeError(f"{who} expects str, got {type(value).__name__}: {value!r}; pass the "
-                        "option VALUE, not a (name, value) pair")
+        raise TypeError(
+            f"{who} expects str, got {type(value).__name__}: {value!r}; pass the option VALUE, not a (name, value) pair"
+        )
     return value
 
 
@@ -132,9 +225,11 @@ def attribute_matches(product: Product, goal_attributes: tuple[str, ...]) -> int
 # keeping only function words raised agreement to 99.5%, no target purchase changing. The
 # remaining 0.5%: words spaCy tags as verbs or adjectives (e.g. "Built") still count as nouns
 # here (docs/shop.md, "Reward").
-_NOT_NOUNS = frozenset("""
+_NOT_NOUNS = frozenset(
+    """
 a an and or the of for with in on to by from at as is it this that these your our you
-""".split())
+""".split()
+)
 
 
 def title_nouns(title: str) -> frozenset[str]:
@@ -142,10 +237,9 @@ def title_nouns(title: str) -> frozenset[str]:
     return _title_nouns(_require_str(title, "title_nouns"))
 
 
-@functools.lru_cache(maxsize=1 << 14)   # titles repeat: one per product and goal
+@functools.lru_cache(maxsize=1 << 14)  # titles repeat: one per product and goal
 def _title_nouns(title: str) -> frozenset[str]:
-    return frozenset(t for t in re.findall(r"[a-z]+", title.lower())
-                     if len(t) > 2 and t not in _NOT_NOUNS)
+    return frozenset(t for t in re.findall(r"[a-z]+", title.lower()) if len(t) > 2 and t not in _NOT_NOUNS)
 
 
 def type_reward(product: Product, goal: Goal) -> float:
@@ -204,5 +298,4 @@ def _score(product: Product, goal: Goal, opt_hits: int) -> Reward:
     price_ok = product.price <= goal.price_upper
     denom = len(goal.attributes) + len(goal.goal_options) + 1
     total = r_type * (attr_hits + opt_hits + int(price_ok)) / denom
-    return Reward(total=total, r_type=r_type, attribute_hits=attr_hits, option_hits=opt_hits,
-                  price_ok=price_ok)
+    return Reward(total=total, r_type=r_type, attribute_hits=attr_hits, option_hits=opt_hits, price_ok=price_ok)

@@ -1,5 +1,6 @@
 """The shop's two record types. Synthetic catalogs and real WebShop files both map onto them,
 so search, pages, reward and the oracle never care where a product came from."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,19 +14,19 @@ class Product:
     """One product; field names follow WebShop's processed product (Title, BulletPoints, ...)."""
 
     asin: str
-    title: str                               # WebShop `name` / `Title`
-    category: str                            # e.g. "beauty"
-    query: str                               # the search query the product was found under
-    product_category: str                    # path, parts joined by " › "
-    attributes: tuple[str, ...]              # WebShop `Attributes`
-    bullets: tuple[str, ...]                 # WebShop `BulletPoints`
+    title: str  # WebShop `name` / `Title`
+    category: str  # e.g. "beauty"
+    query: str  # the search query the product was found under
+    product_category: str  # path, parts joined by " › "
+    attributes: tuple[str, ...]  # WebShop `Attributes`
+    bullets: tuple[str, ...]  # WebShop `BulletPoints`
     description: str
-    options: dict[str, tuple[str, ...]]      # option name -> values this product offers
-    pricing: tuple[float, ...]               # (price,) or (low, high)
-    price: float                             # the concrete price a purchase is scored at
+    options: dict[str, tuple[str, ...]]  # option name -> values this product offers
+    pricing: tuple[float, ...]  # (price,) or (low, high)
+    price: float  # the concrete price a purchase is scored at
     reviews: tuple[str, ...] = ()
 
-    @cached_property   # rendered on every results and item page
+    @cached_property  # rendered on every results and item page
     def price_tag(self) -> str:
         """Displayed price: "$x.xx" or "$lo to $hi" (WebShop's range form)."""
         if len(self.pricing) == 1:
@@ -42,7 +43,7 @@ class Goal:
     asin: str
     instruction: str
     attributes: tuple[str, ...]
-    goal_options: dict[str, str] = field(default_factory=dict)   # option name -> wanted value
+    goal_options: dict[str, str] = field(default_factory=dict)  # option name -> wanted value
     price_upper: float = 1_000_000.0
     category: str = ""
     query: str = ""

@@ -13,6 +13,7 @@ pool: the WHOLE returned list is reordered, not a top-50 head):
   partial_random  each search is, with probability 1/2, answered by n random shown products
                   instead (a coin per search of an episode: `random_results`)
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,12 +37,13 @@ from envs.shop.schema import Product
 INDEX_FIELDS = ("title", "description", "bullets", "options", "attributes", "category")
 DEFAULT_FIELDS = ("title", "description", "bullets", "options")
 RANKINGS = ("bm25", "shuffled_topk", "inverted_topk", "partial_random")
-PARTIAL_RANDOM_P = 0.5   # published: half the queries get random products
+PARTIAL_RANDOM_P = 0.5  # published: half the queries get random products
 
 _TOKEN = re.compile(r"[a-z0-9]+")
 _STOPWORDS = frozenset(
     "a an and are as at be by for from i in is it me of on or that the this to with "
-    "want need looking find would like im i'm lower than price dollars".split())
+    "want need looking find would like im i'm lower than price dollars".split()
+)
 
 
 def tokenize(text: str) -> list[str]:
@@ -77,8 +79,9 @@ class SearchIndex:
     distinct field string is tokenized once: catalog text repeats a lot (bullets, options).
     """
 
-    def __init__(self, products: Sequence[Product], fields: Sequence[str] = DEFAULT_FIELDS,
-                 k1: float = 1.2, b: float = 0.75):
+    def __init__(
+        self, products: Sequence[Product], fields: Sequence[str] = DEFAULT_FIELDS, k1: float = 1.2, b: float = 0.75
+    ):
         vocab: dict[str, int] = {}
         memo: dict[str, list[int]] = {}
 
@@ -102,8 +105,9 @@ class SearchIndex:
         self._searchers: dict[tuple, Callable[[str], tuple[int, ...]]] = {}
         self._searchers_lock = threading.Lock()
 
-    def searcher(self, n: int, visible: np.ndarray | None = None, ranking: str = "bm25",
-                 seed: int = 0, cache_size: int = 4096) -> Callable[[str], tuple[int, ...]]:
+    def searcher(
+        self, n: int, visible: np.ndarray | None = None, ranking: str = "bm25", seed: int = 0, cache_size: int = 4096
+    ) -> Callable[[str], tuple[int, ...]]:
         """`search` with everything but the query fixed, memoized per query (LRU).
 
         A query's results are a pure function of the index and these arguments, so one cache
@@ -117,11 +121,13 @@ class SearchIndex:
             if memo is None:
                 mask = None if visible is None else visible.copy()
                 memo = self._searchers[key] = functools.lru_cache(maxsize=cache_size)(
-                    lambda query: tuple(self.search(query, n, mask, ranking, seed)))
+                    lambda query: tuple(self.search(query, n, mask, ranking, seed))
+                )
         return memo
 
-    def search(self, query: str, n: int, visible: np.ndarray | None = None,
-               ranking: str = "bm25", seed: int = 0) -> list[int]:
+    def search(
+        self, query: str, n: int, visible: np.ndarray | None = None, ranking: str = "bm25", seed: int = 0
+    ) -> list[int]:
         """Catalog positions of the top `n` matches for `query`, reordered by `ranking`."""
         terms = list(dict.fromkeys(self._vocab[t] for t in tokenize(query) if t in self._vocab))
         if not terms or n <= 0:

@@ -12,6 +12,7 @@ use_small, which every FedAgent config set). Goals follow WebShop: synthetic goa
 product with an instruction per combination of its option values; human goals are the
 annotated instructions that name at least one attribute. Prices and ceilings are seeded.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,7 +27,7 @@ from envs.shop.goals import options_clause, price_ceiling, price_clause
 from envs.shop.reward import normalize_text
 from envs.shop.schema import Goal, Product
 
-DEFAULT_PRICE = 100.0   # WebShop's price for a product without pricing
+DEFAULT_PRICE = 100.0  # WebShop's price for a product without pricing
 
 
 def _pick(data_dir: Path, stem: str, required: bool = True) -> Path | None:
@@ -35,8 +36,10 @@ def _pick(data_dir: Path, stem: str, required: bool = True) -> Path | None:
         if path.is_file():
             return path
     if required:
-        raise FileNotFoundError(f"{data_dir} has neither {small.name} nor {full.name}; point "
-                                "env.params.data_dir at a WebShop data directory")
+        raise FileNotFoundError(
+            f"{data_dir} has neither {small.name} nor {full.name}; point "
+            "env.params.data_dir at a WebShop data directory"
+        )
     return None
 
 
@@ -75,7 +78,7 @@ def _options(raw: dict[str, Any]) -> dict[str, tuple[str, ...]]:
 
 
 def _pricing(value: Any) -> tuple[float, ...]:
-    """"$12.99", "$10.99 - $20.99", or a list of numbers/strings -> (price,) or (low, high)."""
+    """ "$12.99", "$10.99 - $20.99", or a list of numbers/strings -> (price,) or (low, high)."""
     if isinstance(value, (int, float)):
         return (float(value),)
     text = " ".join(str(v) for v in value) if isinstance(value, list) else str(value or "")
@@ -104,20 +107,22 @@ def load_products(data_dir: str | Path, seed: int) -> tuple[list[Product], dict[
         seen.add(asin)
         pricing = _pricing(raw.get("pricing"))
         attributes = _strings((ins.get(asin) or {}).get("attributes") or raw.get("Attributes"))
-        products.append(Product(
-            asin=asin,
-            title=str(raw.get("Title") or raw.get("name") or ""),
-            category=str(raw.get("category") or "").lower().strip(),
-            query=str(raw.get("query") or "").lower().strip(),
-            product_category=str(raw.get("product_category") or ""),
-            attributes=attributes,
-            bullets=_strings(raw.get("BulletPoints") or raw.get("small_description")),
-            description=str(raw.get("Description") or raw.get("full_description") or ""),
-            options=_options(raw),
-            pricing=pricing,
-            price=_seeded_price(pricing, asin, seed),
-            reviews=tuple(t for t in map(_review_text, raw.get("Reviews") or raw.get("reviews") or []) if t),
-        ))
+        products.append(
+            Product(
+                asin=asin,
+                title=str(raw.get("Title") or raw.get("name") or ""),
+                category=str(raw.get("category") or "").lower().strip(),
+                query=str(raw.get("query") or "").lower().strip(),
+                product_category=str(raw.get("product_category") or ""),
+                attributes=attributes,
+                bullets=_strings(raw.get("BulletPoints") or raw.get("small_description")),
+                description=str(raw.get("Description") or raw.get("full_description") or ""),
+                options=_options(raw),
+                pricing=pricing,
+                price=_seeded_price(pricing, asin, seed),
+                reviews=tuple(t for t in map(_review_text, raw.get("Reviews") or raw.get("reviews") or []) if t),
+            )
+        )
     return products, ins
 
 
@@ -128,26 +133,42 @@ def _named_options(values: Any, product: Product) -> dict[str, str]:
     named: dict[str, str] = {}
     for k, value in enumerate(_strings(values)):
         value = value.strip().lower()
-        name = next((n for n, vals in product.options.items()
-                     if normalize_text(value) in map(normalize_text, vals)), f"option {k + 1}")
+        name = next(
+            (n for n, vals in product.options.items() if normalize_text(value) in map(normalize_text, vals)),
+            f"option {k + 1}",
+        )
         named.setdefault(name, value)
     return named
 
 
-def _goal(product: Product, text: str, attributes: tuple[str, ...], options: dict[str, str],
-          rng: random.Random, mention_options: bool) -> Goal:
+def _goal(
+    product: Product,
+    text: str,
+    attributes: tuple[str, ...],
+    options: dict[str, str],
+    rng: random.Random,
+    mention_options: bool,
+) -> Goal:
     """WebShop's goal dict; synthetic instructions get the option clause appended, human
     ones already word their options."""
     ceiling = price_ceiling(product.price, rng)
     clause = options_clause(options) if mention_options else ""
-    return Goal(asin=product.asin, instruction=text.strip(".") + clause + price_clause(ceiling),
-                attributes=attributes, goal_options=options, price_upper=ceiling,
-                category=product.category, query=product.query, name=product.title,
-                product_category=product.product_category)
+    return Goal(
+        asin=product.asin,
+        instruction=text.strip(".") + clause + price_clause(ceiling),
+        attributes=attributes,
+        goal_options=options,
+        price_upper=ceiling,
+        category=product.category,
+        query=product.query,
+        name=product.title,
+        product_category=product.product_category,
+    )
 
 
-def load_goals(data_dir: str | Path, products: list[Product], ins: dict[str, dict], seed: int,
-               human_goals: bool = False) -> list[Goal]:
+def load_goals(
+    data_dir: str | Path, products: list[Product], ins: dict[str, dict], seed: int, human_goals: bool = False
+) -> list[Goal]:
     """All goals the files define, in a seeded shuffled order."""
     rng = random.Random(f"shop-real-goals/{seed}")
     goals: list[Goal] = []
@@ -160,8 +181,9 @@ def load_goals(data_dir: str | Path, products: list[Product], ins: dict[str, dic
                 if not attributes:
                     continue
                 options = _named_options(entry.get("instruction_options"), product)
-                goals.append(_goal(product, str(entry.get("instruction", "")), attributes,
-                                   options, rng, mention_options=False))
+                goals.append(
+                    _goal(product, str(entry.get("instruction", "")), attributes, options, rng, mention_options=False)
+                )
     else:
         for product in products:
             entry = ins.get(product.asin) or {}
@@ -170,7 +192,15 @@ def load_goals(data_dir: str | Path, products: list[Product], ins: dict[str, dic
             attributes = _strings(entry.get("instruction_attributes"))
             names = sorted(product.options)
             for combo in itertools.product(*(product.options[n] for n in names)):
-                goals.append(_goal(product, str(entry["instruction"]), attributes,
-                                   dict(zip(names, combo)), rng, mention_options=True))
+                goals.append(
+                    _goal(
+                        product,
+                        str(entry["instruction"]),
+                        attributes,
+                        dict(zip(names, combo)),
+                        rng,
+                        mention_options=True,
+                    )
+                )
     rng.shuffle(goals)
     return goals

@@ -1,6 +1,7 @@
 """The immutable part of a shop: products, goals, search index. Built once per spec per
 process and shared by every `ShopEnv` built with that spec (an env service builds a pool of
 them; the default world takes ~0.1 s, a pool of 16 then costs nothing more)."""
+
 from __future__ import annotations
 
 import threading
@@ -22,7 +23,7 @@ class WorldSpec:
     seed: int = 0
     data_dir: str | None = None
     human_goals: bool = False
-    lookalike: str = ""                 # lookalike attack ("" = none; lookalikes.ATTACKS)
+    lookalike: str = ""  # lookalike attack ("" = none; lookalikes.ATTACKS)
     index_fields: tuple[str, ...] = DEFAULT_FIELDS
     bm25_k1: float = 1.2
     bm25_b: float = 0.75
@@ -31,11 +32,11 @@ class WorldSpec:
 @dataclass(frozen=True, eq=False)
 class World:
     spec: WorldSpec
-    products: tuple[Product, ...]       # catalog order; a lookalike sits next to its original
-    goals: tuple[Goal, ...]             # served task order
-    position: dict[str, int]            # asin -> catalog position
+    products: tuple[Product, ...]  # catalog order; a lookalike sits next to its original
+    goals: tuple[Goal, ...]  # served task order
+    position: dict[str, int]  # asin -> catalog position
     index: SearchIndex
-    lookalike_of: dict[str, str]        # lookalike asin -> the asin of the product it copies
+    lookalike_of: dict[str, str]  # lookalike asin -> the asin of the product it copies
 
 
 def build_world(spec: WorldSpec) -> World:
@@ -50,17 +51,24 @@ def build_world(spec: WorldSpec) -> World:
         goals = load_goals(spec.data_dir, products, ins, spec.seed, spec.human_goals)
         goals = goals[: spec.num_goals]
         if not goals:
-            raise ValueError(f"no goals could be built from {spec.data_dir}: no product in "
-                             "items_shuffle has an instruction in the instruction file")
+            raise ValueError(
+                f"no goals could be built from {spec.data_dir}: no product in "
+                "items_shuffle has an instruction in the instruction file"
+            )
     lookalike_of: dict[str, str] = {}
-    if spec.lookalike:   # after the goals: drawn from the finished goal list, never goals themselves
+    if spec.lookalike:  # after the goals: drawn from the finished goal list, never goals themselves
         fakes, lookalike_of = make_lookalikes(products, goals, spec.lookalike)
         check_lookalikes(products, goals, fakes, lookalike_of, spec.lookalike)
         products = place_lookalikes(products, fakes, lookalike_of, spec.lookalike)
     index = SearchIndex(products, spec.index_fields, spec.bm25_k1, spec.bm25_b)
-    return World(spec=spec, products=tuple(products), goals=tuple(goals),
-                 position={p.asin: i for i, p in enumerate(products)}, index=index,
-                 lookalike_of=lookalike_of)
+    return World(
+        spec=spec,
+        products=tuple(products),
+        goals=tuple(goals),
+        position={p.asin: i for i, p in enumerate(products)},
+        index=index,
+        lookalike_of=lookalike_of,
+    )
 
 
 _lock = threading.Lock()
