@@ -117,9 +117,21 @@ def test_store_path_through_the_weight_channel_without_a_shared_disk(tmp_path, t
     3 rounds, one trainer service per node serving every message."""
     runs = tmp_path / "runs"
     with deployment(tmp_path, nodes=2, netns=True, no_shared=[runs], tls=tls, auth=tls) as d:
-        p = d.run(run_config(HTTP, runs / "r", rounds=3), timeout_s=2400)
+        # the store binds the server host's address (loopback would not reach the other hosts);
+        # with TLS it serves the SuperLink's certificate and the nodes verify it with its CA
+        store = {"run.weight_store_host": f'"{d.host}"'}
+        if d.certs is not None:
+            store.update(
+                {
+                    "run.weight_store_certfile": f'"{d.certs.cert}"',
+                    "run.weight_store_keyfile": f'"{d.certs.key}"',
+                    "run.weight_store_ca_file": f'"{d.certs.ca}"',
+                }
+            )
+        p = d.run(run_config(HTTP, runs / "r", rounds=3, **store), timeout_s=2400)
         summary = _complete(d, p, runs / "r")
         _one_service_per_node(d, summary, rounds=3)
+        assert f"weight store: serving {runs / 'r'} at http{'s' if tls else ''}://{d.host}:" in p.stdout + p.stderr
 
 
 @pytest.mark.slow
