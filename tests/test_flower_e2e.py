@@ -18,6 +18,7 @@ from fl_app.weights import Manifest, load_shards
 from server_app.local_superlink import find_superlink
 
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
+HTTP = ROOT / "tests" / "fixtures" / "e2e-http-recipe.yaml"
 
 
 def _rc(run_dir: Path, **extra: object) -> str:
@@ -103,6 +104,29 @@ def test_resume_continues_after_the_last_round_on_disk_and_matches_uninterrupted
     resumed = Manifest.from_dir(RunDir(two_rounds).member_dir(3))
     uninterrupted = Manifest.from_dir(RunDir(fresh).member_dir(3))
     assert [s.digest for s in resumed.shards] == [s.digest for s in uninterrupted.shards]
+
+
+def test_the_served_weight_store_gives_the_inline_runs_bits(fl, two_rounds, tmp_path):
+    """run.weight_store=http with every weight above the inline limit: the ServerApp serves its
+    run dir over HTTP, nodes fetch the global model into their node-local cache and upload their
+    results with the run's token, writing only node-local files; rounds 0 and 1 are the inline
+    run's bits (issue 14: weights without a shared disk)."""
+    run_dir, cache = tmp_path / "http", tmp_path / "node-cache"
+    p = fl.run(run_config(HTTP, run_dir, rounds=1, **{"run.weight_cache_dir": f'"{cache}"'}), timeout_s=900)
+    status = run_status(run_dir)
+    assert status.returncode == 0, status.stdout + p.stdout[-3000:] + p.stderr[-3000:]
+    assert "weight store: serving" in p.stdout + p.stderr
+    for rnd in (0, 1):
+        served = Manifest.from_dir(RunDir(run_dir).member_dir(rnd))
+        inline = Manifest.from_dir(RunDir(two_rounds).member_dir(rnd))
+        assert [s.digest for s in served.shards] == [s.digest for s in inline.shards]
+    # through the channel: round 0's model was uploaded into the server's run dir by a node, the
+    # nodes fetched the global models into their own cache and wrote only there
+    assert (run_dir / "scratch" / "init-actor" / "manifest.json").is_file()
+    assert len([d for d in cache.iterdir() if (d / "manifest.json").is_file()]) == 2  # rounds 0 and 1
+    assert not list((cache / "work").rglob("*.safetensors")), "published dirs are dropped"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert sum(s["fits"] for s in summary["services"]) == 2
 
 
 def test_run_dir_with_more_rounds_than_asked_is_refused(fl, two_rounds):
