@@ -62,6 +62,9 @@ class _NewUpload(BaseModel):
     manifest: str
 
 
+ABANDON_WAIT_S = 5.0  # an abandon answers once the upload's in-flight shards have stopped (or after this)
+
+
 @dataclass
 class _Upload:
     key: str
@@ -71,6 +74,7 @@ class _Upload:
     verified: set[str] = field(default_factory=set)
     busy: set[str] = field(default_factory=set)
     touched: float = field(default_factory=time.monotonic)
+    abandoned: bool = False  # the client gave up while shards were still arriving: the last one cleans up
 
 
 def _fail(status: int, e: Exception | str) -> HTTPException:
@@ -208,6 +212,8 @@ def build_app(root: Path, token: str) -> FastAPI:
         finally:
             up.busy.discard(file)
             up.touched = time.monotonic()
+            if up.abandoned and not up.busy:
+                shutil.rmtree(up.staged, ignore_errors=True)
         return {"verified": file}
 
     @app.post("/v1/uploads/{upload_id}/commit")
@@ -238,9 +244,13 @@ def build_app(root: Path, token: str) -> FastAPI:
 
     @app.delete("/v1/uploads/{upload_id}")
     async def abandon(upload_id: str) -> dict[str, bool]:
-        if (up := uploads.get(upload_id)) is not None and not up.busy:
-            uploads.pop(upload_id)
-            shutil.rmtree(up.staged, ignore_errors=True)
+        if (up := uploads.pop(upload_id, None)) is not None:
+            up.abandoned = True
+            deadline = time.monotonic() + ABANDON_WAIT_S  # shards still arriving end with their connection
+            while up.busy and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            if not up.busy:  # else the last shard still arriving removes the staging dir
+                shutil.rmtree(up.staged, ignore_errors=True)
         return {"abandoned": True}
 
     return app
