@@ -60,7 +60,9 @@ def test_an_s3_store_gives_the_same_bits(tmp_path, request, monkeypatch):
     with flower(tmp_path / "flwr") as fr:
         _complete(fr, STORE, tmp_path / "disk")
         _complete(fr, STORE, tmp_path / "s3", **{"run.weight_store": '"s3://weights/runs"'})
-    assert _digests(tmp_path / "disk", 1) == _digests(tmp_path / "s3", 1)
+        # another run (other seed: other uploads under the same keys) into the same prefix: its own run-<id>
+        _complete(fr, STORE, tmp_path / "s3-again", seed=1, **{"run.weight_store": '"s3://weights/runs"'})
+    assert _digests(tmp_path / "disk", 1) == _digests(tmp_path / "s3", 1) != _digests(tmp_path / "s3-again", 1)
     uploads = s3fs.S3FileSystem(**opts).find("weights/runs")
     assert any("/clients/client-" in u for u in uploads), uploads[:20]  # the nodes uploaded there
     assert any(u.endswith("round-0001/actor/manifest.json") for u in uploads), uploads[:20]
