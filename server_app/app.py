@@ -104,7 +104,7 @@ class Weights:
     stops the served store; the run calls it on every path.
     """
 
-    def __init__(self, rd: RunDir, cfg: Config) -> None:
+    def __init__(self, rd: RunDir, cfg: Config, run_id: int) -> None:
         self.rd = rd
         r = cfg.run
         self.shard_bytes = int(r.shard_max_mb * 2**20)
@@ -112,6 +112,8 @@ class Weights:
         self.cache_dir = rd.path / "scratch" / "fetched"
         self.server: WeightStoreServer | None = None
         spec = r.weight_store.strip()
+        if spec not in ("", "http"):  # entries are immutable: each run its own prefix, or a later run's
+            spec = f"{spec.rstrip('/')}/run-{run_id}"  # uploads collide with an earlier one's under the same keys
         self.node_store: dict[str, str] = {"weight-store": spec, "weight-store-token": ""}
         if spec in ("", "http"):
             self.store: WeightStore = DirStore(rd.path, self.shard_bytes)
@@ -182,7 +184,7 @@ class Run:
 
     def __init__(self, grid: Grid, context: Context, cfg: Config, rd: RunDir) -> None:
         self.grid, self.context, self.cfg, self.rd = grid, context, cfg, rd
-        self.w = Weights(rd, cfg)
+        self.w = Weights(rd, cfg, context.run_id)
         try:
             self.nodes = Nodes()
             self.sampler = ClientSampler(
