@@ -161,7 +161,7 @@ class TrainerService:
         self.trainer = make_trainer(self.cfg, self.env_url, run_dir=self.run_dir)
         self._stack.callback(self.trainer.close)
         if self.cfg.env_partition.name != "uniform":  # each client trains on its own env variant
-            self.variants = VariantEnvServices(self.cfg)
+            self.variants = VariantEnvServices(self.cfg, base=probe)
             self._stack.callback(self.variants.close)
         self.last_request = time.monotonic()  # the idle clock starts when the service can serve
 

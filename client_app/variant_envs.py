@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from envs.base import Env
 from envs.registry import make_env
 from envs.service import serve_in_subprocess
 from fl_app.config import Config
@@ -41,13 +42,14 @@ class ClientEnv:
 class VariantEnvServices:
     """Per-client variant env services of one lane, started lazily, at most `keep` alive."""
 
-    def __init__(self, cfg: Config, keep: int = KEEP) -> None:
+    def __init__(self, cfg: Config, keep: int = KEEP, base: Env | None = None) -> None:
+        """`base`: the unperturbed engine, when the caller has built one already (the lane has)."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.cfg, self.keep = cfg, keep
         self.partition = EnvPartition.of(cfg.env_partition.model_dump())
         self.partition.check()
-        base = make_env(cfg.env.name, **cfg.env.params)  # the unperturbed engine's facts, once
+        base = base if base is not None else make_env(cfg.env.name, **cfg.env.params)
         self.facts, self.val_size = engine_facts(base), base.val_size
         self._live: OrderedDict[str, tuple[str, contextlib.ExitStack]] = OrderedDict()
         self.started = 0

@@ -115,7 +115,10 @@ class Weights:
         if spec not in ("", "http"):  # entries are immutable: each run its own prefix, or a later run's
             spec = f"{spec.rstrip('/')}/run-{run_id}"  # uploads collide with an earlier one's under the same keys
         self.node_store: dict[str, str] = {"weight-store": spec, "weight-store-token": ""}
-        if spec in ("", "http"):
+        # a store other than the run dir gets each global model published once before a message names it
+        self.remote = spec not in ("", "http")
+        self._published: set[str] = set()
+        if not self.remote:
             self.store: WeightStore = DirStore(rd.path, self.shard_bytes)
         else:
             self.store = open_store(
@@ -136,19 +139,15 @@ class Weights:
             self.node_store = {"weight-store": self.server.url, "weight-store-token": token}
             log(f"weight store: serving {rd.path} at {self.server.url} (nodes fetch and upload shards there)")
 
-    @property
-    def remote(self) -> bool:
-        """True when the nodes' store is not the server's run dir (entries must be published)."""
-        return not isinstance(self.store, DirStore) or Path(self.store.root).resolve() != self.rd.path.resolve()
-
     def payload(self, r: int, members: tuple[str, ...]) -> tuple[dict[str, ArrayRecord], dict[str, Any]]:
         """What a message carries to name the global `members` of round r: per member its
         ArrayRecord (RecordDict key `arrays_key(member)`) and its WeightsRef config entries."""
         keys = {m: self.rd.store_key(self.rd.member_dir(r, m)) for m in members}
-        if self.remote:
-            for m, key in keys.items():
+        for m, key in keys.items():
+            if self.remote and key not in self._published:
                 if Manifest.from_dir(self.rd.member_dir(r, m)).tensor_bytes > self.inline_bytes:
-                    self.store.publish(self.rd.member_dir(r, m), key)  # a no-op once there
+                    self.store.publish(self.rd.member_dir(r, m), key)
+                self._published.add(key)
         arrays, config, _refs = send_members(self.store, keys, self.inline_bytes)
         return {k: ArrayRecord(v) for k, v in arrays.items()}, config
 
