@@ -597,7 +597,9 @@ class RunCfg(_Strict):
                 f"run.weight_store={spec!r}: the built-in store is `http` (the ServerApp serves it and "
                 "tells the nodes its URL and token); set run.weight_store_url for the address nodes use"
             )
-        if scheme == "file" and not urlsplit(spec).path.startswith("/"):
+        if scheme == "file" and (
+            urlsplit(spec).netloc not in ("", "localhost") or not urlsplit(spec).path.startswith("/")
+        ):
             raise ValueError(f"run.weight_store={spec!r}: a shared disk is file:///absolute/path")
         served = ("weight_store_url", "weight_store_certfile", "weight_store_keyfile")
         if spec != "http" and any(getattr(self, k) for k in served):

@@ -173,3 +173,29 @@ def test_resolved_config_round_trips(tmp_path):
     save_config(cfg, tmp_path / "config.yaml")
     again = load_config(str(tmp_path / "config.yaml"))
     assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"run.weight_store": "nas"}, "none of ''"),
+        ({"run.weight_store": "http://10.0.0.1:9400"}, "the built-in store is `http`"),
+        ({"run.weight_store": "file://relative/dir"}, "file:///absolute/path"),
+        ({"run.weight_store_url": "https://10.0.0.1:9400"}, "set run.weight_store=http"),
+        ({"run.weight_store": "http", "run.weight_store_certfile": "/etc/c.pem"}, "go together"),
+        ({"run.weight_store": "http", "run.weight_store_host": "0.0.0.0"}, "set run.weight_store_url"),
+        ({"run.weight_store": "http", "run.weight_store_url": "10.0.0.1:9400"}, "must be an http"),
+    ],
+)
+def test_a_weight_store_nobody_could_open_is_refused_before_anything_starts(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=overrides)
+
+
+def test_the_weight_store_ca_file_is_node_local():
+    """Each node names its own CA path: it must not change the recipe digest nodes check."""
+    from fl_app.config import recipe_sha256
+
+    a = load_config(overrides={"run.weight_store": "http", "run.weight_store_ca_file": "/a/ca.pem"})
+    b = load_config(overrides={"run.weight_store": "http", "run.weight_store_ca_file": "/b/ca.pem"})
+    assert recipe_sha256(a) == recipe_sha256(b) != recipe_sha256(load_config())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -161,9 +162,11 @@ def test_a_tampered_variant_record_fails_the_service_start_naming_the_cause(mode
     record = services.for_client(0, shard(0)).variant.to_dict()
     services.close()
     record["engine"] = {**record["engine"], "rank_seed": 7}
+    before = set(Path(tempfile.gettempdir()).glob("env-variant-*.json"))
     with pytest.raises(Exception, match="content hash"):
         with serve_in_subprocess("shop", 2, SMALL_ENV_PARAMS, variant=record):
             pass
+    assert set(Path(tempfile.gettempdir()).glob("env-variant-*.json")) <= before, "the record's file is removed"
 
 
 def test_partition_json_records_the_variant_each_lane_serves(tmp_path):

@@ -313,3 +313,29 @@ def test_prune_cache_keeps_the_newest_entries_and_skips_one_being_fetched(tmp_pa
         dropped = prune_cache(tmp_path, keep=2)
     assert sorted(dropped) == sorted(names[2:4])
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == sorted([names[0], names[1], names[4], "work"])
+
+
+def test_the_served_run_dir_store_lives_until_the_run_closes_it(tmp_path):
+    """run.weight_store=http: the ServerApp's store answers with the run's token while the run
+    lives, refuses a request without it, and is gone (port closed) once the run closes it."""
+    import socket
+    from urllib.parse import urlsplit
+
+    import httpx
+
+    from fl_app.config import load_config
+    from fl_app.rundir import RunDir
+    from server_app.app import Weights
+
+    cfg = load_config(overrides={"run.weight_store": "http"})
+    (tmp_path / "run").mkdir()
+    w = Weights(RunDir(tmp_path / "run"), cfg, run_id=7)
+    try:
+        url, token = w.node_store["weight-store"], w.node_store["weight-store-token"]
+        assert urlsplit(url).hostname == "127.0.0.1" and len(token) >= 32
+        assert httpx.get(f"{url}/v1/ping", headers={"Authorization": f"Bearer {token}"}).is_success
+        assert httpx.get(f"{url}/v1/ping").status_code in (401, 403)
+    finally:
+        w.close()
+    with pytest.raises(OSError):
+        socket.create_connection((urlsplit(url).hostname, urlsplit(url).port), timeout=2).close()
