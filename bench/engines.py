@@ -38,14 +38,16 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
+from client_app.algos import ActorLossSpec
 from client_app.rollout import derive_seed, group_specs, training_rows
 from client_app.trainer import make_engine
 from client_app.trainer.advantages import ADVANTAGES
 from client_app.trainer.device import resolve_device
+from client_app.trainer.engine import TrainingEngine
 from client_app.trainer.loop import RLTrainer, loss_specs, policy_pass
 from envs.service import serve_in_subprocess
 from fl_app.config import Config, load_config
@@ -91,6 +93,8 @@ def rollout_arm(cfg: Config, url: str, args: argparse.Namespace, device: torch.d
     """Play the episodes once to warm up (compilation, CUDA graphs, caches), then timed."""
     engine = make_engine(cfg, Path(cfg.model.path))
     trainer = RLTrainer(cfg, engine, Path(cfg.model.path), url)
+    if trainer.env is None:
+        raise RuntimeError(f"the rollout arm's trainer has no env client (env url {url!r})")
     val = int(trainer.env.info()["val_size"])
     specs = group_specs([k % val for k in range(args.episodes)], 1)
     trainer._play(specs[: min(8, len(specs))], 1.0, 1, "warm-up")
@@ -127,6 +131,8 @@ def vllm_fixed_shape(trainer: RLTrainer, episodes: int, prompt_tokens: int, new_
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if trainer.rollouts is None:
+        raise RuntimeError("the vLLM fixed-shape arm needs the trainer's rollout engine, and it has none")
     gen = trainer.rollouts.generator
     rng = random.Random(0)
     vocab = len(trainer.engine.tokenizer)
@@ -153,7 +159,19 @@ def vllm_fixed_shape(trainer: RLTrainer, episodes: int, prompt_tokens: int, new_
     }
 
 
-def update_arm(trainer: RLTrainer, episodes: list, rows: list, device: torch.device, peak: float) -> dict:
+class UpdateTarget(Protocol):
+    """What update_arm uses: an RLTrainer, or the verl arm's stand-in (a training engine alone)."""
+
+    cfg: Config
+    engine: TrainingEngine
+    policy_loss: ActorLossSpec
+
+    def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]: ...
+
+    def load_weights(self, state: Any, member: str = "actor") -> None: ...
+
+
+def update_arm(trainer: UpdateTarget, episodes: list, rows: list, device: torch.device, peak: float) -> dict:
     """One policy pass over `rows` from the engine's current weights (restored after)."""
     start = trainer.export_weights()
     advantages, _ = ADVANTAGES["group_relative"](episodes, rows, None, trainer.cfg.algo)
@@ -328,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                     verl_config.recipe_overrides = lambda *a, extra=extra: compose(*a) + extra
                     cfg = bench_config(args, "vllm" if device.type == "cuda" else "hf", backend="verl")
                     engine = make_engine(cfg, args.model, Path(tmp) / label)  # no rollout engine: one vLLM per process
+                    # a stand-in with UpdateTarget's members (SimpleNamespace: mypy cannot see them, hence the cast)
                     verl = SimpleNamespace(
                         engine=engine,
                         cfg=cfg,
@@ -337,7 +356,10 @@ def main(argv: list[str] | None = None) -> int:
                         load_weights=engine.load_weights,
                     )
                     verl.load_weights(start)
-                    report[label] = {"overrides": extra, **update_arm(verl, episodes, rows, device, peak)}
+                    report[label] = {
+                        "overrides": extra,
+                        **update_arm(cast(UpdateTarget, verl), episodes, rows, device, peak),
+                    }
                     verl.close()
                     print(json.dumps({label: report[label]}), flush=True)
                 verl_config.recipe_overrides = compose

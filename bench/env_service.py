@@ -291,6 +291,8 @@ def baseline_code(ref: str, into: Path) -> ModuleType:
             ) from e
         (pkg / name).write_bytes(code)
     spec = importlib.util.spec_from_file_location("envsvc_baseline.client", pkg / "client.py")
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot load the baseline client from {pkg / 'client.py'}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -324,8 +326,11 @@ def baseline_service(
     url: list[str] = []
     ready = threading.Event()
 
+    stdout = proc.stdout
+    assert stdout is not None  # Popen(stdout=PIPE) always gives a pipe
+
     def drain() -> None:
-        for line in proc.stdout:
+        for line in stdout:
             if line.startswith(READY_PREFIX) and not url:
                 url.append(json.loads(line[len(READY_PREFIX) :])["url"])
                 ready.set()

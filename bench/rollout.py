@@ -22,6 +22,7 @@ import json
 import platform
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ from envs.registry import system_prompt
 from envs.service import serve_in_subprocess
 from fl_app.config import load_config
 
-QWEN05B = dict(
+QWEN05B: dict[str, Any] = dict(  # Qwen2Config keyword arguments (ints, floats and a bool)
     hidden_size=896,
     intermediate_size=4864,
     num_hidden_layers=24,

@@ -35,7 +35,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -138,6 +138,18 @@ class Node:
 
 # ---- legs --------------------------------------------------------------------------------
 LEG_CPU: list[dict[str, float]] = []
+
+
+class Leg(TypedDict, total=False):
+    """One direction's figures in the report: seconds per method, their CPU seconds (LEG_CPU entries), rates."""
+
+    raw: float
+    raw_cpu: dict[str, float]
+    store: float
+    store_cpu: dict[str, float]
+    raw_gbps: float
+    store_gbps: float
+    ratio: float
 
 
 def _leg(nodes: list[Node], cmds: list[dict[str, Any]], local: list[threading.Thread]) -> tuple[float, list[dict]]:
@@ -419,7 +431,7 @@ def main() -> None:
         nodes = [Node(i) for i in range(2)]
         token = new_token()
         server = WeightStoreServer(run_dir, token, bind_listener("127.0.0.1", None)).start()
-        legs: dict[str, dict[str, float]] = {}
+        legs: dict[str, Leg] = {}
         try:
             legs["down"] = {
                 "raw": raw_down(nodes, model.root, files, [work / f"raw-node{i}" for i in range(2)]),
@@ -466,9 +478,11 @@ def main() -> None:
             server.stop()
         moved = 2 * nbytes
         for leg in legs.values():
-            leg.update({f"{k}_gbps": moved / leg[k] / 1e9 for k in ("raw", "store")})  # type: ignore[operator]
+            leg["raw_gbps"] = moved / leg["raw"] / 1e9
+            leg["store_gbps"] = moved / leg["store"] / 1e9
             leg["ratio"] = leg["raw"] / leg["store"]
-        raw_s, store_s = (sum(leg[k] for leg in legs.values()) for k in ("raw", "store"))
+        raw_s = sum(leg["raw"] for leg in legs.values())
+        store_s = sum(leg["store"] for leg in legs.values())
         result.update(
             {
                 "bytes": nbytes,

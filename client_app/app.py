@@ -76,7 +76,7 @@ class _Node:
     def store_is_run_dir(self) -> bool:
         return isinstance(self.store, DirStore) and self.store.root == self.run_dir
 
-    def info(self) -> dict[str, str]:
+    def info(self) -> dict[str, Any]:
         """Where this node's trainer service logs (the server lists it in summary.json)."""
         return {"node-host": socket.gethostname(), "lane": self.lane.lane, "service-log": str(self.lane.log_path)}
 
@@ -85,10 +85,15 @@ class RecipeMismatch(ConfigError):
     """This node resolved a different recipe than the server."""
 
 
+def _config(msg: Message) -> dict[str, Any]:
+    """The server's config record of `msg` as a plain dict."""
+    return dict(msg.content.config_records["config"])
+
+
 def _node(msg: Message, context: Context) -> _Node:
     run_config = dict(context.run_config)
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
-    conf = msg.content["config"]
+    conf = _config(msg)
     want, got = str(conf["recipe-sha256"]), recipe_sha256(cfg)
     if want != got:
         raise RecipeMismatch(
@@ -122,7 +127,7 @@ def _node(msg: Message, context: Context) -> _Node:
 def _weights_dir(node: _Node, msg: Message, member: str, scratch: Path) -> Path:
     """A weights dir holding the message's global `member`: a verified local copy of the store
     entry, or a spill of the inline arrays into `scratch`."""
-    ref = WeightsRef.from_config(msg.content["config"], prefix=member)
+    ref = WeightsRef.from_config(msg.content.config_records["config"], prefix=member)
     if not ref.inline:
         node.require_store(ref.nbytes)
         local = receive_manifest(ref, node.store, node.cache_dir).root
@@ -132,7 +137,7 @@ def _weights_dir(node: _Node, msg: Message, member: str, scratch: Path) -> Path:
             raise WeightsError(f"the weight store returned no local copy of {ref.key!r}")
         return local
     shutil.rmtree(scratch, ignore_errors=True)
-    arrays = msg.content.get(arrays_key(member)) or ArrayRecord()
+    arrays = msg.content.array_records.get(arrays_key(member)) or ArrayRecord()
     save_shards(receive_weights(ref, arrays.to_torch_state_dict(), None), scratch, node.shard_bytes)
     return scratch
 
@@ -159,7 +164,7 @@ def _reply(
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     node = _node(msg, context)
-    conf = msg.content["config"]
+    conf = _config(msg)
     rnd, cid = int(conf["server-round"]), int(conf["client-id"])
     base = node.work.client_dir(rnd, cid)
     shutil.rmtree(base, ignore_errors=True)  # a dead attempt's leftovers are never reused
@@ -183,7 +188,7 @@ def train(msg: Message, context: Context) -> Message:
     for m in members:
         if w_in[m] == spills[m]:
             shutil.rmtree(spills[m])
-    metrics = {k: float(v) for k, v in reply["metrics"].items()}
+    metrics: dict[str, Any] = {k: float(v) for k, v in reply["metrics"].items()}
     metrics["num-examples"] = int(reply["num_examples"])
     return _reply(msg, node, outs, metrics, {"client-id": cid})
 
@@ -191,15 +196,16 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     node = _node(msg, context)
-    rnd = int(msg.content["config"]["server-round"])
+    conf = _config(msg)
+    rnd = int(conf["server-round"])
     scratch = node.work.path / "scratch" / f"eval-{rnd:04d}"
     w_in = _weights_dir(node, msg, "actor", scratch)
     reply = node.lane.request(
         "/evaluate",
-        {"run_id": context.run_id, "round": rnd, "seed": int(msg.content["config"]["seed"]), "weights_in": str(w_in)},
+        {"run_id": context.run_id, "round": rnd, "seed": int(conf["seed"]), "weights_in": str(w_in)},
     )
     shutil.rmtree(scratch, ignore_errors=True)
-    metrics = {k: float(v) for k, v in reply["metrics"].items()}
+    metrics: dict[str, Any] = {k: float(v) for k, v in reply["metrics"].items()}
     metrics["num-examples"] = int(reply["num_examples"])
     return Message(
         content=RecordDict({"metrics": MetricRecord(metrics), "config": ConfigRecord(node.info())}), reply_to=msg

@@ -94,13 +94,13 @@ def label_tasks(
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "pool_size": len(pool),
         "tasks_labelled": len(tasks),
-        "successes": sum(success.values()),
+        "successes": (solved := sum(success.values())),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     write_labels(out, success, provenance)
     n = len(success)
     print(
-        f"labelled {n} tasks: {provenance['successes']} solved ({provenance['successes'] / n:.1%}) in "
+        f"labelled {n} tasks: {provenance['successes']} solved ({solved / n:.1%}) in "
         f"{provenance['wall_s']:.0f} s; wrote {out}",
         flush=True,
     )

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from tqdm import tqdm
@@ -149,7 +149,22 @@ class _RowSeededSampler(LogitsProcessor):
         uniform = torch.stack([torch.rand(scores.shape[1], generator=g, device=scores.device) for g in self.generators])
         gumbel = -torch.log(-torch.log(uniform.clamp_(min=1e-20)))
         choice = (scores.float() / self.temperature + gumbel).argmax(dim=-1, keepdim=True)
-        return torch.full_like(scores, -float("inf")).scatter_(1, choice, 0.0)
+        return torch.full_like(scores, -float("inf")).scatter_(1, choice, 0.0)  # type: ignore[return-value]
+
+
+class Generator(Protocol):
+    """What `run_episodes` needs of a rollout engine: `BatchedGenerator` (Hugging Face), the
+    vLLM rollout, verl's server-backed generator."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def eos_ids(self) -> Sequence[int]: ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], temperature: float, seeds: Sequence[int]) -> list[list[int]]:
+        """One reply per prompt (token ids, cut at the first eos), row i sampled with seeds[i]."""
+        ...
 
 
 class BatchedGenerator:
@@ -189,7 +204,7 @@ class BatchedGenerator:
                 f"the model's output layer has {rows} rows but the tokenizer has {self.vocab_size} "
                 "tokens; model and tokenizer do not belong together"
             )
-        self._limit = [_VocabLimit(self.vocab_size)] if rows > self.vocab_size else []
+        self._limit: list[LogitsProcessor] = [_VocabLimit(self.vocab_size)] if rows > self.vocab_size else []
 
     def generate(self, prompts: Sequence[Sequence[int]], temperature: float, seeds: Sequence[int]) -> list[list[int]]:
         """Response ids per prompt, cut after the first eos; row i samples with `seeds[i]`
@@ -344,7 +359,7 @@ def _checked(results: list[dict], verb: str, sids: Sequence[str]) -> list[dict]:
 
 
 def run_episodes(
-    generator: BatchedGenerator,
+    generator: Generator,
     env: Any,
     specs: Sequence[EpisodeSpec],
     settings: RolloutSettings,

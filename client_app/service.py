@@ -237,6 +237,7 @@ class TrainerService:
             if self.fits or self.evals:
                 raise Refused(409, "initial weights requested after the trainer already loaded others")
             self.save(outs)
+            assert self.trainer is not None  # save() ran on it
             start = self.trainer.critic_start
             return {"fits": self.fits, "critic_start": start.as_dict() if start is not None else None}
 

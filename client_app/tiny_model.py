@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -160,7 +161,7 @@ def tokenizer_corpus(demos: list[Demo]) -> list[str]:
     return texts
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, whole: list[str] = ()):
+def train_tokenizer(texts: list[str], vocab_size: int, whole: Sequence[str] = ()):
     """Byte-level BPE on `texts`, saved and reloaded as a `Qwen2Tokenizer` with ChatML tokens;
     each string of `whole` becomes one added token (matched before BPE, kept on save/load).
 
@@ -191,7 +192,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, whole: list[str] = ()):
     trained = json.loads(bpe.to_str())["model"]
     tokenizer = Qwen2Tokenizer(
         vocab=trained["vocab"],
-        merges=[tuple(m) for m in trained["merges"]],
+        merges=[tuple(m) for m in trained["merges"]],  # type: ignore[misc]  # the stub says str; pairs are what it reads
         eos_token=IM_END,
         pad_token=PAD,
         extra_special_tokens=[IM_START],
@@ -311,6 +312,7 @@ def load_causal_lm(path: str | Path, device: str | torch.device = "cpu"):
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # batched generation needs a pad id; masked anyway
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
+    model = model.to(device)  # type: ignore[arg-type]  # transformers' stub types `to` as its own wrapper
     model.eval()
     return model, tokenizer

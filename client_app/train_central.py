@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         trainer = make_trainer(cfg, url, run_dir=out)
         try:
+            if trainer.env is None:
+                raise RuntimeError(f"the trainer did not connect to the env service at {url}")
             info = trainer.env.info()
             val_size, num_tasks = int(info["val_size"]), int(info["num_tasks"])
             if cfg.federation.val_tasks > val_size:

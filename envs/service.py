@@ -125,6 +125,13 @@ class _Session:
     ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
+    @property
+    def engine(self) -> Env:
+        """The engine an engine call runs on (verbs reach a session only once it holds one)."""
+        if self.env is None:
+            raise SessionConflict(f"session {self.sid!r} holds no env engine")
+        return self.env
+
 
 class EnvPool:
     """Borrow/return bookkeeping for a fixed set of engines.
@@ -220,8 +227,8 @@ class EnvPool:
 
     async def _return_after_lock(self, s: _Session) -> None:
         async with s.lock:
-            self._returning.remove(s.env)
-            self._give(s.env)
+            self._returning.remove(s.engine)
+            self._give(s.engine)
 
     def _give(self, env: Env) -> None:
         while self._waiting:
@@ -305,11 +312,11 @@ class _Shape:
             for name, value in obj.items():
                 if name in self.required:
                     continue
-                typ = self.optional.get(name)
-                if typ is None:
+                opt = self.optional.get(name)
+                if opt is None:
                     raise Malformed(f"unexpected field {name!r} (expected {self._names()})")
-                if value is not None and type(value) is not typ:
-                    raise Malformed(f"field {name!r} must be {typ.__name__} or null, got {type(value).__name__}")
+                if value is not None and type(value) is not opt:
+                    raise Malformed(f"field {name!r} must be {opt.__name__} or null, got {type(value).__name__}")
         return obj
 
     def _names(self) -> str:
@@ -427,7 +434,7 @@ def create_app(
     ok = {"ok": True}
 
     def do_reset(s: _Session, b: dict) -> dict:
-        obs, info = s.env.reset(b["seed"])
+        obs, info = s.engine.reset(b["seed"])
         s.turn, s.last_step = 0, None
         return {"observation": obs, "info": info}
 
@@ -439,14 +446,14 @@ def create_app(
             if turn == s.turn - 1 and s.last_step is not None and s.last_step[0] == action:
                 return s.last_step[1]  # a retry of a step that already ran
             raise SessionConflict(f"step turn {turn} out of order: session {s.sid!r} is at turn {s.turn}")
-        obs, reward, done, info = s.env.step(action)
+        obs, reward, done, info = s.engine.step(action)
         s.turn += 1
         result = {"observation": obs, "reward": reward, "done": done, "info": info}
         s.last_step = (action, result)
         return result
 
     def do_expert(s: _Session, b: dict) -> dict:
-        return {"action": s.env.expert_action()}
+        return {"action": s.engine.expert_action()}
 
     def engine_call(fn: Callable[[_Session, dict], dict], s: _Session, b: dict) -> dict:
         try:
@@ -634,8 +641,8 @@ def serve(
     config = uvicorn.Config(
         app,
         loop="uvloop",
-        http=protocol,
-        access_log=False,  # type: ignore[arg-type]
+        http=protocol,  # type: ignore[arg-type]  # uvicorn takes any protocol factory; its stub names classes
+        access_log=False,
         log_level="warning",
         timeout_keep_alive=120,
         proxy_headers=False,
@@ -809,7 +816,7 @@ def serve_in_subprocess(
     got_ready = threading.Event()
 
     def drain() -> None:  # keep reading so the child never blocks on a full pipe
-        for line in proc.stdout:
+        for line in proc.stdout or ():
             if line.startswith(READY_PREFIX) and not url:
                 url.append(json.loads(line[len(READY_PREFIX) :])["url"])
                 got_ready.set()

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -54,6 +54,14 @@ KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+
 
 class ConfigError(ValueError):
     """A recipe or override is invalid; the message names the key and the fix."""
+
+
+def resolved(value: int | None, key: str) -> int:
+    """A size that validation fills when the recipe leaves it unset (algo.group_size,
+    algo.critic.mini_batch_size / micro_batch_size), for code that runs on a validated config."""
+    if value is None:
+        raise ConfigError(f"{key} is unset: validate the config (fl_app.config.load_config) before using it")
+    return value
 
 
 class _Strict(BaseModel):
@@ -86,7 +94,7 @@ def default_weight_cache() -> str:
 
 
 # the docs show these defaults unexpanded: their value depends on the machine that resolves them
-_NODE_DEFAULTS = {
+_NODE_DEFAULTS: dict[Any, str] = {
     default_model_cache: "$FEDAGENT_CACHE_DIR/models",
     default_weight_cache: "$FEDAGENT_CACHE_DIR/weights",
 }
@@ -742,7 +750,7 @@ class Config(_Strict):
             raise ValueError(
                 f"env_partition.fallback / holdout only apply to env_disjoint, not {part.name}; remove them"
             )
-        if pool is not None and part.num_variants > pool:
+        if pool is not None and part.num_variants is not None and part.num_variants > pool:
             raise ValueError(f"env_partition.num_variants={part.num_variants} exceeds the {part.name} pool ({pool})")
         clash = sorted(set(keys) & set(params))
         if clash:
@@ -759,7 +767,10 @@ class Config(_Strict):
     def _check_partition(self) -> None:
         """Coverage's size bounds against |X_i| (the pool-size checks run once the pool is known)."""
         p, low = self.partition.params, self.federation.tasks_per_client
-        if self.partition.name == "coverage" and not (low <= p.center <= p.high and p.high > low):
+        center, high = p.center, p.high  # filled from PARTITION_DEFAULTS when unset
+        if self.partition.name == "coverage" and (
+            center is None or high is None or not (low <= center <= high and high > low)
+        ):
             raise ValueError(
                 f"partition coverage needs federation.tasks_per_client={low} <= partition.params."
                 f"center={p.center} <= partition.params.high={p.high}, with high > tasks_per_client"
@@ -924,7 +935,7 @@ def _load_recipe(path: Path, chain: tuple[Path, ...] = ()) -> Any:
         node = OmegaConf.load(path)
     except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as e:
         raise ConfigError(f"recipe {path} is not valid YAML: {str(e).strip()}") from None
-    if not hasattr(node, "get") or not node:
+    if not isinstance(node, DictConfig) or not node:
         raise ConfigError(
             f"recipe {path} is empty or not a mapping of config sections; see configs/tiny-shop-grpo.yaml"
         )
@@ -948,6 +959,8 @@ def load_config(
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(extra))
         data = OmegaConf.to_container(merged, resolve=True) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"recipe {recipe!r} is not a mapping of config sections")
     except OmegaConfBaseException as e:
         raise ConfigError(f"recipe {recipe!r}: {str(e).strip()}") from None
     known = run_config_keys()
@@ -963,7 +976,7 @@ def load_config(
                 + " (every key is listed in docs/config.md)"
             )
         value = _run_config_value(key, value, known[path])
-        node = data
+        node: dict[Any, Any] = data
         *parents, leaf = path.split(".")
         for part in parents:
             node = node.setdefault(part, {})
@@ -1009,7 +1022,7 @@ def _describe(model: type[BaseModel], prefix: str = "") -> list[str]:
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows += _describe(ann, f"{prefix}{name}.")
             continue
-        default = _NODE_DEFAULTS.get(field.default_factory) or field.get_default(call_default_factory=True)  # type: ignore[call-overload]
+        default = _NODE_DEFAULTS.get(field.default_factory) or field.get_default(call_default_factory=True)
         kind = re.sub(r"typing\.|<class '([^']+)'>", r"\1", str(ann)).replace("|", "or")
         rows.append(f"| `{prefix}{name}` | {kind} | `{default!r}` | {(field.description or '').replace('|', '/')} |")
     return rows

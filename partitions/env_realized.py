@@ -12,7 +12,7 @@ import itertools
 import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 from partitions.env_variants import (
     POOLS,
@@ -163,6 +163,15 @@ def scene_overlap(
     }
 
 
+class _ShopSearch(Protocol):
+    """The part of the shop engine (envs.shop.env) the search measures use; duck-typed, as
+    nothing here imports the engines."""
+
+    def expert_query(self, task: int | None = None) -> str: ...
+
+    def search_ids(self, query: str, task: int = 0, search_no: int = 1) -> list[str]: ...
+
+
 def variant_counts(variants: Sequence[EnvVariant], pool_size: int) -> list[int]:
     counts = Counter(v.index for v in variants)
     return [counts[i] for i in range(pool_size)]
@@ -202,16 +211,19 @@ def realized_env_heterogeneity(
         "variant_of_client": {v.client_id: v.label for v in variants},
     }
     if part.name in POOLS:
-        labels = [label for label, _ in POOLS[part.name][: part.num_variants]]
-        out["variant_labels"], out["variant_counts"] = labels, variant_counts(variants, part.num_variants)
+        num_variants = part.num_variants
+        assert num_variants is not None  # EnvPartition.of checked it: every POOLS partition needs num_variants
+        labels = [label for label, _ in POOLS[part.name][:num_variants]]
+        out["variant_labels"], out["variant_counts"] = labels, variant_counts(variants, num_variants)
         # one engine per pool entry, as the first client assigned to it sees it
         first = {
-            i: next(c for c in itertools.count() if assign_variant(c, part.num_variants, part.seed) == i)
-            for i in range(part.num_variants)
+            i: next(c for c in itertools.count() if assign_variant(c, num_variants, part.seed) == i)
+            for i in range(num_variants)
         }
         engines = {i: make_env(env_name, variant=variant(c).to_dict(), **params) for i, c in first.items()}
-        qs = [(base.expert_query(t), t) for t in train[:queries]]
-        out["search_agreement"] = search_agreement([e.search_ids for e in engines.values()], qs)
+        # POOLS partitions are shop-only (ENV_OF; client_variant rejects another env), so these are shop engines
+        qs = [(cast(_ShopSearch, base).expert_query(t), t) for t in train[:queries]]
+        out["search_agreement"] = search_agreement([cast(_ShopSearch, e).search_ids for e in engines.values()], qs)
         if part.name == "lookalike":
             out["lookalikes"] = {labels[i]: lookalike_stats(e, train) for i, e in engines.items()}
     elif part.name == "catalog_split":

@@ -328,11 +328,14 @@ def client_variant(
     if part.name == "uniform":
         return EnvVariant(env, part.name, client_id, "uniform", -1, tasks, (), knobs)
     if part.name == "catalog_split":
+        # part.check() above rejects a catalog_split without env_div and keep_ratio
+        assert part.env_div is not None and part.keep_ratio is not None
         targets = [facts["target_ids"][t] for t in tasks]
         keep = catalog_split(facts["product_ids"], targets, client_id, part.env_div, part.keep_ratio, part.seed)
         engine = {"catalog_keep": keep, "protected_tasks": tasks}
         return _variant(env, part, client_id, f"catalog_split/client{client_id}", -1, tasks, engine, knobs)
     if part.name == "env_disjoint":
+        assert part.env_div is not None  # part.check() above rejects an env_disjoint without env_div
         ids = facts["task_ids"]
         mine = env_disjoint(
             ids, range(val_size, len(ids)), client_id, num_clients, part.env_div, part.fallback, part.holdout, part.seed
@@ -344,6 +347,8 @@ def client_variant(
             )
         engine = {"only_tasks": tuple(ids[t] for t in mine)}
         return _variant(env, part, client_id, f"env_disjoint/client{client_id}", -1, mine, engine, knobs)
+    # every other name is a POOLS entry, and part.check() above rejects one without num_variants
+    assert part.num_variants is not None
     index = assign_variant(client_id, part.num_variants, part.seed)
     label, settings = POOLS[part.name][index]
     if part.name == "rank_wrapper":  # published: wrapper seed 42 + client_id

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from envs.ports import bind_listener
@@ -49,7 +49,14 @@ from fl_app.weights import Manifest, WeightsError, save_shards
 from partitions.report import write_partition_report
 from server_app.dispatch import RoundDispatch, request_one
 from server_app.errors import one_line, strip_ansi
-from server_app.strategy import ClientFailure, ClientSampler, RoundError, StreamingAggregator, inline_state
+from server_app.strategy import (
+    ClientFailure,
+    ClientSampler,
+    RoundError,
+    StreamingAggregator,
+    inline_state,
+    metrics_of,
+)
 
 app = ServerApp()
 NODE_WAIT_S = 120.0
@@ -167,7 +174,7 @@ class Nodes:
     def note(self, reply: Message) -> None:
         if reply.has_error() or "config" not in reply.content:
             return
-        conf = reply.content["config"]
+        conf = reply.content.config_records["config"]
         info = {k: str(conf[k]) for k in ("node-host", "lane", "service-log") if k in conf}
         node = int(reply.metadata.src_node_id)
         if info and self.seen.get(node) != info:
@@ -236,7 +243,7 @@ def _initial_model(run: Run, members: tuple[str, ...]) -> tuple[int, dict[str, A
     """Round 0: a lane exports its freshly built members; the server writes them as the checkpoint.
     Returns the bytes written and where the lane's critic came from (PPO; empty otherwise)."""
     reply = run.ask("query.init", "round 0: initial model")
-    conf = reply.content["config"]
+    conf = reply.content.config_records["config"]
     w = run.w
     nbytes = 0
     for member in members:
@@ -253,7 +260,7 @@ def _evaluate(run: Run, rnd: int) -> dict[str, float]:
     reply = run.ask(
         MessageType.EVALUATE, f"round {rnd}: validation", arrays, {**ref, "server-round": rnd, "seed": run.cfg.run.seed}
     )
-    return {f"val_{k}": float(v) for k, v in reply.content["metrics"].items() if k != "num-examples"}
+    return {f"val_{k}": v for k, v in metrics_of(reply).items() if k != "num-examples"}
 
 
 def _due_for_eval(cfg: Config, rnd: int) -> bool:
@@ -342,7 +349,9 @@ def _critic_provenance(rd: RunDir, resumed_after: int | None, lane_start: dict[s
         return {}
     if resumed_after is None:
         return {"init": lane_start.get("mode", ""), "source": lane_start.get("path", ""), "round0": lane_start}
-    round0 = next((row.get("critic_start", {}) for row in rd.read_metrics() if row.get("round") == 0), {})
+    round0: dict[str, Any] = next(
+        (row.get("critic_start", {}) for row in rd.read_metrics() if row.get("round") == 0), {}
+    )
     return {"init": "resume", "source": str(rd.member_dir(resumed_after, "critic")), "round0": round0}
 
 
@@ -403,7 +412,7 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         if failures:
             row["failed"] = [f.as_dict() for f in failures]
             row["dropped"] = sorted(set(sampled) - set(replies))
-        row.update({k if k.startswith("train_") else f"train_{k}": float(v) for k, v in train.items()})
+        row.update({k if k.startswith("train_") else f"train_{k}": v for k, v in train.items()})
         if _due_for_eval(cfg, rnd):
             with _heartbeat(f"round {rnd}/{fed.rounds}: validating"):
                 row.update(_evaluate(run, rnd))
@@ -440,7 +449,7 @@ def _train(
 
 def _aggregate(
     run: Run, rnd: int, replies: dict[int, Message], failures: list[ClientFailure]
-) -> tuple[dict[str, Manifest], MetricRecord]:
+) -> tuple[dict[str, Manifest], dict[str, float]]:
     """Average the replies into the round's checkpoint. An upload the aggregator refuses as
     non-finite is a failed client: dropped (and the average recomputed without it) when the
     round can afford it, else the round fails closed."""
@@ -481,9 +490,7 @@ def _shutdown_lanes(run: Run) -> list[dict[str, Any]]:
     for reply in run.grid.send_and_receive(msgs, timeout=120):
         if reply.has_error():
             log(f"shutdown on node {reply.metadata.src_node_id} failed: {one_line(reply.error.reason or '')}")
-        elif reply.content["metrics"]["stopped"]:
+        elif (stopped := metrics_of(reply))["stopped"]:
             node = int(reply.metadata.src_node_id)
-            out.append(
-                {"node": node, **{k: float(v) for k, v in reply.content["metrics"].items()}, **seen.seen.get(node, {})}
-            )
+            out.append({"node": node, **stopped, **seen.seen.get(node, {})})
     return out

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import Message, MetricRecord
+from flwr.app import Message
 
 from fl_app.store import WeightStore
 from fl_app.transport import WeightsRef, arrays_key, fedavg_received
@@ -91,34 +91,49 @@ class StreamingAggregator:
 
     def aggregate(
         self, replies: Sequence[Message], store: WeightStore, out_dirs: Mapping[str, Path], cache_dir: Path
-    ) -> tuple[dict[str, Manifest], MetricRecord]:
+    ) -> tuple[dict[str, Manifest], dict[str, float]]:
         """Average every member of `replies` (successful, in client order) into its
         `out_dirs[member]`, all members with the same `num-examples` weights."""
         manifests = {}
         for member, out_dir in out_dirs.items():
             items = [
                 (
-                    WeightsRef.from_config(m.content["config"], prefix=member),
+                    WeightsRef.from_config(m.content.config_records["config"], prefix=member),
                     inline_state(m, member),
-                    float(m.content["metrics"]["num-examples"]),
+                    metrics_of(m)["num-examples"],
                 )
                 for m in replies
             ]
-            names = [f"client {int(m.content['config']['client-id'])} ({member})" for m in replies]
+            names = [f"client {int(config_of(m)['client-id'])} ({member})" for m in replies]
             manifests[member] = fedavg_received(items, store, out_dir, self.shard_max_bytes, cache_dir, names)
-        return manifests, weighted_metrics([m.content["metrics"] for m in replies])
+        return manifests, weighted_metrics([metrics_of(m) for m in replies])
 
 
 def inline_state(msg: Message, member: str) -> dict[str, torch.Tensor]:
     """The inline weights of `member` a message carries (empty when they travel by reference)."""
-    record = msg.content.get(arrays_key(member))
+    record = msg.content.array_records.get(arrays_key(member))
     return dict(record.to_torch_state_dict()) if record is not None else {}
 
 
-def weighted_metrics(records: list[MetricRecord]) -> MetricRecord:
-    """num-examples-weighted mean of every float metric; num-examples summed."""
-    total = sum(float(r["num-examples"]) for r in records) or 1.0
-    keys = sorted(set().union(*(set(r.keys()) for r in records)) - {"num-examples"})
-    out = {k: sum(float(r[k]) * float(r["num-examples"]) for r in records if k in r) / total for k in keys}
+def config_of(msg: Message) -> dict[str, Any]:
+    """A message's config record as a plain dict."""
+    return dict(msg.content.config_records["config"])
+
+
+def metrics_of(msg: Message) -> dict[str, float]:
+    """A reply's metric record as floats: our replies carry numbers only, so a list is refused."""
+    out = {}
+    for k, v in msg.content.metric_records["metrics"].items():
+        if not isinstance(v, int | float):
+            raise TypeError(f"metric {k!r} of a reply is a {type(v).__name__}, not a number")
+        out[k] = float(v)
+    return out
+
+
+def weighted_metrics(records: list[dict[str, float]]) -> dict[str, float]:
+    """num-examples-weighted mean of every metric; num-examples summed."""
+    total = sum(r["num-examples"] for r in records) or 1.0
+    keys = sorted(set().union(*(set(r) for r in records)) - {"num-examples"})
+    out = {k: sum(r[k] * r["num-examples"] for r in records if k in r) / total for k in keys}
     out["num-examples"] = int(total)
-    return MetricRecord(out)
+    return out

@@ -163,7 +163,7 @@ def read_requirements(paths: Iterable[Path], extra: Iterable[str] = ()) -> list[
 
 def read_freeze(path: Path) -> dict[str, str]:
     """{canonical name: version} from the target's `pip list --format=freeze` (or `pip freeze`)."""
-    have = {}
+    have: dict[str, str] = {}
     for ln in path.read_text().splitlines():
         name, sep, version = ln.strip().partition("==")
         if sep and name and not name.startswith(("#", "-")):
@@ -277,7 +277,8 @@ def _fetch(
         "-d",
         str(staging / "dl"),
     ]
-    pending, found, errors = list(reqs), {}, []
+    pending, errors = list(reqs), []
+    found: dict[Requirement, tuple[Path, str]] = {}
     while pending:
         proc = _pip([*base, *map(str, pending)])
         if proc.returncode == 0:
@@ -479,6 +480,8 @@ def join(parts_dir: Path, out: Path) -> Manifest:
         with tarfile.open(parts_dir / p["file"]) as tar:
             for pc in map(lambda d: Piece(**d), p["pieces"]):
                 src = tar.extractfile(pc.member)  # by name: nothing is extracted to a path
+                if src is None:
+                    raise WheelhouseError(f"part {p['file']}: member {pc.member} is not a regular file")
                 with open(out / pc.wheel, "r+b") as f:
                     f.seek(pc.offset)
                     shutil.copyfileobj(src, f)

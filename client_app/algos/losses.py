@@ -83,9 +83,10 @@ def agg_loss(
     denominator = norm.num_seqs if norm is not None else nonempty.sum()
     loss = _divide_counts(masked_sum(per_row, nonempty), denominator)
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        if horizon is None:
-            horizon = norm.horizon if norm is not None and norm.horizon is not None else loss_mask.shape[-1]
-        loss = loss / horizon
+        steps: float | None = horizon
+        if steps is None:
+            steps = norm.horizon if norm is not None and norm.horizon is not None else loss_mask.shape[-1]
+        loss = loss / steps
     return loss
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from client_app.algos import (
     ActorLossSpec,
@@ -35,7 +36,7 @@ from client_app.tiny_model import load_causal_lm
 from client_app.trainer.advantages import pad_rows
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
 from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch
-from fl_app.config import Config
+from fl_app.config import Config, resolved
 from fl_app.weights import load_shards
 
 log = logging.getLogger("fedagent.trainer.builtin")
@@ -71,8 +72,10 @@ class BuiltinEngine:
         # for `round`, none at kl_coef 0.
         self.ref = None
         if cfg.algo.kl_coef > 0:
-            same = reference_path is None or Path(reference_path) == Path(model_path)
-            ref = copy.deepcopy(self.model) if same else load_causal_lm(reference_path, self.device)[0]
+            if reference_path is None or Path(reference_path) == Path(model_path):
+                ref = copy.deepcopy(self.model)
+            else:
+                ref = load_causal_lm(reference_path, self.device)[0]
             self.ref = ref.requires_grad_(False).eval()
         if cfg.model.init_from:
             self._load_start("actor", cfg.model.init_from, "model.init_from")
@@ -183,7 +186,11 @@ class BuiltinEngine:
 
     @torch.no_grad()
     def values(self, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
-        return _per_row(rows, int(self.cfg.algo.critic.micro_batch_size), lambda part: self._response_values(part)[0])
+        return _per_row(
+            rows,
+            resolved(self.cfg.algo.critic.micro_batch_size, "algo.critic.micro_batch_size"),
+            lambda part: self._response_values(part)[0],
+        )
 
     # ------------------------------------------------------------------ steps
 
@@ -233,7 +240,7 @@ class BuiltinEngine:
         rows = batch.rows
         norm = _mini_batch_norm(rows, loss.horizon)
         sums: dict[str, float] = defaultdict(float)
-        parts = _micro_batches(rows, int(self.cfg.algo.critic.micro_batch_size))
+        parts = _micro_batches(rows, resolved(self.cfg.algo.critic.micro_batch_size, "algo.critic.micro_batch_size"))
         for part in parts:
             values, mask = self._response_values([rows[i] for i in part])
             value_loss, clipfrac = clipped_value_loss(
@@ -268,7 +275,7 @@ class BuiltinEngine:
     # ------------------------------------------------------------------ forward passes
 
     def _response_hidden(
-        self, model: torch.nn.Module, rows: Sequence[TrainRow]
+        self, model: PreTrainedModel, rows: Sequence[TrainRow]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The backbone's hidden states at the positions that predict each response token
         [B, T, H], the labels [B, T] and the generated-token mask [B, T] (call under autocast).
@@ -298,7 +305,7 @@ class BuiltinEngine:
         return picked, labels, mask
 
     def _response_logits(
-        self, model: torch.nn.Module, rows: Sequence[TrainRow]
+        self, model: PreTrainedModel, rows: Sequence[TrainRow]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tempered logits at the response positions [B, T, V] (V: the tokenizer's ids), plus
         labels and mask [B, T]."""

@@ -41,7 +41,7 @@ from client_app.trainer.device import release_memory
 from client_app.trainer.engine import PolicyBatch, StepResult, TrainingEngine, ValueBatch
 from client_app.trainer.rollouts import Rollouts
 from envs.client import SyncEnvClient
-from fl_app.config import Config
+from fl_app.config import Config, resolved
 
 log = logging.getLogger("fedagent.trainer")
 
@@ -214,7 +214,7 @@ class RLTrainer:
         tasks = draw_tasks(req.task_indices, a.tasks_per_step, req.seed, req.round, req.client_id, epoch)
         t0 = time.perf_counter()
         episodes, stats, sync_s = self._play(
-            group_specs(tasks, int(a.group_size)),
+            group_specs(tasks, resolved(a.group_size, "algo.group_size")),
             r.temperature,
             derive_seed("sample", *seed),
             f"r{req.round} c{req.client_id} e{epoch}",
@@ -264,7 +264,13 @@ class RLTrainer:
         if values is None or returns is None:
             return advantages, {}
         return advantages, critic_pass(
-            self.engine, self.value_loss, rows, values, returns, int(self.cfg.algo.critic.mini_batch_size), seed
+            self.engine,
+            self.value_loss,
+            rows,
+            values,
+            returns,
+            resolved(self.cfg.algo.critic.mini_batch_size, "algo.critic.mini_batch_size"),
+            seed,
         )
 
     def _policy_pass(

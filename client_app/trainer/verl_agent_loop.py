@@ -134,7 +134,8 @@ class FedAgentEnvLoop(AgentLoopBase):
         self.max_new_tokens = cfg.rollout.max_response_tokens
         self.penalty = cfg.rollout.invalid_action_penalty
         # the replicas stop on the generation config's eos ids too (Qwen: <|im_end|>, <|endoftext|>)
-        self.eos_ids = list(turn_end_ids_of(self.tokenizer.eos_token_id, str(self.config.actor_rollout_ref.model.path)))
+        eos = self.tokenizer.eos_token_id  # type: ignore[attr-defined]  # verl types the tokenizer as the AutoTokenizer factory
+        self.eos_ids = list(turn_end_ids_of(eos, str(self.config.actor_rollout_ref.model.path)))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         if "task_index" not in kwargs:
@@ -182,6 +183,8 @@ class FedAgentEnvLoop(AgentLoopBase):
         )
 
     def _play(self, generator: _ServerGenerator, task: int, temperature: float) -> tuple[list, Any]:
+        if self.env_url is None:  # __init__ refused this already
+            raise RuntimeError("fedagent_env has no env service URL")
         env = SyncEnvClient(self.env_url)
         try:
             return run_episodes(

@@ -59,7 +59,7 @@ from client_app.trainer.advantages import pad_rows
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
 from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch
 from client_app.trainer.loop import loss_specs
-from fl_app.config import Config
+from fl_app.config import Config, resolved
 from fl_app.weights import load_shards
 
 log = logging.getLogger("fedagent.trainer.verl")
@@ -196,7 +196,10 @@ def arm_cpu() -> None:
         PlatformRegistry.register(platform="cpu")(make_cpu_platform())
     current = platform_manager._current_platform
     if current is None or (current.device_name == "cuda" and not torch.cuda.is_available()):
-        set_platform(PlatformRegistry.get("cpu")())
+        cpu = PlatformRegistry.get("cpu")
+        if cpu is None:
+            raise RuntimeError("verl's platform registry lost the cpu platform just registered")
+        set_platform(cpu())
     elif current.device_name != "cpu":
         raise RuntimeError(
             f"verl already runs on {current.device_name!r} in this process; run.device=cpu needs a process of its own"
@@ -278,7 +281,7 @@ def _check_value_model(module: torch.nn.Module, flash: bool) -> None:
     """The critic verl built is a token-classification model with one output and the attention
     it was asked for; anything else would federate weights builtin cannot read."""
     inner = getattr(module, "_fsdp_wrapped_module", module)
-    config = inner.config
+    config: Any = inner.config  # a transformers config
     wanted = "flash_attention_2" if flash else "sdpa"
     if (
         not type(inner).__name__.endswith("ForTokenClassification")
@@ -349,7 +352,7 @@ class VerlEngine:
                     critic_config.model,
                     forward_only=False,
                     model_type="value_model",
-                    micro=int(cfg.algo.critic.micro_batch_size),
+                    micro=resolved(cfg.algo.critic.micro_batch_size, "algo.critic.micro_batch_size"),
                 )
             _check_value_model(self.critic.engine.module, flash)
             # verl's value loss carries a fixed 0.5; ours is critic.loss_coef x the same reduction
@@ -433,7 +436,12 @@ class VerlEngine:
     def _engine(self, member: str) -> Any:
         if member not in self._names:
             raise KeyError(f"this trainer has no {member!r} weights; its members are {list(self._names)}")
-        return self.engine if member == "actor" else self.critic.engine
+        return self.engine if member == "actor" else self._critic().engine
+
+    def _critic(self) -> Any:
+        if self.critic is None:
+            raise RuntimeError(f"algo.name={self.cfg.algo.name!r} trains no critic")
+        return self.critic
 
     def _load_start(self, weights_dir: str, member: str) -> None:
         try:
@@ -446,10 +454,9 @@ class VerlEngine:
         """The policy's current backbone under a value head seeded as builtin seeds it
         (`client_app.critic.seeded_value_head`): the same fresh critic on both engines."""
         actor = self.export_weights("actor")
-        shape = tuple(dict(self.critic.engine.module.named_parameters())["score.weight"].shape)
-        head = seeded_value_head(
-            shape, self.critic.engine.model_config.hf_config, derive_seed("value-head", self.cfg.run.seed)
-        )
+        critic = self._critic().engine
+        shape = tuple(dict(critic.module.named_parameters())["score.weight"].shape)
+        head = seeded_value_head(shape, critic.model_config.hf_config, derive_seed("value-head", self.cfg.run.seed))
         return {n: head[n] if n in head else actor[n] for n in self._names["critic"]}
 
     @torch.no_grad()
@@ -516,7 +523,9 @@ class VerlEngine:
     def values(self, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
         if self.critic is None:
             raise RuntimeError(f"algo.name={self.cfg.algo.name!r} has no critic, so rows have no values")
-        return self._row_outputs(rows, self.critic, "values", int(self.cfg.algo.critic.micro_batch_size))
+        return self._row_outputs(
+            rows, self.critic, "values", resolved(self.cfg.algo.critic.micro_batch_size, "algo.critic.micro_batch_size")
+        )
 
     def _row_outputs(self, rows: Sequence[TrainRow], worker: Any, key: str, micro: int) -> list[torch.Tensor]:
         from verl.utils import tensordict_utils as tu
@@ -563,7 +572,9 @@ class VerlEngine:
                 f"verl's value loss is composed from the recipe when the engine is built "
                 f"({self.value_loss}); it cannot train {loss}"
             )
-        micro = _largest_divisor_at_most(len(batch.rows), int(self.cfg.algo.critic.micro_batch_size))
+        micro = _largest_divisor_at_most(
+            len(batch.rows), resolved(self.cfg.algo.critic.micro_batch_size, "algo.critic.micro_batch_size")
+        )
         td = self._batch(batch.rows, micro, values=batch.old_values, returns=batch.returns)
 
         def metrics(raw: Mapping[str, Any]) -> dict[str, float]:
@@ -601,7 +612,7 @@ class VerlEngine:
             attention[b, p_max - lp : p_max + lr] = 1
             response_mask[b, :lr] = torch.tensor(rw.mask)
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        tensors = {
+        tensors: dict[str, torch.Tensor | list[Any]] = {
             "prompts": prompts,
             "responses": responses,
             "input_ids": torch.cat([prompts, responses], 1),
@@ -674,7 +685,7 @@ def _inject(module: torch.nn.Module, names: Sequence[str], state: Mapping[str, t
             raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model {shapes[name]}")
         if t.dtype != torch.float32:
             raise TypeError(f"weight {name} is {t.dtype}; weights travel as fp32 (invariant 1), never cast them")
-    full = dict(state)
+    full: dict[str, Any] = dict(state)
     for key, alias in _tied_aliases(module).items():
         full[key] = full[alias]
     set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, strict=True))

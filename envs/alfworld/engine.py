@@ -33,6 +33,7 @@ import tempfile
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -133,7 +134,8 @@ def _install_fast_paths() -> None:
         # Callers attach contexts to the returned symbols: hand out copies, keep the original.
         return copy.deepcopy(parse_symbols(*args, **kwargs))
 
-    parse_query = functools.lru_cache(maxsize=4096)(logic.Rule.parse_conjunctive_query.__func__)
+    # typed as a plain callable: lru_cache's stub wants Hashable arguments, which mypy denies classes
+    parse_query: Callable[..., Any] = functools.lru_cache(maxsize=4096)(logic.Rule.parse_conjunctive_query.__func__)
 
     def copy_context(context: dict) -> dict:
         return {

@@ -15,6 +15,7 @@ Task addressing (envs/base.py): `reset(seed)` plays task `seed % num_tasks`; tas
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from envs.alfworld.engine import AlfredGame
@@ -81,10 +82,16 @@ class AlfworldEnv:
             if total < val_size:
                 raise ValueError(f"num_games={total} is smaller than val_size={val_size}")
             spec = GameSetSpec(seed, total - val_size, val_size, val_split, types)
-            self._games: list[Game] = generated_games(spec, cache_dir)
+            self._games: list[Game] = generated_games(spec, None if cache_dir is None else Path(cache_dir))
         else:
             self._games = official_games(
-                root, manifest_dir or OFFICIAL_MANIFESTS, types, seed, val_size, num_games, val_split
+                root,
+                Path(manifest_dir) if manifest_dir else OFFICIAL_MANIFESTS,
+                types,
+                seed,
+                val_size,
+                num_games,
+                val_split,
             )
         if not self._games:
             raise ValueError("no ALFWorld game to serve: raise num_games or widen task_types")

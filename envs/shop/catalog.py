@@ -103,7 +103,7 @@ def generate_catalog(num_products: int, seed: int) -> list[Product]:
         base = _dollars(math.exp(math.log(lo) + price_u[i] * (math.log(hi) - math.log(lo))) + 1)
         if ranged[i]:
             top = _dollars(base * spread[i] + 1)
-            pricing = (base, top)
+            pricing: tuple[float, ...] = (base, top)
             price = round(base + pick_u[i] * (top - base), 2)
         else:
             pricing = (base,)

@@ -99,6 +99,10 @@ class ShopEnv:
         )
         self._task = -1
         self._goal: Goal | None = None
+        self._item: Product | None = None
+        self._reward: Reward | None = None
+        self._obs: str | None = None  # the current page, rendered once (_page_changed)
+        self._clicks: dict[str, tuple[str, Any]] | None = None
         if catalog_keep is not None:
             self._tripwire(protected_tasks)
 
@@ -191,10 +195,10 @@ class ShopEnv:
         self._state = "search"
         self._results: tuple[int, ...] = ()
         self._page_no = 1
-        self._item: Product | None = None
+        self._item = None
         self._tab = ""
         self._chosen: dict[str, str] = {}
-        self._reward: Reward | None = None
+        self._reward = None
         self._searches = 0
         self._page_changed()
         return self.observation, self._info()
@@ -204,7 +208,7 @@ class ShopEnv:
             raise RuntimeError("call reset(seed) before step()")
         valid = self._apply(action) if self._state != "done" else False
         done = self._state == "done"
-        reward = self._reward.total if (done and valid) else 0.0
+        reward = self._reward.total if (done and valid and self._reward is not None) else 0.0
         info = self._info()
         info["valid_action"] = valid
         if done and self._reward is not None:  # a plain dict: JSON-safe
@@ -215,7 +219,7 @@ class ShopEnv:
         return {
             "task_id": self._tid,
             "task_index": self._task,
-            "instruction": self._goal.instruction,
+            "instruction": self._current_goal.instruction,
             "valid_actions": self.valid_actions(),
             "won": self._reward is not None and self._reward.won,
         }
@@ -224,30 +228,44 @@ class ShopEnv:
     @property
     def raw_observation(self) -> str:
         """The WebShop text-mode page, instruction included."""
-        instruction = self._goal.instruction
+        instruction = self._current_goal.instruction
         if self._state == "search":
             return pages.search_page(instruction)
         if self._state == "results":
             return pages.results_page(instruction, self._page_products(), self._page_no, len(self._results))
         if self._state == "item":
-            return pages.item_page(instruction, self._item)
+            return pages.item_page(instruction, self._current_item)
         if self._state == "detail":
-            return pages.detail_page(instruction, self._item, self._tab)
-        return pages.done_page(instruction, self._item, self._reward.total)
+            return pages.detail_page(instruction, self._current_item, self._tab)
+        if self._reward is None:
+            raise RuntimeError(f"shop state {self._state!r} without a purchase")
+        return pages.done_page(instruction, self._current_item, self._reward.total)
+
+    @property
+    def _current_goal(self) -> Goal:
+        if self._goal is None:
+            raise RuntimeError("call reset(seed) first: no episode is running")
+        return self._goal
+
+    @property
+    def _current_item(self) -> Product:
+        if self._item is None:
+            raise RuntimeError(f"shop state {self._state!r} without an open item")
+        return self._item
 
     @property
     def observation(self) -> str:
         """What the policy reads: the formatted page (see `pages.format_observation`)."""
         if self._obs is None:
-            self._obs = pages.format_observation(self.raw_observation, self._goal.instruction)
+            self._obs = pages.format_observation(self.raw_observation, self._current_goal.instruction)
         return self._obs
 
     def _page_changed(self) -> None:
         """Forget the current page's rendering and buttons. Both are functions of the page
         state alone, which only a valid action changes, so they are built once per page
         rather than on every step and every call of `valid_actions` / `_apply`."""
-        self._obs: str | None = None
-        self._clicks: dict[str, tuple[str, Any]] | None = None
+        self._obs = None
+        self._clicks = None
 
     def _page_products(self) -> list[Product]:
         start = (self._page_no - 1) * pages.PAGE_SIZE
@@ -260,6 +278,7 @@ class ShopEnv:
         return self._clicks
 
     def _build_clickables(self) -> dict[str, tuple[str, Any]]:
+        clicks: dict[str, tuple[str, Any]]
         if self._state == "results":
             clicks = {pages.BACK_TO_SEARCH: ("search", None)}
             if self._page_no > 1:
@@ -270,7 +289,7 @@ class ShopEnv:
                 clicks[p.asin] = ("item", p)
         elif self._state == "item":
             clicks = {pages.BACK_TO_SEARCH: ("search", None), pages.PREV: ("results", None)}
-            for name, values in self._item.options.items():
+            for name, values in self._current_item.options.items():
                 for value in values:
                     clicks.setdefault(value.lower(), ("option", (name, value)))
             for tab in pages.DETAIL_TABS:
@@ -327,7 +346,7 @@ class ShopEnv:
         elif kind == "tab":
             self._state, self._tab = "detail", payload
         elif kind == "buy":
-            self._reward = purchase_reward(self._item, self._goal, self._chosen)
+            self._reward = purchase_reward(self._current_item, self._current_goal, self._chosen)
             self._state = "done"
         return kind
 
@@ -352,7 +371,7 @@ class ShopEnv:
         finds the target on page 1 for every default goal), then the target's title, then
         longer title-based fallbacks. Returns the title if nothing retrieves the target.
         """
-        goal = self._goal if task is None else self.goal(task)
+        goal = self._current_goal if task is None else self.goal(task)
         target = self.product(goal.asin)
         position = self._world.position[goal.asin]
         clause = price_clause(goal.price_upper)
@@ -371,9 +390,10 @@ class ShopEnv:
     def expert_action(self) -> str:
         """The oracle's next action: search the target, page to it, open it, click every goal
         option it offers, buy. "" once the episode is over."""
-        if self._goal is None or self._state == "done":
+        goal = self._goal
+        if goal is None or self._state == "done":
             return ""
-        target = self._world.position[self._goal.asin]
+        target = self._world.position[goal.asin]
         if self._state == "search":
             return f"search[{self.expert_query()}]"
         if self._state == "results":
@@ -381,12 +401,12 @@ class ShopEnv:
                 return f"click[{pages.BACK_TO_SEARCH.lower()}]"
             page = self._results.index(target) // pages.PAGE_SIZE + 1
             if page == self._page_no:
-                return f"click[{self._goal.asin.lower()}]"
+                return f"click[{goal.asin.lower()}]"
             return f"click[{(pages.NEXT if page > self._page_no else pages.PREV).lower()}]"
-        if self._state == "detail" or self._item.asin != self._goal.asin:
+        if self._state == "detail" or self._current_item.asin != goal.asin:
             return f"click[{pages.PREV.lower()}]"
         clicks = self._clickables()
-        for name, want in self._goal.goal_options.items():
+        for name, want in goal.goal_options.items():
             if self._chosen.get(name) != want and clicks.get(want.lower()) == ("option", (name, want)):
                 return f"click[{want.lower()}]"
         return f"click[{pages.BUY_NOW.lower()}]"

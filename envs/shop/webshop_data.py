@@ -30,17 +30,14 @@ from envs.shop.schema import Goal, Product
 DEFAULT_PRICE = 100.0  # WebShop's price for a product without pricing
 
 
-def _pick(data_dir: Path, stem: str, required: bool = True) -> Path | None:
+def _pick(data_dir: Path, stem: str) -> Path:
     small, full = data_dir / f"{stem}_1000.json", data_dir / f"{stem}.json"
     for path in (small, full):
         if path.is_file():
             return path
-    if required:
-        raise FileNotFoundError(
-            f"{data_dir} has neither {small.name} nor {full.name}; point "
-            "env.params.data_dir at a WebShop data directory"
-        )
-    return None
+    raise FileNotFoundError(
+        f"{data_dir} has neither {small.name} nor {full.name}; point env.params.data_dir at a WebShop data directory"
+    )
 
 
 def _strings(value: Any) -> tuple[str, ...]:
@@ -173,7 +170,7 @@ def load_goals(
     rng = random.Random(f"shop-real-goals/{seed}")
     goals: list[Goal] = []
     if human_goals:
-        path = _pick(Path(data_dir), "items_human_ins", required=True)
+        path = _pick(Path(data_dir), "items_human_ins")
         human = json.loads(path.read_text())
         for product in products:
             for entry in human.get(product.asin) or []:
