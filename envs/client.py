@@ -1,13 +1,9 @@
 """Client of the pooled env service: async (`EnvClient`) and a sync facade (`SyncEnvClient`).
 
-Transport: aiohttp (keep-alive connection pool, C-accelerated HTTP parser) with orjson bodies,
-a maintained library instead of the hand-written HTTP/1.1 client this module used to be. The
-price, measured side by side (bench/env_service.py, docs/benchmarks.md; shared 2-core machine):
-aiohttp spends ~150-250 us of client CPU per request where the hand-written client spent ~75.
-The trainer uses the batched verbs, one request per rollout turn for all its episodes, so that
-cost is amortized: at 512 sessions the batched rate was the same as before (x1.01), at 64-256
-sessions x0.80-0.87; the per-session verbs (one request per step: tools and tests) run at
-~0.45x.
+Transport: aiohttp with orjson bodies. The per-session verbs are POSTs on a keep-alive
+connection pool. The batched verbs, which the trainer sends once per rollout turn for all its
+episodes, go over the service's WebSocket batch channel (`/batch`): one binary message each
+way. That costs about half the client CPU of a POST (docs/benchmarks.md).
 
 Every verb, /close included, retries transport failures (refused or dropped connection, a
 truncated answer, timeout) a bounded number of times with exponential backoff. That is safe
@@ -21,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -82,6 +78,7 @@ class EnvClient:
         self._urls: dict[str, URL] = {}
         self._max_connections, self._timeout_s = max_connections, timeout_s
         self._http: aiohttp.ClientSession | None = None  # opened in the loop, on first use
+        self._channels: list[aiohttp.ClientWebSocketResponse] = []  # idle batch channels
         self._turns: dict[str, int] = {}  # steps taken since reset, per session (retry safety)
 
     async def __aenter__(self) -> EnvClient:
@@ -91,6 +88,9 @@ class EnvClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        channels, self._channels = self._channels, []
+        for ws in channels:
+            await ws.close()
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -107,33 +107,76 @@ class EnvClient:
             )
         return self._http
 
-    async def _call(self, method: str, path: str, payload: dict | None = None) -> Any:
-        url = self._urls.get(path) or self._urls.setdefault(
+    def _url_of(self, path: str) -> URL:
+        return self._urls.get(path) or self._urls.setdefault(
             path, self._url.with_path(self._url.path.rstrip("/") + path)
         )
-        body = None if payload is None else orjson.dumps(payload)
-        http = self._session()
+
+    async def _retrying(self, what: str, once: Callable[[], Awaitable[T]]) -> T:
+        """`once()`, attempted again after each transport failure (backoff doubling)."""
         for attempt in range(self.retries + 1):
             try:
-                async with http.request(method, url, data=body, headers=None if body is None else _JSON) as resp:
-                    status, answer = resp.status, await resp.read()
+                return await once()
             except _TRANSPORT_ERRORS as e:
                 if attempt == self.retries:
                     raise TransportError(
-                        f"{method} {url} failed {attempt + 1} time(s), last: "
-                        f"{type(e).__name__}: {e}; is the env service running "
-                        f"there?"
+                        f"{what} failed {attempt + 1} time(s), last: {type(e).__name__}: {e}; "
+                        "is the env service running there?"
                     ) from e
                 await asyncio.sleep(self.backoff_s * 2**attempt)
-                continue
-            if status >= 400:
-                try:
-                    detail = orjson.loads(answer)["detail"]
-                except (ValueError, TypeError, KeyError):
-                    detail = answer.decode(errors="replace")
-                raise EnvServiceError(status, path, detail)
-            return orjson.loads(answer)
         raise AssertionError("unreachable")
+
+    async def _call(self, method: str, path: str, payload: dict | None = None) -> Any:
+        url = self._url_of(path)
+        body = None if payload is None else orjson.dumps(payload)
+        http = self._session()
+
+        async def once() -> tuple[int, bytes]:
+            async with http.request(method, url, data=body, headers=None if body is None else _JSON) as resp:
+                return resp.status, await resp.read()
+
+        status, answer = await self._retrying(f"{method} {url}", once)
+        if status >= 400:
+            try:
+                detail = orjson.loads(answer)["detail"]
+            except (ValueError, TypeError, KeyError):
+                detail = answer.decode(errors="replace")
+            raise EnvServiceError(status, path, detail)
+        return orjson.loads(answer)
+
+    async def _batch(self, verb: str, items: list[dict]) -> list[dict]:
+        """A batched verb over a batch channel: an idle one, else a new one (so concurrent calls
+        never wait for each other). A channel that failed mid-call is closed, never reused: its
+        answer may still be in flight. Retried like `_call`, which the verbs' idempotence makes
+        safe (a replayed step is answered from the session's last step)."""
+        body = orjson.dumps({"verb": verb, "items": items})
+
+        async def once() -> dict:
+            ws = self._channels.pop() if self._channels else await self._open_channel()
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    await ws.send_bytes(body)
+                    msg = await ws.receive()
+                if msg.type is not aiohttp.WSMsgType.BINARY:
+                    raise aiohttp.ServerDisconnectedError(f"the batch channel ended ({msg.type.name})")
+            except BaseException:
+                await ws.close()
+                raise
+            self._channels.append(ws)
+            return orjson.loads(msg.data)
+
+        answer = await self._retrying(f"{verb} over {self._url_of('/batch')}", once)
+        if "status" in answer:
+            raise EnvServiceError(answer["status"], verb, answer["detail"])
+        return answer["results"]
+
+    async def _open_channel(self) -> aiohttp.ClientWebSocketResponse:
+        try:
+            return await self._session().ws_connect(
+                self._url_of("/batch"), max_msg_size=0, compress=0, timeout=aiohttp.ClientWSTimeout(ws_close=5.0)
+            )
+        except aiohttp.WSServerHandshakeError as e:  # an answer, not a transport failure
+            raise EnvServiceError(e.status, "/batch", e.message) from None
 
     # ---- per-session verbs
     async def create(self, session_id: str) -> None:
@@ -161,9 +204,7 @@ class EnvClient:
     # ---- batched verbs (one request per rollout step); per-item {"error": ...} results
     async def reset_batch(self, items: Iterable[tuple[str, int]]) -> list[dict]:
         items = list(items)
-        out = (
-            await self._call("POST", "/reset_batch", {"items": [{"session_id": s, "seed": seed} for s, seed in items]})
-        )["results"]
+        out = await self._batch("/reset_batch", [{"session_id": s, "seed": seed} for s, seed in items])
         for (sid, _), res in zip(items, out):
             if "error" not in res:
                 self._turns[sid] = 0
@@ -171,7 +212,7 @@ class EnvClient:
 
     async def step_batch(self, items: Iterable[tuple[str, str]]) -> list[dict]:
         items = list(items)
-        out = (await self._call("POST", "/step_batch", {"items": [self._step_item(s, a) for s, a in items]}))["results"]
+        out = await self._batch("/step_batch", [self._step_item(s, a) for s, a in items])
         for (sid, _), res in zip(items, out):
             if "error" not in res:
                 self._advance(sid)
