@@ -227,6 +227,44 @@ def test_malformed_bodies_long(wire):
     _with_held(wire, LONG(_bodies(wire)))
 
 
+# Batch-channel messages: mostly a verb and near-valid items, otherwise anything.
+CHANNEL_MESSAGES = st.one_of(
+    *[
+        st.tuples(
+            st.sampled_from(["/reset_batch", "/step_batch"]), st.lists(STEP_ITEM | RESET_ITEM | ODD, max_size=6)
+        ).map(lambda m: _encode({"verb": m[0], "items": m[1]}))
+    ]
+    * 3,
+    ANY_BODY,
+    JSON.map(lambda v: _encode({"verb": "/step_batch", "items": v})),
+)
+
+
+def _channel(wire: Wire, ws):
+    @given(message=CHANNEL_MESSAGES, as_text=st.booleans())
+    def prop(message: bytes, as_text: bool) -> None:
+        COUNTS["requests"] += 1
+        ws.send(message.decode(errors="replace") if as_text else message)
+        answer = orjson.loads(ws.recv())
+        if "results" in answer:
+            assert len(answer["results"]) == len(orjson.loads(message)["items"])
+        else:  # a bad message: a 4xx named, and the channel goes on
+            assert 400 <= answer["status"] < 500 and isinstance(answer["detail"], str), answer
+        wire.assert_conserved(live=1)
+
+    return prop
+
+
+def test_batch_channel_messages_get_an_answer_never_a_drop(wire):
+    """Every message on the WebSocket batch channel is answered in order, a bad one with a 4xx
+    status, on the same open channel; the pool stays whole."""
+    from websockets.sync.client import connect
+
+    host, port = wire.addr
+    with connect(f"ws://{host}:{port}/batch", max_size=None) as ws:
+        _with_held(wire, FAST(_channel(wire, ws)))
+
+
 # ------------------------------------------------------------------------- raw HTTP bytes
 
 
