@@ -18,8 +18,9 @@ package and run against this checkout's engines, so only the wire differs.
 Rows, for each session count, measured in `--rounds` interleaved rounds (the machine may be
 shared, so every ratio is taken within one round: in-process, then before and after in
 alternating order) and reported as medians over the rounds:
-  - batched verbs: one /step_batch per turn for all sessions, finished ones reset together in
-    one /reset_batch (what the trainer does): steps/s, p50/p99 per batch;
+  - batched verbs: one step_batch per turn for all sessions, finished ones reset together in
+    one reset_batch (what the trainer does; each client's own transport: POSTs before, the
+    /batch WebSocket channel after): steps/s, p50/p99 per batch;
   - per-session verbs, closed loop: steps/s, p50/p99 step latency;
 and once: (shop) one engine step inline vs awaited through a threadpool (why the service runs
 calls inline), and an open loop of the after-code at the largest session count offering
