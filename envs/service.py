@@ -52,7 +52,7 @@ import orjson
 from fastapi import FastAPI
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect, Request
-from starlette.websockets import WebSocket
+from starlette.websockets import WebSocket, WebSocketDisconnect
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from envs.base import Env, task_order_fingerprint
@@ -542,7 +542,10 @@ def create_app(
             if message["type"] == "websocket.disconnect":
                 return
             data = message.get("bytes") or (message.get("text") or "").encode()
-            await ws.send_bytes(orjson.dumps(await _channel_answer(batched, data)))
+            try:
+                await ws.send_bytes(orjson.dumps(await _channel_answer(batched, data)))
+            except WebSocketDisconnect:  # the client left before its answer: it retries elsewhere
+                return
 
     app.router.add_websocket_route("/batch", batch_channel)
 
@@ -692,6 +695,7 @@ def serve(
         server_header=False,
         date_header=False,
         timeout_graceful_shutdown=5,
+        ws="websockets-sansio",  # the `websockets` library's maintained core (its legacy protocol is deprecated)
         ws_max_size=max_body_bytes,  # a batch-channel message is bounded like a POST body
     )
     server = uvicorn.Server(config)
