@@ -518,3 +518,40 @@ def test_service_start_failure_is_reported_and_reaped():
     with pytest.raises(ServiceStartError, match="unknown environment 'nope'"):
         with serve_in_subprocess("nope", 1, {}):
             pass
+
+
+def test_a_client_that_leaves_before_its_batch_answer_leaves_no_traceback():
+    """A batch-channel client that closes (or vanishes) before its answer is an ordinary event:
+    the service ends that channel quietly and keeps serving (uvicorn's legacy WebSocket protocol
+    logged an 'Exception in ASGI application' for each one)."""
+    from envs.ports import choose_free_port
+    from envs.service import READY_PREFIX
+
+    port = choose_free_port()
+    cmd = [sys.executable, "-m", "envs.service", "--env", "shop", "--port", str(port), "--pool-size", "4"]
+    proc = subprocess.Popen(
+        [*cmd, "--params", json.dumps(PARAMS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith(READY_PREFIX)
+        url = f"http://127.0.0.1:{port}"
+
+        async def leave() -> None:
+            batch = json.dumps({"verb": "/reset_batch", "items": [{"session_id": "gone", "seed": 1}] * 200})
+            async with aiohttp.ClientSession() as http:
+                for _ in range(3):
+                    ws = await http.ws_connect(f"{url}/batch")
+                    await ws.send_str(batch)
+                    await ws.close()  # before the answer
+                    ws = await http.ws_connect(f"{url}/batch")
+                    await ws.send_str(batch)
+                    ws._response.connection.transport.abort()  # gone without a close frame
+                async with EnvClient(url) as c:  # still serving
+                    await asyncio.sleep(0.5)
+                    assert (await c.info())["conserved"]
+
+        asyncio.run(leave())
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "Traceback" not in err and "Exception in ASGI application" not in err, err
