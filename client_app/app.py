@@ -127,7 +127,7 @@ def _node(msg: Message, context: Context) -> _Node:
 def _weights_dir(node: _Node, msg: Message, member: str, scratch: Path) -> Path:
     """A weights dir holding the message's global `member`: a verified local copy of the store
     entry, or a spill of the inline arrays into `scratch`."""
-    ref = WeightsRef.from_config(msg.content.config_records["config"], prefix=member)
+    ref = WeightsRef.from_config(_config(msg), prefix=member)
     if not ref.inline:
         node.require_store(ref.nbytes)
         local = receive_manifest(ref, node.store, node.cache_dir).root

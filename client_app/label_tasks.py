@@ -78,6 +78,7 @@ def label_tasks(
     ids = dict(zip(pool.indices, pool.task_ids))
     success = {ids[t]: bool(res.outcomes[t]) for t in tasks}
     init = f"{cfg.model.path}" + (f" + init_from {cfg.model.init_from}" if cfg.model.init_from else "")
+    solved = sum(success.values())
     provenance = {
         "recipe": recipe,
         "env": cfg.env.name,
@@ -94,14 +95,13 @@ def label_tasks(
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "pool_size": len(pool),
         "tasks_labelled": len(tasks),
-        "successes": (solved := sum(success.values())),
+        "successes": solved,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     write_labels(out, success, provenance)
     n = len(success)
     print(
-        f"labelled {n} tasks: {provenance['successes']} solved ({solved / n:.1%}) in "
-        f"{provenance['wall_s']:.0f} s; wrote {out}",
+        f"labelled {n} tasks: {solved} solved ({solved / n:.1%}) in {provenance['wall_s']:.0f} s; wrote {out}",
         flush=True,
     )
     return {"provenance": provenance, "labels": success}

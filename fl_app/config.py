@@ -337,6 +337,16 @@ class CriticCfg(_Strict):
     )
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip of the critic.")
 
+    @property
+    def mini(self) -> int:
+        """Rows per critic optimizer step, as validation filled them."""
+        return resolved(self.mini_batch_size, "algo.critic.mini_batch_size")
+
+    @property
+    def micro(self) -> int:
+        """Rows per critic forward/backward, as validation filled them."""
+        return resolved(self.micro_batch_size, "algo.critic.micro_batch_size")
+
 
 class AlgoCfg(_Strict):
     name: Literal["grpo", "ppo"] = Field(
@@ -388,6 +398,11 @@ class AlgoCfg(_Strict):
     def spec(self) -> Algorithm:
         """What `name` means (the ALGORITHMS table)."""
         return ALGORITHMS[self.name]
+
+    @property
+    def rollouts_per_task(self) -> int:
+        """group_size, as validation filled it."""
+        return resolved(self.group_size, "algo.group_size")
 
     @model_validator(mode="after")
     def _inherited(self) -> "AlgoCfg":

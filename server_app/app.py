@@ -363,21 +363,12 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
     resumed_after = start
     if start is None:
         t0 = time.perf_counter()
-        builds = (
-            "the tiny model"
-            if cfg.model.path == "tiny"
-            else "the warm-started model"
-            if cfg.model.warm_start.episodes
-            else ""
+        tiny = cfg.model.path == "tiny"
+        builds = "the tiny model" if tiny else "the warm-started model"
+        first_start = (
+            f"; its first start on a machine builds {builds} (minutes, then cached; the lane's log says where)"
         )
-        log(
-            "round 0: starting the trainer lane"
-            + (
-                f"; its first start on a machine builds {builds} (minutes, then cached; the lane's log says where)"
-                if builds
-                else ""
-            )
-        )
+        log("round 0: starting the trainer lane" + (first_start if tiny or cfg.model.warm_start.episodes else ""))
         with _heartbeat("round 0: waiting for the trainer lane to start and export the initial model"):
             nbytes, lane_critic = _initial_model(run, members)
         with _heartbeat("round 0: validating the initial model"):

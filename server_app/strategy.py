@@ -94,19 +94,16 @@ class StreamingAggregator:
     ) -> tuple[dict[str, Manifest], dict[str, float]]:
         """Average every member of `replies` (successful, in client order) into its
         `out_dirs[member]`, all members with the same `num-examples` weights."""
+        configs, metrics = [config_of(m) for m in replies], [metrics_of(m) for m in replies]
         manifests = {}
         for member, out_dir in out_dirs.items():
             items = [
-                (
-                    WeightsRef.from_config(m.content.config_records["config"], prefix=member),
-                    inline_state(m, member),
-                    metrics_of(m)["num-examples"],
-                )
-                for m in replies
+                (WeightsRef.from_config(c, prefix=member), inline_state(m, member), r["num-examples"])
+                for m, c, r in zip(replies, configs, metrics)
             ]
-            names = [f"client {int(config_of(m)['client-id'])} ({member})" for m in replies]
+            names = [f"client {int(c['client-id'])} ({member})" for c in configs]
             manifests[member] = fedavg_received(items, store, out_dir, self.shard_max_bytes, cache_dir, names)
-        return manifests, weighted_metrics([metrics_of(m) for m in replies])
+        return manifests, weighted_metrics(metrics)
 
 
 def inline_state(msg: Message, member: str) -> dict[str, torch.Tensor]:

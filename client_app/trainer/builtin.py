@@ -36,7 +36,7 @@ from client_app.tiny_model import load_causal_lm
 from client_app.trainer.advantages import pad_rows
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
 from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch
-from fl_app.config import Config, resolved
+from fl_app.config import Config
 from fl_app.weights import load_shards
 
 log = logging.getLogger("fedagent.trainer.builtin")
@@ -188,7 +188,7 @@ class BuiltinEngine:
     def values(self, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
         return _per_row(
             rows,
-            resolved(self.cfg.algo.critic.micro_batch_size, "algo.critic.micro_batch_size"),
+            self.cfg.algo.critic.micro,
             lambda part: self._response_values(part)[0],
         )
 
@@ -240,7 +240,7 @@ class BuiltinEngine:
         rows = batch.rows
         norm = _mini_batch_norm(rows, loss.horizon)
         sums: dict[str, float] = defaultdict(float)
-        parts = _micro_batches(rows, resolved(self.cfg.algo.critic.micro_batch_size, "algo.critic.micro_batch_size"))
+        parts = _micro_batches(rows, self.cfg.algo.critic.micro)
         for part in parts:
             values, mask = self._response_values([rows[i] for i in part])
             value_loss, clipfrac = clipped_value_loss(

@@ -41,7 +41,7 @@ from client_app.trainer.device import release_memory
 from client_app.trainer.engine import PolicyBatch, StepResult, TrainingEngine, ValueBatch
 from client_app.trainer.rollouts import Rollouts
 from envs.client import SyncEnvClient
-from fl_app.config import Config, resolved
+from fl_app.config import Config
 
 log = logging.getLogger("fedagent.trainer")
 
@@ -214,7 +214,7 @@ class RLTrainer:
         tasks = draw_tasks(req.task_indices, a.tasks_per_step, req.seed, req.round, req.client_id, epoch)
         t0 = time.perf_counter()
         episodes, stats, sync_s = self._play(
-            group_specs(tasks, resolved(a.group_size, "algo.group_size")),
+            group_specs(tasks, a.rollouts_per_task),
             r.temperature,
             derive_seed("sample", *seed),
             f"r{req.round} c{req.client_id} e{epoch}",
@@ -269,7 +269,7 @@ class RLTrainer:
             rows,
             values,
             returns,
-            resolved(self.cfg.algo.critic.mini_batch_size, "algo.critic.mini_batch_size"),
+            self.cfg.algo.critic.mini,
             seed,
         )
 

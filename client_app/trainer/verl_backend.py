@@ -59,7 +59,7 @@ from client_app.trainer.advantages import pad_rows
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
 from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch
 from client_app.trainer.loop import loss_specs
-from fl_app.config import Config, resolved
+from fl_app.config import Config
 from fl_app.weights import load_shards
 
 log = logging.getLogger("fedagent.trainer.verl")
@@ -352,7 +352,7 @@ class VerlEngine:
                     critic_config.model,
                     forward_only=False,
                     model_type="value_model",
-                    micro=resolved(cfg.algo.critic.micro_batch_size, "algo.critic.micro_batch_size"),
+                    micro=cfg.algo.critic.micro,
                 )
             _check_value_model(self.critic.engine.module, flash)
             # verl's value loss carries a fixed 0.5; ours is critic.loss_coef x the same reduction
@@ -523,9 +523,7 @@ class VerlEngine:
     def values(self, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
         if self.critic is None:
             raise RuntimeError(f"algo.name={self.cfg.algo.name!r} has no critic, so rows have no values")
-        return self._row_outputs(
-            rows, self.critic, "values", resolved(self.cfg.algo.critic.micro_batch_size, "algo.critic.micro_batch_size")
-        )
+        return self._row_outputs(rows, self.critic, "values", self.cfg.algo.critic.micro)
 
     def _row_outputs(self, rows: Sequence[TrainRow], worker: Any, key: str, micro: int) -> list[torch.Tensor]:
         from verl.utils import tensordict_utils as tu
@@ -572,9 +570,7 @@ class VerlEngine:
                 f"verl's value loss is composed from the recipe when the engine is built "
                 f"({self.value_loss}); it cannot train {loss}"
             )
-        micro = _largest_divisor_at_most(
-            len(batch.rows), resolved(self.cfg.algo.critic.micro_batch_size, "algo.critic.micro_batch_size")
-        )
+        micro = _largest_divisor_at_most(len(batch.rows), self.cfg.algo.critic.micro)
         td = self._batch(batch.rows, micro, values=batch.old_values, returns=batch.returns)
 
         def metrics(raw: Mapping[str, Any]) -> dict[str, float]:

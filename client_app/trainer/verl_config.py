@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fl_app.config import Config, ConfigError, resolved
+from fl_app.config import Config, ConfigError
 
 VERL_VERSION = "0.9.1"
 RESOLVED_NAME = "verl_config.yaml"
@@ -91,7 +91,7 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         f"actor_rollout_ref.rollout.response_length={r.max_response_tokens}",
         "actor_rollout_ref.rollout.top_p=1.0",
         "actor_rollout_ref.rollout.top_k=-1",
-        f"actor_rollout_ref.rollout.n={resolved(a.group_size, 'algo.group_size')}",
+        f"actor_rollout_ref.rollout.n={a.rollouts_per_task}",
         "actor_rollout_ref.rollout.name=vllm",
         f"actor_rollout_ref.rollout.gpu_memory_utilization={r.gpu_memory_utilization}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
