@@ -1,16 +1,21 @@
-"""Where one builtin policy pass spends its time: wall, MFU and the top GPU (or CPU) ops.
+"""One builtin policy pass in each `run.precision`, side by side: wall, trained tokens/s, MFU,
+and (with --profile) the top GPU (or CPU) ops.
 
-    python -m bench.update_profile --model <model dir> --recipe smollm-shop-grpo --device cuda
-    python -m bench.update_profile --model tiny --recipe tiny-shop-grpo --device cpu --rows 40   # smoke
+    python -m bench.update_profile --make-qwen05b /tmp/q05 --device cuda --recipe smollm-shop-grpo
+    python -m bench.update_profile --model <model dir> --recipe smollm-shop-grpo --device cuda --profile
+    python -m bench.update_profile --model tiny --recipe tiny-shop-grpo --device cpu --rows 40 --mini 8 \
+        --precision fp32 bf16   # smoke
 
 Synthetic rows shaped like a recipe's windowed turns (prompt and reply lengths drawn uniformly
 from --prompt-tokens / --reply-tokens, random token ids, one advantage per row), so no env or
 rollout is needed: the pass is exactly what a fit runs (old and reference log-probs, then one
-AdamW step per mini-batch, `client_app.trainer.loop.policy_pass`). Each `--mini` value is timed
-once after a warm-up pass, then profiled once with torch.profiler (the profiled pass runs
-slower; its op table says where GPU time goes, and its kernel total over the unprofiled wall
-says how busy the GPU was). MFU counts 6 x params x tokens for the update and 2 x params x
-tokens for each scoring pass, against --peak TFLOP/s (bench/engines.py measures it).
+AdamW step per mini-batch, `client_app.trainer.loop.policy_pass`). For each `--mini`, one engine
+per precision is built on the same weights; after a warm-up pass each, the arms take turns for
+--repeats timed passes from the same starting weights, and the best pass of each counts. With
+--profile each arm is then profiled once with torch.profiler (the profiled pass runs slower; its
+op table says where GPU time goes, and its kernel total over the unprofiled wall says how busy
+the GPU was). MFU counts 6 x params x tokens for the update and 2 x params x tokens for each
+scoring pass, against the dense bf16 matmul rate measured at the start (`--peak` overrides).
 """
 
 from __future__ import annotations
@@ -19,15 +24,19 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.engines import peak_tflops
 from client_app.models import model_dirs
 from client_app.rollout import TrainRow
 from client_app.trainer import make_engine
+from client_app.trainer.device import resolve_device
 from client_app.trainer.loop import loss_specs, policy_pass
-from fl_app.config import load_config
+from fl_app.config import Config, load_config
 
 
 def synthetic_rows(n: int, vocab: int, prompt: tuple[int, int], reply: tuple[int, int], seed: int) -> list[TrainRow]:
@@ -45,21 +54,33 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def measure(args: argparse.Namespace, mini: int) -> dict:
-    """One warm-up pass, one timed pass, one profiled pass at mini-batch (= micro-batch) `mini`."""
-    cuda = args.device == "cuda"
-    dotlist = [f"model.path={args.model}", f"run.device={args.device}", f"algo.mini_batch_size={mini}"]
-    dotlist += [f"algo.micro_batch_size={mini}", "model.warm_start.episodes=0"]
+def build(args: argparse.Namespace, mini: int, arm: str) -> tuple[Any, Config]:
+    """The engine of one arm: `precision` or `precision+compile` (run.precision, run.compile)."""
+    precision, _, compiled = arm.partition("+")
+    dotlist = [f"model.path={args.model}", f"run.device={args.device}", f"run.precision={precision}"]
+    dotlist += [f"run.compile={compiled == 'compile'}"]
+    dotlist += [f"algo.mini_batch_size={mini}", f"algo.micro_batch_size={mini}", "model.warm_start.episodes=0"]
     cfg = load_config(args.recipe, dotlist=dotlist)
-    engine = make_engine(cfg, model_dirs(cfg).policy)
-    rows = synthetic_rows(args.rows, len(engine.tokenizer), args.prompt_tokens, args.reply_tokens, seed=0)
+    return make_engine(cfg, model_dirs(cfg).policy), cfg
+
+
+def measure(args: argparse.Namespace, mini: int) -> dict:
+    """Every --precision at mini-batch (= micro-batch) `mini`, side by side: one warm-up pass
+    each, then --repeats timed passes taking turns (A B A B ...: drift hits every arm alike),
+    the best kept; then, with --profile, one profiled pass each."""
+    cuda = args.device == "cuda"
+    engines = {p: build(args, mini, p) for p in args.precision}
+    first, cfg = engines[args.precision[0]]
+    rows = synthetic_rows(args.rows, len(first.tokenizer), args.prompt_tokens, args.reply_tokens, seed=0)
     rng = random.Random(1)
     advantages = [torch.full((len(r.response_ids),), rng.gauss(0, 1)) for r in rows]
     policy, _ = loss_specs(cfg)
-    params = sum(t.numel() for t in engine.export_weights().values())
+    params = sum(t.numel() for t in first.export_weights().values())
     tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+    start = first.export_weights()
 
-    def one_pass() -> tuple[float, dict]:
+    def one_pass(engine: Any) -> tuple[float, dict]:
+        engine.load_weights(start)  # every pass from the same weights
         engine.begin_fit(reference_from_policy=False)
         _sync(cuda)
         t0 = time.perf_counter()
@@ -69,43 +90,84 @@ def measure(args: argparse.Namespace, mini: int) -> dict:
         engine.end_fit()
         return wall, metrics
 
-    one_pass()  # warm-up: allocator, kernels' first launches
-    wall, metrics = one_pass()
+    first_pass = {p: one_pass(engine)[0] for p, (engine, _) in engines.items()}  # warm-up (and compilation)
+    walls: dict[str, list[float]] = {p: [] for p in engines}
+    steps: dict[str, float] = {}
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.repeats):
+        for p, (engine, _) in engines.items():
+            wall, metrics = one_pass(engine)
+            walls[p].append(wall)
+            steps[p] = metrics["optimizer_steps"]
     scoring = 2 * (1 + (policy.kl_coef > 0))
-    row = {
-        "rows": len(rows),
-        "tokens": tokens,
-        "params_m": round(params / 1e6, 1),
-        "optimizer_steps": metrics["optimizer_steps"],
-        "pass_s": round(wall, 3),
-        "mfu_pass": round((6 + scoring) * params * tokens / wall / (args.peak * 1e12), 4),
-    }
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        one_pass()
-    ops = prof.key_averages()
-    if cuda:  # kernels only (the aten:: rows would count the same time twice)
-        kernels = sum(e.self_device_time_total for e in ops if not e.key.startswith("aten::")) / 1e6
-        row["gpu_kernel_s_in_profiled_pass"] = round(kernels, 3)
-        row["gpu_busy_vs_unprofiled_wall"] = round(kernels / wall, 3)
-    print(json.dumps({f"mini{mini}": row}), flush=True)
-    print(ops.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=args.top))
-    return row
+    out: dict[str, Any] = {"rows": len(rows), "tokens": tokens, "params_m": round(params / 1e6, 1)}
+    for p, w in walls.items():
+        best = min(w)
+        out[p] = {
+            "first_pass_s": round(first_pass[p], 1),
+            "optimizer_steps": steps[p],
+            "pass_s": [round(x, 3) for x in w],
+            "trained_tok_per_s": round(tokens / best),
+            "mfu_pass": round((6 + scoring) * params * tokens / best / (args.peak * 1e12), 4),
+        }
+    if len(walls) > 1:
+        base = args.precision[0]
+        out["speedup_vs_" + base] = {p: round(min(walls[base]) / min(w), 2) for p, w in walls.items() if p != base}
+    if cuda:
+        out["peak_allocated_gb_all_arms"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    print(json.dumps({f"mini{mini}": out}), flush=True)
+    if args.profile:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        for p, (engine, _) in engines.items():
+            with profile(activities=activities) as prof:
+                one_pass(engine)
+            ops = prof.key_averages()
+            if cuda:  # kernels only (the aten:: rows would count the same time twice)
+                kernels = sum(e.self_device_time_total for e in ops if not e.key.startswith("aten::")) / 1e6
+                out[p]["gpu_kernel_s_in_profiled_pass"] = round(kernels, 3)
+                out[p]["gpu_busy_vs_unprofiled_wall"] = round(kernels / min(walls[p]), 3)
+            print(f"--- {p}, mini {mini}")
+            print(ops.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=args.top))
+    for engine, _ in engines.values():
+        engine.close()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--model", required=True, help="a model directory, or `tiny`")
+    ap.add_argument("--model", type=Path, help="a model directory, or `tiny`")
+    ap.add_argument("--make-qwen05b", type=Path, help="write a random Qwen2.5-0.5B-shaped model here and use it")
     ap.add_argument("--recipe", default="smollm-shop-grpo")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    ap.add_argument(
+        "--precision",
+        nargs="+",
+        default=["autocast", "bf16", "bf16+compile"],
+        help="arms, side by side: a run.precision, `+compile` for run.compile",
+    )
     ap.add_argument("--rows", type=int, default=540, help="rows per pass (smollm-shop-grpo: ~540 per iteration)")
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=(300, 900))
     ap.add_argument("--reply-tokens", type=int, nargs=2, default=(5, 36))
     ap.add_argument("--mini", type=int, nargs="+", default=[16, 64], help="mini-batch sizes (micro = mini)")
-    ap.add_argument("--peak", type=float, default=790.0, help="dense bf16 TFLOP/s of the device")
+    ap.add_argument("--repeats", type=int, default=2, help="timed passes per arm (taking turns)")
+    ap.add_argument("--profile", action="store_true", help="also profile one pass per arm (slow)")
+    ap.add_argument("--peak", type=float, default=0.0, help="dense bf16 TFLOP/s (0: measure it here)")
     ap.add_argument("--top", type=int, default=18)
     args = ap.parse_args(argv)
-    report = {f"mini{mini}": measure(args, mini) for mini in args.mini}
+    device = resolve_device(args.device)
+    if args.make_qwen05b:
+        from bench.trainer_fits import qwen05b_dir
+        from client_app.tiny_model import build_tiny_model
+
+        tiny = load_config("tiny-shop-grpo")
+        args.model = qwen05b_dir(args.make_qwen05b, build_tiny_model(tiny.model.tiny, tiny.env, tiny.rollout), device)
+    if args.model is None:
+        ap.error("--model or --make-qwen05b is required")
+    args.peak = args.peak or peak_tflops(device)
+    report: dict[str, Any] = {"model": str(args.model), "peak_tflops": round(args.peak, 1)}
+    print(json.dumps(report), flush=True)
+    report.update({f"mini{mini}": measure(args, mini) for mini in args.mini})
     print(json.dumps(report))
     return 0
 

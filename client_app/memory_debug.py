@@ -20,6 +20,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 ENV_VAR = "FEDAGENT_MEMORY_DEBUG"
 Key = tuple[str, str, tuple[int, ...]]
@@ -49,8 +50,15 @@ def tensor_census() -> dict[Key, list[torch.Tensor]]:
 
 
 def _is_tensor(obj: object) -> bool:
+    """A tensor that holds memory: not a meta tensor, nor one of torch.compile's fake tensors
+    (their symbolic shapes cannot key a census, and they own no storage)."""
     try:
-        return isinstance(obj, torch.Tensor) and not obj.is_meta
+        return (
+            isinstance(obj, torch.Tensor)
+            and not obj.is_meta
+            and not isinstance(obj, FakeTensor)
+            and all(isinstance(n, int) for n in obj.shape)
+        )
     except ReferenceError:  # a dead weakref proxy
         return False
 

@@ -135,7 +135,8 @@ def validate(model: Any, tokenizer: Any, cfg: Config, device: torch.device) -> d
     from envs.client import SyncEnvClient
     from envs.service import serve_in_subprocess
 
-    generator, settings = hf_generator(model, tokenizer, cfg, device), rollout_settings(cfg)
+    amp = torch.bfloat16 if device.type == "cuda" else None  # the SFT'd fp32 model, as it trained
+    generator, settings = hf_generator(model, tokenizer, cfg, device, amp), rollout_settings(cfg)
     specs = group_specs(list(range(cfg.federation.val_tasks)), 1)
     with serve_in_subprocess(cfg.env.name, cfg.env.pool_size, cfg.env.params) as url:
         env = SyncEnvClient(url)

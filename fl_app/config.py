@@ -562,6 +562,14 @@ class RunCfg(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Trainer device: `auto` = CUDA when visible, else CPU."
     )
+    precision: Literal["auto", "fp32", "autocast", "bf16"] = Field(
+        "auto",
+        description="How the builtin engine computes its forward and backward passes (and `rollout.engine: hf` generation); the weights it loads, optimizes, exports and averages are fp32 masters in every mode (invariant 1). `bf16`: on a bf16 copy of the masters, gradients summed into fp32, the copy refreshed after every step (the fast GPU mode, docs/benchmarks.md). `autocast`: bf16 autocast over the fp32 weights (slower: fp32 norms, residuals and casts). `fp32`: plain fp32. `auto` = `bf16` on CUDA, `fp32` on the CPU (exactly reproducible there). verl computes in bf16 over fp32 masters itself: `auto` or `bf16` only.",
+    )
+    compile: bool = Field(
+        False,
+        description="Compile the builtin engine's decoder layers (policy, reference, critic) with torch.compile for scoring and training, dynamic shapes (generation stays eager). The first fit of a lane pays the compilation; it fuses norms, rotary, SwiGLU and residual adds between the matmuls (docs/benchmarks.md). Needs a Llama/Qwen2-style decoder (`base_model.layers`).",
+    )
     inline_max_mb: float = Field(
         64.0,
         ge=0,
@@ -716,6 +724,13 @@ class Config(_Strict):
             )
         self._check_model()
         self._check_rollout_engine()
+        if self.backend == "verl" and self.run.precision not in ("auto", "bf16"):
+            raise ValueError(
+                f"run.precision={self.run.precision} is a builtin-engine mode; verl computes in bf16 over "
+                "fp32 masters itself: set run.precision: auto (or bf16), or backend: builtin"
+            )
+        if self.backend == "verl" and self.run.compile:
+            raise ValueError("run.compile compiles the builtin engine's layers; verl does not read it: remove it")
         self._check_env_partition()
         algo = self.algo
         if not algo.spec.critic and algo.critic.path:

@@ -44,6 +44,7 @@ from client_app.rollout import Episode, TrainRow, derive_seed, group_specs, trai
 from client_app.trainer import make_engine
 from client_app.trainer.advantages import ADVANTAGES
 from client_app.trainer.base import EvalRequest, FitRequest
+from client_app.trainer.compute import resolve_precision
 from client_app.trainer.engine import PolicyBatch, ValueBatch
 from client_app.trainer.loop import RLTrainer, critic_pass, policy_pass
 from fl_app.config import Config
@@ -56,12 +57,15 @@ _no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUD
 # every engine on the CPU (CI) and, gpu-marked, on CUDA (bf16 autocast: tolerances, not bits)
 ENGINES = [
     "builtin",
+    "builtin-cpu-bf16",  # the bf16 compute copy of fp32 masters (the CUDA default), on the CPU
+    "builtin-cpu-fp32+compile",  # compiled decoder layers (run.compile, the GPU recipes'), on the CPU
     pytest.param("verl", marks=_no_verl),
     pytest.param("builtin-cuda", marks=[pytest.mark.gpu, _no_cuda]),
+    pytest.param("builtin-cuda-bf16+compile", marks=[pytest.mark.gpu, _no_cuda]),  # what GPU recipes run
     pytest.param("verl-cuda", marks=[pytest.mark.gpu, _no_cuda, _no_verl]),
 ]
-# (rtol, atol) of gradients, log-probs and repeated fits: fp32 on the CPU, bf16 compute on CUDA
-TOLERANCE = {"cpu": (1e-4, 1e-7), "cuda": (5e-2, 2e-3)}
+# (rtol, atol) of gradients, log-probs and repeated fits: fp32, and bf16 compute (CUDA's default)
+TOLERANCE = {"fp32": (1e-4, 1e-7), "bf16": (5e-2, 2e-3)}
 # temperature != 1 (log-probs are tempered), KL and entropy on, 5-row mini-batches of 2-row
 # micro-batches (a ragged last one), a value clip that binds
 SECTIONS = {
@@ -79,16 +83,33 @@ PPO = {"name": "ppo", "tasks_per_step": 3, "group_size": None}
 
 
 def _config(kind: str, model: Path, **sections: dict) -> Config:
-    backend, _, device = kind.partition("-")
+    """`kind` = backend[-device[-precision[+compile]]], as the bench names its arms."""
+    parts = kind.split("-")
+    backend, device, arm = parts + ["cpu", "auto"][len(parts) - 1 :]
+    precision, _, compiled = arm.partition("+")
     merged = {k: dict(v) for k, v in SECTIONS.items()}
-    merged["run"] = {"device": device or "cpu"}
+    merged["run"] = {"device": device, "precision": precision, "compile": compiled == "compile"}
     for name, values in sections.items():
         merged[name] = {**merged.get(name, {}), **values}
     return small_config(model, **merged).model_copy(update={"backend": backend})
 
 
+def _computes_in_fp32(trainer: RLTrainer) -> bool:
+    return resolve_precision(trainer.cfg.run.precision, trainer.engine.device) == "fp32"
+
+
 def _tolerance(trainer: RLTrainer) -> tuple[float, float]:
-    return TOLERANCE[trainer.engine.device.type]
+    return TOLERANCE["fp32" if _computes_in_fp32(trainer) else "bf16"]
+
+
+def _assert_grads_close(trainer: RLTrainer, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Element by element in fp32; in bf16, where one element in thousands can lose most of its
+    digits to cancellation, tensor by tensor (a normalisation bug is off by whole factors)."""
+    rtol, atol = _tolerance(trainer)
+    if _computes_in_fp32(trainer):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    else:
+        assert float((got - want).norm()) <= rtol * float(want.norm()) + atol, (got - want).abs().max()
 
 
 def _same_fit(
@@ -331,7 +352,7 @@ def test_micro_batches_change_neither_gradients_nor_losses(ppo, initial):
         assert val.metrics["loss"] == pytest.approx(base_val.metrics["loss"], rel=rtol / 10), micro
         for member in ("actor", "critic"):
             for k in grads[member]:
-                torch.testing.assert_close(grads[member][k], base_grads[member][k], rtol=rtol, atol=atol)
+                _assert_grads_close(ppo, grads[member][k], base_grads[member][k])
 
 
 def test_a_row_in_a_right_padded_batch_scores_as_if_alone(ppo, initial):
@@ -344,7 +365,7 @@ def test_a_row_in_a_right_padded_batch_scores_as_if_alone(ppo, initial):
         alone = (ppo.engine.log_probs(rows), ppo.engine.values(rows))
     finally:
         ppo.engine.cfg = saved
-    atol = 1e-5 if ppo.engine.device.type == "cpu" else 5e-2
+    atol = 1e-5 if _computes_in_fp32(ppo) else 5e-2
     for b_rows, a_rows in zip(batched, alone):
         for b, a in zip(b_rows, a_rows):
             torch.testing.assert_close(b, a, rtol=0, atol=atol)
@@ -567,3 +588,64 @@ def test_every_loss_mode_and_kl_estimator_trains_alike_on_both_engines(
     finally:
         for t in made:
             t.close()
+
+
+# ================================================================ bf16 compute copy against fp32
+
+
+@pytest.fixture(scope="module")
+def precisions(env_url, model_dir, tmp_path_factory):  # noqa: F811
+    """The builtin engine computing in fp32 and on a bf16 copy of fp32 masters, same policy."""
+    made = [
+        build(kind, model_dir, env_url, tmp_path_factory.mktemp("run"), algo=PPO)
+        for kind in ("builtin-cpu-fp32", "builtin-cpu-bf16")
+    ]
+    try:
+        yield tuple(made)
+    finally:
+        for t in made:
+            t.close()
+
+
+def _copy_matches_masters(t: RLTrainer) -> bool:
+    """Every bf16 compute parameter is its fp32 master rounded to nearest, bit for bit."""
+    return all(
+        c.dtype == torch.bfloat16 and torch.equal(c, m.to(torch.bfloat16))
+        for member in t.members
+        for m, c in zip(t.engine._compute[member].masters, t.engine._compute[member].copies)
+    )
+
+
+def test_the_bf16_compute_copy_steps_like_fp32_and_its_masters_keep_small_updates(precisions):
+    """The bf16 mode trains the fp32 masters: its policy pass lands where fp32's does up to bf16
+    rounding (far closer than a reshuffle of fp32's own mini-batches moves it), the copy is the
+    masters rounded after every step, and an update far below bf16's resolution still moves
+    the masters (a bf16 model would drop it: the reason the masters exist)."""
+    fp32, bf16 = precisions
+    assert bf16.engine.precision == "bf16" and fp32.engine.precision == "fp32"
+    assert _copy_matches_masters(bf16)
+    assert all(p.dtype == torch.float32 for m in bf16.members for _, p in bf16.engine.parameters(m))
+    _, rows, adv = scored_rows(fp32, [5, 6, 7], 2, seed=21)
+    start = fp32.export_weights()
+    (w32, m32), (w16, m16) = _policy_pass_pair(precisions, rows, adv, seed=3)
+    (w32b, _), _ = _policy_pass_pair(precisions, rows, adv, seed=4)  # fp32, mini-batches reshuffled
+    moved = _max_diff(w32, start)
+    off, reshuffled = _max_diff(w16, w32) / moved, _max_diff(w32b, w32) / moved
+    print(f"\nmax|dw|={moved:.2e}; max|w - w_fp32| / max|dw|: bf16 {off:.3f}, fp32 reshuffled {reshuffled:.3f}")
+    assert moved > 100 * TOL and m16["optimizer_steps"] == m32["optimizer_steps"] >= 2
+    assert off < 0.5 * reshuffled
+    assert m16["pg_loss"] == pytest.approx(m32["pg_loss"], rel=0.05, abs=1e-4)
+    # an update 1,000x below bf16's resolution: the masters move, the copy (rounded) may not
+    saved = bf16.engine.cfg
+    bf16.engine.cfg = saved.model_copy(update={"algo": saved.algo.model_copy(update={"lr": 1e-9})})
+    try:
+        bf16.load_weights(start)
+        bf16.engine.begin_fit(reference_from_policy=False)
+        policy_pass(bf16.engine, bf16.policy_loss, rows, adv, bf16.cfg.algo.mini_batch_size, seed=3)
+        bf16.engine.end_fit()
+        tiny_step = bf16.export_weights()
+        assert _changed(tiny_step, start) and _max_diff(tiny_step, start) < 1e-6
+        assert _copy_matches_masters(bf16)
+    finally:
+        bf16.engine.cfg = saved
+        bf16.load_weights(start)

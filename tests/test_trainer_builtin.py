@@ -63,7 +63,7 @@ def test_cuda_fit_keeps_fp32_master_weights(env_url, model_dir):
     """On CUDA: bf16 autocast for compute, fp32 master weights exported bit for bit, a real fit."""
     t = make_trainer(small_config(model_dir, run={"device": "cuda"}), env_url)
     try:
-        assert t.engine.device.type == "cuda" and t.engine.amp_dtype == torch.bfloat16
+        assert t.engine.device.type == "cuda" and t.engine.precision == "bf16" and t.engine.amp_dtype is None
         initial = t.export_weights()
         assert all(v.dtype == torch.float32 and v.device.type == "cpu" for v in initial.values())
         res = t.fit(

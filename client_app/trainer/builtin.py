@@ -1,8 +1,9 @@
 """The builtin training engine: torch + transformers on the CPU or one GPU.
 
-Holds the policy (fp32 master weights; bf16 autocast on CUDA), the KL reference, the PPO critic
-(the policy's architecture with a value head, `client_app.critic`) and one AdamW per trained
-member, rebuilt for every fit (invariant 3). Its losses are the project's own
+Holds the policy (fp32 master weights, computing as `run.precision` says: by default on a bf16
+copy on CUDA, `compute.ComputeCopy`), the KL reference, the PPO critic (the policy's
+architecture with a value head, `client_app.critic`) and one AdamW per trained member over the
+fp32 masters, rebuilt for every fit (invariant 3; fused on CUDA). Its losses are the project's own
 (`client_app.algos`, held to verl's `core_algos` by tests/test_algos_parity.py).
 
 Scoring reads the backbone's hidden states only at the positions that predict a response token,
@@ -34,6 +35,7 @@ from client_app.critic import CriticStart, build_critic, resolve_start_critic
 from client_app.rollout import TrainRow, autocast, derive_seed
 from client_app.tiny_model import load_causal_lm
 from client_app.trainer.advantages import pad_rows
+from client_app.trainer.compute import ComputeCopy, autocast_dtype, compile_layers, resolve_precision
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
 from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch
 from fl_app.config import Config
@@ -47,6 +49,7 @@ class BuiltinEngine:
 
     def __init__(self, cfg: Config, model_path: Path, reference_path: Path | None = None) -> None:
         self.cfg = cfg
+        self._compute: dict[str, ComputeCopy] = {}  # built once the starting weights are in (below)
         self.device = resolve_device(cfg.run.device)
         avoid_cudnn_attention(self.device)
         self.model, self.tokenizer = load_causal_lm(model_path, self.device)
@@ -66,7 +69,8 @@ class BuiltinEngine:
         # embedding rows) or every output row (vLLM samples over all of them).
         self.vocab_size = rows if cfg.rollout.engine == "vllm" else len(self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
-        self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+        self.precision = resolve_precision(cfg.run.precision, self.device)
+        self.amp_dtype = autocast_dtype(self.precision)
         # Reference: the ORIGINAL starting model for `base` (also under model.init_from; the
         # backbone instead of a warm start with model.reference: backbone), overwritten per fit
         # for `round`, none at kl_coef 0.
@@ -77,6 +81,8 @@ class BuiltinEngine:
             else:
                 ref = load_causal_lm(reference_path, self.device)[0]
             self.ref = ref.requires_grad_(False).eval()
+            if self.precision == "bf16":
+                self.ref.to(torch.bfloat16)
         if cfg.model.init_from:
             self._load_start("actor", cfg.model.init_from, "model.init_from")
         # The critic: the policy's architecture and current backbone plus a value head, replaced by
@@ -95,6 +101,13 @@ class BuiltinEngine:
                 self.critic_start.reason,
                 f" from {self.critic_start.path}" if self.critic_start.path else "",
             )
+        # Built last, from the loaded masters: what forward and backward passes run on.
+        self._compute = {"actor": ComputeCopy(self.model, self.precision)}
+        if self.critic is not None:
+            self._compute["critic"] = ComputeCopy(self.critic, self.precision)
+        if cfg.run.compile:
+            for module in [c.module for c in self._compute.values()] + ([self.ref] if self.ref is not None else []):
+                compile_layers(module)
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
 
     # ------------------------------------------------------------------ weights
@@ -135,12 +148,14 @@ class BuiltinEngine:
                 )
         for name, t in state.items():
             params[name].copy_(t)
+        if member in self._compute:
+            self._compute[member].refresh()
 
     def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
         return {name: p.detach().to("cpu", copy=True) for name, p in self._member(member).items()}
 
     def generation_model(self) -> torch.nn.Module:
-        return self.model.eval()
+        return self._compute["actor"].module.eval()
 
     def policy_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         return ((name, p.detach()) for name, p in self.params.items())
@@ -152,10 +167,13 @@ class BuiltinEngine:
 
     def begin_fit(self, reference_from_policy: bool) -> None:
         a = self.cfg.algo
-        self.optimizers = {"actor": torch.optim.AdamW(self.params.values(), lr=a.lr, weight_decay=a.weight_decay)}
+        fused = True if self.device.type == "cuda" else None  # one kernel per step on CUDA; the CPU's default
+        self.optimizers = {
+            "actor": torch.optim.AdamW(self.params.values(), lr=a.lr, weight_decay=a.weight_decay, fused=fused)
+        }
         if self.critic is not None:
             self.optimizers["critic"] = torch.optim.AdamW(
-                self._members["critic"].values(), lr=a.critic.lr, weight_decay=a.critic.weight_decay
+                self._members["critic"].values(), lr=a.critic.lr, weight_decay=a.critic.weight_decay, fused=fused
             )
         if reference_from_policy and self.ref is not None:
             with torch.no_grad():
@@ -169,12 +187,14 @@ class BuiltinEngine:
         for params in self._members.values():
             for p in params.values():
                 p.grad = None
+        for compute in self._compute.values():
+            compute.drop_grads()
 
     # ------------------------------------------------------------------ scoring
 
     @torch.no_grad()
     def log_probs(self, rows: Sequence[TrainRow], scorer: Scorer = "policy") -> list[torch.Tensor]:
-        model = self.model if scorer == "policy" else self.ref
+        model = self._compute["actor"].module if scorer == "policy" else self.ref
         if model is None:
             raise RuntimeError("no reference model: algo.kl_coef is 0, so nothing needs the reference's log-probs")
 
@@ -203,8 +223,9 @@ class BuiltinEngine:
         norm = _mini_batch_norm(rows, loss.horizon)
         sums: dict[str, float] = defaultdict(float)
         parts = _micro_batches(rows, self.cfg.algo.micro_batch_size)
+        compute = self._compute["actor"]
         for part in parts:
-            logits, labels, mask = self._response_logits(self.model, [rows[i] for i in part])
+            logits, labels, mask = self._response_logits(compute.module, [rows[i] for i in part])
             log_prob = token_log_probs(logits, labels)
             entropy = entropy_from_logits(logits)
             if loss.entropy_coeff == 0:
@@ -222,6 +243,7 @@ class BuiltinEngine:
                 ),
             )
             out.loss.backward()
+            compute.fold_grads()
             for k, v in out.metrics.items():
                 # shares of the mini-batch loss add up; fractions and ppo_kl are averaged
                 sums[k] += float(v) if k in ("pg_loss", "entropy", "kl_loss") else float(v) / len(parts)
@@ -254,6 +276,7 @@ class BuiltinEngine:
                 coef=loss.coef,
             )
             value_loss.backward()
+            self._compute["critic"].fold_grads()
             sums["loss"] += float(value_loss.detach())  # shares of the mini-batch loss add up
             sums["clipfrac"] += float(clipfrac) / len(parts)
         if after_backward is not None:
@@ -269,6 +292,7 @@ class BuiltinEngine:
         stepped = bool(torch.isfinite(grad_norm))
         if stepped:
             self.optimizers[member].step()
+            self._compute[member].refresh()
         self.optimizers[member].zero_grad(set_to_none=True)
         return StepResult(metrics, float(grad_norm), stepped)
 
@@ -300,7 +324,7 @@ class BuiltinEngine:
             labels[b, :n_r] = torch.tensor(rw.response_ids)
             mask[b, :n_r] = torch.tensor(rw.mask, dtype=torch.bool)
         ids, pos, labels, mask = (t.to(self.device) for t in (ids, pos, labels, mask))
-        hidden = model.base_model(input_ids=ids).last_hidden_state
+        hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
         picked = torch.gather(hidden, 1, pos[:, :, None].expand(-1, -1, hidden.shape[-1]))
         return picked, labels, mask
 
@@ -319,8 +343,9 @@ class BuiltinEngine:
         if self.critic is None:
             raise RuntimeError(f"algo.name={self.cfg.algo.name!r} has no critic, so rows have no values")
         with autocast(self.device, self.amp_dtype):
-            picked, _labels, mask = self._response_hidden(self.critic, rows)
-            values = self.critic.score(picked).squeeze(-1)
+            critic = self._compute["critic"].module
+            picked, _labels, mask = self._response_hidden(critic, rows)
+            values = critic.score(picked).squeeze(-1)
         return values.float(), mask
 
     def close(self) -> None:
@@ -328,6 +353,7 @@ class BuiltinEngine:
         self.model = self.ref = self.critic = None
         self.params = {}
         self._members = {}
+        self._compute = {}
         release_memory(self.device)
 
 

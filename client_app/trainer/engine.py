@@ -62,6 +62,7 @@ class TrainingEngine(Protocol):
 
     device: torch.device
     tokenizer: Any
+    amp_dtype: torch.dtype | None  # the autocast dtype its forward passes (and hf generation) run under
     critic_start: CriticStart | None  # where the starting critic came from; None without a critic
 
     @property

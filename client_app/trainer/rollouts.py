@@ -36,15 +36,14 @@ def rollout_settings(cfg: Config) -> RolloutSettings:
     )
 
 
-def hf_generator(model: Any, tokenizer: Any, cfg: Config, device: torch.device) -> BatchedGenerator:
-    """Hugging Face `generate` on `model`: bf16 autocast on CUDA; on the CPU length-grouped batches."""
+def hf_generator(
+    model: Any, tokenizer: Any, cfg: Config, device: torch.device, amp_dtype: torch.dtype | None
+) -> BatchedGenerator:
+    """Hugging Face `generate` on `model` (under `amp_dtype` autocast when given); on the CPU
+    length-grouped batches."""
     on_cpu = device.type == "cpu"
     return BatchedGenerator(
-        model,
-        tokenizer,
-        cfg.rollout.max_response_tokens,
-        None if on_cpu else torch.bfloat16,
-        max_padding=CPU_MAX_PADDING if on_cpu else None,
+        model, tokenizer, cfg.rollout.max_response_tokens, amp_dtype, max_padding=CPU_MAX_PADDING if on_cpu else None
     )
 
 
@@ -68,7 +67,9 @@ class Rollouts:
                 seed=cfg.run.seed,
             )
         else:
-            self.generator = hf_generator(engine.generation_model(), engine.tokenizer, cfg, engine.device)
+            self.generator = hf_generator(
+                engine.generation_model(), engine.tokenizer, cfg, engine.device, engine.amp_dtype
+            )
 
     @property
     def syncs_weights(self) -> bool:

@@ -316,6 +316,7 @@ class VerlEngine:
             raise ValueError(f"VerlEngine needs backend=verl, got backend={cfg.backend!r}")
         self.cfg = cfg
         self.device = resolve_device(cfg.run.device)
+        self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" else None  # over FSDP's fp32 module
         avoid_cudnn_attention(self.device)
         isolate_from_outer_ray()
         self.model_path = Path(model_path)

@@ -1,0 +1,88 @@
+"""How the builtin engine computes (`client_app.trainer.compute`): compiled decoder layers
+(`run.compile`) score and train as the eager ones do while generation stays eager, and the
+modes that cannot be armed are refused before anything starts. The bf16 compute copy is held to
+the engine contract in tests/test_engine_contract.py (`builtin-cpu-bf16`, and against fp32)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F401
+
+from client_app.algos import ActorLossSpec
+from client_app.rollout import TrainRow
+from client_app.trainer.builtin import BuiltinEngine
+from client_app.trainer.compute import RECOMPILE_LIMIT, compile_layers
+from client_app.trainer.engine import PolicyBatch
+from fl_app.config import ConfigError, load_config
+
+
+def _rows(n: int, vocab: int, seed: int) -> list[TrainRow]:
+    """Rows of different widths (a right-padded batch), random ids."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(8, 40))]
+        reply = [rng.randrange(vocab) for _ in range(rng.randint(2, 9))]
+        rows.append(TrainRow(prompt, reply, [1] * len(reply), rng.random(), i // 2, i))
+    return rows
+
+
+def _graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_compiled_layers_score_and_train_as_eager_layers_and_generation_stays_eager(model_dir):  # noqa: F811
+    engines = {c: BuiltinEngine(small_config(model_dir, run={"compile": c}), model_dir) for c in (False, True)}
+    eager, compiled = engines[False], engines[True]
+    rows = _rows(6, len(eager.tokenizer), seed=0)
+    graphs = _graphs()
+    got, want = compiled.log_probs(rows), eager.log_probs(rows)
+    assert _graphs() > graphs, "run.compile must run the scoring pass through compiled layers"
+    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT  # past 8 graphs new shapes ran eager
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    loss = ActorLossSpec(entropy_coeff=0.01)
+    advantages = [torch.full((len(r.response_ids),), a) for r, a in zip(rows, (1.0, -1.0, 0.5, -0.5, 2.0, 0.0))]
+    grads: dict[bool, dict[str, torch.Tensor]] = {}
+    for c, engine in engines.items():
+
+        def keep(c: bool = c, engine: BuiltinEngine = engine) -> None:
+            grads[c] = {n: p.grad.clone() for n, p in engine.parameters() if p.grad is not None}
+
+        engine.begin_fit(reference_from_policy=False)
+        engine.policy_step(PolicyBatch(rows, engine.log_probs(rows), advantages, None), loss, after_backward=keep)
+        engine.end_fit()
+    assert grads[False] and grads[False].keys() == grads[True].keys()
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, rtol=1e-4, atol=1e-6)
+    # a cached pass (Hugging Face generate) takes the eager layers: no new graph, the same tokens
+    prompt = torch.tensor([rows[0].prompt_ids])
+    graphs = _graphs()
+    out = {
+        c: e.generation_model().generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        for c, e in engines.items()
+    }
+    assert _graphs() == graphs and torch.equal(out[True], out[False])
+    for engine in engines.values():
+        engine.close()
+
+
+def test_compile_refuses_a_model_without_decoder_layers():
+    with pytest.raises(ValueError, match="run.compile"):
+        compile_layers(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["backend=verl", "run.precision=fp32"], "run.precision=fp32 is a builtin-engine mode"),
+        (["backend=verl", "run.compile=true"], "run.compile compiles the builtin engine's layers"),
+    ],
+)
+def test_modes_verl_would_not_honour_are_refused_before_anything_starts(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("tiny-shop-grpo", dotlist=overrides)
