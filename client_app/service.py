@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlsplit
 
 import psutil
@@ -50,9 +50,12 @@ from client_app.variant_envs import VariantEnvServices
 from envs.registry import make_env
 from fl_app.config import Config, load_config
 from fl_app.paths import PathEscapeError, confine
-from fl_app.weights import WeightsError, load_shards, save_shards
+from fl_app.weights import Manifest, WeightsError, load_shards, save_shards
 from partitions.pool import TaskPool
 from partitions.registry import plan_partition
+
+if TYPE_CHECKING:
+    import torch
 
 
 def shared_store_root(cfg: Config) -> tuple[Path, ...]:
@@ -136,6 +139,8 @@ class TrainerService:
         self.last_request = time.monotonic()
         self.fits = 0
         self.evals = 0
+        # per member, the last weights read: (manifest sha256, verified CPU state); see read()
+        self._last_read: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
         self._stack = contextlib.ExitStack()
         self.trainer: Trainer | None = None
         self.env_url = ""
@@ -222,12 +227,31 @@ class TrainerService:
         shard = int(self.cfg.run.shard_max_mb * 2**20)
         return sum(save_shards(self.trainer.export_weights(m), d, shard).total_bytes for m, d in outs.items())
 
-    def load(self, ins: dict[str, Path]) -> None:
-        """Load every member from its (checked) dir; all are read and verified before any is loaded."""
+    def load(self, ins: dict[str, Path]) -> bool:
+        """Load every member from its (checked) dir; all are read and verified before any is
+        loaded. True when every member was the lane's last read (no shard read again)."""
         assert self.trainer is not None
-        states = {m: load_shards(d) for m, d in ins.items()}
-        for member, state in states.items():
+        reads = {m: self.read(m, d) for m, d in ins.items()}
+        for member, (state, _) in reads.items():
             self.trainer.load_weights(state, member)
+        return all(again for _, again in reads.values())
+
+    def read(self, member: str, weights_dir: Path) -> tuple[dict[str, torch.Tensor], bool]:
+        """`member`'s verified weights from `weights_dir`, and whether they were the lane's last
+        read. A round's global model reaches one lane several times (each of its clients' fits,
+        the validation); its manifest's sha256 pins every shard's digest, so the same manifest
+        means the same bytes, already verified: the lane keeps the last read per member (one
+        model's worth of host memory, replaced each round) instead of reading and hashing the
+        shards again. Engines copy what they load (`TrainingEngine.load_weights`), so the kept
+        state is never trained in place."""
+        manifest = Manifest.from_dir(weights_dir)
+        last = self._last_read.get(member)
+        if last is not None and last[0] == manifest.sha256:
+            return last[1], True
+        self._last_read.pop(member, None)  # free the old state before reading the new
+        state = load_shards(manifest)
+        self._last_read[member] = (manifest.sha256, state)
+        return state, False
 
     def init(self, body: InitBody) -> dict[str, Any]:
         """Export the initial weights (before any load): the run's round 0, and where the critic came from."""
@@ -262,7 +286,7 @@ class TrainerService:
         with self.lock:
             self.last_request = time.monotonic()
             t0 = time.perf_counter()
-            self.load(ins)
+            cached = self.load(ins)
             t_load = time.perf_counter() - t0
             res = self.trainer.fit(self.fit_request(body))
             t1 = time.perf_counter()
@@ -273,6 +297,7 @@ class TrainerService:
             metrics.update(
                 {
                     "load_s": t_load,
+                    "load_reused": float(cached),
                     "export_s": t_export,
                     "fit_total_s": time.perf_counter() - t0,
                     "service_fits": float(self.fits),
@@ -288,12 +313,13 @@ class TrainerService:
             if self.memory_report is not None:
                 memory_debug.log_growth(self.memory_report, log, f"fit {self.fits}")
             log.info(
-                "fit %d (round %d, client %d): load %.2f s, rollout %.1f s (weight sync %.2f s), update %.1f s, "
+                "fit %d (round %d, client %d): load %.2f s%s, rollout %.1f s (weight sync %.2f s), update %.1f s, "
                 "export %.2f s; after export: RSS %.0f MB, CUDA allocated %.0f MB, device used %.0f MB",
                 self.fits,
                 body.round,
                 body.client_id,
                 t_load,
+                " (the lane's last read)" if cached else "",
                 metrics.get("rollout_s", 0.0),
                 metrics.get("rollout_sync_s", 0.0),
                 metrics.get("update_s", 0.0),
@@ -310,13 +336,13 @@ class TrainerService:
         weights_in = self.confined(body.weights_in, "weights_in")
         with self.lock:
             self.last_request = time.monotonic()
-            self.trainer.load_weights(load_shards(weights_in))
+            reused = self.load({"actor": weights_in})
             res = self.trainer.evaluate(
                 EvalRequest(task_indices=list(range(self.cfg.federation.val_tasks)), seed=body.seed)
             )
             self.evals += 1
             self.last_request = time.monotonic()
-            return {"num_examples": res.num_examples, "metrics": dict(res.metrics)}
+            return {"num_examples": res.num_examples, "metrics": {**res.metrics, "load_reused": float(reused)}}
 
 
 def _dir_bytes(path: Path) -> int:

@@ -1,0 +1,51 @@
+"""A lane reads a round's global model once (issue #17: nothing computed twice): a real
+TrainerService, real fits on a real env service, CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from trainer_support import env_url, model_dir, one_torch_thread, small_config  # noqa: F401
+
+from client_app.service import EvalBody, FitBody, TrainerService
+from fl_app.weights import load_shards, save_shards
+
+
+def test_a_lane_reads_each_global_once_and_every_fit_starts_from_it(env_url, model_dir, tmp_path):  # noqa: F811
+    """The second client's fit of a round (and the validation) reuse the lane's verified read of
+    the global; both fits start from the global itself, never from what the first fit trained
+    (a fresh read gives the same result bit for bit); a new manifest is read from disk."""
+    cfg = small_config(model_dir, federation={"clients": 4, "clients_per_round": 2, "tasks_per_client": 20})
+    svc = TrainerService(cfg, run_id=1, lane="cpu", run_dir=tmp_path)
+    try:
+        svc.start()
+        assert svc.trainer is not None
+        global_dir = save_shards(svc.trainer.export_weights("actor"), tmp_path / "global", 1 << 20).root
+
+        def fit(client: int, weights_in: Path, out: str) -> dict:
+            body = FitBody(
+                run_id=1,
+                round=1,
+                client_id=client,
+                local_epochs=1,
+                seed=0,
+                weights_in={"actor": str(weights_in)},
+                weights_out={"actor": str(tmp_path / out)},
+            )
+            return svc.fit(body)["metrics"]
+
+        assert fit(0, global_dir, "c0")["load_reused"] == 0.0
+        second = fit(1, global_dir, "c1")
+        assert second["load_reused"] == 1.0
+        svc._last_read.clear()  # what a lane without the reuse would do: read the global again
+        assert fit(1, global_dir, "c1-fresh")["load_reused"] == 0.0
+        reused, fresh = load_shards(tmp_path / "c1"), load_shards(tmp_path / "c1-fresh")
+        assert all(torch.equal(reused[k], fresh[k]) for k in fresh), "the kept read was trained in place"
+        assert any(not torch.equal(fresh[k], v) for k, v in load_shards(global_dir).items()), "the fit must train"
+        # validation of the same global reuses the read; another manifest is read from disk
+        validation = svc.evaluate(EvalBody(run_id=1, round=1, seed=0, weights_in=str(global_dir)))
+        assert validation["metrics"]["load_reused"] == 1.0
+        assert fit(2, tmp_path / "c0", "c2")["load_reused"] == 0.0
+    finally:
+        svc.close()
