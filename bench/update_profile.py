@@ -75,9 +75,9 @@ def measure(args: argparse.Namespace, mini: int) -> dict:
     rng = random.Random(1)
     advantages = [torch.full((len(r.response_ids),), rng.gauss(0, 1)) for r in rows]
     policy, _ = loss_specs(cfg)
-    params = sum(t.numel() for t in first.export_weights().values())
-    tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)
     start = first.export_weights()
+    params = sum(t.numel() for t in start.values())
+    tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)
 
     def one_pass(engine: Any) -> tuple[float, dict]:
         engine.load_weights(start)  # every pass from the same weights

@@ -240,9 +240,9 @@ class TrainerService:
         """`member`'s verified weights from `weights_dir`, and whether they were the lane's last
         read. A round's global model reaches one lane several times (each of its clients' fits,
         the validation); its manifest's sha256 pins every shard's digest, so the same manifest
-        means the same bytes, already verified: the lane keeps the last read per member (one
-        model's worth of host memory, replaced each round) instead of reading and hashing the
-        shards again. Engines copy what they load (`TrainingEngine.load_weights`), so the kept
+        means the same bytes, already verified: the lane keeps the last read per member (host
+        memory for one actor, and one critic under PPO, replaced each round) instead of reading
+        and hashing the shards again. Engines copy what they load (`TrainingEngine.load_weights`), so the kept
         state is never trained in place."""
         manifest = Manifest.from_dir(weights_dir)
         last = self._last_read.get(member)
@@ -266,6 +266,7 @@ class TrainerService:
             return {"fits": self.fits, "critic_start": start.as_dict() if start is not None else None}
 
     def close(self) -> None:
+        self._last_read.clear()
         self._stack.close()
 
     def _check_run(self, run_id: int) -> None:
@@ -286,7 +287,7 @@ class TrainerService:
         with self.lock:
             self.last_request = time.monotonic()
             t0 = time.perf_counter()
-            cached = self.load(ins)
+            reused = self.load(ins)
             t_load = time.perf_counter() - t0
             res = self.trainer.fit(self.fit_request(body))
             t1 = time.perf_counter()
@@ -297,7 +298,7 @@ class TrainerService:
             metrics.update(
                 {
                     "load_s": t_load,
-                    "load_reused": float(cached),
+                    "load_reused": float(reused),
                     "export_s": t_export,
                     "fit_total_s": time.perf_counter() - t0,
                     "service_fits": float(self.fits),
@@ -319,7 +320,7 @@ class TrainerService:
                 body.round,
                 body.client_id,
                 t_load,
-                " (the lane's last read)" if cached else "",
+                " (the lane's last read)" if reused else "",
                 metrics.get("rollout_s", 0.0),
                 metrics.get("rollout_sync_s", 0.0),
                 metrics.get("update_s", 0.0),

@@ -724,13 +724,7 @@ class Config(_Strict):
             )
         self._check_model()
         self._check_rollout_engine()
-        if self.backend == "verl" and self.run.precision not in ("auto", "bf16"):
-            raise ValueError(
-                f"run.precision={self.run.precision} is a builtin-engine mode; verl computes in bf16 over "
-                "fp32 masters itself: set run.precision: auto (or bf16), or backend: builtin"
-            )
-        if self.backend == "verl" and self.run.compile:
-            raise ValueError("run.compile compiles the builtin engine's layers; verl does not read it: remove it")
+        self._check_compute()
         self._check_env_partition()
         algo = self.algo
         if not algo.spec.critic and algo.critic.path:
@@ -744,6 +738,23 @@ class Config(_Strict):
                 "does not use them; remove it"
             )
         return self
+
+    def _check_compute(self) -> None:
+        """Fail closed on compute settings the training engine would not honour."""
+        if self.backend != "verl":
+            return
+        if self.run.precision == "fp32" or self.run.precision == "autocast":
+            raise ValueError(
+                f"run.precision={self.run.precision} is a builtin-engine mode; verl computes in bf16 over "
+                "fp32 masters on a GPU and in fp32 on the CPU by itself: set run.precision=auto"
+            )
+        if self.run.precision == "bf16" and self.run.device == "cpu":
+            raise ValueError("run.precision=bf16 with backend=verl needs a GPU (verl computes in fp32 on the CPU)")
+        if self.run.compile:
+            raise ValueError(
+                "run.compile compiles the builtin engine's decoder layers and verl would ignore it; the GPU "
+                "recipes set it: add run.compile=false to the run config (or set backend=builtin)"
+            )
 
     def _check_rollout_engine(self) -> None:
         """Fail closed on a rollout engine that cannot run here, or a vLLM knob it would ignore."""

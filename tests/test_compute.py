@@ -80,7 +80,8 @@ def test_compile_refuses_a_model_without_decoder_layers():
     "overrides,match",
     [
         (["backend=verl", "run.precision=fp32"], "run.precision=fp32 is a builtin-engine mode"),
-        (["backend=verl", "run.compile=true"], "run.compile compiles the builtin engine's layers"),
+        (["backend=verl", "run.compile=true"], "add run.compile=false"),
+        (["backend=verl", "run.precision=bf16", "run.device=cpu"], "needs a GPU"),
     ],
 )
 def test_modes_verl_would_not_honour_are_refused_before_anything_starts(overrides, match):

@@ -54,7 +54,7 @@ TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goa
 HAS_VERL = importlib.util.find_spec("verl") is not None
 _no_verl = pytest.mark.skipif(not HAS_VERL, reason="verl not installed")
 _no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-# every engine on the CPU (CI) and, gpu-marked, on CUDA (bf16 autocast: tolerances, not bits)
+# every engine on the CPU (CI) and, gpu-marked, on CUDA (bf16 compute: tolerances, not bits)
 ENGINES = [
     "builtin",
     "builtin-cpu-bf16",  # the bf16 compute copy of fp32 masters (the CUDA default), on the CPU
@@ -64,6 +64,7 @@ ENGINES = [
     pytest.param("verl", marks=_no_verl),
     pytest.param("builtin-cuda", marks=[pytest.mark.gpu, _no_cuda]),
     pytest.param("builtin-cuda-bf16+compile", marks=[pytest.mark.gpu, _no_cuda]),  # what GPU recipes run
+    pytest.param("builtin-cuda-autocast", marks=[pytest.mark.gpu, _no_cuda]),  # the former GPU mode
     pytest.param("verl-cuda", marks=[pytest.mark.gpu, _no_cuda, _no_verl]),
 ]
 # (rtol, atol) of gradients, log-probs and repeated fits: fp32, and bf16 compute (CUDA's default)
@@ -610,12 +611,25 @@ def precisions(env_url, model_dir, tmp_path_factory):  # noqa: F811
 
 
 def _copy_matches_masters(t: RLTrainer) -> bool:
-    """Every bf16 compute parameter is its fp32 master rounded to nearest, bit for bit."""
-    return all(
+    """Every bf16 compute parameter is its fp32 master rounded to nearest, bit for bit, and every
+    buffer of the copies and of the reference is the master's own, fp32 (a bf16 rotary `inv_freq`
+    moves positions by up to p x 2^-9 radians)."""
+    e = t.engine
+    params = all(
         c.dtype == torch.bfloat16 and torch.equal(c, m.to(torch.bfloat16))
         for member in t.members
-        for m, c in zip(t.engine._compute[member].masters, t.engine._compute[member].copies)
+        for m, c in zip(e._compute[member].masters, e._compute[member].copies)
     )
+    pairs = [(e.model, e._compute["actor"].module), (e.critic, e._compute["critic"].module), (e.model, e.ref)]
+    buffers = all(
+        dict(master.named_buffers()).keys() == dict(other.named_buffers()).keys()
+        and all(
+            b.dtype == torch.float32 and torch.equal(b, dict(other.named_buffers())[n])
+            for n, b in master.named_buffers()
+        )
+        for master, other in pairs
+    )
+    return params and buffers
 
 
 def test_the_bf16_compute_copy_steps_like_fp32_and_its_masters_keep_small_updates(precisions):

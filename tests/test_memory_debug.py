@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from trainer_support import env_url, model_dir, one_torch_thread, small_config  # noqa: F401
+from trainer_support import env_url, model_dir, one_torch_thread, service_fit, small_config  # noqa: F401
 
 from client_app.memory_debug import MemoryGrowthReport
 from fl_app.weights import save_shards
@@ -39,7 +39,7 @@ def test_report_names_a_retired_weight_copy_and_its_holder():
 def test_service_logs_what_grew_between_fits(env_url, model_dir, tmp_path, monkeypatch, caplog):  # noqa: F811
     """FEDAGENT_MEMORY_DEBUG=1 on a real TrainerService: the second fit's log names a tensor the
     trainer was made to keep across fits, the weight shape it has and the key holding it."""
-    from client_app.service import FitBody, TrainerService
+    from client_app.service import TrainerService
 
     monkeypatch.setenv("FEDAGENT_MEMORY_DEBUG", "1")
     cfg = small_config(model_dir, federation={"clients": 4, "clients_per_round": 2, "tasks_per_client": 20})
@@ -50,17 +50,7 @@ def test_service_logs_what_grew_between_fits(env_url, model_dir, tmp_path, monke
         weights = save_shards(svc.trainer.export_weights("actor"), tmp_path / "w0", 1 << 20).root
 
         def fit(k: int) -> None:
-            svc.fit(
-                FitBody(
-                    run_id=1,
-                    round=1,
-                    client_id=k,
-                    local_epochs=1,
-                    seed=0,
-                    weights_in={"actor": str(weights)},
-                    weights_out={"actor": str(tmp_path / f"out{k}")},
-                )
-            )
+            service_fit(svc, k, weights, tmp_path / f"out{k}")
 
         fit(0)
         assert "tensor census taken" in caplog.text

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from trainer_support import env_url, model_dir, one_torch_thread, small_config  # noqa: F401
+from trainer_support import env_url, model_dir, one_torch_thread, service_fit, small_config  # noqa: F401
 
-from client_app.service import EvalBody, FitBody, TrainerService
+from client_app.service import EvalBody, TrainerService
 from fl_app.weights import load_shards, save_shards
 
 
@@ -23,17 +23,8 @@ def test_a_lane_reads_each_global_once_and_every_fit_starts_from_it(env_url, mod
         assert svc.trainer is not None
         global_dir = save_shards(svc.trainer.export_weights("actor"), tmp_path / "global", 1 << 20).root
 
-        def fit(client: int, weights_in: Path, out: str) -> dict:
-            body = FitBody(
-                run_id=1,
-                round=1,
-                client_id=client,
-                local_epochs=1,
-                seed=0,
-                weights_in={"actor": str(weights_in)},
-                weights_out={"actor": str(tmp_path / out)},
-            )
-            return svc.fit(body)["metrics"]
+        def fit(client: int, weights_in: Path, out: str) -> dict[str, float]:
+            return service_fit(svc, client, weights_in, tmp_path / out)
 
         assert fit(0, global_dir, "c0")["load_reused"] == 0.0
         second = fit(1, global_dir, "c1")

@@ -60,7 +60,8 @@ def test_tokenizer_without_chat_template_fails_clearly(tmp_path, model_dir):
 
 @pytest.mark.gpu
 def test_cuda_fit_keeps_fp32_master_weights(env_url, model_dir):
-    """On CUDA: bf16 autocast for compute, fp32 master weights exported bit for bit, a real fit."""
+    """On CUDA: the bf16 compute copy (run.precision auto), fp32 master weights exported bit for
+    bit, a real fit."""
     t = make_trainer(small_config(model_dir, run={"device": "cuda"}), env_url)
     try:
         assert t.engine.device.type == "cuda" and t.engine.precision == "bf16" and t.engine.amp_dtype is None

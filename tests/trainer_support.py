@@ -125,3 +125,19 @@ def assert_flat(series: list[float], warmup: int, model_mb: float) -> float:
 def initial_and_size(trainer: Any) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
     state = {m: trainer.export_weights(m) for m in trainer.members}
     return state, sum(t.numel() * 4 for t in state["actor"].values()) / 2**20
+
+
+def service_fit(svc: Any, client: int, weights_in: Path, weights_out: Path) -> dict[str, float]:
+    """One round-1 fit of `client` (1 local epoch, seed 0) on a real TrainerService: its metrics."""
+    from client_app.service import FitBody
+
+    body = FitBody(
+        run_id=svc.run_id,
+        round=1,
+        client_id=client,
+        local_epochs=1,
+        seed=0,
+        weights_in={"actor": str(weights_in)},
+        weights_out={"actor": str(weights_out)},
+    )
+    return svc.fit(body)["metrics"]

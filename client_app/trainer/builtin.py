@@ -35,7 +35,13 @@ from client_app.critic import CriticStart, build_critic, resolve_start_critic
 from client_app.rollout import TrainRow, autocast, derive_seed
 from client_app.tiny_model import load_causal_lm
 from client_app.trainer.advantages import pad_rows
-from client_app.trainer.compute import ComputeCopy, autocast_dtype, compile_layers, resolve_precision
+from client_app.trainer.compute import (
+    ComputeCopy,
+    autocast_dtype,
+    bf16_parameters,
+    compile_layers,
+    resolve_precision,
+)
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
 from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch
 from fl_app.config import Config
@@ -82,7 +88,7 @@ class BuiltinEngine:
                 ref = load_causal_lm(reference_path, self.device)[0]
             self.ref = ref.requires_grad_(False).eval()
             if self.precision == "bf16":
-                self.ref.to(torch.bfloat16)
+                bf16_parameters(self.ref)
         if cfg.model.init_from:
             self._load_start("actor", cfg.model.init_from, "model.init_from")
         # The critic: the policy's architecture and current backbone plus a value head, replaced by
