@@ -114,6 +114,8 @@ class BuiltinEngine:
         if cfg.run.compile:
             for module in [c.module for c in self._compute.values()] + ([self.ref] if self.ref is not None else []):
                 compile_layers(module)
+            log.info("run.compile: decoder layers compile on first use (the lane's first fit pays for it)")
+        log.info("computing in %s on %s (fp32 master weights)", self.precision, self.device)
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
 
     # ------------------------------------------------------------------ weights
