@@ -242,8 +242,8 @@ class TrainerService:
         the validation); its manifest's sha256 pins every shard's digest, so the same manifest
         means the same bytes, already verified: the lane keeps the last read per member (host
         memory for one actor, and one critic under PPO, replaced each round) instead of reading
-        and hashing the shards again. Engines copy what they load (`TrainingEngine.load_weights`), so the kept
-        state is never trained in place."""
+        and hashing the shards again. Engines copy what they load (`TrainingEngine.load_weights`),
+        so the kept state is never trained in place."""
         manifest = Manifest.from_dir(weights_dir)
         last = self._last_read.get(member)
         if last is not None and last[0] == manifest.sha256:

@@ -30,6 +30,7 @@ import torch
 
 from client_app.sft import cached_build, collect_demonstrations, cpu_build_settings, demo_rows, supervised_finetune
 from client_app.tiny_model import load_causal_lm
+from client_app.trainer.device import cuda_autocast
 from envs.registry import make_env
 from fl_app.config import Config
 from fl_app.hashing import sha256_file
@@ -88,9 +89,7 @@ def build_warm_start(out: Path, backbone: Path, digest: str, cfg: Config) -> Non
         t0 = time.perf_counter()
         demos = collect_demonstrations(cfg.env, cfg.rollout.history_length, ws.episodes, ws.noise, ws.seed, ws.shortcut)
         rows = demo_rows(tokenizer, demos, cfg.rollout)
-        loss = supervised_finetune(
-            model, rows, ws.epochs, ws.seed, ws.lr, ws.batch_size, None if on_cpu else torch.bfloat16
-        )
+        loss = supervised_finetune(model, rows, ws.epochs, ws.seed, ws.lr, ws.batch_size, cuda_autocast(device))
         sft_s = time.perf_counter() - t0
         log.info(
             "warm start: SFT on %d rows (%d episodes) x %d epochs in %.0f s, final loss %.4f",
@@ -135,8 +134,8 @@ def validate(model: Any, tokenizer: Any, cfg: Config, device: torch.device) -> d
     from envs.client import SyncEnvClient
     from envs.service import serve_in_subprocess
 
-    amp = torch.bfloat16 if device.type == "cuda" else None  # the SFT'd fp32 model, as it trained
-    generator, settings = hf_generator(model, tokenizer, cfg, device, amp), rollout_settings(cfg)
+    # the SFT'd fp32 model, under the autocast it trained with
+    generator, settings = hf_generator(model, tokenizer, cfg, device, cuda_autocast(device)), rollout_settings(cfg)
     specs = group_specs(list(range(cfg.federation.val_tasks)), 1)
     with serve_in_subprocess(cfg.env.name, cfg.env.pool_size, cfg.env.params) as url:
         env = SyncEnvClient(url)

@@ -17,6 +17,11 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+def cuda_autocast(device: torch.device) -> torch.dtype | None:
+    """bf16 autocast for fp32 modules on CUDA; none on the CPU, where everything stays fp32."""
+    return torch.bfloat16 if device.type == "cuda" else None
+
+
 def avoid_cudnn_attention(device: torch.device) -> None:
     """On CUDA, take cuDNN out of this process's scaled-dot-product attention (flash,
     memory-efficient and math kernels remain). cuDNN builds an execution plan for every new

@@ -56,7 +56,7 @@ from client_app.critic import CriticStart, resolve_start_critic, seeded_value_he
 from client_app.rollout import TrainRow, derive_seed
 from client_app.trainer import verl_config
 from client_app.trainer.advantages import pad_rows
-from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
+from client_app.trainer.device import avoid_cudnn_attention, cuda_autocast, release_memory, resolve_device
 from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch
 from client_app.trainer.loop import loss_specs
 from fl_app.config import Config
@@ -316,7 +316,7 @@ class VerlEngine:
             raise ValueError(f"VerlEngine needs backend=verl, got backend={cfg.backend!r}")
         self.cfg = cfg
         self.device = resolve_device(cfg.run.device)
-        self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" else None  # over FSDP's fp32 module
+        self.amp_dtype = cuda_autocast(self.device)  # over FSDP's fp32 module
         avoid_cudnn_attention(self.device)
         isolate_from_outer_ray()
         self.model_path = Path(model_path)
