@@ -1,8 +1,11 @@
-"""A lane reads a round's global model once (issue #17: nothing computed twice): a real
-TrainerService, real fits on a real env service, CPU."""
+"""A lane reads a round's global model once (issue #17: nothing computed twice) and keeps no
+more than its last read (invariant 24): a real TrainerService, real fits on a real env
+service, CPU."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import torch
@@ -37,6 +40,10 @@ def test_a_lane_reads_each_global_once_and_every_fit_starts_from_it(env_url, mod
         # validation of the same global reuses the read; another manifest is read from disk
         validation = svc.evaluate(EvalBody(run_id=1, round=1, seed=0, weights_in=str(global_dir)))
         assert validation["metrics"]["load_reused"] == 1.0
+        previous = weakref.ref(next(iter(svc._last_read["actor"][1].values())))
         assert fit(2, tmp_path / "c0", "c2")["load_reused"] == 0.0
+        # invariant 24: the lane keeps one read per member, and the replaced one is released
+        gc.collect()
+        assert list(svc._last_read) == ["actor"] and previous() is None, "a replaced read outlived the next round"
     finally:
         svc.close()
