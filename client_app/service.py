@@ -221,11 +221,16 @@ class TrainerService:
         self._check_members(dirs)
         return {m: self.confined(d, f"{what}[{m!r}]") for m, d in dirs.items()}
 
-    def save(self, outs: dict[str, Path]) -> int:
-        """Export every member into its (checked) dir; returns the bytes written."""
+    def save(self, outs: dict[str, Path], durable: bool) -> int:
+        """Write every member's fp32 masters into its (checked) dir, straight from the trainer's
+        memory (a GPU lane streams them through pinned buffers: no host copy of the model);
+        returns the bytes written. `durable` fsyncs them: the initial weights, not a fit's
+        upload, which the server verifies by digest and a crash makes the round redo anyway."""
         assert self.trainer is not None
         shard = int(self.cfg.run.shard_max_mb * 2**20)
-        return sum(save_shards(self.trainer.export_weights(m), d, shard).total_bytes for m, d in outs.items())
+        return sum(
+            save_shards(self.trainer.master_weights(m), d, shard, durable=durable).total_bytes for m, d in outs.items()
+        )
 
     def load(self, ins: dict[str, Path]) -> bool:
         """Load every member from its (checked) dir; all are read and verified before any is
@@ -260,7 +265,7 @@ class TrainerService:
         with self.lock:
             if self.fits or self.evals:
                 raise Refused(409, "initial weights requested after the trainer already loaded others")
-            self.save(outs)
+            self.save(outs, durable=True)
             assert self.trainer is not None  # save() ran on it
             start = self.trainer.critic_start
             return {"fits": self.fits, "critic_start": start.as_dict() if start is not None else None}
@@ -291,7 +296,7 @@ class TrainerService:
             t_load = time.perf_counter() - t0
             res = self.trainer.fit(self.fit_request(body))
             t1 = time.perf_counter()
-            bytes_out = self.save(outs)
+            bytes_out = self.save(outs, durable=False)
             t_export = time.perf_counter() - t1
             self.fits += 1
             metrics = dict(res.metrics)
@@ -337,13 +342,16 @@ class TrainerService:
         weights_in = self.confined(body.weights_in, "weights_in")
         with self.lock:
             self.last_request = time.monotonic()
+            t0 = time.perf_counter()
             reused = self.load({"actor": weights_in})
+            t_load = time.perf_counter() - t0
             res = self.trainer.evaluate(
                 EvalRequest(task_indices=list(range(self.cfg.federation.val_tasks)), seed=body.seed)
             )
             self.evals += 1
             self.last_request = time.monotonic()
-            return {"num_examples": res.num_examples, "metrics": {**res.metrics, "load_reused": float(reused)}}
+            metrics = {**res.metrics, "load_s": t_load, "load_reused": float(reused)}
+            return {"num_examples": res.num_examples, "metrics": metrics}
 
 
 def _dir_bytes(path: Path) -> int:

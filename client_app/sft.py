@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from client_app import prompts
 from envs.registry import make_env, system_prompt
 from fl_app.config import EnvCfg, RolloutCfg
+from fl_app.host import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +205,7 @@ def build_threads() -> int:
     this one sleeps), 1 to MAX_BUILD_THREADS. On an idle 2-core machine two threads build 1.56x
     faster than one, while on a busy one two spinning OpenMP threads ran 10x slower than one.
     The weights do not depend on the count (tests/test_tiny_model.py)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    idle = cpus * (1.0 - psutil.cpu_percent(interval=0.5) / 100.0)
+    idle = usable_cores() * (1.0 - psutil.cpu_percent(interval=0.5) / 100.0)
     return max(1, min(MAX_BUILD_THREADS, int(idle + 0.5)))
 
 

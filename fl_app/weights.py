@@ -29,7 +29,7 @@ import json
 import mmap
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from fl_app.hashing import DIGEST_HEX_LEN, HASHES, Hasher, new_hasher
+from fl_app.host import usable_cores
 from fl_app.paths import PathEscapeError, confine
 
 FORMAT = "fedagent-weights"
@@ -44,6 +45,7 @@ VERSION = 2
 HASH = "blake3"  # what new manifests use; v1 manifests are sha256
 MANIFEST_NAME = "manifest.json"
 IO_CHUNK = 8 << 20  # bytes per read/write/hash step: big enough to amortize calls, small for caches
+_STAGING_BUFFERS = 4  # pinned host buffers a device tensor's export streams through (one copying, three queued)
 _WRITEBACK_EVERY = 32 << 20  # start disk writeback after this many new bytes (overlaps the final fsync)
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 _FIX = "re-export the weights (client: re-run its fit; server: move the round aside and resume)"
@@ -472,6 +474,7 @@ class ShardWriter:
         self._written: list[Path] = []
         self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="shard-hash")
         self._io_pool = ThreadPoolExecutor(1, thread_name_prefix="shard-write")
+        self._staging: list[tuple[torch.Tensor, Future | None]] = []  # pinned ring for device tensors
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -485,7 +488,7 @@ class ShardWriter:
         if name in self._names:
             raise WeightsError(f"tensor {name!r} added twice")
         self._names.add(name)
-        t = tensor.detach().cpu().contiguous()
+        t = tensor.detach().contiguous()  # a device tensor stays there: `flush` stages it (no host copy of a model)
         if dtype_name(t.dtype) not in _ST_TAG:
             raise WeightsError(
                 f"tensor {name!r} has dtype {t.dtype}, which shards cannot hold (supported: {', '.join(_ST_TAG)})"
@@ -508,10 +511,33 @@ class ShardWriter:
         self.begin_shard(infos)
         assert self._cur is not None
         for slot in self._cur.slots:
-            for view in tensor_views(self._pending[slot.info.name]):
-                self.write(view)
+            t = self._pending[slot.info.name]
+            if t.device.type == "cpu":
+                for view in tensor_views(t):
+                    self.write(view)
+            else:
+                self._write_from_device(t)
         self.end_shard()  # waits for every write: the pending tensors may be released after it
         self._pending, self._pending_bytes = {}, 0
+
+    def _write_from_device(self, t: torch.Tensor) -> None:
+        """Stream a device tensor through a ring of `_STAGING_BUFFERS` pinned IO_CHUNK buffers:
+        each chunk is copied to the host (fast: pinned memory) while earlier chunks are hashed
+        and written, so exporting a GPU model never holds a host copy of it, nor pays for
+        fresh pageable memory every fit."""
+        if not self._staging:
+            pin = t.device.type == "cuda"
+            self._staging = [
+                (torch.empty(IO_CHUNK, dtype=torch.uint8, pin_memory=pin), None) for _ in range(_STAGING_BUFFERS)
+            ]
+        flat = t.reshape(-1).view(torch.uint8)
+        for pos in range(0, flat.numel(), IO_CHUNK):
+            n = min(IO_CHUNK, flat.numel() - pos)
+            buf, busy = self._staging.pop(0)
+            if busy is not None:
+                wait([busy])  # its last chunk is hashed and written (a failure: the next write reports it)
+            buf[:n].copy_(flat[pos : pos + n])  # synchronous: the bytes are on the host when queued
+            self._staging.append((buf, self.write(buf[:n].numpy().data)))
 
     # -- raw shard bytes (aggregation) --
     def begin_shard(self, tensors: Sequence[TensorInfo], physical: Sequence[TensorInfo] | None = None) -> list[Slot]:
@@ -634,7 +660,9 @@ def save_shards(
     allow_non_fp32: bool = False,
     durable: bool = True,
 ) -> Manifest:
-    """Write `state` as bounded safetensors shards + manifest into the fresh directory `out_dir`."""
+    """Write `state` as bounded safetensors shards + manifest into the fresh directory `out_dir`.
+    Tensors may live on any device: CPU tensors are written from their own memory, others are
+    streamed through a few pinned buffers; none may change until this returns."""
     if not allow_non_fp32:
         check_fp32(state)
     with ShardWriter(out_dir, max_shard_bytes, durable) as writer:
@@ -773,12 +801,23 @@ def read_shard(manifest: Manifest, index: int, verify: bool = True) -> dict[str,
     return out
 
 
+def read_workers(n_shards: int) -> int:
+    """Shards to read at once: one per 4 cores this process may use (each takes a reader and a
+    hasher thread, and leaves cores to the rest of the machine), at least 1, so a 2-core machine
+    reads them one after another and a 16-core GPU host four at a time."""
+    return max(1, min(n_shards, usable_cores() // 4))
+
+
 def load_shards(src: Path | Manifest, verify: bool = True) -> dict[str, torch.Tensor]:
-    """The full state dict, in the original tensor order; every shard is verified before use."""
+    """The full state dict, in the original tensor order; every shard is verified before use.
+    Shards are read in parallel where cores allow (`read_workers`)."""
     manifest = src if isinstance(src, Manifest) else Manifest.from_dir(src)
+    n = len(manifest.shards)
+    with ThreadPoolExecutor(read_workers(n), thread_name_prefix="shard-read") as pool:
+        parts = list(pool.map(lambda i: read_shard(manifest, i, verify), range(n)))
     state: dict[str, torch.Tensor] = {}
-    for i in range(len(manifest.shards)):
-        state.update(read_shard(manifest, i, verify))
+    for part in parts:
+        state.update(part)
     return state
 
 

@@ -399,7 +399,14 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         }
         with _heartbeat(f"round {rnd}/{fed.rounds}: clients {sampled} training"):
             replies, failures = _train(run, rnd, sampled, arrays, train_conf)
+        t_agg = time.perf_counter()
         manifests, train = _aggregate(run, rnd, replies, failures)
+        row["aggregate_s"] = time.perf_counter() - t_agg
+        # the fits' own work, summed: on one lane (fits in turn) wall_s minus this and the
+        # validation's eval_s is the round's overhead (bench/round_overhead.py)
+        row["fits_rollout_update_s"] = sum(
+            (m := metrics_of(r)).get("rollout_s", 0.0) + m.get("update_s", 0.0) for r in replies.values()
+        )
         if failures:
             row["failed"] = [f.as_dict() for f in failures]
             row["dropped"] = sorted(set(sampled) - set(replies))

@@ -48,6 +48,7 @@ from client_app.trainer.compute import resolve_precision
 from client_app.trainer.engine import PolicyBatch, ValueBatch
 from client_app.trainer.loop import RLTrainer, critic_pass, policy_pass
 from fl_app.config import Config
+from fl_app.weights import save_shards
 
 TOL = 1e-5
 TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))
@@ -225,6 +226,28 @@ def test_load_then_export_is_bitwise_identity_for_every_member(ppo, initial):
             assert torch.equal(ppo.export_weights(member)[k], w)
     finally:
         _load(ppo, initial)
+
+
+def test_master_weights_hold_the_exported_bits_and_write_the_same_shards(ppo, tmp_path):
+    """What the service writes after a fit (`master_weights`: the live masters where the engine
+    holds them whole, no copy, on its device) has exactly `export_weights`' bits, and shards
+    written from it are byte for byte the shards of the CPU copies (a CUDA lane streams them
+    through pinned buffers): invariant 1 on the export path."""
+    before = _state(ppo)
+    for member in ppo.members:
+        live, copy = ppo.master_weights(member), ppo.export_weights(member)
+        assert live.keys() == copy.keys()
+        for k, v in live.items():
+            assert v.dtype == torch.float32 and torch.equal(v.cpu().view(torch.int32), copy[k].view(torch.int32)), k
+        if ppo.cfg.backend == "builtin":  # its masters are whole: no copy
+            params = dict(ppo.engine.parameters(member))
+            assert all(live[k].data_ptr() == params[k].data_ptr() for k in live)
+            assert {v.device for v in live.values()} == {ppo.engine.device}
+        shard = 64 << 10  # small shards: several, and tensors streamed in more than one piece elsewhere
+        a = save_shards(live, tmp_path / f"{member}-live", shard, durable=False)
+        b = save_shards(copy, tmp_path / f"{member}-copy", shard, durable=False)
+        assert a.sha256 == b.sha256 and len(a.shards) > 1
+    assert not any(_changed(ppo.export_weights(m), before[m]) for m in ppo.members)  # writing is read-only
 
 
 def test_load_refuses_foreign_narrow_or_misshapen_weights(ppo, initial):

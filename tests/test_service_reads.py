@@ -1,6 +1,6 @@
 """A lane reads a round's global model once (issue #17: nothing computed twice) and keeps no
-more than its last read (invariant 24): a real TrainerService, real fits on a real env
-service, CPU."""
+more than its last read (invariant 24), and it fsyncs only what a crash must not lose: a real
+TrainerService, real fits on a real env service, CPU."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from trainer_support import env_url, model_dir, one_torch_thread, service_fit, small_config  # noqa: F401
 
-from client_app.service import EvalBody, TrainerService
+import fl_app.weights as weights
+from client_app.service import EvalBody, InitBody, TrainerService
 from fl_app.weights import load_shards, save_shards
 
 
@@ -45,5 +46,27 @@ def test_a_lane_reads_each_global_once_and_every_fit_starts_from_it(env_url, mod
         # invariant 24: the lane keeps one read per member, and the replaced one is released
         gc.collect()
         assert list(svc._last_read) == ["actor"] and previous() is None, "a replaced read outlived the next round"
+    finally:
+        svc.close()
+
+
+def test_initial_weights_are_fsynced_and_a_fit_upload_is_not(env_url, model_dir, tmp_path, monkeypatch):  # noqa: F811
+    """Round 0's weights are durable; a fit's upload skips the fsyncs (the server verifies it by
+    digest, and a crash makes the round redo it), and still loads, verified, as the fit's result."""
+    synced: list[Path] = []
+    fsync_path = weights._fsync_path
+    monkeypatch.setattr(weights, "_fsync_path", lambda p: (synced.append(Path(p)), fsync_path(p))[1])
+    cfg = small_config(model_dir, federation={"clients": 2, "clients_per_round": 1, "tasks_per_client": 20})
+    svc = TrainerService(cfg, run_id=1, lane="cpu", run_dir=tmp_path)
+    try:
+        svc.start()
+        svc.init(InitBody(run_id=1, weights_out={"actor": str(tmp_path / "init")}))
+        assert tmp_path / "init" in synced and any(p.parent == tmp_path / "init" for p in synced)
+        synced.clear()
+        service_fit(svc, 0, tmp_path / "init", tmp_path / "c0")
+        assert synced == []
+        assert svc.trainer is not None
+        exported = svc.trainer.export_weights("actor")
+        assert all(torch.equal(v, exported[k]) for k, v in load_shards(tmp_path / "c0").items())
     finally:
         svc.close()

@@ -166,6 +166,25 @@ def test_corrupt_shard_is_refused_naming_the_shard_and_the_fix(tmp_path):
         load_shards(tmp_path / "w")
 
 
+def test_shards_read_in_parallel_on_a_many_core_host_give_the_same_state_and_refuse_corruption(tmp_path, monkeypatch):
+    """A 16-core host reads 4 shards at once (`read_workers`); the state and its order are those
+    of reading one shard after another, and a corrupt shard is still refused by name."""
+    import fl_app.weights as weights
+
+    manifest = save_shards(_state(), tmp_path / "w", max_shard_bytes=6000)
+    assert len(manifest.shards) >= 3
+    one_by_one = load_shards(tmp_path / "w")
+    monkeypatch.setattr(weights, "usable_cores", lambda: 16)
+    assert weights.read_workers(len(manifest.shards)) == min(4, len(manifest.shards)) > 1
+    assert _bits_equal(load_shards(tmp_path / "w"), one_by_one) and list(one_by_one) == list(_state())
+    victim = tmp_path / "w" / manifest.shards[-1].file
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(WeightsError, match=f"{manifest.shards[-1].file}.*corrupt"):
+        load_shards(tmp_path / "w")
+
+
 def test_directory_without_manifest_is_incomplete(tmp_path):
     save_shards(_state(), tmp_path / "w", max_shard_bytes=6000)
     (tmp_path / "w" / MANIFEST_NAME).unlink()  # what a write that died before its last step leaves

@@ -160,7 +160,10 @@ class BuiltinEngine:
             self._compute[member].refresh()
 
     def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
-        return {name: p.detach().to("cpu", copy=True) for name, p in self._member(member).items()}
+        return {name: p.to("cpu", copy=True) for name, p in self.master_weights(member).items()}
+
+    def master_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
+        return {name: p.detach() for name, p in self._member(member).items()}
 
     def generation_model(self) -> torch.nn.Module:
         return self._compute["actor"].module.eval()

@@ -78,6 +78,13 @@ class TrainingEngine(Protocol):
         """The fp32 master weights of `member`: detached CPU copies (load then export is the identity)."""
         ...
 
+    def master_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
+        """`export_weights` without the copy where the engine holds full fp32 masters (builtin:
+        its parameters, detached, on its device), for writing them out at once: read-only, and
+        stale after the next load or train step. An engine whose masters are sharded returns
+        `export_weights`."""
+        ...
+
     def generation_model(self) -> torch.nn.Module:
         """The live policy, in eval mode, for Hugging Face `generate` (rollout.engine: hf)."""
         ...

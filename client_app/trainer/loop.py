@@ -114,6 +114,9 @@ class RLTrainer:
     def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
         return self.engine.export_weights(member)
 
+    def master_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
+        return self.engine.master_weights(member)
+
     def fit(self, req: FitRequest, on_iteration: IterationCallback | None = None) -> FitResult:
         """E RL iterations from the loaded weights with fresh optimizers. `on_iteration(epoch,
         metrics)` runs after each iteration (the central trainer validates there)."""

@@ -469,6 +469,10 @@ class VerlEngine:
         copies, one per parameter (a tied LM head is exported once, as its embedding)."""
         return _export(self._engine(member), self._names[member])
 
+    def master_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
+        """FSDP2 shards its masters: a full tensor exists only as `export_weights` gathers it."""
+        return self.export_weights(member)
+
     def generation_model(self) -> torch.nn.Module:
         return self.engine.module.eval()
 

@@ -1,0 +1,13 @@
+"""What this process may use of its machine."""
+
+from __future__ import annotations
+
+import os
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one: a container's
+    or a `taskset`'s share, not the host's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
