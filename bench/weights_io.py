@@ -3,6 +3,7 @@ read of the very same files, side by side in one run.
 
     python bench/weights_io.py --size-gb 1.0
     python bench/weights_io.py --size-gb 1.0 --baseline-src /tmp/v1   # + the old code, same run
+    python bench/weights_io.py --size-gb 1.9 --device cuda            # a fit's export from a GPU lane
 
 Rows, each the best of --repeat runs:
   export   save_shards (hash every byte while writing it, manifest last), durable (fsync) and not,
@@ -10,6 +11,9 @@ Rows, each the best of --repeat runs:
   load     load_shards (read, verify every byte, build tensors) with the files in the page cache
            (warm) and evicted from it (cold), and warm without verification, against reading the
            same files into the same kind of fresh buffer with plain readinto()
+  fit      what a lane's fit export did until session 9 (a fresh CPU copy of the masters, then
+           save_shards with fsync) against what it does now (save_shards of the masters where
+           they live, --device: CUDA tensors stream through pinned buffers; no fsync), same run
 MB/s = model bytes / seconds. Linux only (page-cache eviction by posix_fadvise).
 """
 
@@ -100,6 +104,15 @@ def run(a: argparse.Namespace) -> dict[str, float]:
             rows[f"load raw readinto ({tag})"] = best(a.repeat, read_raw, setup)
     if not a.baseline:
         rows["load load_shards (warm, not verified)"] = best(a.repeat, lambda: load_shards(out, verify=False))
+        live = {k: v.to(a.device) for k, v in state.items()}
+        fit = work / "fit"
+        clear = lambda: shutil.rmtree(fit, True)  # noqa: E731
+        copy = lambda: {k: v.to("cpu", copy=True) for k, v in live.items()}  # noqa: E731
+        before = lambda: save_shards(copy(), fit, shard_bytes)  # noqa: E731
+        rows["fit export before (CPU copy + fsync)"] = best(a.repeat, before, clear)
+        rows["fit export now (in place, no fsync)"] = best(
+            a.repeat, functools.partial(save_shards, live, fit, shard_bytes, durable=False), clear
+        )
     return rows
 
 
@@ -109,6 +122,7 @@ def main() -> None:
     ap.add_argument("--shard-mb", type=float, default=512.0, help="max shard size (MiB), as run.shard_max_mb")
     ap.add_argument("--repeat", type=int, default=3, help="runs per row; the fastest is reported")
     ap.add_argument("--tmp-dir", default=None, help="where the shards go (default: system temp)")
+    ap.add_argument("--device", default="cpu", help="where the fit rows' masters live (cpu, cuda)")
     ap.add_argument("--baseline-src", default=None, help="a source tree whose fl_app to bench side by side")
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
@@ -172,6 +186,8 @@ def main() -> None:
         vs = f"{rows[ref[name]] / s:7.1%}" if name in ref else ""
         extra = f" {mb / base[name]:14.0f} {base[name] / s:11.2f}" if name in base else ""
         print(f"{name:42s} {s:7.2f} {mb / s:8.0f} {vs:>7s}{extra}")
+    speedup = rows["fit export before (CPU copy + fsync)"] / rows["fit export now (in place, no fsync)"]
+    print(f"fit export, now / before ({a.device}): {speedup:.2f}x")
 
 
 if __name__ == "__main__":

@@ -429,6 +429,11 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def _staged(t: torch.Tensor) -> bool:
+    """Whether a tensor's bytes reach the file through the staging ring: those not in host memory."""
+    return t.device.type != "cpu"
+
+
 class _OpenShard:
     def __init__(self, path: Path, tensors: tuple[TensorInfo, ...], slots: list[Slot], hasher: Hasher):
         self.path, self.tensors, self.slots, self.hasher = path, tensors, slots, hasher
@@ -512,11 +517,11 @@ class ShardWriter:
         assert self._cur is not None
         for slot in self._cur.slots:
             t = self._pending[slot.info.name]
-            if t.device.type == "cpu":
+            if _staged(t):
+                self._write_from_device(t)
+            else:
                 for view in tensor_views(t):
                     self.write(view)
-            else:
-                self._write_from_device(t)
         self.end_shard()  # waits for every write: the pending tensors may be released after it
         self._pending, self._pending_bytes = {}, 0
 

@@ -185,6 +185,23 @@ def test_shards_read_in_parallel_on_a_many_core_host_give_the_same_state_and_ref
         load_shards(tmp_path / "w")
 
 
+def test_staged_tensors_write_the_same_bytes_as_host_memory_through_a_wrapping_ring(tmp_path, monkeypatch):
+    """A GPU lane's export path: chunks copied into a ring of 4 reused host buffers, each reused
+    only once its previous chunk was hashed and written. Driven here with CPU tensors and 4 KiB
+    chunks, so the ring wraps dozens of times inside one tensor and across shards: the shards
+    are byte for byte those written from the tensors' own memory (the contract's CUDA kinds
+    check the same on a GPU)."""
+    import fl_app.weights as weights
+
+    state = {**_state(), "big": torch.randn(300, 100, generator=torch.Generator().manual_seed(1))}  # 117 KiB
+    direct = save_shards(state, tmp_path / "direct", max_shard_bytes=64 << 10)
+    monkeypatch.setattr(weights, "IO_CHUNK", 4096)
+    monkeypatch.setattr(weights, "_staged", lambda t: True)
+    staged = save_shards(state, tmp_path / "staged", max_shard_bytes=64 << 10)
+    assert staged.sha256 == direct.sha256 and len(staged.shards) >= 2
+    assert _bits_equal(load_shards(tmp_path / "staged"), state)
+
+
 def test_directory_without_manifest_is_incomplete(tmp_path):
     save_shards(_state(), tmp_path / "w", max_shard_bytes=6000)
     (tmp_path / "w" / MANIFEST_NAME).unlink()  # what a write that died before its last step leaves
