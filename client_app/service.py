@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -46,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from client_app import memory_debug
 from client_app.runtime_dir import NodeOwner
 from client_app.trainer.base import EvalRequest, FitRequest, Trainer
+from client_app.trainer.device import freeze_survivors
 from client_app.variant_envs import VariantEnvServices
 from envs.registry import make_env
 from fl_app.config import Config, load_config
@@ -168,6 +170,7 @@ class TrainerService:
         if self.cfg.env_partition.name != "uniform":  # each client trains on its own env variant
             self.variants = VariantEnvServices(self.cfg, base=probe)
             self._stack.callback(self.variants.close)
+        freeze_survivors()
         self.last_request = time.monotonic()  # the idle clock starts when the service can serve
 
     def fit_request(self, body: FitBody) -> FitRequest:
@@ -273,6 +276,7 @@ class TrainerService:
     def close(self) -> None:
         self._last_read.clear()
         self._stack.close()
+        gc.unfreeze()  # hand the frozen objects back to the collector (a service used in-process: tests, benches)
 
     def _check_run(self, run_id: int) -> None:
         if run_id != self.run_id:
@@ -298,6 +302,7 @@ class TrainerService:
             t1 = time.perf_counter()
             bytes_out = self.save(outs, durable=False)
             t_export = time.perf_counter() - t1
+            freeze_survivors()  # what outlived the fit (compiled graphs on the first) is not scanned again
             self.fits += 1
             metrics = dict(res.metrics)
             metrics.update(
