@@ -168,6 +168,7 @@ def main() -> None:
     mb = a.size_gb * 1e9 / 1e6
     print(
         f"# python bench/weights_io.py --size-gb {a.size_gb} --shard-mb {a.shard_mb} --repeat {a.repeat}"
+        + f" --device {a.device}"
         + (f" --baseline-src {a.baseline_src}" if a.baseline_src else "")
     )
     print(f"# {os.cpu_count()} CPUs, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; best of {a.repeat}")

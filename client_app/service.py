@@ -226,7 +226,8 @@ class TrainerService:
 
     def save(self, outs: dict[str, Path], durable: bool) -> int:
         """Write every member's fp32 masters into its (checked) dir, straight from the trainer's
-        memory (a GPU lane streams them through pinned buffers: no host copy of the model);
+        memory where it holds them whole (builtin; a GPU lane streams them through pinned
+        buffers, no host copy of the model; verl hands over its gathered copies);
         returns the bytes written. `durable` fsyncs them: the initial weights, not a fit's
         upload, which the server verifies by digest and a crash makes the round redo anyway."""
         assert self.trainer is not None
@@ -275,8 +276,10 @@ class TrainerService:
 
     def close(self) -> None:
         self._last_read.clear()
-        self._stack.close()
-        gc.unfreeze()  # hand the frozen objects back to the collector (a service used in-process: tests, benches)
+        try:
+            self._stack.close()
+        finally:
+            gc.unfreeze()  # hand the frozen objects back to the collector (a service used in-process: tests, benches)
 
     def _check_run(self, run_id: int) -> None:
         if run_id != self.run_id:
@@ -302,7 +305,7 @@ class TrainerService:
             t1 = time.perf_counter()
             bytes_out = self.save(outs, durable=False)
             t_export = time.perf_counter() - t1
-            freeze_survivors()  # what outlived the fit (compiled graphs on the first) is not scanned again
+            frozen = freeze_survivors()  # what outlived the fit (compiled graphs on the first) is not scanned again
             self.fits += 1
             metrics = dict(res.metrics)
             metrics.update(
@@ -313,6 +316,7 @@ class TrainerService:
                     "fit_total_s": time.perf_counter() - t0,
                     "service_fits": float(self.fits),
                     "service_rss_mb": rss_mb(),
+                    "service_frozen_objects": float(frozen),
                     **cuda_memory_mb(),
                     "bytes_in": float(sum(_dir_bytes(d) for d in ins.values())),
                     "bytes_out": float(bytes_out),

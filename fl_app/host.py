@@ -6,8 +6,8 @@ import os
 
 
 def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one: a container's
-    or a `taskset`'s share, not the host's count)."""
+    """CPU cores this process may run on: its affinity mask where the OS has one (`taskset`,
+    a cpuset), else the machine's count. A CPU-time quota (`docker --cpus`) does not show here."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1

@@ -595,6 +595,7 @@ class ShardWriter:
         if cur is None:
             raise WeightsError("end_shard called with no open shard")
         self._cur = None
+        wait(cur.pending)  # every queued write has ended before the fd is closed (its number may be reused)
         try:
             for f in cur.pending:
                 try:
@@ -818,8 +819,12 @@ def load_shards(src: Path | Manifest, verify: bool = True) -> dict[str, torch.Te
     Shards are read in parallel where cores allow (`read_workers`)."""
     manifest = src if isinstance(src, Manifest) else Manifest.from_dir(src)
     n = len(manifest.shards)
-    with ThreadPoolExecutor(read_workers(n), thread_name_prefix="shard-read") as pool:
-        parts = list(pool.map(lambda i: read_shard(manifest, i, verify), range(n)))
+    pool = ThreadPoolExecutor(read_workers(n), thread_name_prefix="shard-read")
+    try:
+        futures = [pool.submit(read_shard, manifest, i, verify) for i in range(n)]
+        parts = [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # a bad shard: the ones not yet started are not read
     state: dict[str, torch.Tensor] = {}
     for part in parts:
         state.update(part)

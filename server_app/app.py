@@ -399,14 +399,10 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         }
         with _heartbeat(f"round {rnd}/{fed.rounds}: clients {sampled} training"):
             replies, failures = _train(run, rnd, sampled, arrays, train_conf)
+        row.update(_fit_times(replies))  # before aggregation may refuse a reply
         t_agg = time.perf_counter()
         manifests, train = _aggregate(run, rnd, replies, failures)
         row["aggregate_s"] = time.perf_counter() - t_agg
-        # the fits' own work, summed: on one lane (fits in turn) wall_s minus this and the
-        # validation's eval_s is the round's overhead (bench/round_overhead.py)
-        row["fits_rollout_update_s"] = sum(
-            (m := metrics_of(r)).get("rollout_s", 0.0) + m.get("update_s", 0.0) for r in replies.values()
-        )
         if failures:
             row["failed"] = [f.as_dict() for f in failures]
             row["dropped"] = sorted(set(sampled) - set(replies))
@@ -443,6 +439,20 @@ def _train(
     for reply in outcome.replies.values():
         run.nodes.note(reply)
     return outcome.replies, outcome.failures
+
+
+def _fit_times(replies: dict[int, Message]) -> dict[str, float]:
+    """The round's fits' phase times, summed over its replies: the fits' own work (rollouts and
+    updates), their loads and exports, and their whole time. On one lane, where fits take turns,
+    `bench.round_overhead` splits the round's wall time by them; a lost attempt's time is not here."""
+    sums = dict.fromkeys(("rollout_update", "load", "export", "total"), 0.0)
+    for reply in replies.values():
+        m = metrics_of(reply)
+        sums["rollout_update"] += m.get("rollout_s", 0.0) + m.get("update_s", 0.0)
+        sums["load"] += m.get("load_s", 0.0)
+        sums["export"] += m.get("export_s", 0.0)
+        sums["total"] += m.get("fit_total_s", 0.0)
+    return {f"fits_{k}_s": v for k, v in sums.items()}
 
 
 def _aggregate(

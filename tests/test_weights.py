@@ -167,16 +167,30 @@ def test_corrupt_shard_is_refused_naming_the_shard_and_the_fix(tmp_path):
 
 
 def test_shards_read_in_parallel_on_a_many_core_host_give_the_same_state_and_refuse_corruption(tmp_path, monkeypatch):
-    """A 16-core host reads 4 shards at once (`read_workers`); the state and its order are those
-    of reading one shard after another, and a corrupt shard is still refused by name."""
+    """A 16-core host reads shards at once (`read_workers`: two shards wait for each other at a
+    barrier, which only concurrent reads pass); the state and its order are those of reading one
+    shard after another, and a corrupt shard is still refused by name."""
+    import threading
+
     import fl_app.weights as weights
 
     manifest = save_shards(_state(), tmp_path / "w", max_shard_bytes=6000)
     assert len(manifest.shards) >= 3
+    monkeypatch.setattr(weights, "usable_cores", lambda: 2)
     one_by_one = load_shards(tmp_path / "w")
     monkeypatch.setattr(weights, "usable_cores", lambda: 16)
     assert weights.read_workers(len(manifest.shards)) == min(4, len(manifest.shards)) > 1
+    met = threading.Barrier(2, timeout=10)
+    read_shard = weights.read_shard
+
+    def meeting(m, i, verify=True):  # type: ignore[no-untyped-def]
+        if i < 2:
+            met.wait()  # raises BrokenBarrierError unless shards 0 and 1 are read at the same time
+        return read_shard(m, i, verify)
+
+    monkeypatch.setattr(weights, "read_shard", meeting)
     assert _bits_equal(load_shards(tmp_path / "w"), one_by_one) and list(one_by_one) == list(_state())
+    monkeypatch.setattr(weights, "read_shard", read_shard)
     victim = tmp_path / "w" / manifest.shards[-1].file
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0x01
@@ -188,15 +202,25 @@ def test_shards_read_in_parallel_on_a_many_core_host_give_the_same_state_and_ref
 def test_staged_tensors_write_the_same_bytes_as_host_memory_through_a_wrapping_ring(tmp_path, monkeypatch):
     """A GPU lane's export path: chunks copied into a ring of 4 reused host buffers, each reused
     only once its previous chunk was hashed and written. Driven here with CPU tensors and 4 KiB
-    chunks, so the ring wraps dozens of times inside one tensor and across shards: the shards
-    are byte for byte those written from the tensors' own memory (the contract's CUDA kinds
-    check the same on a GPU)."""
+    chunks, so the ring wraps dozens of times inside one tensor and across shards, and every
+    write lags 1 ms (a buffer reused before its chunk is written is then certain to corrupt
+    it): the shards are byte for byte those written from the tensors' own memory (the
+    contract's CUDA kinds check the same on a GPU)."""
+    import time
+
     import fl_app.weights as weights
 
     state = {**_state(), "big": torch.randn(300, 100, generator=torch.Generator().manual_seed(1))}  # 117 KiB
     direct = save_shards(state, tmp_path / "direct", max_shard_bytes=64 << 10)
     monkeypatch.setattr(weights, "IO_CHUNK", 4096)
     monkeypatch.setattr(weights, "_staged", lambda t: True)
+    append = weights.ShardWriter._append
+
+    def slow_append(self, *args):  # type: ignore[no-untyped-def]
+        time.sleep(0.001)
+        return append(self, *args)
+
+    monkeypatch.setattr(weights.ShardWriter, "_append", slow_append)
     staged = save_shards(state, tmp_path / "staged", max_shard_bytes=64 << 10)
     assert staged.sha256 == direct.sha256 and len(staged.shards) >= 2
     assert _bits_equal(load_shards(tmp_path / "staged"), state)

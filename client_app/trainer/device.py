@@ -32,15 +32,18 @@ def avoid_cudnn_attention(device: torch.device) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def freeze_survivors() -> None:
+def freeze_survivors() -> int:
     """Collect cycles, then move every object still alive into the cyclic collector's permanent
-    generation. A lane's long-lived objects (imported modules, models, compiled graphs) are then
-    never scanned again, so the collection that ends each fit (`release_memory`) walks only what
-    that fit created: 0.20 s -> ~0 per fit on a CPU test lane of 420k objects. Frozen objects
-    are still freed by reference counting; only a cycle among them would never be collected, so
-    the lane freezes right after a collection, when what lives is meant to live."""
+    generation; returns how many objects it holds. A lane's long-lived objects (imported
+    modules, models, compiled graphs) are then never scanned again, so the collection that ends
+    each fit (`release_memory`) walks only what that fit created: 0.20 s -> ~0 per fit on a CPU
+    test lane of 420k objects. Frozen objects are still freed by reference counting, but a
+    garbage cycle through any of them never is: the lane freezes right after a collection, when
+    what lives is meant to live, and reports the count (`service_frozen_objects`), which must
+    level off after the first fits (tests/test_lane_overhead.py)."""
     gc.collect()
     gc.freeze()
+    return gc.get_freeze_count()
 
 
 def release_memory(device: torch.device) -> None:
