@@ -12,11 +12,13 @@ shows. Off by default: the census walks every object the garbage collector track
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import types
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,20 @@ class Group:
 
 def enabled() -> bool:
     return os.environ.get(ENV_VAR, "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def thawed() -> Iterator[None]:
+    """Hand frozen objects back to the collector for the block, then freeze again. A lane
+    freezes what survives each fit (`client_app.trainer.device.freeze_survivors`), which hides
+    it from `gc.get_objects` and `gc.get_referrers`: a census must see it."""
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()
+    try:
+        yield
+    finally:
+        if frozen:
+            gc.freeze()
 
 
 def tensor_census() -> dict[Key, list[torch.Tensor]]:
@@ -106,6 +122,10 @@ class MemoryGrowthReport:
 
     def report(self) -> list[str] | None:
         """Lines for the groups that grew (most bytes first); None on the first call (the baseline)."""
+        with thawed():
+            return self._report()
+
+    def _report(self) -> list[str] | None:
         gc.collect()
         now = tensor_census()
         summaries = {k: _summary(v) for k, v in now.items()}
