@@ -16,9 +16,11 @@ Arms (`--arms`, comma-separated; all by default):
            reference log-probs, then the seeded mini-batch steps): trained tokens per second and
            model FLOPs utilisation, 6 x params x tokens / time / the peak above (the log-prob
            passes, 2 x params x tokens each, are reported apart)
-  verl     the same pass on verl's FSDP2 engine from the same weights (verl's defaults on CUDA),
-           and once more with `--verl-variant` overrides (e.g. torch.compile off), so the ratio
-           to builtin and what moves it come from one run
+  verl     the same pass on verl's FSDP2 engine from the same weights (verl's defaults on CUDA,
+           the LM head at response positions only: client_app/trainer/verl_head.py), then on
+           the same engine scoring as verl itself does (full logits at every position), and once
+           more with `--verl-variant` overrides if given, so the ratios to builtin and what moves
+           them come from one run
   io       the engine's load_weights + export_weights, and save_shards / load_shards of the
            model, next to a raw write / read of the same bytes
 
@@ -270,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--update-rows", type=int, default=320, help="rows the update arms train on (the rollout's first)")
     ap.add_argument(
         "--verl-variant",
-        default="actor_rollout_ref.actor.use_torch_compile=False",
-        help="verl overrides (comma-separated Hydra a.b=c) for the arm's second verl engine",
+        default="",
+        help="verl overrides (comma-separated Hydra a.b=c) for one more verl engine, e.g. "
+        "actor_rollout_ref.actor.use_torch_compile=False",
     )
     ap.add_argument("--json", type=Path)
     ap.add_argument("overrides", nargs="*", help="recipe overrides, a.b=c")
@@ -340,12 +343,23 @@ def main(argv: list[str] | None = None) -> int:
             update_trainer.close()
             if "verl" in arms:
                 from client_app.trainer import verl_config
+                from client_app.trainer.verl_backend import VerlEngine
 
                 compose = verl_config.recipe_overrides
-                for label, extra in (("update_verl", []), ("update_verl_variant", args.verl_variant.split(","))):
+                variants: list[tuple[str, list[str], bool]] = [
+                    ("update_verl", [], True),
+                    ("update_verl_full_logits", [], False),
+                ]
+                if args.verl_variant:
+                    variants.append(("update_verl_variant", args.verl_variant.split(","), True))
+                for label, extra, response_only in variants:
                     verl_config.recipe_overrides = lambda *a, extra=extra: compose(*a) + extra
                     cfg = bench_config(args, "vllm" if device.type == "cuda" else "hf", backend="verl")
                     engine = make_engine(cfg, args.model, Path(tmp) / label)  # no rollout engine: one vLLM per process
+                    assert isinstance(engine, VerlEngine)
+                    for worker in (engine.actor, engine.ref):
+                        if worker is not None:
+                            worker.engine.score_response_only = response_only
                     # a stand-in with UpdateTarget's members (SimpleNamespace: mypy cannot see them, hence the cast)
                     verl = SimpleNamespace(
                         engine=engine,
@@ -363,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                     verl.close()
                     print(json.dumps({label: report[label]}), flush=True)
                 verl_config.recipe_overrides = compose
+                report["verl_full_logits_over_verl_pass_s"] = round(
+                    report["update_verl_full_logits"]["pass_s"] / report["update_verl"]["pass_s"], 2
+                )
                 if "update" in arms:
                     report["verl_over_builtin_pass_s"] = round(
                         report["update_verl"]["pass_s"] / report["update_builtin"]["pass_s"], 2

@@ -583,6 +583,54 @@ def test_engines_take_the_same_critic_steps(pair):
 
 
 @needs_verl
+def test_verl_lm_head_sees_only_response_positions_and_trains_as_verl_scores(pair, monkeypatch):
+    """verl's engine applies its LM head to the positions that predict a response token, no
+    others (client_app/trainer/verl_head.py), and scores and trains exactly as verl's own full-
+    logits path on the same engine: log-probs, entropy and a policy pass with KL and entropy."""
+    from client_app.trainer.verl_head import engine_class
+
+    builtin, verl = pair
+    fsdp = verl.engine.engine
+    assert isinstance(fsdp, engine_class()) and isinstance(verl.engine.ref.engine, engine_class())
+    seen: list[tuple[int, ...]] = []
+    hook = fsdp.module.get_output_embeddings().register_forward_hook(
+        lambda _m, args, _out: seen.append(tuple(args[0].shape))
+    )
+    try:
+        episodes, rows, adv = scored_rows(builtin, [0, 1], 2, seed=17)
+        start = builtin.export_weights()
+        verl.load_weights(start)
+
+        def score_and_pass() -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
+            seen.clear()
+            scores = verl.engine.log_probs(rows)
+            verl.engine.begin_fit(reference_from_policy=False)
+            try:
+                metrics = policy_pass(verl.engine, verl.policy_loss, rows, adv, 5, seed=21)
+            finally:
+                verl.engine.end_fit()
+            weights = verl.export_weights()
+            verl.load_weights(start)
+            return scores, weights, metrics
+
+        ours = score_and_pass()
+        response_tokens = sum(len(rw.response_ids) for rw in rows)
+        # every head call is [N, H]: the scoring pass, then the policy pass (which re-scores
+        # old log-probs once, then trains), each over every row's response tokens exactly
+        assert all(len(shape) == 2 for shape in seen), seen
+        assert sum(shape[0] for shape in seen) % response_tokens == 0 and sum(s[0] for s in seen) > 0
+        monkeypatch.setattr(fsdp, "score_response_only", False)  # verl's own path, same engine
+        theirs = score_and_pass()
+        assert all(len(shape) == 3 for shape in seen) and sum(s[0] * s[1] for s in seen) > 2 * response_tokens
+    finally:
+        hook.remove()
+    assert len(rows) > 5 and max(float((a - b).abs().max()) for a, b in zip(ours[0], theirs[0])) < TOL
+    assert _max_diff(ours[1], start) > 100 * TOL and _max_diff(ours[1], theirs[1]) < TOL
+    for key in ("pg_loss", "kl_loss", "entropy", "grad_norm"):
+        assert ours[2][key] == pytest.approx(theirs[2][key], rel=1e-5, abs=1e-7), key
+
+
+@needs_verl
 @pytest.mark.parametrize(
     "loss_agg_mode,kl_type", [("seq-mean-token-mean", "k1"), ("seq-mean-token-sum-norm", "k3+"), ("token-sum", "abs")]
 )

@@ -54,7 +54,7 @@ import torch
 from client_app.algos import ActorLossSpec, ValueLossSpec
 from client_app.critic import CriticStart, resolve_start_critic, seeded_value_head
 from client_app.rollout import TrainRow, derive_seed
-from client_app.trainer import verl_config
+from client_app.trainer import verl_config, verl_head
 from client_app.trainer.advantages import pad_rows
 from client_app.trainer.device import avoid_cudnn_attention, cuda_autocast, release_memory, resolve_device
 from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch
@@ -207,11 +207,10 @@ def arm_cpu() -> None:
     # imported only now: verl's engine modules read the platform when they are imported
     from verl.utils.device import get_device_name
     from verl.workers.engine import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
 
-    for model_type, engine_cls in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
-        if "cpu" not in EngineRegistry._engines[model_type]["fsdp2"]:
-            EngineRegistry.register(model_type=model_type, backend=["fsdp2"], device="cpu")(engine_cls)
+    if "cpu" not in EngineRegistry._engines["value_model"]["fsdp2"]:
+        EngineRegistry.register(model_type="value_model", backend=["fsdp2"], device="cpu")(FSDPEngineWithValueHead)
     if get_device_name() != "cpu":
         raise RuntimeError(f"verl's platform is {get_device_name()!r} after arming the CPU platform")
 
@@ -329,6 +328,7 @@ class VerlEngine:
         if self.device.type == "cpu":
             arm_cpu()
         ensure_process_group(self.device.type)
+        verl_head.register(self.device.type)  # the LM engine that scores response positions only
         # 3. the workers
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.utils.losses import ppo_loss
