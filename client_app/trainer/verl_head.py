@@ -10,7 +10,9 @@ prompt, so nearly all of that work is thrown away.
 `ResponseHeadEngine` is verl's `FSDPEngineWithLMHead` with the LM head applied to those positions
 only (a forward pre-hook on the output embedding selects their hidden states) and the
 log-probs and entropy computed in one vectorised fp32 pass by the functions builtin uses
-(`client_app.algos.logits`). Positions nothing reads get zeros. Every other layout (packed
+(`client_app.algos.logits`). Positions nothing reads get zeros. As in builtin, the right-padded
+rows go to the model without a padding mask (SDPA's causal kernel; the pads come after every
+position that is read, so nothing read depends on them). Every other layout (packed
 sequences, fused kernels, distillation) is verl's own code path, unchanged. It is registered
 through verl's `EngineRegistry` (its extension point for engines) for the device the backend
 runs on; tests/test_verl_backend.py holds it to verl's own engine.
@@ -96,6 +98,11 @@ def _build_engine_class() -> type:
             model_inputs, output_args = super().prepare_model_inputs(micro_batch)
             if self._ours(micro_batch):
                 ids = model_inputs["input_ids"]
+                if model_inputs["position_ids"].dim() == 2:
+                    # rows are right-padded with positions 0..n-1, which the model derives itself:
+                    # with neither a mask nor positions SDPA takes its causal kernel instead of a
+                    # [B, heads, L, L] mask, and a real token never sees the pads after it
+                    model_inputs["attention_mask"] = model_inputs["position_ids"] = None
                 keep = response_positions(micro_batch, ids.shape[1]).to(ids.device)
                 output_args["keep"] = keep
                 output_args["labels"] = torch.roll(ids, shifts=-1, dims=1)[keep]
