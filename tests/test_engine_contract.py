@@ -606,7 +606,8 @@ def test_verl_lm_head_sees_only_response_positions_and_trains_as_verl_scores(pai
             scores = verl.engine.log_probs(rows)
             verl.engine.begin_fit(reference_from_policy=False)
             try:
-                metrics = policy_pass(verl.engine, verl.policy_loss, rows, adv, 5, seed=21)
+                # 4-row mini-batches: 2-row micro-batches (padded rows of unequal length)
+                metrics = policy_pass(verl.engine, verl.policy_loss, rows, adv, 4, seed=21)
             finally:
                 verl.engine.end_fit()
             weights = verl.export_weights()
@@ -618,8 +619,9 @@ def test_verl_lm_head_sees_only_response_positions_and_trains_as_verl_scores(pai
         # every head call is [N, H]: the scoring pass, then the policy pass (which re-scores
         # old log-probs once, then trains), each over every row's response tokens exactly
         assert all(len(shape) == 2 for shape in seen), seen
-        assert sum(shape[0] for shape in seen) % response_tokens == 0 and sum(s[0] for s in seen) > 0
-        monkeypatch.setattr(fsdp, "score_response_only", False)  # verl's own path, same engine
+        assert sum(shape[0] for shape in seen) == 3 * response_tokens
+        for worker in (verl.engine.actor, verl.engine.ref):  # verl's own path, same engines
+            monkeypatch.setattr(worker.engine, "score_response_only", False)
         theirs = score_and_pass()
         assert all(len(shape) == 3 for shape in seen) and sum(s[0] * s[1] for s in seen) > 2 * response_tokens
     finally:

@@ -3,8 +3,9 @@
 Built once per lane, in the lane service's own process (no Ray: verl's `TrainingWorker` is
 constructed in-process over a process group this module starts, world size 1):
 
-  * the actor: `verl.workers.engine_workers.TrainingWorker` over verl's `FSDPEngineWithLMHead`
-    (strategy fsdp2, fp32 master weights), its loss `verl.workers.utils.losses.ppo_loss` with
+  * the actor: `verl.workers.engine_workers.TrainingWorker` over `verl_head.ResponseHeadEngine`
+    (verl's `FSDPEngineWithLMHead`, the LM head applied at response positions only; strategy
+    fsdp2, fp32 master weights), its loss `verl.workers.utils.losses.ppo_loss` with
     the `ActorConfig` composed from our recipe (`verl_config.py`);
   * the reference (kl_coef > 0): a second, forward-only `TrainingWorker` on the original
     backbone (`ref_anchor: base`), or overwritten with the loaded weights per fit (`round`);
@@ -27,8 +28,9 @@ FedProx gradient (policy only, invariant 4) added between the backward and the s
 tests/test_engine_contract.py holds it to the builtin engine's updates within 1e-5.
 
 CPU: verl 0.9.1 ships no CPU platform. `CpuPlatform` is one, registered through verl's own
-platform plugin registry (`verl.plugin.platform.PlatformRegistry` + `set_platform`), and verl's
-FSDP engine classes are registered for device "cpu" through `EngineRegistry.register`; the
+platform plugin registry (`verl.plugin.platform.PlatformRegistry` + `set_platform`), and the
+FSDP engine classes (verl's value engine, our LM engine) are registered for device "cpu" through
+`EngineRegistry.register`; the
 process group is gloo. Rollouts run the builtin's episode loop (so the context a policy acted
 on is exactly the row it trains on) with one of two generators: `verl.rollout_engine: hf`,
 batched Hugging Face `generate` on the engine's own FSDP2 module; `vllm` (GPU), an in-process
@@ -340,6 +342,8 @@ class VerlEngine:
         self.loss_fn = partial(ppo_loss, config=self.actor_config)
         self.actor.set_loss_fn(self.loss_fn)
         self.engine = self.actor.engine
+        if not isinstance(self.engine, verl_head.engine_class()):  # e.g. VERL_ENGINE_DEVICE overrode the lookup
+            raise RuntimeError(f"verl built {type(self.engine).__name__}, not the response-head engine registered")
         self.ref = self._worker(self.actor_config, model_config, forward_only=True) if cfg.algo.kl_coef > 0 else None
         # the critic: verl's value-model engine (AutoModelForTokenClassification, as builtin's)
         self.critic = None

@@ -15,7 +15,9 @@ rows go to the model without a padding mask (SDPA's causal kernel; the pads come
 position that is read, so nothing read depends on them). Every other layout (packed
 sequences, fused kernels, distillation) is verl's own code path, unchanged. It is registered
 through verl's `EngineRegistry` (its extension point for engines) for the device the backend
-runs on; tests/test_verl_backend.py holds it to verl's own engine.
+runs on. On the CPU it scores exactly as verl's own path (tests/test_engine_contract.py); under
+CUDA autocast it differs from it by design: verl takes the log-softmax of bf16 logits, this
+engine of fp32 ones, as builtin does.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def response_positions(micro_batch: Any, width: int) -> torch.Tensor:
     return (j >= (prompt_lens - 1)[:, None]) & (j < (prompt_lens + response_lens - 1)[:, None])
 
 
-def engine_class() -> type:
+def engine_class() -> type[Any]:
     """The engine class (built on first use: verl's engine modules read the platform on import)."""
     global _ENGINE
     if _ENGINE is None:
@@ -51,10 +53,10 @@ def engine_class() -> type:
     return _ENGINE
 
 
-_ENGINE: type | None = None
+_ENGINE: type[Any] | None = None
 
 
-def _build_engine_class() -> type:
+def _build_engine_class() -> type[Any]:
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
@@ -86,22 +88,30 @@ def _build_engine_class() -> type:
             def flag(key: str, default: bool) -> bool:
                 return bool(tu.get_non_tensor_data(data=micro_batch, key=key, default=default))
 
-            return self.score_response_only and not (
-                flag("use_remove_padding", True)
-                or flag("use_fused_kernels", False)
-                or flag("distillation_use_topk", False)
-                or flag("distillation_only", False)
-                or flag("calculate_sum_pi_squared", False)
+            layout = set(micro_batch.keys())
+            return (
+                self.score_response_only
+                and {"prompts", "responses", "attention_mask"} <= layout
+                and not (
+                    flag("use_remove_padding", True)
+                    or flag("use_fused_kernels", False)
+                    or flag("distillation_use_topk", False)
+                    or flag("distillation_only", False)
+                    or flag("calculate_sum_pi_squared", False)
+                )
             )
 
         def prepare_model_inputs(self, micro_batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             model_inputs, output_args = super().prepare_model_inputs(micro_batch)
             if self._ours(micro_batch):
-                ids = model_inputs["input_ids"]
-                if model_inputs["position_ids"].dim() == 2:
+                ids, positions = model_inputs["input_ids"], model_inputs["position_ids"]
+                if positions.dim() == 2:
                     # rows are right-padded with positions 0..n-1, which the model derives itself:
                     # with neither a mask nor positions SDPA takes its causal kernel instead of a
                     # [B, heads, L, L] mask, and a real token never sees the pads after it
+                    real = model_inputs["attention_mask"].bool()
+                    if not bool((positions == torch.arange(ids.shape[1], device=ids.device))[real].all()):
+                        raise ValueError("rows must be positioned 0..n-1 to be scored without a padding mask")
                     model_inputs["attention_mask"] = model_inputs["position_ids"] = None
                 keep = response_positions(micro_batch, ids.shape[1]).to(ids.device)
                 output_args["keep"] = keep
@@ -122,10 +132,10 @@ def _build_engine_class() -> type:
             if keep is None:
                 return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
             self._keep = None
-            logits = output.logits  # [N, V]: the kept positions, row-major
+            logits = output.logits.float()  # [N, V]: the kept positions, row-major; fp32 as builtin's
             if not output_args.get("temperature_is_one", False):
                 rows = keep.nonzero()[:, 0]
-                logits = logits.float() / output_args["temperature"][rows].unsqueeze(-1)
+                logits = logits / output_args["temperature"][rows].unsqueeze(-1)
             input_ids = micro_batch["input_ids"]  # nested: each row's real tokens
             cu_seqlens = input_ids.offsets()
             real = torch.arange(keep.shape[1], device=keep.device) < cu_seqlens.diff()[:, None]
