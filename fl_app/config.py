@@ -419,7 +419,7 @@ class AlgoCfg(_Strict):
 class FederationCfg(_Strict):
     clients: int = Field(100, gt=0, description="N: clients in the federation (virtual clients in simulation).")
     clients_per_round: int = Field(
-        2, gt=0, description="M: clients sampled per round, a pure function of (seed, round)."
+        2, gt=0, description="M: clients sampled per round, a pure function of (seed, round) (`sampling_seed`)."
     )
     rounds: int = Field(70, gt=0, description="T: federated rounds.")
     local_epochs: int = Field(
@@ -436,6 +436,10 @@ class FederationCfg(_Strict):
         description="Validate the global model every k rounds (and at round 0); 0 = only round 0 and the last round.",
     )
     val_tasks: int = Field(64, gt=0, description="Size of the fixed validation set (the env's first tasks).")
+    sampling_seed: int | None = Field(
+        None,
+        description="Seed of the per-round client draw, FedAgent's rule `Random(sampling_seed + round - 1)`. Unset = derived from `run.seed` by a hash, so runs of different seeds draw independent client sequences (fed to the rule directly, seeds s and s + 1 would draw the same clients one round apart). The paper recipes set 42, the published constant every published seed arm drew with.",
+    )
     only_clients: list[int] = Field(
         default_factory=list,
         description="Train exactly these client ids every round instead of sampling (the local-only baseline: one client, one round of T*E epochs). Its length must equal `clients_per_round`; empty = sample.",

@@ -8,6 +8,7 @@ nothing.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 
@@ -32,6 +33,15 @@ def client_shard(
     start = client_id * stride
     size = min(tasks_per_client, n)
     return [order[(start + j) % n] for j in range(size)]
+
+
+def sampling_seed(run_seed: int, fixed: int | None) -> int:
+    """The seed `sample_clients` draws from: `fixed` (`federation.sampling_seed`) when set, else a
+    hash of the run seed. The published rule adds the round to its seed, so fed the run seed
+    itself, runs of seeds s and s + 1 would sample the same clients one round apart."""
+    if fixed is not None:
+        return fixed
+    return int.from_bytes(hashlib.sha256(f"client-sampling:{run_seed}".encode()).digest()[:8], "big") >> 1
 
 
 def sample_clients(seed: int, server_round: int, num_clients: int, per_round: int) -> list[int]:

@@ -47,6 +47,7 @@ from fl_app.store_server import WeightStoreServer, new_token
 from fl_app.transport import WeightsRef, receive_weights, send_members, write_disk_probe
 from fl_app.weights import Manifest, WeightsError, save_shards
 from partitions.report import write_partition_report
+from partitions.uniform import sampling_seed
 from server_app.dispatch import RoundDispatch, request_one
 from server_app.errors import one_line, strip_ansi
 from server_app.strategy import (
@@ -194,7 +195,7 @@ class Run:
         try:
             self.nodes = Nodes()
             self.sampler = ClientSampler(
-                seed=cfg.run.seed,
+                seed=sampling_seed(cfg.run.seed, cfg.federation.sampling_seed),
                 num_clients=cfg.federation.clients,
                 per_round=cfg.federation.clients_per_round,
                 only_clients=cfg.federation.only_clients,

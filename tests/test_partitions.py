@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from partitions.uniform import client_shard, sample_clients
+from fl_app.config import load_config
+from partitions.uniform import client_shard, sample_clients, sampling_seed
 
 
 def test_client_sampling_is_pure_function_of_seed_and_round():
@@ -20,6 +21,26 @@ def test_client_sampling_is_pure_function_of_seed_and_round():
 def test_sampling_matches_the_published_rounds():
     """FedAgent seeds Python's generator with seed + round - 1 (seed 42): rounds 1-3."""
     assert [sample_clients(42, r, 100, 2) for r in (1, 2, 3)] == [[81, 14], [4, 36], [52, 66]]
+
+
+def test_runs_of_different_seeds_sample_independent_clients_unless_the_sampling_seed_is_fixed():
+    """Fed the run seed, the published rule (seed + round - 1) would give seed s + 1 the clients
+    of seed s one round later; the sampler's seed is a hash of the run seed instead, and a fixed
+    `federation.sampling_seed` (42 in the paper recipes) draws the same clients for every seed."""
+    rounds = range(1, 71)
+
+    def draws(run_seed: int, fixed: int | None = None) -> list[list[int]]:
+        return [sample_clients(sampling_seed(run_seed, fixed), r, 100, 2) for r in rounds]
+
+    s0, s1 = draws(0), draws(1)
+    shifted = sum(a == b for a, b in zip(s0[1:], s1[:-1]))
+    same = sum(a == b for a, b in zip(s0, s1))
+    assert shifted <= 1 and same <= 1, (shifted, same)  # the additive rule gives shifted == 69
+    assert draws(0) == s0  # still a pure function of (seed, round)
+    assert draws(0, fixed=42) == draws(7, fixed=42) == [sample_clients(42, r, 100, 2) for r in rounds]
+    assert draws(0, fixed=42)[:3] == [[81, 14], [4, 36], [52, 66]]
+    assert load_config("webshop-grpo-qwen2.5-1.5b").federation.sampling_seed == 42
+    assert load_config("tiny-shop-grpo").federation.sampling_seed is None
 
 
 def test_shard_is_independent_of_pool_listing_order():
