@@ -43,7 +43,7 @@ from client_app.trainer.compute import (
     resolve_precision,
 )
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
-from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch
+from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch, micro_batches
 from fl_app.config import Config
 from fl_app.weights import load_shards
 
@@ -233,7 +233,7 @@ class BuiltinEngine:
         rows = batch.rows
         norm = _mini_batch_norm(rows, loss.horizon)
         sums: dict[str, float] = defaultdict(float)
-        parts = _micro_batches(rows, self.cfg.algo.micro_batch_size)
+        parts = micro_batches(rows, self.cfg.algo.micro_batch_size)
         compute = self._compute["actor"]
         for part in parts:
             logits, labels, mask = self._response_logits(compute.module, [rows[i] for i in part])
@@ -273,7 +273,7 @@ class BuiltinEngine:
         rows = batch.rows
         norm = _mini_batch_norm(rows, loss.horizon)
         sums: dict[str, float] = defaultdict(float)
-        parts = _micro_batches(rows, self.cfg.algo.critic.micro)
+        parts = micro_batches(rows, self.cfg.algo.critic.micro)
         for part in parts:
             values, mask = self._response_values([rows[i] for i in part])
             value_loss, clipfrac = clipped_value_loss(
@@ -368,16 +368,6 @@ class BuiltinEngine:
         release_memory(self.device)
 
 
-def _row_len(row: TrainRow) -> int:
-    return len(row.prompt_ids) + len(row.response_ids)
-
-
-def _micro_batches(rows: Sequence[TrainRow], micro: int) -> list[list[int]]:
-    """Row indices in micro-batches of similar length (less padding)."""
-    order = sorted(range(len(rows)), key=lambda i: _row_len(rows[i]))
-    return [order[s : s + micro] for s in range(0, len(order), micro)]
-
-
 def _mini_batch_norm(rows: Sequence[TrainRow], horizon: int | None) -> AggNorm:
     """Loss denominators of a mini-batch: its generated tokens, its rows (as verl counts them), the horizon."""
     return AggNorm(num_tokens=float(sum(sum(rw.mask) for rw in rows)), num_seqs=float(len(rows)), horizon=horizon)
@@ -388,7 +378,7 @@ def _per_row(
 ) -> list[torch.Tensor]:
     """`compute` ([B, T] per micro-batch of length-sorted rows), cut back to one 1-D CPU tensor per row."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-    for part in _micro_batches(rows, micro):
+    for part in micro_batches(rows, micro):
         batch = compute([rows[i] for i in part]).detach().float().cpu()  # one device sync per micro-batch
         for k, i in enumerate(part):
             out[i] = batch[k, : len(rows[i].response_ids)].clone()

@@ -134,3 +134,15 @@ class TrainingEngine(Protocol):
     def close(self) -> None:
         """Drop the models and their memory."""
         ...
+
+
+def length_order(rows: Sequence[TrainRow]) -> list[int]:
+    """Row indices by sequence length (prompt + response): consecutive rows pad little."""
+    return sorted(range(len(rows)), key=lambda i: len(rows[i].prompt_ids) + len(rows[i].response_ids))
+
+
+def micro_batches(rows: Sequence[TrainRow], micro: int) -> list[list[int]]:
+    """Row indices in micro-batches of `micro` rows of similar length (less padding); a mini-batch's
+    loss is normalised over all of its rows, so how it is cut changes memory and speed only."""
+    order = length_order(rows)
+    return [order[s : s + micro] for s in range(0, len(order), micro)]

@@ -41,6 +41,7 @@ vLLM engine woken with the engine's full tensors before each rollout and asleep 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -49,7 +50,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -59,7 +60,7 @@ from client_app.rollout import TrainRow, derive_seed
 from client_app.trainer import verl_config, verl_head
 from client_app.trainer.advantages import pad_rows
 from client_app.trainer.device import avoid_cudnn_attention, cuda_autocast, release_memory, resolve_device
-from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch
+from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch, length_order, micro_batches
 from client_app.trainer.loop import loss_specs
 from fl_app.config import Config
 from fl_app.weights import load_shards
@@ -538,14 +539,15 @@ class VerlEngine:
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import no_padding_2_padding
 
-        out: list[torch.Tensor] = []
-        for start in range(0, len(rows), micro):
-            part = rows[start : start + micro]
+        out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        for indices in micro_batches(rows, micro):  # rows of similar length, as builtin scores them
+            part = [rows[i] for i in indices]
             td = self._batch(part, micro_batch=len(part))
             tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
             result = worker.infer_batch(td)
             padded = no_padding_2_padding(tu.get(result, key), td).float()
-            out.extend(padded[b, : len(rw.response_ids)].clone() for b, rw in enumerate(part))
+            for b, i in enumerate(indices):
+                out[i] = padded[b, : len(rows[i].response_ids)].clone()
         return out
 
     # ------------------------------------------------------------------ steps
@@ -559,6 +561,7 @@ class VerlEngine:
                 f"verl's policy loss is composed from the recipe when the engine is built "
                 f"({self.policy_loss}); it cannot train {loss}"
             )
+        batch = _by_length(batch)
         td = self._batch(
             batch.rows,
             _largest_divisor_at_most(len(batch.rows), self.cfg.algo.micro_batch_size),
@@ -579,6 +582,7 @@ class VerlEngine:
                 f"verl's value loss is composed from the recipe when the engine is built "
                 f"({self.value_loss}); it cannot train {loss}"
             )
+        batch = _by_length(batch)
         micro = _largest_divisor_at_most(len(batch.rows), self.cfg.algo.critic.micro)
         td = self._batch(batch.rows, micro, values=batch.old_values, returns=batch.returns)
 
@@ -741,6 +745,22 @@ def _step(
         grad_norm = float(engine.optimizer_step())
     engine.optimizer_zero_grad()
     return StepResult(metrics(output["metrics"]), grad_norm, math.isfinite(grad_norm))
+
+
+_Batch = TypeVar("_Batch", PolicyBatch, ValueBatch)
+
+
+def _by_length(batch: _Batch) -> _Batch:
+    """The mini-batch with its rows (and their per-row tensors) in length order: verl cuts it into
+    micro-batches in order, so they pad as little as builtin's. The loss is normalised over the
+    whole mini-batch, so the order changes speed only."""
+    order = length_order(batch.rows)
+    permuted = {
+        f.name: [value[i] for i in order]
+        for f in dataclasses.fields(batch)
+        if (value := getattr(batch, f.name)) is not None
+    }
+    return dataclasses.replace(batch, **permuted)
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
