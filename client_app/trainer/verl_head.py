@@ -32,13 +32,8 @@ from client_app.algos.logits import entropy_from_logits, token_log_probs
 def response_positions(micro_batch: Any, width: int) -> torch.Tensor:
     """[B, width] mask of the padded positions whose next token is a response token: for a row
     of p prompt and r response tokens, positions p-1 .. p+r-2 (what `no_padding_2_padding` slices)."""
-    prompts, responses = micro_batch["prompts"], micro_batch["responses"]
-    if prompts.is_nested:
-        prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
-    else:
-        attention = micro_batch["attention_mask"]
-        prompt_lens = attention[:, : prompts.shape[1]].sum(1)
-        response_lens = attention[:, prompts.shape[1] :].sum(1)
+    attention, width_p = micro_batch["attention_mask"], micro_batch["prompts"].shape[1]  # the backend's layout
+    prompt_lens, response_lens = attention[:, :width_p].sum(1), attention[:, width_p:].sum(1)
     if bool((prompt_lens == 0).any()):
         raise ValueError("a row has no prompt token: nothing predicts its first response token")
     j = torch.arange(width, device=prompt_lens.device)
@@ -91,7 +86,7 @@ def _build_engine_class() -> type[Any]:
             layout = set(micro_batch.keys())
             return (
                 self.score_response_only
-                and {"prompts", "responses", "attention_mask"} <= layout
+                and {"prompts", "attention_mask"} <= layout
                 and not (
                     flag("use_remove_padding", True)
                     or flag("use_fused_kernels", False)
@@ -131,7 +126,6 @@ def _build_engine_class() -> type[Any]:
             keep = output_args.get("keep")
             if keep is None:
                 return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
-            self._keep = None
             logits = output.logits.float()  # [N, V]: the kept positions, row-major; fp32 as builtin's
             if not output_args.get("temperature_is_one", False):
                 rows = keep.nonzero()[:, 0]
