@@ -23,6 +23,7 @@ import functools
 import hashlib
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -96,6 +97,7 @@ class Episode:
     reward: float = 0.0  # env return (sum of step rewards), never penalised
     won: bool = False
     done: bool = False  # False when the episode ran out of turns
+    outcome: str = "timeout"  # the env's `outcome` once done; `timeout` (turns) or `context_full` (concat) if not
 
     @property
     def invalid_actions(self) -> int:
@@ -483,9 +485,12 @@ def run_episodes(
                     )
                     ep.reward += float(res["reward"])
                     live.history.append((live.observation, action))
+                    ended = res["done"] or len(ep.turns) >= settings.max_turns
                     if res["done"]:
-                        ep.done, ep.won = True, bool(info["won"])
-                    if ep.done or len(ep.turns) >= settings.max_turns or not advance(live, response, text, res):
+                        ep.done, ep.won, ep.outcome = True, bool(info["won"]), str(info["outcome"])
+                    elif not ended and not advance(live, response, text, res):
+                        ep.outcome, ended = "context_full", True
+                    if ended:
                         del busy[k]
                         freed.append(k)
                         bar.update(1)
@@ -562,3 +567,10 @@ def episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float
         f"{prefix}turns": turns / n,
         f"{prefix}invalid_action_rate": sum(e.invalid_actions for e in episodes) / max(turns, 1),
     }
+
+
+def outcome_shares(episodes: Sequence[Episode], prefix: str) -> dict[str, float]:
+    """The fraction of episodes per outcome, `<prefix>outcome_<label>`; a label no episode had is
+    absent, and readers take it as 0 (which outcomes exist depends on the env and the policy)."""
+    n = max(len(episodes), 1)
+    return {f"{prefix}outcome_{k}": v / n for k, v in sorted(Counter(e.outcome for e in episodes).items())}

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 import torch.nn.functional as F
 
@@ -47,7 +46,7 @@ SHORTCUT_ACTION = "click[buy now]"
 NAVIGATION = ("click[< prev]", "click[back to search]", "click[next >]")
 
 SFT_WARMUP_FRACTION = 0.05
-MAX_BUILD_THREADS = 4  # torch intra-op threads during a CPU build: the idle CPUs, 1 to 4
+MAX_BUILD_THREADS = 4  # torch intra-op threads during a CPU build: the usable cores, 1 to 4
 
 Row = tuple[list[int], list[int]]  # (prompt ids, reply ids)
 
@@ -201,12 +200,14 @@ def length_bucketed_batches(rows: list[Row], batch_size: int, gen: torch.Generat
 
 
 def build_threads() -> int:
-    """Torch threads for a CPU build: the CPUs other processes leave idle (sampled over 0.5 s while
-    this one sleeps), 1 to MAX_BUILD_THREADS. On an idle 2-core machine two threads build 1.56x
-    faster than one, while on a busy one two spinning OpenMP threads ran 10x slower than one.
-    The weights do not depend on the count (tests/test_tiny_model.py)."""
-    idle = usable_cores() * (1.0 - psutil.cpu_percent(interval=0.5) / 100.0)
-    return max(1, min(MAX_BUILD_THREADS, int(idle + 0.5)))
+    """Torch threads for a CPU build: the cores this process may use, 1 to MAX_BUILD_THREADS, and
+    never the load of the moment, because on some CPUs the count changes the bits. On an Intel
+    Xeon, MKL splits a weight gradient's reduction across threads, so one thread and two built
+    different tiny models (identical ones on an AMD EPYC); a count that followed the idle CPUs
+    made the build a function of the machine's load (tests/test_tiny_model.py). The price, per
+    SFT step of the tiny model on a 2-core box: idle, two threads 124 ms against one's 215 ms;
+    beside one busy process, two threads 361 ms against one's 211 ms."""
+    return max(1, min(MAX_BUILD_THREADS, usable_cores()))
 
 
 @contextlib.contextmanager

@@ -31,7 +31,6 @@ import torch
 from client_app.sft import cached_build, collect_demonstrations, cpu_build_settings, demo_rows, supervised_finetune
 from client_app.tiny_model import load_causal_lm
 from client_app.trainer.device import cuda_autocast
-from envs.registry import make_env
 from fl_app.config import Config
 from fl_app.hashing import sha256_file
 
@@ -42,8 +41,6 @@ CODE_VERSION = "warm-start-1"
 REPORT = "warm_start.json"
 # Records written beside a model that its weights and tokenizer do not depend on (dates, timings).
 PROVENANCE_FILES = frozenset({"import.json", "tiny_model.json", REPORT})
-# Exclusive outcomes of a validation episode (shop purchases split by what the reward missed).
-OUTCOMES = ("won", "wrong_product", "over_budget", "wrong_options", "ended_not_won", "timeout")
 
 
 def model_digest(model_dir: Path) -> str:
@@ -152,64 +149,29 @@ def validate(model: Any, tokenizer: Any, cfg: Config, device: torch.device) -> d
             )
         finally:
             env.close()
-    return outcome_breakdown(cfg, episodes) | {"temperature": cfg.rollout.val_temperature, "seed": cfg.run.seed}
+    return outcome_breakdown(episodes) | {"temperature": cfg.rollout.val_temperature, "seed": cfg.run.seed}
 
 
-def outcome_breakdown(cfg: Config, episodes: Sequence[Any]) -> dict[str, Any]:
-    """Success and why the other episodes failed, one exclusive outcome each (`OUTCOMES`):
-
-    - `timeout`: not finished within `env.max_turns` (stuck, often on invalid actions);
-    - shop purchases that did not win, by the first thing the reward missed (`reward_terms`):
-      `wrong_product` (not the asked-for kind: type or attributes), `over_budget` (the right kind
-      above the price ceiling: e.g. a lookalike), `wrong_options` (the goal's options not chosen);
-    - `ended_not_won`: any other env ending without a win.
-    Shop episodes are replayed in-process (the engine is deterministic) to read the reward terms.
-    Plus the invalid-action rate over all turns and the episodes with at least one.
-    """
-    replay = make_env(cfg.env.name, **cfg.env.params) if cfg.env.name == "shop" else None
-    counts: Counter[str] = Counter()
-    for ep in episodes:
-        counts[_outcome(ep, replay)] += 1
+def outcome_breakdown(episodes: Sequence[Any]) -> dict[str, Any]:
+    """Success and how the episodes ended, one outcome each (`Episode.outcome`: the env's label,
+    e.g. the shop's `wrong_options`, or `timeout` when `env.max_turns` ran out), plus the
+    invalid-action rate over all turns and the episodes with at least one invalid action."""
     n, turns = len(episodes), sum(len(ep.turns) for ep in episodes)
+    counts = Counter(ep.outcome for ep in episodes)
     return {
         "episodes": n,
         "success": counts["won"] / max(n, 1),
-        "outcomes": {k: counts[k] for k in OUTCOMES},
+        "outcomes": dict(sorted(counts.items())),
         "episodes_with_invalid_action": sum(ep.invalid_actions > 0 for ep in episodes),
         "invalid_action_rate": sum(ep.invalid_actions for ep in episodes) / max(turns, 1),
         "turns": turns / max(n, 1),
     }
 
 
-def _outcome(ep: Any, replay: Any) -> str:
-    if ep.won:
-        return "won"
-    if not ep.done:
-        return "timeout"
-    if replay is None:
-        return "ended_not_won"
-    replay.reset(ep.spec.task_index)
-    for turn in ep.turns:
-        _obs, reward, done, info = replay.step(turn.action)
-    if not done or abs(reward - ep.reward) > 1e-9:
-        raise RuntimeError(
-            f"replaying validation task {ep.spec.task_index} in-process ended differently from the "
-            "env service's episode; the shop engine must be deterministic"
-        )
-    terms, goal = info["reward_terms"], replay.goal(ep.spec.task_index)
-    if terms["r_type"] < 1.0 or terms["attribute_hits"] < len(goal.attributes):
-        return "wrong_product"
-    if not terms["price_ok"]:
-        return "over_budget"
-    if terms["option_hits"] < len(goal.goal_options):
-        return "wrong_options"
-    return "ended_not_won"
-
-
 def format_outcome(outcome: dict[str, Any]) -> str:
     """One log line: success and the failure counts."""
     parts = ", ".join(f"{k} {v}" for k, v in outcome["outcomes"].items() if k != "won")
     return (
-        f"validation success {outcome['success']:.3f} ({outcome['outcomes']['won']}/{outcome['episodes']} at "
+        f"validation success {outcome['success']:.3f} ({outcome['outcomes'].get('won', 0)}/{outcome['episodes']} at "
         f"T={outcome['temperature']}); failures: {parts}; invalid-action rate {outcome['invalid_action_rate']:.3f}"
     )

@@ -25,7 +25,10 @@ class Env(Protocol):
       - `valid_actions` (list[str]): the actions accepted in the new state
       - `won` (bool): True once the task is solved
     `step` additionally carries `valid_action` (bool): False when the action was not valid in
-    the state it was taken in (the observation then repeats the state; never an exception).
+    the state it was taken in (the observation then repeats the state; never an exception),
+    and, on the step that ends the episode (`done`), `outcome` (str): `won`, or the env's name
+    for why it ended without a win (shop: `wrong_product`, `over_budget`, `wrong_options`), so
+    every run can say per round why its agent fails.
     """
 
     name: str

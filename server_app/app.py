@@ -264,6 +264,17 @@ def _evaluate(run: Run, rnd: int) -> dict[str, float]:
     return {f"val_{k}": v for k, v in metrics_of(reply).items() if k != "num-examples"}
 
 
+def _validation(row: dict[str, Any]) -> str:
+    """`val success S`, then how the other validation episodes ended, largest share first (the
+    env's outcome labels, e.g. the shop's `wrong_options`), so a stalled curve says why."""
+    misses = sorted(
+        ((v, k.removeprefix("val_outcome_")) for k, v in row.items() if k.startswith("val_outcome_") and v > 0),
+        reverse=True,
+    )
+    shares = ", ".join(f"{label} {v:.2f}" for v, label in misses if label != "won")
+    return f"val success {row.get('val_success', float('nan')):.3f}" + (f" (misses: {shares})" if shares else "")
+
+
 def _due_for_eval(cfg: Config, rnd: int) -> bool:
     every, last = cfg.federation.eval_every, cfg.federation.rounds
     return rnd == 0 or rnd == last or (every > 0 and rnd % every == 0)
@@ -378,7 +389,7 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         rd.complete_round(0, {**val, **extra, "wall_s": time.perf_counter() - t0})
         log(
             f"round 0: initial {'+'.join(members)} ({nbytes / 2**20:.1f} MiB), "
-            f"val success {val.get('val_success', float('nan')):.3f}"
+            + _validation(val)
             + (f"; critic: {lane_critic.get('mode')} ({lane_critic.get('reason')})" if lane_critic else "")
         )
         start = 0
@@ -420,7 +431,7 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
             + (f" (dropped {row['dropped']})" if row.get("dropped") else "")
             + " | train success "
             f"{row.get('train_success', float('nan')):.3f} reward {row.get('train_reward', float('nan')):.3f} | "
-            f"val success {row.get('val_success', float('nan')):.3f} | {row['wall_s']:.1f} s | "
+            f"{_validation(row)} | {row['wall_s']:.1f} s | "
             f"{row['bytes_moved'] / 2**20:.1f} MiB moved"
         )
     return critic

@@ -134,6 +134,8 @@ def test_concat_episode_is_one_row_whose_prefixes_are_the_generation_contexts(en
         assert offset == len(row.response_ids) == len(row.mask)
         multi_turn += len(ep.turns) > 1
         budget_ended += not ep.done and len(ep.turns) < settings.max_turns
+        if not ep.done:  # named by what ended it: the context budget or the turn budget
+            assert ep.outcome == ("context_full" if len(ep.turns) < settings.max_turns else "timeout")
     assert multi_turn, "the test needs episodes with more than one turn"
     assert budget_ended, "the budget must end some episode early (raise max_turns or lower the budget)"
 

@@ -69,6 +69,29 @@ def test_flwr_run_completes_rounds_and_writes_the_run_dir(two_rounds, fl):
         assert Manifest.from_dir(rd.member_dir(r)).tensor_bytes > 0
 
 
+def test_every_round_says_how_its_episodes_ended(two_rounds_run):
+    """Outcome shares of the validation and of the round's fits are in metrics.jsonl (they add up
+    to 1, and `won` is the success rate), and each round's line names the validation misses."""
+    run_dir, output = two_rounds_run
+    rows = RunDir(run_dir, total_rounds=2).read_metrics()
+    named = 0
+    for row in rows:
+        for prefix in ("val_", "train_") if row["round"] else ("val_",):
+            shares = {k: v for k, v in row.items() if k.startswith(f"{prefix}outcome_")}
+            assert sum(shares.values()) == pytest.approx(1.0), shares
+            assert shares.get(f"{prefix}outcome_won", 0.0) == pytest.approx(row[f"{prefix}success"])
+        misses = {
+            k.removeprefix("val_outcome_"): v
+            for k, v in row.items()
+            if k.startswith("val_outcome_") and k != "val_outcome_won"
+        }
+        line = next(x for x in output.splitlines() if f"round {row['round']}" in x and "val success" in x)
+        assert f"val success {row['val_success']:.3f}" in line
+        assert all(f"{label} {v:.2f}" in line for label, v in misses.items()), line
+        named += bool(misses)
+    assert named, "the e2e run's random model should miss some validation episodes"
+
+
 def test_each_round_splits_its_wall_time_into_work_and_named_overhead(two_rounds):
     """The round rows time the server's aggregation and sum the fits' phase times, so
     `bench.round_overhead` can split a real run's rounds (issue #17's <= 5% target): the parts

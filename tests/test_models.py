@@ -17,12 +17,12 @@ from trainer_support import SMALL_ENV_PARAMS, env_url, one_torch_thread, random_
 
 from client_app import prompts
 from client_app.models import ModelDirs, main, model_dirs
-from client_app.rollout import Episode, EpisodeSpec, Turn, turn_end_ids
-from client_app.sft import SHORTCUT_ACTION, collect_demonstrations
+from client_app.rollout import turn_end_ids
+from client_app.sft import collect_demonstrations
 from client_app.tiny_model import load_causal_lm
 from client_app.trainer import make_trainer
-from client_app.warm_start import REPORT, model_digest, outcome_breakdown, warm_start_key
-from envs.registry import make_env, system_prompt
+from client_app.warm_start import REPORT, model_digest, warm_start_key
+from envs.registry import system_prompt
 from fl_app.config import Config, EnvCfg
 from fl_app.hashing import sha256_file
 from fl_app.weights import load_shards, save_shards
@@ -187,7 +187,7 @@ def test_warm_start_fine_tunes_and_reports_its_outcomes(warmed, backbone):
     report = json.loads((warmed.policy / REPORT).read_text())
     val = report["validation"]
     assert val["episodes"] == 4 and sum(val["outcomes"].values()) == 4
-    assert val["success"] == val["outcomes"]["won"] / 4 and val["temperature"] == 0.4
+    assert val["success"] == val["outcomes"].get("won", 0) / 4 and val["temperature"] == 0.4
     assert report["demonstrations"] > 4 and report["source"]["digest"] == model_digest(backbone)
     assert report["sft_final_loss"] > 0 and report["device"] == "cpu"
 
@@ -259,63 +259,6 @@ def test_config_refuses_warm_start_settings_that_do_nothing(backbone, tmp_path):
         )
     with pytest.raises(ConfigError, match="model.reference=backbone picks the KL reference, but there is none"):
         load_config("smollm-shop-grpo", dotlist=["model.reference=backbone", "algo.kl_coef=0"])
-
-
-def _scripted(env, task: int, actions: list[str]) -> Episode:
-    """An episode as the rollout records it, played in-process with the given actions."""
-    obs, info = env.reset(task)
-    ep = Episode(EpisodeSpec(task, 0), str(info["task_id"]), info["instruction"], "windowed")
-    for action in actions:
-        before, valid_actions = obs, info["valid_actions"]
-        obs, reward, done, info = env.step(action)
-        ep.turns.append(Turn(before, valid_actions, [], [], action, bool(info["valid_action"])))
-        ep.reward += reward
-        if done:
-            ep.done, ep.won = True, bool(info["won"])
-            break
-    return ep
-
-
-def test_outcome_breakdown_names_each_failure(backbone, tmp_path):
-    cfg = _warm_cfg(backbone, tmp_path)
-    env = make_env("shop", **SMALL_ENV_PARAMS)
-    task = next(t for t in range(16) if env.goal(t).goal_options)
-
-    def expert(task: int, hasty: bool = False) -> list[str]:
-        env.reset(task)
-        actions = []
-        while a := env.expert_action():
-            if hasty and SHORTCUT_ACTION in env.valid_actions():
-                a = SHORTCUT_ACTION
-            actions.append(a)
-            env.step(a)
-        return actions
-
-    won, hasty = expert(task), expert(task, hasty=True)
-    target = env.goal(task).asin.lower()
-    env.reset(task)
-    env.step(won[0])
-    other = [a for a in env.valid_actions() if a.startswith("click[b") and a != f"click[{target}]"][-1]
-    env.step(other)
-    terms = env.step(SHORTCUT_ACTION)[3]["reward_terms"]
-    assert terms["r_type"] < 1 or terms["attribute_hits"] < len(env.goal(task).attributes)  # not the asked-for kind
-    episodes = [
-        _scripted(env, task, won),
-        _scripted(env, task, hasty),  # the buy-now habit
-        _scripted(env, task, [won[0], other, SHORTCUT_ACTION]),  # another product
-        _scripted(env, task, [won[0], "click[nonsense]", "click[nonsense]"]),  # out of turns
-    ]
-    out = outcome_breakdown(cfg, episodes)
-    assert out["outcomes"] == {
-        "won": 1,
-        "wrong_product": 1,
-        "over_budget": 0,
-        "wrong_options": 1,
-        "ended_not_won": 0,
-        "timeout": 1,
-    }
-    assert out["success"] == 0.25 and out["episodes_with_invalid_action"] == 1
-    assert out["invalid_action_rate"] == pytest.approx(2 / sum(len(e.turns) for e in episodes))
 
 
 def test_verl_reference_engine_takes_the_backbone_when_configured(warmed, backbone, env_url, tmp_path):  # noqa: F811

@@ -4,6 +4,8 @@ Real env service (uvicorn subprocess), real (random-weight) Qwen2 policy and tok
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from trainer_support import POOL_SIZE, SMALL_ENV_PARAMS, one_torch_thread, random_model_dir  # noqa: F401
@@ -17,6 +19,7 @@ from client_app.rollout import (
     derive_seed,
     draw_tasks,
     group_specs,
+    outcome_shares,
     row_seed,
     run_episodes,
     training_rows,
@@ -174,3 +177,89 @@ def test_sampling_is_seeded_per_row(policy):
     assert gen.generate([p, p[:-3]], 0.0, [0, 0])[0] == gen.generate([p], 0.0, [0])[0]
     with pytest.raises(ValueError, match="one seed per prompt"):
         gen.generate([p, p], 1.0, [1])
+
+
+class _Scripted:
+    """A policy that replies with a fixed script of actions per task (keyed by the task text in
+    its prompt): the rollout loop and the env service are the real ones, only the choices are set."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]]) -> None:
+        self.tokenizer, self.scripts, self.eos_ids = (
+            tokenizer,
+            {k: list(v) for k, v in scripts.items()},
+            {tokenizer.eos_token_id},
+        )
+
+    def generate(self, contexts, temperature, seeds):
+        texts = [self.tokenizer.decode(c) for c in contexts]
+        return [
+            prompts.response_ids(self.tokenizer, self.scripts[t.rsplit("Task: ", 1)[1].split("\n", 1)[0]].pop(0))
+            for t in texts
+        ]
+
+
+def test_each_episode_records_how_it_ended(env, policy):
+    """The env names why a finished episode did not win (shop: by the first reward term the
+    purchase missed) and the rollout names the rest: the episode's outcome, per-outcome metric
+    fractions, and the warm start's breakdown all read the same label."""
+    from client_app.sft import SHORTCUT_ACTION
+    from client_app.warm_start import outcome_breakdown
+    from envs.registry import make_env
+
+    _, tok = policy
+    shop = make_env("shop", **SMALL_ENV_PARAMS)
+    tasks = [t for t in range(16, 60) if shop.goal(t).goal_options][:4]
+
+    def play(task: int, pick=lambda expert, valid: expert) -> list[str]:
+        shop.reset(task)
+        actions = []
+        while expert := shop.expert_action():
+            actions.append(pick(expert, shop.valid_actions()))
+            shop.step(actions[-1])
+        return actions
+
+    won = play(tasks[0])
+    hasty = play(tasks[1], lambda e, v: SHORTCUT_ACTION if SHORTCUT_ACTION in v else e)  # the buy-now habit
+    search = play(tasks[2])[0]
+    shop.reset(tasks[2])
+    shop.step(search)
+    target = f"click[{shop.goal(tasks[2]).asin.lower()}]"
+    other = [a for a in shop.valid_actions() if a.startswith("click[b") and a != target][-1]
+    wrong_kind = [search, other, SHORTCUT_ACTION]  # another product, bought as is
+    turns = max(len(won), len(hasty), len(wrong_kind))
+    stuck = ["click[nonsense]"] * turns  # never a valid action: out of turns
+    scripts = dict(zip((shop.goal(t).instruction for t in tasks), (won, hasty, wrong_kind, stuck)))
+    assert len(scripts) == 4, "the scripted tasks need distinct instructions"
+    settings = RolloutSettings(max_turns=turns, history_length=2, max_prompt_tokens=2048, system_prompt=SHOP)
+    episodes, _ = run_episodes(
+        _Scripted(tok, scripts), env, group_specs(tasks, 1), settings, 1.0, seed=0, max_sessions=POOL_SIZE
+    )
+
+    assert [e.outcome for e in episodes] == ["won", "wrong_options", "wrong_product", "timeout"]
+    assert [e.won for e in episodes] == [True, False, False, False]
+    assert outcome_shares(episodes, "val_") == {
+        "val_outcome_timeout": 0.25,
+        "val_outcome_won": 0.25,
+        "val_outcome_wrong_options": 0.25,
+        "val_outcome_wrong_product": 0.25,
+    }
+    out = outcome_breakdown(episodes)
+    assert out["outcomes"] == {"timeout": 1, "won": 1, "wrong_options": 1, "wrong_product": 1}
+    assert out["success"] == 0.25 and out["episodes_with_invalid_action"] == 1
+
+
+def test_a_purchase_is_named_by_the_first_reward_term_it_missed():
+    from envs.shop.reward import Reward, purchase_outcome
+    from envs.shop.schema import Goal
+
+    goal = Goal(asin="b000000001", instruction="buy it", attributes=("a", "b"), goal_options={"color": "red"})
+    full = Reward(total=1.0, r_type=1.0, attribute_hits=2, option_hits=1, price_ok=True)
+    assert purchase_outcome(full, goal) == "won"
+    cases = {
+        "wrong_product": [{"r_type": 0.5}, {"attribute_hits": 1}, {"r_type": 0.5, "price_ok": False, "option_hits": 0}],
+        "over_budget": [{"price_ok": False}, {"price_ok": False, "option_hits": 0}],
+        "wrong_options": [{"option_hits": 0}],
+    }
+    for outcome, changes in cases.items():
+        for change in changes:
+            assert purchase_outcome(replace(full, total=0.75, **change), goal) == outcome, change

@@ -200,6 +200,19 @@ def test_plot_validation_writes_a_png(tmp_path):
     with pytest.raises(ValueError, match="no 'val_reward' values"):
         plot_validation(run.metrics_path, tmp_path / "x.png", val_key="val_reward")
 
+    # outcome shares (labels come and go between rounds) add a stacked panel below the curve
+    shares = run.path / "with_outcomes.jsonl"
+    shares.write_text(
+        "\n".join(
+            json.dumps(
+                {"round": r, "val_success": r / 10, "val_outcome_won": r / 10, f"val_outcome_miss{r % 2}": 1 - r / 10}
+            )
+            for r in range(4)
+        )
+    )
+    stacked = plot_validation(shares, tmp_path / "stacked.png")
+    assert matplotlib.image.imread(stacked).shape[0] > 1.5 * height
+
 
 def _flip_last_byte(path) -> None:
     data = bytearray(path.read_bytes())

@@ -109,6 +109,7 @@ def test_episodes_play_against_a_real_env_service(env_url, model_dir, tmp_path):
         assert out.reward_score == pytest.approx(
             out.extra_fields["env_reward"] - cfg.rollout.invalid_action_penalty * invalid
         )
+        assert out.extra_fields["won"] == (out.extra_fields["outcome"] == "won")
         turns += n_turns
     assert len(server.requests) == turns
     assert all(

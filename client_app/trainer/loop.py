@@ -34,7 +34,16 @@ import torch
 
 from client_app.algos import ActorLossSpec, FedProxAnchor, ValueLossSpec
 from client_app.critic import CriticStart
-from client_app.rollout import Episode, TrainRow, derive_seed, draw_tasks, episode_metrics, group_specs, training_rows
+from client_app.rollout import (
+    Episode,
+    TrainRow,
+    derive_seed,
+    draw_tasks,
+    episode_metrics,
+    group_specs,
+    outcome_shares,
+    training_rows,
+)
 from client_app.trainer.advantages import ADVANTAGES, token_mean
 from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
 from client_app.trainer.device import release_memory
@@ -165,8 +174,9 @@ class RLTrainer:
             if anchor is not None:
                 anchor.release()
             release_memory(self.engine.device)
+        keys = dict.fromkeys(k for m in per_epoch for k in m)  # outcome shares may differ by iteration
         metrics = {
-            k: (sum if k in _SUMMED or k.endswith("_s") else _mean)([m[k] for m in per_epoch]) for k in per_epoch[0]
+            k: (sum if k in _SUMMED or k.endswith("_s") else _mean)([m.get(k, 0.0) for m in per_epoch]) for k in keys
         }
         metrics["tokens_per_s"] = metrics["rollout_tokens"] / max(metrics["rollout_generate_s"], 1e-9)
         metrics["rollout_tokens_per_s"] = metrics["tokens_per_s"]
@@ -188,6 +198,7 @@ class RLTrainer:
             num_examples=len(episodes),
             metrics={
                 **episode_metrics(episodes, ""),
+                **outcome_shares(episodes, ""),
                 "eval_s": stats.wall_s,
                 "rollout_sync_s": sync_s,
                 **stats.as_metrics("rollout_"),
@@ -236,6 +247,7 @@ class RLTrainer:
         # 6. metrics
         metrics = {
             **episode_metrics(episodes, "train_"),
+            **outcome_shares(episodes, "train_"),
             "train_score": sum(rw.score for rw in rows) / max(len(rows), 1),
             "rows": float(len(rows)),
             "rollout_s": rollout_s,

@@ -25,7 +25,7 @@ n rollouts of a task no field that tells them apart, so sampling uses the replic
 the training score (env return minus the invalid-action penalty). A windowed episode is several
 sequences, which one `AgentLoopOutput` cannot carry: `rollout.mode: windowed` is refused.
 verl gives `run` no sign of a validation pass, so its validation scores carry the penalty too;
-the unpenalised return and the outcome are in `extra_fields` (`env_reward`, `won`).
+the unpenalised return and the outcome are in `extra_fields` (`env_reward`, `won`, `outcome`).
 """
 
 from __future__ import annotations
@@ -177,6 +177,7 @@ class FedAgentEnvLoop(AgentLoopBase):
             extra_fields={
                 "task_id": ep.task_id,
                 "won": ep.won,
+                "outcome": ep.outcome,
                 "env_reward": ep.reward,
                 **{f"episode_{k}": v for k, v in episode_metrics([ep], "").items()},
             },

@@ -161,6 +161,8 @@ class AlfworldEnv:
         self._steps += 1
         info = self._info()
         info["valid_action"] = valid
+        if self.done:
+            info["outcome"] = "won" if self._won else "out_of_steps"
         return self._obs, reward, self.done, info
 
     @property

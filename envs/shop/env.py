@@ -19,7 +19,7 @@ import numpy as np
 from envs.shop import pages
 from envs.shop.goals import price_clause
 from envs.shop.lookalikes import ATTACKS
-from envs.shop.reward import Reward, purchase_reward
+from envs.shop.reward import Reward, purchase_outcome, purchase_reward
 from envs.shop.schema import Goal, Product
 from envs.shop.search import DEFAULT_FIELDS, RANKINGS, random_results
 from envs.shop.world import World, WorldSpec, get_world
@@ -213,6 +213,7 @@ class ShopEnv:
         info["valid_action"] = valid
         if done and self._reward is not None:  # a plain dict: JSON-safe
             info["reward_terms"] = {name: getattr(self._reward, name) for name in _REWARD_TERMS}
+            info["outcome"] = purchase_outcome(self._reward, self._current_goal)
         return self.observation, reward, done, info
 
     def _info(self) -> dict[str, Any]:

@@ -276,6 +276,19 @@ class Reward:
         return self.total == 1.0
 
 
+def purchase_outcome(reward: Reward, goal: Goal) -> str:
+    """How a purchase ended, by the first reward term it missed in the order a shopper checks:
+    the kind of product (type and attributes), then the price, then the options. A purchase
+    that misses none scores 1.0, so `wrong_options` is all that is left after the first three."""
+    if reward.won:
+        return "won"
+    if reward.r_type < 1.0 or reward.attribute_hits < len(goal.attributes):
+        return "wrong_product"
+    if not reward.price_ok:
+        return "over_budget"
+    return "wrong_options"
+
+
 def purchase_reward(product: Product, goal: Goal, chosen: Mapping[str, str]) -> Reward:
     """Score buying `product` at its price with `chosen` (option name -> clicked value)."""
     return _score(product, goal, option_matches(list(chosen.values()), list(goal.goal_options.values())))
