@@ -33,6 +33,7 @@ from tqdm import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from client_app.prompts import build_messages, concat_glue_ids, observation_message, parse_action, prompt_ids
+from fl_app.outcomes import outcome_key
 
 RolloutMode = Literal["windowed", "concat"]
 
@@ -96,7 +97,7 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     reward: float = 0.0  # env return (sum of step rewards), never penalised
     won: bool = False
-    done: bool = False  # False when the episode ran out of turns
+    done: bool = False  # the env ended it (False: the rollout's turn or context budget did)
     outcome: str = "timeout"  # the env's `outcome` once done; `timeout` (turns) or `context_full` (concat) if not
 
     @property
@@ -485,12 +486,12 @@ def run_episodes(
                     )
                     ep.reward += float(res["reward"])
                     live.history.append((live.observation, action))
-                    ended = res["done"] or len(ep.turns) >= settings.max_turns
+                    finished = res["done"] or len(ep.turns) >= settings.max_turns
                     if res["done"]:
-                        ep.done, ep.won, ep.outcome = True, bool(info["won"]), str(info["outcome"])
-                    elif not ended and not advance(live, response, text, res):
-                        ep.outcome, ended = "context_full", True
-                    if ended:
+                        ep.done, ep.won, ep.outcome = True, bool(info["won"]), _outcome(info, slots[k])
+                    elif not finished and not advance(live, response, text, res):
+                        ep.outcome, finished = "context_full", True
+                    if finished:
                         del busy[k]
                         freed.append(k)
                         bar.update(1)
@@ -557,6 +558,16 @@ def training_rows(episodes: Sequence[Episode], invalid_action_penalty: float) ->
     return rows
 
 
+def _outcome(info: dict, session: str) -> str:
+    if "outcome" not in info:
+        raise RuntimeError(
+            f"env session {session} ended an episode without info['outcome'] (the envs/base.py "
+            "contract: `won`, or why it did not win); an env service from an older version of this "
+            "project? Restart it from this checkout"
+        )
+    return str(info["outcome"])
+
+
 def episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float]:
     """Success, raw reward, turns and invalid-action rate of a set of episodes (unpenalised)."""
     n = max(len(episodes), 1)
@@ -570,7 +581,7 @@ def episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float
 
 
 def outcome_shares(episodes: Sequence[Episode], prefix: str) -> dict[str, float]:
-    """The fraction of episodes per outcome, `<prefix>outcome_<label>`; a label no episode had is
-    absent, and readers take it as 0 (which outcomes exist depends on the env and the policy)."""
+    """The share of episodes per outcome (fl_app/outcomes.py); a label no episode had is absent,
+    and readers take it as 0 (which outcomes exist depends on the env and the policy)."""
     n = max(len(episodes), 1)
-    return {f"{prefix}outcome_{k}": v / n for k, v in sorted(Counter(e.outcome for e in episodes).items())}
+    return {outcome_key(prefix, k): v / n for k, v in sorted(Counter(e.outcome for e in episodes).items())}

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from client_app import prompts
 from envs.registry import make_env, system_prompt
 from fl_app.config import EnvCfg, RolloutCfg
-from fl_app.host import usable_cores
+from fl_app.host import cpu_model, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -201,13 +201,20 @@ def length_bucketed_batches(rows: list[Row], batch_size: int, gen: torch.Generat
 
 def build_threads() -> int:
     """Torch threads for a CPU build: the cores this process may use, 1 to MAX_BUILD_THREADS, and
-    never the load of the moment, because on some CPUs the count changes the bits. On an Intel
-    Xeon, MKL splits a weight gradient's reduction across threads, so one thread and two built
-    different tiny models (identical ones on an AMD EPYC); a count that followed the idle CPUs
-    made the build a function of the machine's load (tests/test_tiny_model.py). The price, per
-    SFT step of the tiny model on a 2-core box: idle, two threads 124 ms against one's 215 ms;
-    beside one busy process, two threads 361 ms against one's 211 ms."""
+    never the load of the moment, because on some CPUs the count changes the bits (Intel Xeon:
+    MKL splits a weight gradient's reduction across threads). Slower beside busy processes than
+    one thread would be; docs/tiny-model.md has the measurements."""
     return max(1, min(MAX_BUILD_THREADS, usable_cores()))
+
+
+def build_host() -> dict[str, object]:
+    """What a CPU build's bits depend on besides its inputs (its thread count, the CPU's model and
+    the kernels torch picked for it), recorded beside the weights it built."""
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 @contextlib.contextmanager

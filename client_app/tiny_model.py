@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from client_app import prompts
 from client_app.sft import (
     Demo,
+    build_host,
     cached_build,
     collect_demonstrations,
     cpu_build_settings,
@@ -132,6 +133,7 @@ def build_into(out_dir: Path, tiny_cfg: TinyModelCfg, env_cfg: EnvCfg, rollout_c
                     "max_prompt_tokens": rollout_cfg.max_prompt_tokens,
                     "demonstrations": len(rows),
                     "sft_final_loss": round(final_loss, 6),
+                    "built_on": build_host(),
                 },
                 indent=2,
                 sort_keys=True,

@@ -24,15 +24,25 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from client_app.sft import cached_build, collect_demonstrations, cpu_build_settings, demo_rows, supervised_finetune
+from client_app.sft import (
+    build_host,
+    cached_build,
+    collect_demonstrations,
+    cpu_build_settings,
+    demo_rows,
+    supervised_finetune,
+)
 from client_app.tiny_model import load_causal_lm
 from client_app.trainer.device import cuda_autocast
 from fl_app.config import Config
 from fl_app.hashing import sha256_file
+
+if TYPE_CHECKING:
+    from client_app.rollout import Episode
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +109,7 @@ def build_warm_start(out: Path, backbone: Path, digest: str, cfg: Config) -> Non
         t0 = time.perf_counter()
         outcome = validate(model, tokenizer, cfg, device)
         val_s = time.perf_counter() - t0
+        built_on = build_host() if on_cpu else {"device": torch.cuda.get_device_name(device)}
     log.info("warm start: %s", format_outcome(outcome))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -111,6 +122,7 @@ def build_warm_start(out: Path, backbone: Path, digest: str, cfg: Config) -> Non
                 "env": cfg.env.model_dump(mode="json"),
                 "rollout": cfg.rollout.model_dump(mode="json"),
                 "device": device.type,
+                "built_on": built_on,
                 "demonstrations": len(rows),
                 "sft_final_loss": round(loss, 6),
                 "seconds": {"sft": round(sft_s, 1), "validation": round(val_s, 1)},
@@ -152,7 +164,7 @@ def validate(model: Any, tokenizer: Any, cfg: Config, device: torch.device) -> d
     return outcome_breakdown(episodes) | {"temperature": cfg.rollout.val_temperature, "seed": cfg.run.seed}
 
 
-def outcome_breakdown(episodes: Sequence[Any]) -> dict[str, Any]:
+def outcome_breakdown(episodes: Sequence[Episode]) -> dict[str, Any]:
     """Success and how the episodes ended, one outcome each (`Episode.outcome`: the env's label,
     e.g. the shop's `wrong_options`, or `timeout` when `env.max_turns` ran out), plus the
     invalid-action rate over all turns and the episodes with at least one invalid action."""

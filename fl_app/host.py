@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import platform
+from pathlib import Path
 
 
 def usable_cores() -> int:
@@ -11,3 +13,14 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows. Float kernels
+    differ by CPU model, so CPU-built weights record it."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()

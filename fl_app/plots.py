@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
+
+from fl_app.outcomes import outcome_shares_of
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -25,23 +28,21 @@ def plot_validation(
     val_key: str = "val_success",
     train_key: str = "train_success",
     title: str | None = None,
-    outcome_prefix: str = "val_outcome_",
+    outcome_prefix: str = "val_",
 ) -> Path:
     """Validation success per round (rounds without validation are skipped), plus train success
-    when the file has it; below it, when the rows carry outcome shares (`<outcome_prefix><label>`),
-    how the validation episodes ended, stacked per round. Raises ValueError when there is
-    nothing to plot."""
+    when the file has it; below it, when the rows carry outcome shares under `outcome_prefix`
+    (fl_app/outcomes.py), how the validation episodes ended, stacked per round. Raises ValueError
+    when there is nothing to plot."""
     rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
     vx, vy = _series(rows, val_key)
     if not vx:
         raise ValueError(f"{metrics_jsonl} has no {val_key!r} values to plot; check the metric name")
     tx, ty = _series(rows, train_key)
-    validated = [r for r in rows if r.get(val_key) is not None]
-    labels = sorted({k.removeprefix(outcome_prefix) for r in validated for k in r if k.startswith(outcome_prefix)})
-    labels.sort(key=lambda label: (label != "won", -sum(r.get(outcome_prefix + label, 0.0) for r in validated)))
-    fig = Figure(figsize=(7, 6.8 if labels else 4.2), dpi=120)
+    shares = [outcome_shares_of(r, outcome_prefix) for r in rows if r.get(val_key) is not None]
+    fig = Figure(figsize=(7, 6.8 if any(shares) else 4.2), dpi=120)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2)) if labels else [fig.subplots()]
+    axes = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2)) if any(shares) else [fig.subplots()]
     ax = axes[0]
     ax.plot(vx, vy, marker="o", label=f"validation ({val_key})")
     if tx:
@@ -51,15 +52,8 @@ def plot_validation(
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
     ax.set_title(title or f"Success per round: {Path(metrics_jsonl).parent.name}")
-    if labels:  # a label absent from a row is a share of 0 (rollout.outcome_shares)
-        bottom = [0.0] * len(vx)
-        for label in labels:
-            share = [r.get(outcome_prefix + label, 0.0) for r in validated]
-            axes[1].bar(vx, share, bottom=bottom, width=0.8, label=label)
-            bottom = [b + v for b, v in zip(bottom, share)]
-        axes[1].set_ylabel("validation episodes")
-        axes[1].set_ylim(0, 1)
-        axes[1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", title="outcome")
+    if any(shares):
+        _outcome_bars(axes[1], vx, shares)
     axes[-1].set_xlabel("federated round (0 = initial model)")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
@@ -67,6 +61,21 @@ def plot_validation(
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, format="png")
     return out_png
+
+
+def _outcome_bars(ax: Axes, rounds: list[int], shares: list[dict[str, float]]) -> None:
+    """Per round, the outcome shares stacked, `won` at the bottom, the rest by overall share; a
+    label a round lacks is 0 there."""
+    total = {label: sum(s.get(label, 0.0) for s in shares) for label in {k for s in shares for k in s}}
+    labels = sorted(total, key=lambda k: (k != "won", -total[k], k))
+    bottom = [0.0] * len(rounds)
+    for label in labels:
+        height = [s.get(label, 0.0) for s in shares]
+        ax.bar(rounds, height, bottom=bottom, width=0.8, label=label)
+        bottom = [b + h for b, h in zip(bottom, height)]
+    ax.set_ylabel("validation episodes")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", title="outcome")
 
 
 def plot_seed_bands(arms: dict[str, list[Path]], out_png: Path, key: str = "val_success", title: str = "") -> Path:

@@ -39,6 +39,7 @@ from flwr.serverapp import Grid, ServerApp
 from envs.ports import bind_listener
 from fl_app.aggregate import NonFiniteWeightsError
 from fl_app.config import Config, load_config, recipe_sha256, save_config
+from fl_app.outcomes import outcome_shares_of
 from fl_app.plots import plot_validation
 from fl_app.rundir import RunDir
 from fl_app.store import DirStore, WeightStore
@@ -267,10 +268,7 @@ def _evaluate(run: Run, rnd: int) -> dict[str, float]:
 def _validation(row: dict[str, Any]) -> str:
     """`val success S`, then how the other validation episodes ended, largest share first (the
     env's outcome labels, e.g. the shop's `wrong_options`), so a stalled curve says why."""
-    misses = sorted(
-        ((v, k.removeprefix("val_outcome_")) for k, v in row.items() if k.startswith("val_outcome_") and v > 0),
-        reverse=True,
-    )
+    misses = sorted(((v, label) for label, v in outcome_shares_of(row, "val_").items() if v > 0), reverse=True)
     shares = ", ".join(f"{label} {v:.2f}" for v, label in misses if label != "won")
     return f"val success {row.get('val_success', float('nan')):.3f}" + (f" (misses: {shares})" if shares else "")
 

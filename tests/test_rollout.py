@@ -184,11 +184,9 @@ class _Scripted:
     its prompt): the rollout loop and the env service are the real ones, only the choices are set."""
 
     def __init__(self, tokenizer, scripts: dict[str, list[str]]) -> None:
-        self.tokenizer, self.scripts, self.eos_ids = (
-            tokenizer,
-            {k: list(v) for k, v in scripts.items()},
-            {tokenizer.eos_token_id},
-        )
+        self.tokenizer = tokenizer
+        self.scripts = {k: list(v) for k, v in scripts.items()}
+        self.eos_ids = {tokenizer.eos_token_id}
 
     def generate(self, contexts, temperature, seeds):
         texts = [self.tokenizer.decode(c) for c in contexts]
@@ -263,3 +261,30 @@ def test_a_purchase_is_named_by_the_first_reward_term_it_missed():
     for outcome, changes in cases.items():
         for change in changes:
             assert purchase_outcome(replace(full, total=0.75, **change), goal) == outcome, change
+
+
+def test_a_fit_averages_outcome_shares_over_iterations_that_lack_some_labels():
+    from client_app.rollout import _outcome
+    from client_app.trainer.loop import _merged
+
+    first = {
+        "rows": 3.0,
+        "rollout_s": 1.0,
+        "train_success": 0.5,
+        "train_outcome_won": 0.5,
+        "train_outcome_timeout": 0.5,
+    }
+    second = {"rows": 5.0, "rollout_s": 2.0, "train_success": 0.0, "train_outcome_timeout": 1.0}
+    merged = _merged([first, second])
+    assert merged == {
+        "rows": 8.0,
+        "rollout_s": 3.0,
+        "train_success": 0.25,
+        "train_outcome_timeout": 0.75,
+        "train_outcome_won": 0.25,
+    }
+    assert merged["train_outcome_won"] == merged["train_success"]
+    with pytest.raises(KeyError):  # any other metric must be in every iteration
+        _merged([first, {k: v for k, v in second.items() if k != "rows"}])
+    with pytest.raises(RuntimeError, match=r"without info\['outcome'\].*envs/base.py"):
+        _outcome({"won": False}, "ro-1")

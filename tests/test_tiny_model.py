@@ -77,6 +77,8 @@ def test_tiny_model_bits_do_not_depend_on_the_machines_load(tiny_dir, tmp_path):
             b.kill()
             b.wait()
     assert (busy / "model.safetensors").read_bytes() == (tiny_dir / "model.safetensors").read_bytes()
+    built_on = json.loads((busy / "tiny_model.json").read_text())["built_on"]  # what the bits depend on
+    assert built_on["torch_threads"] == idle_threads and built_on["cpu"] and built_on["cpu_capability"]
 
 
 def test_tiny_model_loads_as_plain_hugging_face_dir(tiny_dir):

@@ -51,6 +51,7 @@ from client_app.trainer.engine import PolicyBatch, StepResult, TrainingEngine, V
 from client_app.trainer.rollouts import Rollouts
 from envs.client import SyncEnvClient
 from fl_app.config import Config
+from fl_app.outcomes import outcome_key
 
 log = logging.getLogger("fedagent.trainer")
 
@@ -87,6 +88,22 @@ def loss_specs(cfg: Config) -> tuple[ActorLossSpec, ValueLossSpec]:
         value_clip=a.critic.value_clip, coef=a.critic.loss_coef, loss_agg_mode=a.loss_agg_mode, horizon=horizon
     )
     return policy, value
+
+
+_SHARES = outcome_key("train_", "")  # the fit's outcome shares (outcome_shares(..., "train_"))
+
+
+def _merged(per_epoch: list[dict[str, float]]) -> dict[str, float]:
+    """A fit's metrics from its iterations': counts and timings summed, the rest averaged. An
+    outcome share is averaged with 0 where an iteration lacks it (no episode there ended so);
+    any other key must be in every iteration."""
+    merged = {
+        k: (sum if k in _SUMMED or k.endswith("_s") else _mean)([m[k] for m in per_epoch])
+        for k in per_epoch[0]
+        if not k.startswith(_SHARES)
+    }
+    shares = sorted({k for m in per_epoch for k in m if k.startswith(_SHARES)})
+    return merged | {k: _mean([m.get(k, 0.0) for m in per_epoch]) for k in shares}
 
 
 class RLTrainer:
@@ -174,10 +191,7 @@ class RLTrainer:
             if anchor is not None:
                 anchor.release()
             release_memory(self.engine.device)
-        keys = dict.fromkeys(k for m in per_epoch for k in m)  # outcome shares may differ by iteration
-        metrics = {
-            k: (sum if k in _SUMMED or k.endswith("_s") else _mean)([m.get(k, 0.0) for m in per_epoch]) for k in keys
-        }
+        metrics = _merged(per_epoch)
         metrics["tokens_per_s"] = metrics["rollout_tokens"] / max(metrics["rollout_generate_s"], 1e-9)
         metrics["rollout_tokens_per_s"] = metrics["tokens_per_s"]
         metrics["rollout_steps_per_s"] = metrics["rollout_steps"] / max(metrics["rollout_s"], 1e-9)
