@@ -1,21 +1,25 @@
-"""One builtin policy pass in each `run.precision`, side by side: wall, trained tokens/s, MFU,
+"""One builtin policy pass in each arm (`run.precision`, compile, token budget), side by side: wall, trained tokens/s, MFU,
 and (with --profile) the top GPU (or CPU) ops.
 
     python -m bench.update_profile --make-qwen05b /tmp/q05 --device cuda --recipe smollm-shop-grpo
     python -m bench.update_profile --model <model dir> --recipe smollm-shop-grpo --device cuda --profile
     python -m bench.update_profile --model tiny --recipe tiny-shop-grpo --device cpu --rows 40 --mini 8 \
         --precision fp32 bf16   # smoke
+    python -m bench.update_profile --model tiny --recipe tiny-shop-grpo --device cpu --rows 248 --mini 16 \
+        --rows-from demos --precision fp32 fp32@2048 --repeats 3 --peak 1   # the CPU default's token budget
 
 Synthetic rows shaped like a recipe's windowed turns (prompt and reply lengths drawn uniformly
-from --prompt-tokens / --reply-tokens, random token ids, one advantage per row), so no env or
-rollout is needed: the pass is exactly what a fit runs (old and reference log-probs, then one
-AdamW step per mini-batch, `client_app.trainer.loop.policy_pass`). For each `--mini`, one engine
-per precision is built on the same weights; after a warm-up pass each, the arms take turns for
---repeats timed passes from the same starting weights, and the best pass of each counts. With
---profile each arm is then profiled once with torch.profiler (the profiled pass runs slower; its
-op table says where GPU time goes, and its kernel total over the unprofiled wall says how busy
-the GPU was). MFU counts 6 x params x tokens for the update and 2 x params x tokens for each
-scoring pass, against the dense bf16 matmul rate measured at the start (`--peak` overrides).
+from --prompt-tokens / --reply-tokens, random token ids, one advantage per row), or with
+`--rows-from demos` the env expert's windowed turns (real lengths), so no rollout is needed:
+the pass is exactly what a fit runs (old and reference log-probs, then one AdamW step per
+mini-batch, `client_app.trainer.loop.policy_pass`). For each `--mini`, one engine per arm
+(precision, compile, token budget) is built on the same weights; after a warm-up pass each,
+the arms take turns for --repeats timed passes from the same starting weights, and the best
+pass of each counts. With --profile each arm is then profiled once with torch.profiler (the
+profiled pass runs slower; its op table says where GPU time goes, and its kernel total over the
+unprofiled wall says how busy the GPU was). MFU counts 6 x params x tokens for the update and
+2 x params x tokens for each scoring pass, against the dense bf16 matmul rate measured at the
+start (`--peak` overrides).
 """
 
 from __future__ import annotations
@@ -49,16 +53,35 @@ def synthetic_rows(n: int, vocab: int, prompt: tuple[int, int], reply: tuple[int
     return rows
 
 
+def demo_rows(cfg: Config, tokenizer: Any, n: int) -> list[TrainRow]:
+    """`n` windowed turns of the env's expert on training tasks, rendered and cut as the rollouts
+    cut them (the recipe's real prompt lengths: on the tiny shop 91-522 tokens, median ~410)."""
+    from client_app import sft
+
+    rows: list[TrainRow] = []
+    episodes = 1
+    while len(rows) < n:
+        episodes *= 2
+        demos = sft.collect_demonstrations(cfg.env, cfg.rollout.history_length, episodes, 0.0, seed=1)
+        rows = [
+            TrainRow(p, r, [1] * len(r), 0.0, i // 8, i)
+            for i, (p, r) in enumerate(sft.demo_rows(tokenizer, demos, cfg.rollout))
+        ]
+    return rows[:n]
+
+
 def _sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
 
 
 def build(args: argparse.Namespace, mini: int, arm: str) -> tuple[Any, Config]:
-    """The engine of one arm: `precision` or `precision+compile` (run.precision, run.compile)."""
+    """The engine of one arm: `precision[+compile][@tokens]` (run.precision, run.compile,
+    algo.micro_batch_tokens; without `@`, one micro-batch per mini-batch)."""
+    arm, _, tokens = arm.partition("@")
     precision, _, compiled = arm.partition("+")
     dotlist = [f"model.path={args.model}", f"run.device={args.device}", f"run.precision={precision}"]
-    dotlist += [f"run.compile={compiled == 'compile'}"]
+    dotlist += [f"run.compile={compiled == 'compile'}", f"algo.micro_batch_tokens={tokens or 'null'}"]
     dotlist += [f"algo.mini_batch_size={mini}", f"algo.micro_batch_size={mini}", "model.warm_start.episodes=0"]
     cfg = load_config(args.recipe, dotlist=dotlist)
     return make_engine(cfg, model_dirs(cfg).policy), cfg
@@ -71,7 +94,10 @@ def measure(args: argparse.Namespace, mini: int) -> dict:
     cuda = args.device == "cuda"
     engines = {p: build(args, mini, p) for p in args.precision}
     first, cfg = engines[args.precision[0]]
-    rows = synthetic_rows(args.rows, len(first.tokenizer), args.prompt_tokens, args.reply_tokens, seed=0)
+    if args.rows_from == "demos":
+        rows = demo_rows(cfg, first.tokenizer, args.rows)
+    else:
+        rows = synthetic_rows(args.rows, len(first.tokenizer), args.prompt_tokens, args.reply_tokens, seed=0)
     rng = random.Random(1)
     advantages = [torch.full((len(r.response_ids),), rng.gauss(0, 1)) for r in rows]
     policy, _ = loss_specs(cfg)
@@ -144,9 +170,15 @@ def main(argv: list[str] | None = None) -> int:
         "--precision",
         nargs="+",
         default=["autocast", "bf16", "bf16+compile"],
-        help="arms, side by side: a run.precision, `+compile` for run.compile",
+        help="arms, side by side: a run.precision, `+compile` for run.compile, `@N` for algo.micro_batch_tokens=N",
     )
     ap.add_argument("--rows", type=int, default=540, help="rows per pass (smollm-shop-grpo: ~540 per iteration)")
+    ap.add_argument(
+        "--rows-from",
+        choices=("synthetic", "demos"),
+        default="synthetic",
+        help="synthetic: random ids, uniform lengths (--prompt-tokens, --reply-tokens); demos: the env expert's turns",
+    )
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=(300, 900))
     ap.add_argument("--reply-tokens", type=int, nargs=2, default=(5, 36))
     ap.add_argument("--mini", type=int, nargs="+", default=[16, 64], help="mini-batch sizes (micro = mini)")

@@ -387,6 +387,11 @@ class AlgoCfg(_Strict):
     micro_batch_size: int = Field(
         16, gt=0, description="Rows per forward/backward pass (gradient accumulation; does not change the loss)."
     )
+    micro_batch_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Token budget of one forward/backward pass (policy, reference and critic), as verl's use_dynamic_bsz / ppo_max_token_len_per_gpu: rows sorted by length are cut into micro-batches of at most micro_batch_size rows and at most this many tokens (builtin counts padded tokens, rows x the longest row; verl counts real tokens). Short rows then share a pass and long rows pay no padding (docs/benchmarks.md: the CPU default's update x1.26). Must hold the longest row, rollout.max_prompt_tokens + max_response_tokens. Unset: micro_batch_size rows per pass. Changes memory and speed, not the loss.",
+    )
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     gamma: float = Field(
         1.0, ge=0, le=1, description="GAE discount (ppo), per generated token; observation tokens are skipped."
@@ -735,6 +740,13 @@ class Config(_Strict):
             raise ValueError(
                 f"algo.critic.path={algo.critic.path!r} is set but algo.name={algo.name!r} "
                 "has no critic; remove it or set algo.name=ppo"
+            )
+        longest = self.rollout.max_prompt_tokens + self.rollout.max_response_tokens
+        if algo.micro_batch_tokens is not None and algo.micro_batch_tokens < longest:
+            raise ValueError(
+                f"algo.micro_batch_tokens={algo.micro_batch_tokens} cannot hold the longest training row, "
+                f"rollout.max_prompt_tokens + max_response_tokens = {longest} tokens; raise it to at least "
+                f"{longest} or leave it unset (micro_batch_size rows per pass)"
             )
         if algo.spec.advantage != "group_relative" and not algo.grpo_norm_by_std:
             raise ValueError(

@@ -1,6 +1,7 @@
 """How the builtin engine computes (`client_app.trainer.compute`): compiled decoder layers
-(`run.compile`) score and train as the eager ones do while generation stays eager, and the
-modes that cannot be armed are refused before anything starts. The bf16 compute copy is held to
+(`run.compile`) score and train as the eager ones do while generation stays eager, the modes
+that cannot be armed are refused before anything starts, and micro-batches respect their row
+cap and token budget. The bf16 compute copy is held to
 the engine contract in tests/test_engine_contract.py (`builtin-cpu-bf16`, and against fp32)."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F401
 
@@ -16,7 +19,7 @@ from client_app.algos import ActorLossSpec
 from client_app.rollout import TrainRow
 from client_app.trainer.builtin import BuiltinEngine
 from client_app.trainer.compute import RECOMPILE_LIMIT, compile_layers
-from client_app.trainer.engine import PolicyBatch
+from client_app.trainer.engine import PolicyBatch, micro_batches
 from fl_app.config import ConfigError, load_config
 
 
@@ -87,3 +90,32 @@ def test_compile_refuses_a_model_without_decoder_layers():
 def test_modes_verl_would_not_honour_are_refused_before_anything_starts(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config("tiny-shop-grpo", dotlist=overrides)
+
+
+@given(
+    widths=st.lists(st.integers(1, 60), min_size=1, max_size=40),
+    micro=st.integers(1, 12),
+    budget=st.one_of(st.none(), st.integers(1, 200)),
+)
+def test_micro_batches_hold_every_row_once_within_the_row_cap_and_token_budget(widths, micro, budget):
+    """algo.micro_batch_tokens: every row in exactly one micro-batch, rows in length order, at
+    most `micro` rows and (unless a row alone exceeds it) at most `budget` padded tokens each;
+    a micro-batch is closed only when the next row would break a limit."""
+    rows = [TrainRow([0] * (w - 1), [0], [1], 0.0, 0, i) for i, w in enumerate(widths)]
+    batches = micro_batches(rows, micro, budget)
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(len(rows)))
+    assert [widths[i] for i in flat] == sorted(widths)
+    for b, nxt in zip(batches, batches[1:] + [None]):
+        padded = len(b) * max(widths[i] for i in b)
+        assert len(b) <= micro and (len(b) == 1 or budget is None or padded <= budget)
+        if nxt is not None:  # closed because the next row broke a limit
+            assert len(b) == micro or (budget is not None and (len(b) + 1) * widths[nxt[0]] > budget)
+
+
+def test_a_token_budget_lets_short_rows_share_a_pass_and_spares_long_rows_the_padding():
+    rows = [TrainRow([0] * (w - 1), [0], [1], 0.0, 0, i) for i, w in enumerate([10, 10, 10, 10, 100, 100])]
+    assert micro_batches(rows, 4) == [[0, 1, 2, 3], [4, 5]]
+    assert micro_batches(rows, 6) == [[0, 1, 2, 3, 4, 5]]  # 600 padded tokens for 240 real ones
+    assert micro_batches(rows, 6, 200) == [[0, 1, 2, 3], [4, 5]]  # 240 padded tokens
+    assert micro_batches(rows, 6, 150) == [[0, 1, 2, 3], [4], [5]]

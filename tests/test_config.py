@@ -119,6 +119,14 @@ def test_bad_run_config_values_are_refused(key, value, match):
         load_config(overrides={key: value})
 
 
+def test_a_token_budget_that_cannot_hold_the_longest_row_is_refused():
+    """The budget must hold rollout.max_prompt_tokens + max_response_tokens (verl asserts it
+    mid-fit otherwise); the error names the minimum."""
+    with pytest.raises(ConfigError, match=r"micro_batch_tokens=500 cannot hold.*at least 544"):
+        load_config("tiny-shop-grpo", dotlist=["algo.micro_batch_tokens=500"])
+    assert load_config("tiny-shop-grpo", dotlist=["algo.micro_batch_tokens=544"]).algo.micro_batch_tokens == 544
+
+
 def test_a_whole_config_rule_error_does_not_dump_the_config():
     with pytest.raises(ConfigError) as err:
         load_config(overrides={"clients": 2, "clients-per-round": 3})

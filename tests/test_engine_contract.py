@@ -131,11 +131,16 @@ def build(kind: str, model: Path, url: str | None, run_dir: Path | None = None, 
     return RLTrainer(cfg, make_engine(cfg, model, run_dir), model, url)
 
 
-def _with_micro(trainer: RLTrainer, micro: int) -> Config:
-    """Set the engine's micro-batch sizes (policy and critic); returns the config to restore."""
+def _with_micro(trainer: RLTrainer, micro: int, tokens: int | None = None) -> Config:
+    """Set the engine's micro-batch sizes (policy and critic) and token budget; returns the
+    config to restore."""
     saved = trainer.engine.cfg
     a = saved.algo.model_copy(
-        update={"micro_batch_size": micro, "critic": saved.algo.critic.model_copy(update={"micro_batch_size": micro})}
+        update={
+            "micro_batch_size": micro,
+            "micro_batch_tokens": tokens,
+            "critic": saved.algo.critic.model_copy(update={"micro_batch_size": micro}),
+        }
     )
     trainer.engine.cfg = saved.model_copy(update={"algo": a})
     return saved
@@ -339,7 +344,8 @@ def test_fedprox_adds_mu_times_the_drift_to_the_policy_gradient_only(ppo, initia
 
 def test_micro_batches_change_neither_gradients_nor_losses(ppo, initial):
     """Policy and critic: the loss is normalised by the WHOLE mini-batch, so its value and its
-    gradient do not depend on the micro-batch size (field log 2026-07-22)."""
+    gradient depend neither on the micro-batch size nor on a token budget that cuts the
+    micro-batches by length (algo.micro_batch_tokens; field log 2026-07-22)."""
     _load(ppo, initial)
     episodes, rows, adv = scored_rows(ppo, [30, 31, 32], 1, seed=5)
     old = [lp - 0.05 for lp in ppo.engine.log_probs(rows)]  # ratios != 1
@@ -347,9 +353,10 @@ def test_micro_batches_change_neither_gradients_nor_losses(ppo, initial):
     values = ppo.engine.values(rows)
     _, returns = ADVANTAGES["gae"](episodes, rows, values, ppo.cfg.algo)
     old_values = [v + 1.2 * torch.linspace(-1, 1, len(v)) for v in values]  # the clip binds on some tokens
-    seen: dict[int, tuple] = {}
-    for micro in (1, 2, len(rows)):
-        saved = _with_micro(ppo, micro)
+    longest = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+    seen: dict[tuple[int, int | None], tuple] = {}
+    for micro, tokens in ((1, None), (2, None), (len(rows), None), (len(rows), 2 * longest)):
+        saved = _with_micro(ppo, micro, tokens)
         ppo.engine.begin_fit(reference_from_policy=False)
         try:
             grads: dict[str, dict[str, torch.Tensor]] = {}
@@ -367,10 +374,10 @@ def test_micro_batches_change_neither_gradients_nor_losses(ppo, initial):
         finally:
             ppo.engine.end_fit()
             ppo.engine.cfg = saved
-        seen[micro] = (pol, val, grads)
+        seen[micro, tokens] = (pol, val, grads)
     _load(ppo, initial)
     rtol, atol = _tolerance(ppo)
-    base_pol, base_val, base_grads = seen[len(rows)]
+    base_pol, base_val, base_grads = seen[len(rows), None]
     assert 0 < base_val.metrics["clipfrac"] < 1, "the test must exercise the value clip"
     for micro, (pol, val, grads) in seen.items():
         for key in ("pg_loss", "kl_loss", "entropy"):

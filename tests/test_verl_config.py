@@ -58,6 +58,7 @@ RECIPE = [
     "algo.kl_type=k3",
     "algo.mini_batch_size=24",
     "algo.micro_batch_size=6",
+    "algo.micro_batch_tokens=null",  # the default's CPU token budget off: fixed-size micro-batches
     "algo.grad_clip=0.7",
     "rollout.temperature=0.9",
     "rollout.val_temperature=0.2",
@@ -117,6 +118,28 @@ def test_ppo_critic_keys_land_in_the_composed_verl_config(model_dir):  # noqa: F
     assert critic.strategy == "fsdp2" and critic.fsdp.model_dtype == "fp32" and critic.loss_agg_mode == "token-mean"
     assert critic.model.path == str(model_dir) and c.algorithm.adv_estimator == "gae"
     assert critic.fsdp.mixed_precision.param_dtype == "fp32"  # fp32 compute on CPU
+
+
+def test_a_token_budget_becomes_verls_dynamic_batch_size_everywhere(model_dir):  # noqa: F811
+    """algo.micro_batch_tokens arms verl's use_dynamic_bsz for the actor, the reference and
+    rollout log-prob passes and the critic, each with the same budget; unset, none is armed."""
+    cfg, c = _composed(model_dir, RECIPE + ["algo.name=ppo", "algo.micro_batch_tokens=1500"])
+    verl_config.check_resolved(cfg, c)
+    ref, rollout = c.actor_rollout_ref.ref, c.actor_rollout_ref.rollout
+    assert (c.actor_rollout_ref.actor.use_dynamic_bsz, c.actor_rollout_ref.actor.ppo_max_token_len_per_gpu) == (
+        True,
+        1500,
+    )
+    assert (ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu) == (True, 1500)
+    assert (rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu) == (True, 1500)
+    assert (c.critic.use_dynamic_bsz, c.critic.ppo_max_token_len_per_gpu, c.critic.forward_max_token_len_per_gpu) == (
+        True,
+        1500,
+        1500,
+    )
+    _cfg, plain = _composed(model_dir, RECIPE + ["algo.name=ppo"])
+    assert not plain.actor_rollout_ref.actor.use_dynamic_bsz and not plain.critic.use_dynamic_bsz
+    assert not plain.actor_rollout_ref.ref.log_prob_use_dynamic_bsz
 
 
 def test_gpu_composition_keeps_verl_defaults_for_compute(model_dir):  # noqa: F811

@@ -213,13 +213,14 @@ class BuiltinEngine:
             logits, labels, _mask = self._response_logits(model, part)
             return token_log_probs(logits, labels)
 
-        return _per_row(rows, self.cfg.algo.micro_batch_size, one)
+        return _per_row(rows, self.cfg.algo.micro_batch_size, self.cfg.algo.micro_batch_tokens, one)
 
     @torch.no_grad()
     def values(self, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
         return _per_row(
             rows,
             self.cfg.algo.critic.micro,
+            self.cfg.algo.micro_batch_tokens,
             lambda part: self._response_values(part)[0],
         )
 
@@ -233,7 +234,7 @@ class BuiltinEngine:
         rows = batch.rows
         norm = _mini_batch_norm(rows, loss.horizon)
         sums: dict[str, float] = defaultdict(float)
-        parts = micro_batches(rows, self.cfg.algo.micro_batch_size)
+        parts = micro_batches(rows, self.cfg.algo.micro_batch_size, self.cfg.algo.micro_batch_tokens)
         compute = self._compute["actor"]
         for part in parts:
             logits, labels, mask = self._response_logits(compute.module, [rows[i] for i in part])
@@ -273,7 +274,7 @@ class BuiltinEngine:
         rows = batch.rows
         norm = _mini_batch_norm(rows, loss.horizon)
         sums: dict[str, float] = defaultdict(float)
-        parts = micro_batches(rows, self.cfg.algo.critic.micro)
+        parts = micro_batches(rows, self.cfg.algo.critic.micro, self.cfg.algo.micro_batch_tokens)
         for part in parts:
             values, mask = self._response_values([rows[i] for i in part])
             value_loss, clipfrac = clipped_value_loss(
@@ -374,11 +375,14 @@ def _mini_batch_norm(rows: Sequence[TrainRow], horizon: int | None) -> AggNorm:
 
 
 def _per_row(
-    rows: Sequence[TrainRow], micro: int, compute: Callable[[Sequence[TrainRow]], torch.Tensor]
+    rows: Sequence[TrainRow],
+    micro: int,
+    max_tokens: int | None,
+    compute: Callable[[Sequence[TrainRow]], torch.Tensor],
 ) -> list[torch.Tensor]:
     """`compute` ([B, T] per micro-batch of length-sorted rows), cut back to one 1-D CPU tensor per row."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-    for part in micro_batches(rows, micro):
+    for part in micro_batches(rows, micro, max_tokens):
         batch = compute([rows[i] for i in part]).detach().float().cpu()  # one device sync per micro-batch
         for k, i in enumerate(part):
             out[i] = batch[k, : len(rows[i].response_ids)].clone()

@@ -141,8 +141,17 @@ def length_order(rows: Sequence[TrainRow]) -> list[int]:
     return sorted(range(len(rows)), key=lambda i: len(rows[i].prompt_ids) + len(rows[i].response_ids))
 
 
-def micro_batches(rows: Sequence[TrainRow], micro: int) -> list[list[int]]:
-    """Row indices in micro-batches of `micro` rows of similar length (less padding); a mini-batch's
-    loss is normalised over all of its rows, so how it is cut changes memory and speed only."""
-    order = length_order(rows)
-    return [order[s : s + micro] for s in range(0, len(order), micro)]
+def micro_batches(rows: Sequence[TrainRow], micro: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Row indices in micro-batches of rows of similar length (less padding): at most `micro` rows
+    each and, with `max_tokens` (`algo.micro_batch_tokens`), at most that many padded tokens (rows x
+    the longest; a row longer than the budget goes alone). A mini-batch's loss is normalised over
+    all of its rows, so how it is cut changes memory and speed only."""
+    batches: list[list[int]] = []
+    for i in length_order(rows):
+        width = len(rows[i].prompt_ids) + len(rows[i].response_ids)  # the longest so far: sorted
+        last = batches[-1] if batches else []
+        if not last or len(last) == micro or (max_tokens is not None and (len(last) + 1) * width > max_tokens):
+            batches.append([i])
+        else:
+            last.append(i)
+    return batches

@@ -540,7 +540,8 @@ class VerlEngine:
         from verl.workers.utils.padding import no_padding_2_padding
 
         out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-        for indices in micro_batches(rows, micro):  # rows of similar length, as builtin scores them
+        # rows of similar length within the token budget, as builtin scores them
+        for indices in micro_batches(rows, micro, self.cfg.algo.micro_batch_tokens):
             part = [rows[i] for i in indices]
             td = self._batch(part, micro_batch=len(part))
             tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
@@ -568,6 +569,7 @@ class VerlEngine:
             old=batch.old_log_probs,
             advantages=batch.advantages,
             ref=batch.ref_log_probs,
+            max_tokens=self.cfg.algo.micro_batch_tokens,
         )
         return _step(self.engine, self.loss_fn, td, _metrics, after_backward)
 
@@ -584,7 +586,13 @@ class VerlEngine:
             )
         batch = _by_length(batch)
         micro = _largest_divisor_at_most(len(batch.rows), self.cfg.algo.critic.micro)
-        td = self._batch(batch.rows, micro, values=batch.old_values, returns=batch.returns)
+        td = self._batch(
+            batch.rows,
+            micro,
+            values=batch.old_values,
+            returns=batch.returns,
+            max_tokens=self.cfg.algo.micro_batch_tokens,
+        )
 
         def metrics(raw: Mapping[str, Any]) -> dict[str, float]:
             return {
@@ -603,9 +611,11 @@ class VerlEngine:
         ref: Sequence[torch.Tensor] | None = None,
         values: Sequence[torch.Tensor] | None = None,
         returns: Sequence[torch.Tensor] | None = None,
+        max_tokens: int | None = None,
     ) -> Any:
         """Rows in verl's layout: left-padded prompts + right-padded responses, converted to
-        verl's no-padding (nested) TensorDict with the engine keys train_batch would inject."""
+        verl's no-padding (nested) TensorDict with the engine keys train_batch would inject.
+        With `max_tokens` verl cuts the micro-batches itself by token count (use_dynamic_bsz)."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import left_right_2_no_padding
 
@@ -646,10 +656,10 @@ class VerlEngine:
             calculate_entropy=True,
             global_batch_size=n,
             use_remove_padding=bool(self.engine.model_config.use_remove_padding),
-            use_dynamic_bsz=False,
+            use_dynamic_bsz=max_tokens is not None,
             micro_batch_size_per_gpu=micro_batch,
             use_fused_kernels=False,
-            max_token_len_per_gpu=None,
+            max_token_len_per_gpu=max_tokens,
             pad_token_id=self.pad_id,
         )
         return td

@@ -81,9 +81,21 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         f"{actor}.ppo_mini_batch_size={a.mini_batch_size}",
         f"{actor}.ppo_micro_batch_size_per_gpu={a.micro_batch_size}",
         f"{actor}.ppo_epochs=1",
-        f"{actor}.use_dynamic_bsz=False",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={a.micro_batch_size}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={a.micro_batch_size}",
+        # algo.micro_batch_tokens: verl's token-count micro-batches (the budget counts real tokens)
+        f"{actor}.use_dynamic_bsz={a.micro_batch_tokens is not None}",
+        f"actor_rollout_ref.ref.log_prob_use_dynamic_bsz={a.micro_batch_tokens is not None}",
+        f"actor_rollout_ref.rollout.log_prob_use_dynamic_bsz={a.micro_batch_tokens is not None}",
+        *(
+            [
+                f"{actor}.ppo_max_token_len_per_gpu={a.micro_batch_tokens}",
+                f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={a.micro_batch_tokens}",
+                f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={a.micro_batch_tokens}",
+            ]
+            if a.micro_batch_tokens is not None
+            else []
+        ),
         # rollout: the trained log-probs use the sampling temperature, as verl's actor does
         f"actor_rollout_ref.rollout.temperature={r.temperature}",
         f"actor_rollout_ref.rollout.val_kwargs.temperature={r.val_temperature}",
@@ -143,7 +155,8 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
             f"critic.ppo_mini_batch_size={c.mini_batch_size}",
             f"critic.ppo_micro_batch_size_per_gpu={c.micro_batch_size}",
             "critic.ppo_epochs=1",
-            "critic.use_dynamic_bsz=False",
+            f"critic.use_dynamic_bsz={a.micro_batch_tokens is not None}",
+            *([f"critic.ppo_max_token_len_per_gpu={a.micro_batch_tokens}"] if a.micro_batch_tokens is not None else []),
         ]
         if on_cpu:
             out.append(f"+critic.fsdp.mixed_precision={fp32_compute}")
