@@ -1,5 +1,5 @@
-"""One builtin policy pass in each arm (`run.precision`, compile, token budget), side by side: wall, trained tokens/s, MFU,
-and (with --profile) the top GPU (or CPU) ops.
+"""One builtin policy pass in each arm (`run.precision`, compile, token budget), side by side:
+wall, trained tokens/s, MFU, and (with --profile) the top GPU (or CPU) ops.
 
     python -m bench.update_profile --make-qwen05b /tmp/q05 --device cuda --recipe smollm-shop-grpo
     python -m bench.update_profile --model <model dir> --recipe smollm-shop-grpo --device cuda --profile

@@ -379,6 +379,10 @@ class AlgoCfg(_Strict):
         True,
         description="GRPO advantages divide each group's centred scores by the group's std (the published runs); false = Dr.GRPO's mean-centred, unscaled advantages. grpo only.",
     )
+    filter_uniform_groups: bool = Field(
+        False,
+        description="grpo: leave out of the policy update every row of a group whose episodes all scored the same (their advantages are exactly 0, so only the KL and entropy terms would move them), as DAPO's dynamic sampling filters groups (without drawing more). The update then costs in proportion to the groups that carry signal, and its loss is normalised over the rows that remain; an iteration with no such group takes no step. The share of such groups is reported either way (`uniform_groups`). Off in the published runs.",
+    )
     ref_anchor: Literal["base", "round"] = Field(
         "base",
         description="Reference model: `base` = the original backbone (published runs), `round` = the round-start global weights.",
@@ -747,6 +751,16 @@ class Config(_Strict):
                 f"algo.micro_batch_tokens={algo.micro_batch_tokens} cannot hold the longest training row, "
                 f"rollout.max_prompt_tokens + max_response_tokens = {longest} tokens; raise it to at least "
                 f"{longest} or leave it unset (micro_batch_size rows per pass)"
+            )
+        if algo.spec.advantage != "group_relative" and algo.filter_uniform_groups:
+            raise ValueError(
+                f"algo.filter_uniform_groups=true filters GRPO groups, and algo.name={algo.name!r} "
+                "has none (its advantages come from a critic); remove it"
+            )
+        if algo.filter_uniform_groups and algo.rollouts_per_task < 2:
+            raise ValueError(
+                f"algo.filter_uniform_groups=true needs groups of two or more episodes to compare, and "
+                f"algo.group_size={algo.rollouts_per_task}; raise algo.group_size or remove it"
             )
         if algo.spec.advantage != "group_relative" and not algo.grpo_norm_by_std:
             raise ValueError(

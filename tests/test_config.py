@@ -127,6 +127,14 @@ def test_a_token_budget_that_cannot_hold_the_longest_row_is_refused():
     assert load_config("tiny-shop-grpo", dotlist=["algo.micro_batch_tokens=544"]).algo.micro_batch_tokens == 544
 
 
+def test_filtering_uniform_groups_is_refused_where_there_are_no_groups_to_compare():
+    with pytest.raises(ConfigError, match=r"filter_uniform_groups=true filters GRPO groups.*'ppo'"):
+        load_config("tiny-shop-grpo", dotlist=["algo.name=ppo", "algo.filter_uniform_groups=true"])
+    with pytest.raises(ConfigError, match=r"needs groups of two or more.*group_size=1"):
+        load_config("tiny-shop-grpo", dotlist=["algo.group_size=1", "algo.filter_uniform_groups=true"])
+    assert load_config("tiny-shop-grpo", dotlist=["algo.filter_uniform_groups=true"]).algo.filter_uniform_groups
+
+
 def test_a_whole_config_rule_error_does_not_dump_the_config():
     with pytest.raises(ConfigError) as err:
         load_config(overrides={"clients": 2, "clients-per-round": 3})

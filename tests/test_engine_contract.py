@@ -437,6 +437,27 @@ def test_a_concat_grpo_fit_trains_one_row_per_episode(kind, env_url, model_dir):
         t.close()
 
 
+def test_a_fit_leaves_out_the_groups_whose_episodes_all_scored_the_same(kind, env_url, model_dir):  # noqa: F811
+    """algo.filter_uniform_groups. A random policy wins nothing and, without the invalid-action
+    penalty, every episode scores 0: every group is uniform, so with the filter the fit trains no
+    row, takes no step and returns the weights bit for bit; without it the same fit steps (the
+    KL and entropy terms move the policy even where every advantage is 0)."""
+    seen = {}
+    for on in (False, True):
+        t = build(kind, model_dir, env_url, rollout={"invalid_action_penalty": 0.0}, algo={"filter_uniform_groups": on})
+        try:
+            before = t.export_weights()
+            res = t.fit(FitRequest(round=1, client_id=3, task_indices=TRAIN_TASKS, local_epochs=2, seed=0))
+            seen[on] = (res.metrics, _changed(before, t.export_weights()))
+        finally:
+            t.close()
+    (plain, plain_moved), (filtered, filtered_moved) = seen[False], seen[True]
+    assert plain["uniform_groups"] == filtered["uniform_groups"] == 1.0, "the test needs all-equal groups"
+    assert plain["rows"] > 0 and plain["optimizer_steps"] > 0 and plain_moved
+    assert filtered["rows"] == 0 and filtered["optimizer_steps"] == 0 and not filtered_moved
+    assert filtered["train_success"] == plain["train_success"] == 0.0
+
+
 @pytest.fixture(scope="module", params=["grpo", "ppo"])
 def wide(request, kind, env_url, tmp_path_factory):  # noqa: F811
     """A model large enough (~8 MB of fp32 weights, ~24 MB with AdamW moments) that leaking one

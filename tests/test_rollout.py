@@ -15,6 +15,7 @@ from client_app.rollout import (
     BatchedGenerator,
     EpisodeSpec,
     RolloutSettings,
+    TrainRow,
     check_groups,
     derive_seed,
     draw_tasks,
@@ -261,6 +262,34 @@ def test_a_purchase_is_named_by_the_first_reward_term_it_missed():
     for outcome, changes in cases.items():
         for change in changes:
             assert purchase_outcome(replace(full, total=0.75, **change), goal) == outcome, change
+
+
+def test_a_fits_step_metrics_average_over_the_iterations_that_took_a_step():
+    """With algo.filter_uniform_groups an iteration can train no row: its loss and gradient norm
+    do not exist and must not count as zeros; a step metric missing where steps were taken is a bug."""
+    from client_app.trainer.loop import _merged
+
+    stepped = {"rows": 16.0, "optimizer_steps": 1.0, "pg_loss": 0.25, "grad_norm": 2.0, "train_success": 0.5}
+    idle = {"rows": 0.0, "optimizer_steps": 0.0, "train_success": 0.0}
+    merged = _merged([stepped, idle])
+    assert merged == {"rows": 16.0, "optimizer_steps": 1.0, "pg_loss": 0.25, "grad_norm": 2.0, "train_success": 0.25}
+    with pytest.raises(KeyError, match="pg_loss"):
+        _merged([stepped, {**idle, "optimizer_steps": 1.0}])
+
+
+def test_uniform_groups_are_those_whose_episodes_all_scored_the_same():
+    from client_app.trainer.advantages import uniform_groups
+
+    def row(group: int, episode: int, score: float) -> TrainRow:
+        return TrainRow([1], [2], [1], score, group, episode)
+
+    rows = [
+        row(0, 0, 1.0), row(0, 0, 1.0), row(0, 1, 1.0),  # two episodes (one of two turns), equal
+        row(1, 2, 0.0), row(1, 3, -0.1),  # an invalid action's penalty tells them apart
+        row(2, 4, 0.0),  # a group of one: its score is its advantage (verl), never filtered
+        row(3, 5, 0.0), row(3, 6, 0.0), row(3, 7, 0.0),
+    ]  # fmt: skip
+    assert uniform_groups(rows) == ({0, 3}, 4)
 
 
 def test_a_fit_averages_outcome_shares_over_iterations_that_lack_some_labels():

@@ -7,6 +7,7 @@ tensor per row (over its response tokens) and, when it trains a critic, the valu
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -54,6 +55,15 @@ def gae(
     adv, ret = gae_advantage_return(rewards, pad_rows(values, mask.shape[1]), mask, algo.gamma, algo.lam)
     n = [len(rw.response_ids) for rw in rows]
     return [adv[b, : n[b]].clone() for b in range(len(rows))], [ret[b, : n[b]].clone() for b in range(len(rows))]
+
+
+def uniform_groups(rows: Sequence[TrainRow]) -> tuple[set[int], int]:
+    """The GRPO groups of two or more episodes that all scored the same (every advantage in them
+    is 0), and the number of groups."""
+    scores: dict[int, dict[int, float]] = defaultdict(dict)
+    for rw in rows:
+        scores[rw.group][rw.episode] = rw.score
+    return {g for g, s in scores.items() if len(s) > 1 and len(set(s.values())) == 1}, len(scores)
 
 
 Estimator = Callable[[Sequence[Episode], Sequence[TrainRow], Sequence[torch.Tensor] | None, AlgoCfg], Targets]

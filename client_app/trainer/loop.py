@@ -9,7 +9,8 @@ starts fresh optimizers (invariant 3), runs E RL iterations on fresh tasks of th
   2. rollout         `group_size` episodes per task, one batched rollout (`rollouts.Rollouts`)
   3. rows            windowed: one row per turn; concat: one per episode (observation glue masked)
   4. advantages      the algorithm's estimator (`advantages.ADVANTAGES`); with a critic, its
-                     values at rollout time, then one pass of the value loss over the rows
+                     values at rollout time, then one pass of the value loss over the rows;
+                     with `algo.filter_uniform_groups`, the rows of all-equal groups leave here
   5. policy update   old (and reference) log-probs, then one pass in seeded mini-batches of the
                      PPO-clip + KL + entropy loss, FedProx's gradient on the policy only (inv. 4)
   6. metrics         per iteration, summed or averaged over the fit
@@ -44,7 +45,7 @@ from client_app.rollout import (
     outcome_shares,
     training_rows,
 )
-from client_app.trainer.advantages import ADVANTAGES, token_mean
+from client_app.trainer.advantages import ADVANTAGES, token_mean, uniform_groups
 from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
 from client_app.trainer.device import release_memory
 from client_app.trainer.engine import PolicyBatch, StepResult, TrainingEngine, ValueBatch
@@ -95,15 +96,20 @@ _SHARES = outcome_key("train_", "")  # the fit's outcome shares (outcome_shares(
 
 def _merged(per_epoch: list[dict[str, float]]) -> dict[str, float]:
     """A fit's metrics from its iterations': counts and timings summed, the rest averaged. An
-    outcome share is averaged with 0 where an iteration lacks it (no episode there ended so);
-    any other key must be in every iteration."""
-    merged = {
-        k: (sum if k in _SUMMED or k.endswith("_s") else _mean)([m[k] for m in per_epoch])
-        for k in per_epoch[0]
-        if not k.startswith(_SHARES)
-    }
-    shares = sorted({k for m in per_epoch for k in m if k.startswith(_SHARES)})
-    return merged | {k: _mean([m.get(k, 0.0) for m in per_epoch]) for k in shares}
+    outcome share is averaged with 0 where an iteration lacks it (no episode there ended so); a
+    step's metric (loss, grad norm) is averaged over the iterations that took a step; any other
+    key must be in every iteration."""
+    keys = {k: None for m in per_epoch for k in m}  # every key, in first-seen order
+    merged: dict[str, float] = {}
+    for k in keys:
+        if k.startswith(_SHARES):
+            merged[k] = _mean([m.get(k, 0.0) for m in per_epoch])
+            continue
+        have = [m for m in per_epoch if k in m]
+        if len(have) < len(per_epoch) and any(m.get("optimizer_steps", 1.0) > 0 for m in per_epoch if k not in m):
+            raise KeyError(f"fit metric {k!r} is missing from an iteration that took optimizer steps")
+        merged[k] = (sum if k in _SUMMED or k.endswith("_s") else _mean)([m[k] for m in have])
+    return merged
 
 
 class RLTrainer:
@@ -252,17 +258,27 @@ class RLTrainer:
         rollout_s = time.perf_counter() - t0
         # 3. rows
         rows = training_rows(episodes, r.invalid_action_penalty)
+        uniform, n_groups = uniform_groups(rows)
+        train_score = sum(rw.score for rw in rows) / max(len(rows), 1)
         t0 = time.perf_counter()
-        # 4. advantages (+ the critic's pass)
+        # 4. advantages (+ the critic's pass), then the rows of all-equal groups out if asked
         advantages, critic_metrics = self._advantages(episodes, rows, derive_seed("critic-minibatch", *seed))
-        # 5. policy update
-        update = self._policy_pass(rows, advantages, anchor, req.proximal_mu, derive_seed("minibatch", *seed))
+        if a.filter_uniform_groups:
+            keep = [i for i, rw in enumerate(rows) if rw.group not in uniform]
+            rows, advantages = [rows[i] for i in keep], [advantages[i] for i in keep]
+        # 5. policy update (none when no row is left)
+        update = (
+            self._policy_pass(rows, advantages, anchor, req.proximal_mu, derive_seed("minibatch", *seed))
+            if rows
+            else {"optimizer_steps": 0.0, "skipped_steps": 0.0}
+        )
         update_s = time.perf_counter() - t0
         # 6. metrics
         metrics = {
             **episode_metrics(episodes, "train_"),
             **outcome_shares(episodes, "train_"),
-            "train_score": sum(rw.score for rw in rows) / max(len(rows), 1),
+            "train_score": train_score,
+            "uniform_groups": len(uniform) / max(n_groups, 1),
             "rows": float(len(rows)),
             "rollout_s": rollout_s,
             "rollout_sync_s": sync_s,
