@@ -55,7 +55,7 @@ def synthetic_rows(n: int, vocab: int, prompt: tuple[int, int], reply: tuple[int
 
 def demo_rows(cfg: Config, tokenizer: Any, n: int) -> list[TrainRow]:
     """`n` windowed turns of the env's expert on training tasks, rendered and cut as the rollouts
-    cut them (the recipe's real prompt lengths: on the tiny shop 91-522 tokens, median ~410)."""
+    cut them: the recipe's real prompt lengths."""
     from client_app import sft
 
     rows: list[TrainRow] = []

@@ -394,7 +394,7 @@ class AlgoCfg(_Strict):
     micro_batch_tokens: int | None = Field(
         None,
         gt=0,
-        description="Token budget of one forward/backward pass (policy, reference and critic), as verl's use_dynamic_bsz / ppo_max_token_len_per_gpu: rows sorted by length are cut into micro-batches of at most micro_batch_size rows and at most this many tokens (builtin counts padded tokens, rows x the longest row; verl counts real tokens). Short rows then share a pass and long rows pay no padding (docs/benchmarks.md: the CPU default's update x1.26). Must hold the longest row, rollout.max_prompt_tokens + max_response_tokens. Unset: micro_batch_size rows per pass. Changes memory and speed, not the loss.",
+        description="Token budget of one forward/backward pass (policy, reference and critic), as verl's use_dynamic_bsz / ppo_max_token_len_per_gpu: rows sorted by length are cut into micro-batches of at most micro_batch_size rows and at most this many tokens (builtin counts padded tokens, rows x the longest row; verl counts real tokens). Short rows then share a pass and long rows pay no padding (docs/benchmarks.md, \"The CPU default's update\"). Must hold the longest row, rollout.max_prompt_tokens + max_response_tokens. Unset: micro_batch_size rows per pass. Changes memory and speed, not the loss.",
     )
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     gamma: float = Field(
