@@ -61,6 +61,8 @@ def demo_rows(cfg: Config, tokenizer: Any, n: int) -> list[TrainRow]:
     rows: list[TrainRow] = []
     episodes = 1
     while len(rows) < n:
+        if episodes > 64 * n:
+            raise RuntimeError(f"the env's expert played {episodes} episodes and gave {len(rows)} turns, not {n}")
         episodes *= 2
         demos = sft.collect_demonstrations(cfg.env, cfg.rollout.history_length, episodes, 0.0, seed=1)
         rows = [

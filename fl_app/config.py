@@ -381,7 +381,7 @@ class AlgoCfg(_Strict):
     )
     filter_uniform_groups: bool = Field(
         False,
-        description="grpo: leave out of the policy update every row of a group whose episodes all scored the same (their advantages are exactly 0, so only the KL and entropy terms would move them), as DAPO's dynamic sampling filters groups (without drawing more). The update then costs in proportion to the groups that carry signal, and its loss is normalised over the rows that remain; an iteration with no such group takes no step. The share of such groups is reported either way (`uniform_groups`). Off in the published runs.",
+        description="grpo: leave out of the policy update every row of a group whose episodes all scored the same (their advantages are exactly 0, so only the KL and entropy terms would move them), as DAPO's dynamic sampling filters groups (without drawing more). The update then costs in proportion to the groups that carry signal, and its loss is normalised over the rows that remain; an iteration with no such group takes no step. The fit's `rows` counts the rows trained; FedAvg still weighs the client by the episodes it played (its data, not what the filter kept). The share of such groups is reported either way (`uniform_groups`). Off in the published runs.",
     )
     ref_anchor: Literal["base", "round"] = Field(
         "base",
@@ -394,7 +394,7 @@ class AlgoCfg(_Strict):
     micro_batch_tokens: int | None = Field(
         None,
         gt=0,
-        description="Token budget of one forward/backward pass (policy, reference and critic), as verl's use_dynamic_bsz / ppo_max_token_len_per_gpu: rows sorted by length are cut into micro-batches of at most micro_batch_size rows and at most this many tokens (builtin counts padded tokens, rows x the longest row; verl counts real tokens). Short rows then share a pass and long rows pay no padding (docs/benchmarks.md, \"The CPU default's update\"). Must hold the longest row, rollout.max_prompt_tokens + max_response_tokens. Unset: micro_batch_size rows per pass. Changes memory and speed, not the loss.",
+        description="Token budget of one forward/backward pass (policy, reference and critic), as verl's use_dynamic_bsz / ppo_max_token_len_per_gpu: rows sorted by length are cut into micro-batches of at most this many tokens (builtin counts padded tokens, rows x the longest row, and keeps at most micro_batch_size rows a pass; verl's training steps count real tokens and cap no rows, its scoring passes cut as builtin does). Short rows then share a pass and long rows pay no padding (docs/benchmarks.md, \"The CPU default's update\"). Must hold the longest row, rollout.max_prompt_tokens + max_response_tokens. Unset: micro_batch_size rows per pass. Changes memory and speed, not the loss.",
     )
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     gamma: float = Field(

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from flwr.app import Message
 
+from fl_app.outcomes import outcome_key
 from fl_app.store import WeightStore
 from fl_app.transport import WeightsRef, arrays_key, fedavg_received
 from fl_app.weights import Manifest
@@ -128,9 +129,14 @@ def metrics_of(msg: Message) -> dict[str, float]:
 
 
 def weighted_metrics(records: list[dict[str, float]]) -> dict[str, float]:
-    """num-examples-weighted mean of every metric; num-examples summed."""
+    """num-examples-weighted mean of every metric over the replies that carry it, num-examples
+    summed. An outcome share a reply lacks is 0 there (no episode ended so); any other metric a
+    reply lacks does not exist there (a fit that took no step has no loss), so it does not count."""
     total = sum(r["num-examples"] for r in records) or 1.0
     keys = sorted(set().union(*(set(r) for r in records)) - {"num-examples"})
-    out = {k: sum(r[k] * r["num-examples"] for r in records if k in r) / total for k in keys}
+    out = {}
+    for k in keys:
+        weight = total if outcome_key("", "") in k else sum(r["num-examples"] for r in records if k in r) or 1.0
+        out[k] = sum(r[k] * r["num-examples"] for r in records if k in r) / weight
     out["num-examples"] = int(total)
     return out

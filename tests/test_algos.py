@@ -34,6 +34,17 @@ def ragged_mask(batch: int, horizon: int, seed: int = 0) -> torch.Tensor:
 # ---------------------------------------------------------------- GRPO
 
 
+@pytest.mark.parametrize("score,n", [(0.7, 8), (0.35, 8), (0.9, 3), (-0.3, 8), (1.0, 8), (0.0, 2)])
+def test_a_group_of_equal_scores_gets_exactly_zero_advantage(score: float, n: int) -> None:
+    """Before: the float mean of 8 x 0.7 missed 0.7 by ~1e-8 and the division by a std as small
+    gave every episode of the group 0.056, a signal from nowhere (the invalid-action penalty
+    makes such scores common). A neighbouring group with signal keeps its advantages."""
+    rewards = torch.tensor([[score]] * n + [[1.0], [0.0]] * 2)
+    adv, _ = algos.grpo_outcome_advantage(rewards, torch.ones_like(rewards), [0] * n + [1] * 4)
+    assert torch.equal(adv[:n], torch.zeros(n, 1))
+    assert torch.allclose(adv[n:, 0], torch.tensor([1.0, -1.0, 1.0, -1.0]) * 0.866025, atol=1e-5)
+
+
 def test_grpo_advantages_have_zero_group_mean_and_unit_std() -> None:
     rewards = torch.zeros(12, 6)
     rewards[:, -1] = rand(12)

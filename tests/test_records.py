@@ -35,8 +35,15 @@ def test_metrics_of_gives_floats_and_refuses_a_list_metric(task):
 
 
 def test_weighted_metrics_weight_by_examples_and_sum_them():
-    out = weighted_metrics([{"num-examples": 1.0, "reward": 1.0}, {"num-examples": 3.0, "reward": 0.0, "kl": 2.0}])
-    assert out == {"reward": 0.25, "kl": 1.5, "num-examples": 4}
+    """A metric a reply lacks (a fit that took no step has no kl) averages over the replies that
+    carry it; an outcome share a reply lacks counts as 0 there (no episode ended so)."""
+    out = weighted_metrics(
+        [
+            {"num-examples": 1.0, "reward": 1.0, "train_outcome_won": 1.0},
+            {"num-examples": 3.0, "reward": 0.0, "kl": 2.0},
+        ]
+    )
+    assert out == {"reward": 0.25, "kl": 2.0, "train_outcome_won": 0.25, "num-examples": 4}
 
 
 def test_sizes_are_resolved_by_validation_and_refused_before_it():

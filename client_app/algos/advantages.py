@@ -46,6 +46,8 @@ def grpo_outcome_advantage(
         (advantages, returns), both [B, T] and equal, zero on masked tokens:
         (score - group mean) / (group std + eps), std unbiased. A group of one row has
         mean 0 and std 1 (so its advantage is its raw score scaled by 1/(1+eps)), as in verl.
+        A group of equal scores gets exactly 0 (verl's float mean leaves a rounding residue
+        that its std division amplifies for some scores and group sizes).
     """
     scores = token_level_rewards.sum(dim=-1)
     codes, n_groups = _group_codes(group_index, scores.shape[0], scores.device)
@@ -58,6 +60,11 @@ def grpo_outcome_advantage(
     mean = torch.where(singleton, torch.zeros_like(mean), mean)
     std = torch.where(singleton, torch.ones_like(std), std)
     centered = scores - mean[codes]
+    # A group whose scores are all equal carries no signal: exactly 0. The rounded float mean
+    # leaves ~1e-8, which the division by a std as small makes ~0.05 (8 x 0.7 -> 0.056).
+    hi = zeros.scatter_reduce(0, codes, scores, "amax", include_self=False)
+    lo = zeros.scatter_reduce(0, codes, scores, "amin", include_self=False)
+    centered = torch.where(((hi == lo) & ~singleton)[codes], torch.zeros_like(centered), centered)
     row_adv = centered / (std[codes] + eps) if norm_by_std else centered
     advantages = torch.where(response_mask.bool(), row_adv.unsqueeze(-1), scores.new_zeros(()))
     return advantages, advantages.clone()

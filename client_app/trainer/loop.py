@@ -97,8 +97,8 @@ _SHARES = outcome_key("train_", "")  # the fit's outcome shares (outcome_shares(
 def _merged(per_epoch: list[dict[str, float]]) -> dict[str, float]:
     """A fit's metrics from its iterations': counts and timings summed, the rest averaged. An
     outcome share is averaged with 0 where an iteration lacks it (no episode there ended so); a
-    step's metric (loss, grad norm) is averaged over the iterations that took a step; any other
-    key must be in every iteration."""
+    step's metric (loss, grad norm) is averaged over the iterations that have it, and must be in
+    every iteration that took a step."""
     keys = {k: None for m in per_epoch for k in m}  # every key, in first-seen order
     merged: dict[str, float] = {}
     for k in keys:
