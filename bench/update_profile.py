@@ -54,22 +54,14 @@ def synthetic_rows(n: int, vocab: int, prompt: tuple[int, int], reply: tuple[int
 
 
 def demo_rows(cfg: Config, tokenizer: Any, n: int) -> list[TrainRow]:
-    """`n` windowed turns of the env's expert on training tasks, rendered and cut as the rollouts
-    cut them: the recipe's real prompt lengths."""
+    """The first `n` windowed turns of the env's expert on training tasks, rendered and cut as the
+    rollouts cut them: the recipe's real prompt lengths. Every episode has a turn, so `n`
+    episodes are enough."""
     from client_app import sft
 
-    rows: list[TrainRow] = []
-    episodes = 1
-    while len(rows) < n:
-        if episodes > 64 * n:
-            raise RuntimeError(f"the env's expert played {episodes} episodes and gave {len(rows)} turns, not {n}")
-        episodes *= 2
-        demos = sft.collect_demonstrations(cfg.env, cfg.rollout.history_length, episodes, 0.0, seed=1)
-        rows = [
-            TrainRow(p, r, [1] * len(r), 0.0, i // 8, i)
-            for i, (p, r) in enumerate(sft.demo_rows(tokenizer, demos, cfg.rollout))
-        ]
-    return rows[:n]
+    demos = sft.collect_demonstrations(cfg.env, cfg.rollout.history_length, n, 0.0, seed=1)[:n]
+    turns = sft.demo_rows(tokenizer, demos, cfg.rollout)
+    return [TrainRow(p, r, [1] * len(r), 0.0, i // 8, i) for i, (p, r) in enumerate(turns)]
 
 
 def _sync(cuda: bool) -> None:

@@ -84,18 +84,9 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={a.micro_batch_size}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={a.micro_batch_size}",
         # algo.micro_batch_tokens: verl's token-count micro-batches (the budget counts real tokens)
-        f"{actor}.use_dynamic_bsz={a.micro_batch_tokens is not None}",
-        f"actor_rollout_ref.ref.log_prob_use_dynamic_bsz={a.micro_batch_tokens is not None}",
-        f"actor_rollout_ref.rollout.log_prob_use_dynamic_bsz={a.micro_batch_tokens is not None}",
-        *(
-            [
-                f"{actor}.ppo_max_token_len_per_gpu={a.micro_batch_tokens}",
-                f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={a.micro_batch_tokens}",
-                f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={a.micro_batch_tokens}",
-            ]
-            if a.micro_batch_tokens is not None
-            else []
-        ),
+        *_dynamic_bsz(a.micro_batch_tokens, f"{actor}.", f"{actor}.ppo_"),
+        *_dynamic_bsz(a.micro_batch_tokens, "actor_rollout_ref.ref.log_prob_"),
+        *_dynamic_bsz(a.micro_batch_tokens, "actor_rollout_ref.rollout.log_prob_"),
         # rollout: the trained log-probs use the sampling temperature, as verl's actor does
         f"actor_rollout_ref.rollout.temperature={r.temperature}",
         f"actor_rollout_ref.rollout.val_kwargs.temperature={r.val_temperature}",
@@ -155,12 +146,18 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
             f"critic.ppo_mini_batch_size={c.mini_batch_size}",
             f"critic.ppo_micro_batch_size_per_gpu={c.micro_batch_size}",
             "critic.ppo_epochs=1",
-            f"critic.use_dynamic_bsz={a.micro_batch_tokens is not None}",
-            *([f"critic.ppo_max_token_len_per_gpu={a.micro_batch_tokens}"] if a.micro_batch_tokens is not None else []),
+            *_dynamic_bsz(a.micro_batch_tokens, "critic.", "critic.ppo_"),
         ]
         if on_cpu:
             out.append(f"+critic.fsdp.mixed_precision={fp32_compute}")
     return out
+
+
+def _dynamic_bsz(tokens: int | None, switch: str, budget: str = "") -> list[str]:
+    """verl's `<switch>use_dynamic_bsz` and, when on, `<budget>max_token_len_per_gpu` (the budget
+    key's prefix defaults to the switch's)."""
+    on = [f"{budget or switch}max_token_len_per_gpu={tokens}"] if tokens is not None else []
+    return [f"{switch}use_dynamic_bsz={tokens is not None}", *on]
 
 
 def compose(cfg: Config, model_path: Path, device: str) -> Any:
