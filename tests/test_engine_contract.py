@@ -491,6 +491,8 @@ def test_a_fit_leaves_out_the_groups_whose_episodes_all_scored_the_same(kind, en
             before = t.export_weights()
             res = t.fit(FitRequest(round=1, client_id=3, task_indices=TRAIN_TASKS, local_epochs=2, seed=0))
             seen[on] = (res.metrics, _changed(before, t.export_weights()))
+            # invariant 2: FedAvg weighs a client by the episodes it played, filtered or not
+            assert res.num_examples == 2 * t.cfg.algo.tasks_per_step * t.cfg.algo.rollouts_per_task
         finally:
             t.close()
     (plain, plain_moved), (filtered, filtered_moved) = seen[False], seen[True]
