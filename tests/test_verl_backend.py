@@ -43,3 +43,29 @@ def test_resolved_config_written_and_ray_isolated(model_dir, tmp_path, monkeypat
         assert written.actor_rollout_ref.rollout.temperature == 0.7
     finally:
         engine.close()
+
+
+def test_a_lane_that_exits_leaves_no_rendezvous_file_behind(model_dir, tmp_path):  # noqa: F811
+    """The process group's rendezvous file: torch removes it when the group is destroyed, which
+    never happens in a process that built a verl engine, so one file per lane process piled up in
+    the temp dir. The child builds a real engine, closes it and exits."""
+    import subprocess
+    import sys
+
+    child = (
+        "import glob, os, sys, tempfile\n"
+        "from pathlib import Path\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from trainer_support import small_config\n"
+        "from client_app.trainer import make_engine\n"
+        "cfg = small_config(Path(sys.argv[1])).model_copy(update={'backend': 'verl'})\n"
+        "make_engine(cfg, Path(sys.argv[1]), run_dir=Path(sys.argv[2])).close()\n"
+        "pattern = os.path.join(tempfile.gettempdir(), f'fedagent-verl-pg-{os.getpid()}-*')\n"
+        "print(len(glob.glob(pattern)), os.getpid())\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    args = [sys.executable, "-c", child, str(model_dir), str(tmp_path / "run")]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
+    alive, pid = out.stdout.split()[-2:]
+    assert alive == "1", "the rendezvous file should exist while the group does"
+    assert not list(tmp_path.glob(f"fedagent-verl-pg-{pid}-*"))

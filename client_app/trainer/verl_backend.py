@@ -40,6 +40,7 @@ vLLM engine woken with the engine's full tensors before each rollout and asleep 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -218,6 +219,11 @@ def arm_cpu() -> None:
         raise RuntimeError(f"verl's platform is {get_device_name()!r} after arming the CPU platform")
 
 
+def _remove_if_present(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def ensure_process_group(device: str) -> None:
     """A world-size-1 process group for verl's FSDP2 engine (gloo on CPU; gloo + nccl on CUDA),
     rendezvous through a private file (no port). verl's Worker reads the rank env vars: they
@@ -235,6 +241,8 @@ def ensure_process_group(device: str) -> None:
         fd, store = tempfile.mkstemp(prefix=f"fedagent-verl-pg-{os.getpid()}-")
         os.close(fd)
         os.unlink(store)  # the file store creates it; a leftover file would hold a stale rendezvous
+        # torch removes the file only when the group is destroyed, which an exiting lane never does
+        atexit.register(_remove_if_present, store)
         dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=0, world_size=1)
     for key, value in (
         ("WORLD_SIZE", "1"),
