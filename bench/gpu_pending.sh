@@ -21,12 +21,12 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$R/chain.l
 step engines 480 python3 -m bench.engines --make-qwen05b "$Q05" --tokenizer "$TOK" --device cuda \
   --arms peak,hf,update,verl --episodes 64 --turns 15 --update-rows 320 --json "$R/engines.json" \
   algo.micro_batch_tokens=null
-# 3. the round's overhead on the 0.5B model, then shard IO next to raw IO
+# 3. shard IO next to raw IO, then the round's overhead on the 0.5B model
+step weights_io 240 python3 bench/weights_io.py --size-gb 1.9 --device cuda --repeat 2
 step round 600 flwr run . --run-config "recipe=\"smollm-shop-grpo\" rounds=3 local-epochs=1 run-dir=\"$R/q05-run\" model.path=\"$Q05\" model.warm_start.episodes=0" \
   --federation-config "num-supernodes=2 client-resources-num-cpus=4 client-resources-num-gpus=0.5" --stream
 step round_overhead 60 python3 -m bench.round_overhead "$R/q05-run" --json "$R/round_overhead.json"
 step superlink_stop 60 python3 -m server_app.local_superlink stop
-step weights_io 240 python3 bench/weights_io.py --size-gb 1.9 --device cuda --repeat 2
 touch "$R/CORE_DONE"
 # 1. the verl engine's contract on CUDA and the byte comparison of shards from CUDA masters
 step contract 480 python3 -m pytest -m gpu tests/test_engine_contract.py -p no:cacheprovider -q -rA --timeout 300 \
