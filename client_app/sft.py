@@ -152,12 +152,9 @@ def supervised_finetune(
     for _epoch in range(epochs):
         total, count = 0.0, 0
         for batch in length_bucketed_batches(rows, batch_size, gen):
-            ids, targets = (t.to(device) for t in sft_batch([rows[i] for i in batch], pad))
+            ids, mask, targets = (t.to(device) for t in sft_batch([rows[i] for i in batch], pad))
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                # no attention mask: rows are right-padded, so under causal attention no real token
-                # sees a pad, and the loss reads real positions only; SDPA then takes its causal
-                # kernel (the build's SFT x1.1-1.2 on 2 CPU cores, the same losses bit for bit)
-                hidden = decoder(input_ids=ids).last_hidden_state
+                hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
                 picked = targets != -100
                 loss = F.cross_entropy(head(hidden[picked]).float(), targets[picked])
             opt.zero_grad(set_to_none=True)
@@ -173,17 +170,19 @@ def supervised_finetune(
     return epoch_loss
 
 
-def sft_batch(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, targets); targets are -100 except where the next token is a
-    reply token, so the loss never trains on prompt text (nor on padding)."""
+def sft_batch(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, targets); targets are -100 except where the
+    next token is a reply token, so the loss never trains on prompt text."""
     width = max(len(p) + len(r) for p, r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
     targets = torch.full((len(rows), width), -100, dtype=torch.long)
     for k, (prompt, reply) in enumerate(rows):
         n = len(prompt) + len(reply)
         ids[k, :n] = torch.tensor(prompt + reply)
+        mask[k, :n] = 1
         targets[k, len(prompt) - 1 : n - 1] = torch.tensor(reply)  # position t predicts token t+1
-    return ids, targets
+    return ids, mask, targets
 
 
 def length_bucketed_batches(rows: list[Row], batch_size: int, gen: torch.Generator) -> list[list[int]]:

@@ -48,7 +48,7 @@ from fl_app.config import EnvCfg, RolloutCfg, TinyModelCfg
 log = logging.getLogger(__name__)
 
 # Bump when a change to this module changes what gets built, so stale caches are not reused.
-CODE_VERSION = "tiny-model-5"
+CODE_VERSION = "tiny-model-4"
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHATML_TEMPLATE = (

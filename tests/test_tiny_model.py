@@ -203,27 +203,13 @@ def test_shortcut_episodes_buy_without_choosing_the_goal_options():
 
 def test_sft_loss_targets_only_reply_tokens():
     rows = [([5, 6, 7], [8, 9]), ([5, 6], [10, 11, 12])]
-    ids, targets = sft_batch(rows, pad_id=0)
+    ids, mask, targets = sft_batch(rows, pad_id=0)
     assert ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 10, 11, 12]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
     assert targets.tolist() == [[-100, -100, 8, 9, -100], [-100, 10, 11, 12, -100]]
-    ids, targets = sft_batch([([5], [8]), ([5, 6, 7], [8, 9])], pad_id=0)
-    assert ids[0].tolist() == [5, 8, 0, 0, 0]
+    ids, mask, targets = sft_batch([([5], [8]), ([5, 6, 7], [8, 9])], pad_id=0)
+    assert ids[0].tolist() == [5, 8, 0, 0, 0] and mask[0].tolist() == [1, 1, 0, 0, 0]
     assert targets[0].tolist() == [8, -100, -100, -100, -100]
-
-
-def test_an_sft_row_scores_as_if_alone_in_a_right_padded_batch(tiny_dir):
-    """SFT runs its batches without an attention mask: a right-padded row's real positions must
-    not see the padding after them, so each row's reply logits equal those of the row alone."""
-    model, _tok = load_causal_lm(str(tiny_dir), "cpu")
-    rows = [([5, 6, 7, 9, 11], [8, 9, 3]), ([5, 6], [10]), ([7, 7, 8], [12, 13])]
-    ids, targets = sft_batch(rows, pad_id=0)
-    with torch.no_grad():
-        batched = model.lm_head(model.model(input_ids=ids).last_hidden_state)
-        for k, (prompt, reply) in enumerate(rows):
-            alone = model.lm_head(model.model(input_ids=torch.tensor([prompt + reply])).last_hidden_state)[0]
-            picked = targets[k] != -100
-            assert picked.sum() == len(reply)
-            torch.testing.assert_close(batched[k][picked], alone[picked[: alone.shape[0]]], rtol=0, atol=1e-5)
 
 
 def test_load_causal_lm_returns_fp32_policy(tiny_dir):
