@@ -8,8 +8,9 @@ critic) travels the same way under its own name (`fl_app.transport.arrays_key`, 
 prefix = member). Nothing heavy lives here: in deployment this process exists for one message
 only, while the trainer service lives as long as its SuperNode.
 
-Every message names the recipe digest the server resolved: this node resolves its own config
-from the run config and refuses to train a different recipe. It also names the server's run dir
+Every message names the recipe digest the server resolved and the digest of the run's code: this
+node resolves its own config from the run config and refuses to train a different recipe, or to
+run with code other than the run's app (fl_app.provenance). It also names the server's run dir
 and the token of its shared-disk probe: a node that must pass weights through the run dir but
 cannot read the probe is told so (no shared disk), instead of failing later on a missing file.
 """
@@ -27,6 +28,7 @@ from flwr.clientapp import ClientApp
 
 from client_app.lane import LaneService
 from fl_app.config import Config, ConfigError, load_config, recipe_sha256
+from fl_app.provenance import check_node_code
 from fl_app.rundir import RunDir
 from fl_app.store import DirStore, WeightStore
 from fl_app.store_open import open_store
@@ -91,9 +93,10 @@ def _config(msg: Message) -> dict[str, Any]:
 
 
 def _node(msg: Message, context: Context) -> _Node:
+    conf = _config(msg)
+    check_node_code(str(conf["code-sha256"]), f"node {context.node_id}")
     run_config = dict(context.run_config)
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
-    conf = _config(msg)
     want, got = str(conf["recipe-sha256"]), recipe_sha256(cfg)
     if want != got:
         raise RecipeMismatch(

@@ -16,8 +16,10 @@ and for PPO the critic beside it (invariant 7). Each member travels, is averaged
 on its own (rounds/round-r/<member>), and a round is complete only when all of them are.
 
 Every message carries the digest of the recipe the server resolved (`recipe-sha256`, checked by
-each node against its own resolution), the run dir the server uses, and the token of its
-shared-disk probe (a node that cannot read it cannot use the run dir as the weight store).
+each node against its own resolution), the digest of the run's code (`code-sha256`: the FAB's,
+which the server first checks against the code it and its environment import, fl_app.provenance),
+the run dir the server uses, and the token of its shared-disk probe (a node that cannot read it
+cannot use the run dir as the weight store).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.common.config import get_project_dir
 from flwr.serverapp import Grid, ServerApp
 
 from envs.ports import bind_listener
@@ -41,6 +44,7 @@ from fl_app.aggregate import NonFiniteWeightsError
 from fl_app.config import Config, load_config, recipe_sha256, save_config
 from fl_app.outcomes import outcome_shares_of
 from fl_app.plots import plot_validation
+from fl_app.provenance import check_server_code
 from fl_app.rundir import RunDir
 from fl_app.store import DirStore, WeightStore
 from fl_app.store_open import open_store
@@ -190,7 +194,7 @@ class Nodes:
 class Run:
     """One invocation of the ServerApp: config, run dir, weights, the nodes' messages."""
 
-    def __init__(self, grid: Grid, context: Context, cfg: Config, rd: RunDir) -> None:
+    def __init__(self, grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str) -> None:
         self.grid, self.context, self.cfg, self.rd = grid, context, cfg, rd
         self.w = Weights(rd, cfg, context.run_id)
         try:
@@ -212,6 +216,7 @@ class Run:
             "run-dir": str(rd.path),
             "run-dir-token": self.token,
             "recipe-sha256": recipe_sha256(cfg),
+            "code-sha256": code,
             **self.w.node_store,
         }
 
@@ -278,22 +283,29 @@ def _due_for_eval(cfg: Config, rnd: int) -> bool:
     return rnd == 0 or rnd == last or (every > 0 and rnd % every == 0)
 
 
+def _app_dir(grid: Grid) -> Path | None:
+    """Where Flower installed this run's FAB; None for a run without one (started from Python)."""
+    run = grid.run
+    return get_project_dir(run.fab_id, run.fab_version, run.fab_hash) if run.fab_hash else None
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     run_config = dict(context.run_config)
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
+    code = check_server_code(_app_dir(grid), Path.cwd())  # before the run dir: it may be another checkout's
     fed = cfg.federation
     rd = RunDir(cfg.resolved_run_dir(), total_rounds=fed.rounds, members=cfg.weight_members())
     start = rd.prepare_resume()  # refuses too many rounds, quarantines partials, checks every member
     partition = write_partition_report(rd.path, cfg, log)  # every client's shard, before any lane starts
     save_config(cfg, rd.path / "config.yaml")
     t_run = time.perf_counter()
-    base = {"run_id": context.run_id, "target_rounds": fed.rounds, "members": list(rd.members)}
+    base = {"run_id": context.run_id, "target_rounds": fed.rounds, "members": list(rd.members), "code_sha256": code}
     rd.write_summary({"status": "running", **base, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     run = None
     try:
         nodes = _wait_for_nodes(grid)
-        run = Run(grid, context, cfg, rd)
+        run = Run(grid, context, cfg, rd, code)
         log(
             f"run {context.run_id}: {fed.clients} clients, {fed.clients_per_round}/round (at least "
             f"{cfg.min_clients()} must reply), {fed.rounds} rounds, {fed.local_epochs} local epochs, strategy "

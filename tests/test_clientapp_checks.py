@@ -1,6 +1,7 @@
 """The ClientApp's checks before any work (issue 14, items 2 and 3): it trains only the recipe the
-server resolved, and a node that cannot see the server's run dir says so instead of failing
-later on a missing file. Flower's own Message and Context; no trainer is started."""
+server resolved and only with the run's code, and a node that cannot see the server's run dir
+says so instead of failing later on a missing file. Flower's own Message and Context; no trainer
+is started."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import RecipeMismatch, _node
 from fl_app.config import load_config, recipe_sha256
+from fl_app.provenance import CodeMismatch, code_root, code_sha256
 from fl_app.transport import write_disk_probe
 from fl_app.weights import WeightsError
 
@@ -44,7 +46,12 @@ def _message(config: dict) -> Message:
 
 def _server_config(tmp_path: Path, token: str) -> dict:
     cfg = load_config(str(RECIPE), overrides={"run-dir": str(tmp_path / "run")})
-    return {"recipe-sha256": recipe_sha256(cfg), "run-dir": str(tmp_path / "run"), "run-dir-token": token}
+    return {
+        "recipe-sha256": recipe_sha256(cfg),
+        "code-sha256": code_sha256(code_root()),
+        "run-dir": str(tmp_path / "run"),
+        "run-dir-token": token,
+    }
 
 
 def test_a_node_refuses_a_recipe_other_than_the_server_s(tmp_path):
@@ -52,6 +59,12 @@ def test_a_node_refuses_a_recipe_other_than_the_server_s(tmp_path):
     assert _node(_message(conf), _context(tmp_path)).cfg.federation.rounds == 2  # same recipe: accepted
     with pytest.raises(RecipeMismatch, match="node 42 resolved a different recipe than the server"):
         _node(_message(conf), _context(tmp_path, rounds=3))
+
+
+def test_a_node_refuses_to_run_other_code_than_the_run_s_app(tmp_path):
+    conf = {**_server_config(tmp_path, "t"), "code-sha256": "0" * 64}  # the server's FAB differs
+    with pytest.raises(CodeMismatch, match=f"node 42 imports the project from {code_root()}.*another checkout"):
+        _node(_message(conf), _context(tmp_path))
 
 
 def test_node_local_paths_are_not_part_of_the_recipe(tmp_path, monkeypatch):

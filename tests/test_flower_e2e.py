@@ -13,6 +13,7 @@ import psutil
 import pytest
 from flower_harness import FLWR, ROOT, flower, run_config, run_status
 
+from fl_app.provenance import code_root, code_sha256
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest, load_shards
 from server_app.local_superlink import find_superlink
@@ -59,6 +60,7 @@ def test_flwr_run_completes_rounds_and_writes_the_run_dir(two_rounds, fl):
     assert all(len(r["clients"]) == 2 and r["train_num-examples"] > 0 for r in rows[1:])
     summary = json.loads((two_rounds / "summary.json").read_text())
     assert summary["status"] == "complete" and summary["final_round"] == 2
+    assert summary["code_sha256"] == code_sha256(code_root())  # the FAB's code: this checkout's, checked
     assert (two_rounds / "validation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (two_rounds / "config.yaml").exists()
     partition = json.loads((two_rounds / "partition.json").read_text())  # written before round 1 (issue 15)
