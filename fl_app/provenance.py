@@ -14,6 +14,7 @@ Standard library only: the check runs before anything heavy is imported.
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,10 +76,14 @@ def check_server_code(app_dir: Path | None, cwd: Path) -> str:
                 f"{where} imports the project from {root}, which differs from this run's app "
                 f"({app_dir}; python {sys.executable}, working dir {cwd}): the SuperLink serving this run "
                 "was started from another checkout or environment and would run that code. Stop it "
-                "(`python -m server_app.local_superlink stop` in the environment that started it) and "
-                "run `flwr run .` again"
+                f"(`python -m server_app.local_superlink stop --flwr-home {_flwr_home()}`) and run "
+                "`flwr run .` again"
             )
     return want
+
+
+def _flwr_home() -> str:
+    return os.environ.get("FLWR_HOME") or str(Path.home() / ".flwr")
 
 
 def check_node_code(want: str, node: str) -> None:
