@@ -74,10 +74,11 @@ def check_server_code(app_dir: Path | None, cwd: Path) -> str:
         if root is not None and code_sha256(root) != want:
             raise CodeMismatch(
                 f"{where} imports the project from {root}, which differs from this run's app "
-                f"({app_dir}; python {sys.executable}, working dir {cwd}): the SuperLink serving this run "
-                "was started from another checkout or environment and would run that code. Stop it "
-                f"(`python -m server_app.local_superlink stop --flwr-home {_flwr_home()}`) and run "
-                "`flwr run .` again"
+                f"({app_dir}; python {sys.executable}, working dir {cwd}), and the run would execute "
+                "that code. Either the SuperLink serving this run was started from another checkout or "
+                f"environment: stop it (`python -m server_app.local_superlink stop --flwr-home {_flwr_home()}`) "
+                "and run `flwr run .` again; or the project is installed there without `-e` and this "
+                "checkout has changed since: `pip install -e .` in that environment"
             )
     return want
 
