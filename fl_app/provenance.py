@@ -17,6 +17,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 CODE_PACKAGES = ("fl_app", "client_app", "server_app", "envs", "partitions")
@@ -60,7 +61,8 @@ def imported_root(python: str, cwd: Path) -> Path | None:
 
 def check_server_code(app_dir: Path | None, cwd: Path) -> str:
     """The digest of the run's app, after checking that this process and a fresh process of its
-    interpreter (the simulation's workers, the lanes) import exactly that code. `app_dir`: where
+    interpreter (the simulation's workers, the lanes), started in `cwd` or anywhere else, import
+    exactly that code. `app_dir`: where
     Flower installed the run's FAB (None for a run without one: then this process's code is the
     reference the nodes are held to)."""
     ours = code_sha256(code_root())
@@ -69,9 +71,14 @@ def check_server_code(app_dir: Path | None, cwd: Path) -> str:
     if not app_dir.is_dir():
         raise CodeMismatch(f"this run's app is not installed where Flower keeps it ({app_dir}); run `flwr run .` again")
     want = code_sha256(app_dir)
-    env_root = imported_root(sys.executable, cwd)
-    for where, root in (("this ServerApp", code_root()), ("this environment's Python", env_root)):
-        if root is not None and code_sha256(root) != want:
+    with tempfile.TemporaryDirectory() as neutral:  # what the environment itself installs
+        found = [("this ServerApp", code_root())] + [
+            ("this environment's Python", root)
+            for root in (imported_root(sys.executable, cwd), imported_root(sys.executable, Path(neutral)))
+            if root is not None
+        ]
+    for where, root in found:
+        if code_sha256(root) != want:
             raise CodeMismatch(
                 f"{where} imports the project from {root}, which differs from this run's app "
                 f"({app_dir}; python {sys.executable}, working dir {cwd}), and the run would execute "

@@ -41,7 +41,7 @@ def test_a_fresh_process_finds_the_packages_of_its_working_dir_first(tmp_path):
     assert imported_root(sys.executable, tmp_path) == code_root()  # this environment's install
 
 
-def test_the_server_accepts_its_own_app_and_refuses_another_checkout_s_environment(tmp_path):
+def test_the_server_accepts_its_own_app_and_refuses_another_checkout_s_environment(tmp_path, monkeypatch):
     app = _copy_of_the_code(tmp_path / "fab")
     assert check_server_code(app, tmp_path) == code_sha256(code_root())
     assert check_server_code(None, tmp_path) == code_sha256(code_root())  # a run without a FAB
@@ -50,6 +50,11 @@ def test_the_server_accepts_its_own_app_and_refuses_another_checkout_s_environme
     (stale / "fl_app" / "config.py").write_text((stale / "fl_app" / "config.py").read_text() + "\n# older\n")
     with pytest.raises(CodeMismatch, match="this environment's Python imports the project from .*old-checkout"):
         check_server_code(app, stale)
+    # the same code installed into the environment (here: on its path), whatever the working dir
+    monkeypatch.setenv("PYTHONPATH", str(stale))
+    with pytest.raises(CodeMismatch, match="this environment's Python imports the project from .*old-checkout"):
+        check_server_code(app, tmp_path)
+    monkeypatch.delenv("PYTHONPATH")
     # the run's app itself differs from what this ServerApp imported
     (app / "server_app" / "app.py").write_text("# newer\n")
     with pytest.raises(CodeMismatch, match=r"this ServerApp imports the project from .*checkout.*pip install -e"):
