@@ -13,6 +13,7 @@ Standard library only: the check runs before anything heavy is imported.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import subprocess
@@ -33,10 +34,13 @@ def code_root() -> Path:
 
 
 def code_sha256(root: Path) -> str:
-    """sha256 over the path and bytes of every `.py` file of the project's packages under `root`."""
+    """sha256 over the path and bytes of every `.py` file of the project's packages under `root`,
+    but test modules, which Flower leaves out of a FAB (`test_*.py`, `*_test.py`)."""
     h = hashlib.sha256()
     for package in CODE_PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
+            if path.name.startswith("test_") or path.name.endswith("_test.py"):
+                continue
             data = path.read_bytes()
             h.update(f"{path.relative_to(root).as_posix()}\0{len(data)}\0".encode())
             h.update(data)
@@ -54,54 +58,65 @@ def imported_root(python: str, cwd: Path) -> Path | None:
         "        print(spec.origin)\n"
         "        break\n"
     )
-    out = subprocess.run([python, "-c", probe], cwd=cwd, capture_output=True, text=True, timeout=60, check=True)
+    try:
+        out = subprocess.run([python, "-c", probe], cwd=cwd, capture_output=True, text=True, timeout=60, check=True)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        raise CodeMismatch(
+            f"could not ask {python} (in {cwd}) where it imports the project from: {e}; {e.stderr!r}"
+        ) from e
     origin = out.stdout.strip()
     return Path(origin).resolve().parents[1] if origin else None
 
 
-def check_server_code(app_dir: Path | None, cwd: Path) -> str:
-    """The digest of the run's app, after checking that this process and a fresh process of its
-    interpreter (the simulation's workers, the lanes), started in `cwd` or anywhere else, import
-    exactly that code. `app_dir`: where
-    Flower installed the run's FAB (None for a run without one: then this process's code is the
-    reference the nodes are held to)."""
+def check_server_code(app_dir: Path | None, cwd: Path, simulation: bool) -> str:
+    """The digest of the run's app, after checking that this process imported exactly that code
+    (Flower imports a ServerApp from the app's dir, so this holds unless something imported ours
+    first) and, in a simulation, that a fresh process of this interpreter (the workers, the lanes),
+    started in `cwd` or anywhere else, does too. In a deployment the nodes import the app's own
+    copy and check themselves. `app_dir`: where Flower installed the run's FAB; None for a run
+    without one, whose nodes are then held to this process's code."""
     ours = code_sha256(code_root())
     if app_dir is None:
         return ours
     if not app_dir.is_dir():
         raise CodeMismatch(f"this run's app is not installed where Flower keeps it ({app_dir}); run `flwr run .` again")
     want = code_sha256(app_dir)
-    with tempfile.TemporaryDirectory() as neutral:  # what the environment itself installs
-        found = [("this ServerApp", code_root())] + [
-            ("this environment's Python", root)
-            for root in (imported_root(sys.executable, cwd), imported_root(sys.executable, Path(neutral)))
-            if root is not None
-        ]
+    found: list[tuple[str, Path | None]] = [("this ServerApp", code_root())]
+    if simulation:
+        with tempfile.TemporaryDirectory() as neutral:  # what the environment itself installs
+            found += [("this environment's Python", imported_root(sys.executable, d)) for d in (cwd, Path(neutral))]
     for where, root in found:
-        if code_sha256(root) != want:
+        if root is not None and code_sha256(root) != want:
             raise CodeMismatch(
                 f"{where} imports the project from {root}, which differs from this run's app "
                 f"({app_dir}; python {sys.executable}, working dir {cwd}), and the run would execute "
                 "that code. Either the SuperLink serving this run was started from another checkout or "
-                f"environment: stop it (`python -m server_app.local_superlink stop --flwr-home {_flwr_home()}`) "
-                "and run `flwr run .` again; or the project is installed there without `-e` and this "
-                "checkout has changed since: `pip install -e .` in that environment"
+                "environment: stop it (a local SuperLink: `python -m server_app.local_superlink stop "
+                f"--flwr-home {_flwr_home()}`) and run `flwr run .` again; or the project is installed "
+                "there without `-e` and this checkout has changed since: `pip install -e .` there"
             )
     return want
 
 
 def _flwr_home() -> str:
+    # as server_app.local_superlink.flwr_home, which fl_app may not import
     return os.environ.get("FLWR_HOME") or str(Path.home() / ".flwr")
+
+
+@functools.cache
+def _own_code() -> str:
+    """This process's code, hashed once: what it imported, even if the files change later."""
+    return code_sha256(code_root())
 
 
 def check_node_code(want: str, node: str) -> None:
     """Refuse to serve a run whose app (digest `want`, sent by the server) is not this code."""
-    got = code_sha256(code_root())
+    got = _own_code()
     if got != want:
         raise CodeMismatch(
             f"{node} imports the project from {code_root()} (python {sys.executable}), which differs "
-            f"from this run's app (sha256 {got[:12]}... vs {want[:12]}...): the SuperNode or SuperLink "
-            "serving it was started from another checkout or environment. Stop it and start it from "
-            "the environment the run's app belongs to (a local SuperLink: `python -m "
-            "server_app.local_superlink stop`)"
+            f"from this run's app (this node's sha256 {got[:12]}..., the run's {want[:12]}...): the "
+            "SuperNode or SuperLink serving it was started from another checkout or environment, or "
+            "its checkout changed after it started. Start it again from the run's code (a local "
+            f"SuperLink: `python -m server_app.local_superlink stop --flwr-home {_flwr_home()}`)"
         )

@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.config import get_project_dir
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 from envs.ports import bind_listener
 from fl_app.aggregate import NonFiniteWeightsError
@@ -293,7 +294,8 @@ def _app_dir(grid: Grid) -> Path | None:
 def main(grid: Grid, context: Context) -> None:
     run_config = dict(context.run_config)
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
-    code = check_server_code(_app_dir(grid), Path.cwd())  # before the run dir: it may be another checkout's
+    # before the run dir, which may be another checkout's
+    code = check_server_code(_app_dir(grid), Path.cwd(), simulation=isinstance(grid, InMemoryGrid))
     fed = cfg.federation
     rd = RunDir(cfg.resolved_run_dir(), total_rounds=fed.rounds, members=cfg.weight_members())
     start = rd.prepare_resume()  # refuses too many rounds, quarantines partials, checks every member

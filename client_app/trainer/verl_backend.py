@@ -219,9 +219,10 @@ def arm_cpu() -> None:
         raise RuntimeError(f"verl's platform is {get_device_name()!r} after arming the CPU platform")
 
 
-def _remove_if_present(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+def _remove_if_present(path: str, owner: int) -> None:
+    if os.getpid() == owner:  # not in a forked child, whose exit must not take the parent's file
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def ensure_process_group(device: str) -> None:
@@ -242,7 +243,8 @@ def ensure_process_group(device: str) -> None:
         os.close(fd)
         os.unlink(store)  # the file store creates it; a leftover file would hold a stale rendezvous
         # torch removes the file only when the group is destroyed, which an exiting lane never does
-        atexit.register(_remove_if_present, store)
+        # (a lane killed, or abandoning a request with os._exit, still leaves it)
+        atexit.register(_remove_if_present, store, os.getpid())
         dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=0, world_size=1)
     for key, value in (
         ("WORLD_SIZE", "1"),
