@@ -15,6 +15,7 @@ per-message ClientApp processes and stops when its node stops.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 import stat
@@ -167,3 +168,20 @@ def node_owner(argv: list[str] | None = None, pid: int | None = None) -> NodeOwn
             raise RuntimeDirError(f"the node process {nxt} this ClientApp belongs to is gone") from None
     created = root.create_time()
     return NodeOwner(root.pid, created, f"node-{root.pid}-{int(created * 1000)}")
+
+
+_OWN_FILES: list[tuple[Path, int]] = []  # (file, the pid that created it)
+
+
+def remove_at_exit(path: Path) -> None:
+    """Remove `path` when this process ends, normally (atexit) or through `remove_own_files`,
+    which a process that leaves with `os._exit` calls first; never from a forked child."""
+    if not _OWN_FILES:
+        atexit.register(remove_own_files)
+    _OWN_FILES.append((path, os.getpid()))
+
+
+def remove_own_files() -> None:
+    for path, pid in _OWN_FILES:
+        if pid == os.getpid():
+            path.unlink(missing_ok=True)

@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from client_app import memory_debug
-from client_app.runtime_dir import NodeOwner
+from client_app.runtime_dir import NodeOwner, remove_own_files
 from client_app.trainer.base import EvalRequest, FitRequest, Trainer
 from client_app.trainer.device import freeze_survivors
 from client_app.variant_envs import VariantEnvServices
@@ -490,6 +490,7 @@ def _exit_now(reason: str, sock: Path) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
     sock.unlink(missing_ok=True)
+    remove_own_files()  # os._exit skips atexit
     logging.shutdown()
     os._exit(1)
 

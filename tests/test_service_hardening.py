@@ -236,3 +236,31 @@ def test_two_nodes_of_one_lane_stop_its_service_exactly_once(svc, model_dir):  #
     assert len(stopped) == 1 and results.count(None) == 1, results
     assert stopped[0]["pid"] == health["pid"]
     assert lanes[0].health() is None and not lanes[0].socket.exists()
+
+
+def test_files_a_process_removes_at_exit_go_on_every_exit_but_a_forked_child_s(tmp_path):
+    """`remove_at_exit` (the verl lane's rendezvous file): gone after an `os._exit` that calls
+    `remove_own_files` first, as the service's abandon path does; a forked child's exit keeps them."""
+    import subprocess
+    import sys
+
+    files = [tmp_path / "a", tmp_path / "b"]
+    child = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from client_app.runtime_dir import remove_at_exit, remove_own_files\n"
+        "files = [Path(p) for p in sys.argv[1:]]\n"
+        "for f in files:\n"
+        "    f.touch()\n"
+        "    remove_at_exit(f)\n"
+        "if os.fork() == 0:\n"
+        "    sys.exit(0)  # a normal exit: atexit runs in the forked child\n"
+        "os.wait()\n"
+        "if not all(f.exists() for f in files):\n"
+        "    os._exit(3)\n"
+        "remove_own_files()\n"
+        "os._exit(0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child, *map(str, files)], cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, "a forked child's exit removed its parent's files"
+    assert not any(f.exists() for f in files)

@@ -40,7 +40,6 @@ vLLM engine woken with the engine's full tensors before each rollout and asleep 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import logging
@@ -58,6 +57,7 @@ import torch
 from client_app.algos import ActorLossSpec, ValueLossSpec
 from client_app.critic import CriticStart, resolve_start_critic, seeded_value_head
 from client_app.rollout import TrainRow, derive_seed
+from client_app.runtime_dir import remove_at_exit
 from client_app.trainer import verl_config, verl_head
 from client_app.trainer.advantages import pad_rows
 from client_app.trainer.device import avoid_cudnn_attention, cuda_autocast, release_memory, resolve_device
@@ -219,12 +219,6 @@ def arm_cpu() -> None:
         raise RuntimeError(f"verl's platform is {get_device_name()!r} after arming the CPU platform")
 
 
-def _remove_if_present(path: str, owner: int) -> None:
-    if os.getpid() == owner:  # not in a forked child, whose exit must not take the parent's file
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
 def ensure_process_group(device: str) -> None:
     """A world-size-1 process group for verl's FSDP2 engine (gloo on CPU; gloo + nccl on CUDA),
     rendezvous through a private file (no port). verl's Worker reads the rank env vars: they
@@ -243,8 +237,7 @@ def ensure_process_group(device: str) -> None:
         os.close(fd)
         os.unlink(store)  # the file store creates it; a leftover file would hold a stale rendezvous
         # torch removes the file only when the group is destroyed, which an exiting lane never does
-        # (a lane killed, or abandoning a request with os._exit, still leaves it)
-        atexit.register(_remove_if_present, store, os.getpid())
+        remove_at_exit(Path(store))
         dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=0, world_size=1)
     for key, value in (
         ("WORLD_SIZE", "1"),
