@@ -24,3 +24,8 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def flwr_home() -> Path:
+    """The FLWR_HOME `flwr` uses: $FLWR_HOME, else ~/.flwr."""
+    return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr")

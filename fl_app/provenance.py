@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from fl_app.host import flwr_home
 
 CODE_PACKAGES = ("fl_app", "client_app", "server_app", "envs", "partitions")
 
@@ -81,26 +82,26 @@ def check_server_code(app_dir: Path | None, cwd: Path, simulation: bool) -> str:
     if not app_dir.is_dir():
         raise CodeMismatch(f"this run's app is not installed where Flower keeps it ({app_dir}); run `flwr run .` again")
     want = code_sha256(app_dir)
+    digests = {code_root(): ours}  # each root hashed once
     found: list[tuple[str, Path | None]] = [("this ServerApp", code_root())]
     if simulation:
         with tempfile.TemporaryDirectory() as neutral:  # what the environment itself installs
             found += [("this environment's Python", imported_root(sys.executable, d)) for d in (cwd, Path(neutral))]
     for where, root in found:
-        if root is not None and code_sha256(root) != want:
+        if root is None:
+            continue
+        if root not in digests:
+            digests[root] = code_sha256(root)
+        if digests[root] != want:
             raise CodeMismatch(
                 f"{where} imports the project from {root}, which differs from this run's app "
                 f"({app_dir}; python {sys.executable}, working dir {cwd}), and the run would execute "
                 "that code. Either the SuperLink serving this run was started from another checkout or "
                 "environment: stop it (a local SuperLink: `python -m server_app.local_superlink stop "
-                f"--flwr-home {_flwr_home()}`) and run `flwr run .` again; or the project is installed "
+                f"--flwr-home {flwr_home()}`) and run `flwr run .` again; or the project is installed "
                 "there without `-e` and this checkout has changed since: `pip install -e .` there"
             )
     return want
-
-
-def _flwr_home() -> str:
-    # as server_app.local_superlink.flwr_home, which fl_app may not import
-    return os.environ.get("FLWR_HOME") or str(Path.home() / ".flwr")
 
 
 @functools.cache
@@ -118,5 +119,5 @@ def check_node_code(want: str, node: str) -> None:
             f"from this run's app (this node's sha256 {got[:12]}..., the run's {want[:12]}...): the "
             "SuperNode or SuperLink serving it was started from another checkout or environment, or "
             "its checkout changed after it started. Start it again from the run's code (a local "
-            f"SuperLink: `python -m server_app.local_superlink stop --flwr-home {_flwr_home()}`)"
+            f"SuperLink: `python -m server_app.local_superlink stop --flwr-home {flwr_home()}`)"
         )

@@ -25,12 +25,9 @@ from pathlib import Path
 
 import psutil
 
+from fl_app.host import flwr_home
+
 LOG_FLAG = "--log-file"
-
-
-def flwr_home() -> Path:
-    """The FLWR_HOME `flwr` uses: $FLWR_HOME, else ~/.flwr."""
-    return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr")
 
 
 def _log_file(home: Path) -> Path:
