@@ -6,6 +6,8 @@ import os
 import platform
 from pathlib import Path
 
+from threadpoolctl import threadpool_limits
+
 
 def usable_cores() -> int:
     """CPU cores this process may run on: its affinity mask where the OS has one (`taskset`,
@@ -29,3 +31,16 @@ def cpu_model() -> str:
 def flwr_home() -> Path:
     """The FLWR_HOME `flwr` uses: $FLWR_HOME, else ~/.flwr."""
     return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr")
+
+
+def single_threaded_blas() -> None:
+    """Run numpy's BLAS in the calling thread, for the rest of this process.
+
+    In a Flower simulation the ServerApp is a thread of `flwr-simulation`, whose main thread
+    meanwhile starts Ray's processes with `fork`. OpenBLAS's fork handler stops its worker
+    threads, and a BLAS call in flight in another thread (the partition report's matrix products)
+    then waits for them forever: the run hangs at "Starting Flower Simulation" (2 of 8 runs on a
+    2-core box, 2026-12-05). One thread needs no worker, so nothing waits; the server's numpy
+    work is small. (torch's own CPU kernels do not go through this BLAS.)
+    """
+    threadpool_limits(1, user_api="blas")

@@ -43,6 +43,7 @@ from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 from envs.ports import bind_listener
 from fl_app.aggregate import NonFiniteWeightsError
 from fl_app.config import Config, load_config, recipe_sha256, save_config
+from fl_app.host import single_threaded_blas
 from fl_app.outcomes import outcome_shares_of
 from fl_app.plots import plot_validation
 from fl_app.provenance import check_server_code
@@ -65,6 +66,8 @@ from server_app.strategy import (
     metrics_of,
 )
 
+# Flower's simulation engine forks beside the thread this module runs in (single_threaded_blas).
+single_threaded_blas()
 app = ServerApp()
 NODE_WAIT_S = 120.0
 HEARTBEAT_S = 30.0
