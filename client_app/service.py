@@ -6,7 +6,8 @@ and rollout engine must outlive both, so they live here; the ClientApp is a thin
 (`client_app.lane`) that talks to this process over a Unix socket.
 
 Lifecycle: started by the first ClientApp message of its node on its lane; serves requests one
-at a time; exits on `POST /shutdown` (sent when the run ends), after
+at a time, all of its torch work (start-up, every request, close) on one thread
+(`compute_thread`); exits on `POST /shutdown` (sent when the run ends), after
 `run.service_idle_timeout_s` without a request, or as soon as its owner is gone (the simulation
 actor that started it, or in deployment the SuperNode: `client_app.runtime_dir.node_owner`),
 then abandoning a request or start-up in progress, since nobody would read its answer. It
@@ -22,6 +23,7 @@ so the caller's error names the root cause instead of a bare `Internal Server Er
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import gc
@@ -33,8 +35,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
 import psutil
@@ -390,8 +394,27 @@ def _refusal(status: int) -> Any:
     return handler
 
 
-def create_app(svc: TrainerService, stop: threading.Event) -> FastAPI:
+T = TypeVar("T")
+
+
+def compute_thread() -> ThreadPoolExecutor:
+    """The one thread that runs a lane's torch work, from start-up to close.
+
+    torch's CPU kernels run on OpenMP, and libgomp keeps a pool of worker threads for every
+    thread that ever ran a parallel region. Once those pools together hold more threads than the
+    machine has cores, libgomp stops spinning at its barriers and puts the threads to sleep at
+    every one of them: a lane built on its main thread and serving fits from a web server's
+    worker threads slept ~4,000 times a second, used 1.4 of 2 cores and fitted 1.25-1.35x slower
+    than the same fit in one thread (2026-12-05, docs/benchmarks.md)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="lane-compute")
+
+
+def create_app(svc: TrainerService, stop: threading.Event, compute: ThreadPoolExecutor) -> FastAPI:
+    """The service's HTTP API; requests that touch the trainer run on `compute` (`compute_thread`)."""
     app = FastAPI(title="fedagent trainer service")
+
+    async def on_compute(work: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(compute, work, *args)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -422,16 +445,16 @@ def create_app(svc: TrainerService, stop: threading.Event) -> FastAPI:
         }
 
     @app.post("/fit")
-    def fit(body: FitBody) -> dict[str, Any]:
-        return svc.fit(body)
+    async def fit(body: FitBody) -> dict[str, Any]:
+        return await on_compute(svc.fit, body)
 
     @app.post("/evaluate")
-    def evaluate(body: EvalBody) -> dict[str, Any]:
-        return svc.evaluate(body)
+    async def evaluate(body: EvalBody) -> dict[str, Any]:
+        return await on_compute(svc.evaluate, body)
 
     @app.post("/init")
-    def init(body: InitBody) -> dict[str, Any]:
-        return svc.init(body)
+    async def init(body: InitBody) -> dict[str, Any]:
+        return await on_compute(svc.init, body)
 
     @app.post("/shutdown")
     def shutdown() -> dict[str, Any]:
@@ -527,19 +550,21 @@ def main(argv: list[str] | None = None) -> int:
     stop, terminated = threading.Event(), threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: terminated.set())  # uvicorn's own handler takes over while serving
     sock = Path(args.socket)
-    server = uvicorn.Server(uvicorn.Config(create_app(svc, stop), log_level="warning", timeout_keep_alive=600))
+    compute = compute_thread()
+    server = uvicorn.Server(uvicorn.Config(create_app(svc, stop, compute), log_level="warning", timeout_keep_alive=600))
     owner = NodeOwner.from_arg(args.owner) if args.owner else None
     threading.Thread(
         target=_watchdog, daemon=True, args=(svc, server, stop, terminated, owner, cfg.run.service_idle_timeout_s, sock)
     ).start()
     try:
         with svc.lock:
-            svc.start()
+            compute.submit(svc.start).result()
         listener = bind_private_socket(sock)
         log.info("serving run %d lane %s on %s", args.run_id, args.lane, sock)
         server.run(sockets=[listener])
     finally:
-        svc.close()
+        compute.submit(svc.close).result()
+        compute.shutdown()
         sock.unlink(missing_ok=True)
         log.info("stopped after %d fits, %d evaluations", svc.fits, svc.evals)
     return 0

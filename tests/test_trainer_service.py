@@ -1,10 +1,12 @@
 """The lane's trainer service as a real process (`client_app.service` behind `LaneService`): once
 its owner (the simulation actor that started it) is gone, it exits within seconds, even in the
 middle of its start-up or of a fit, since nobody would read the answer, and it stops the env
-service it started (invariant 22). A stopped run must not keep a lane training."""
+service it started (invariant 22). A stopped run must not keep a lane training. And it computes
+on one thread, so its OpenMP threads spin instead of sleeping at every barrier."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -14,11 +16,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F401
+from trainer_support import model_dir, one_torch_thread, random_model_dir, small_config  # noqa: F401
 
 from client_app.lane import LaneService, ServiceError
 from client_app.runtime_dir import NodeOwner
 from fl_app.config import save_config
+from fl_app.host import usable_cores
 
 EXIT_WITHIN_S = 5.0
 
@@ -123,3 +126,40 @@ def test_service_whose_owner_dies_mid_fit_abandons_the_fit(tmp_path, model_dir, 
     assert "fit 1 (" not in log and not out_dir.exists()  # abandoned, not finished
     assert waited < EXIT_WITHIN_S, f"the service took {waited:.1f} s to abandon its fit"
     assert errors and isinstance(errors[0], ServiceError)
+
+
+def _voluntary_switches(proc: psutil.Process) -> int:
+    """Times the process's threads went to sleep (/proc: psutil's count is the main thread's)."""
+    total = 0
+    for task in Path(f"/proc/{proc.pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(usable_cores() < 2 or not Path("/proc/self/task").is_dir(), reason="needs 2 cores and Linux /proc")
+def test_a_lane_s_openmp_threads_keep_spinning_through_a_fit(tmp_path, owner):
+    """All of a lane's torch work runs on one thread (`client_app.service.compute_thread`). Built
+    on one thread and fitting on another, the lane had two OpenMP pools, and libgomp then put its
+    threads to sleep at every barrier: ~8,800 sleeps a second, fits 1.25-1.35x slower. (A model
+    wide enough that loading and training it run parallel regions: 128 wide.)"""
+    lane = _lane_service(tmp_path, random_model_dir(tmp_path / "wide", hidden_size=128), owner.pid)
+    service = psutil.Process(lane.ensure_started()["pid"])
+    init_dir = tmp_path / "run" / "w0" / "actor"
+    lane.request("/init", {"run_id": 7, "weights_out": {"actor": str(init_dir)}})
+    body = {
+        "run_id": 7,
+        "round": 1,
+        "client_id": 0,
+        "local_epochs": 4,
+        "seed": 0,
+        "weights_in": {"actor": str(init_dir)},
+        "weights_out": {"actor": str(tmp_path / "run" / "w1" / "actor")},
+    }
+    before, t0 = _voluntary_switches(service), time.monotonic()
+    lane.request("/fit", body)
+    rate = (_voluntary_switches(service) - before) / (time.monotonic() - t0)
+    lane.request("/shutdown", {})
+    assert rate < 1000, f"the lane's threads slept {rate:.0f} times a second during a fit"

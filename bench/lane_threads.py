@@ -1,0 +1,138 @@
+"""A lane's fits on one compute thread, next to the same fits with two OpenMP pools in the process.
+
+    python -m bench.lane_threads --json /tmp/lane-threads.json      # the default recipe, CPU
+
+torch's CPU kernels run on OpenMP, and libgomp keeps a pool of worker threads for every thread
+that ran a parallel region. Until 2026-12-05 the trainer service built its trainer on its main
+thread and served requests from a web server's worker threads: two pools, more pool threads than
+cores, and libgomp then sleeps at every barrier instead of spinning. Now every torch call of a
+lane runs on one thread (`client_app.service.compute_thread`). Two arms, each a fresh process
+that builds the default recipe's trainer on its main thread, then fits round 1's first
+`--clients` of the default run (their shards, the initial weights, E local epochs):
+- *one thread* (the lane now): the fits run on the thread that built the trainer;
+- *two pools* (the lane before): the fits run on a second, long-lived thread.
+Arms alternate `--repeats` times. Per fit: wall, CPU seconds of the process, and how often its
+threads went to sleep (voluntary context switches, all threads). The fits are bit-identical in
+both arms (their training success is printed); the ratio is two pools' wall over one thread's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROUND = 1
+DEFAULT_CLIENTS = (55, 9)  # round 1 of the default run (seed 0)
+
+
+def _sleeps() -> int:
+    """Voluntary context switches of every thread of this process."""
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total
+
+
+def child(mode: str, clients: list[int], overrides: list[str]) -> list[dict[str, Any]]:
+    """One arm in this process: build on the main thread, fit on it or on a second thread."""
+    from client_app.trainer import make_trainer
+    from client_app.trainer.base import FitRequest
+    from envs.service import serve_in_subprocess
+    from fl_app.config import load_config
+    from partitions.pool import build_pool
+    from partitions.registry import plan_partition
+
+    cfg = load_config("tiny-shop-grpo", overrides=dict(o.split("=", 1) for o in overrides))
+    plan = plan_partition(cfg, build_pool(cfg.env.name, cfg.env.params))
+    records: list[dict[str, Any]] = []
+    with serve_in_subprocess(cfg.env.name, cfg.env.pool_size, cfg.env.params) as url:
+        trainer = make_trainer(cfg, url, run_dir=Path(tempfile.mkdtemp(prefix="lane-threads-")))
+        initial = {k: v.clone() for k, v in trainer.export_weights().items()}  # parallel copies: a pool
+
+        def fits() -> None:
+            for c in clients:
+                trainer.load_weights(initial)
+                req = FitRequest(
+                    round=ROUND,
+                    client_id=c,
+                    task_indices=plan.shard(c),
+                    local_epochs=cfg.federation.local_epochs,
+                    seed=cfg.run.seed,
+                    proximal_mu=0.0,
+                )
+                r0, s0, t0 = resource.getrusage(resource.RUSAGE_SELF), _sleeps(), time.perf_counter()
+                m = trainer.fit(req).metrics
+                wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+                cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+                records.append(
+                    {
+                        "client": c,
+                        "wall_s": wall,
+                        "cpu_s": cpu,
+                        "cores": cpu / wall,
+                        "sleeps_per_s": (_sleeps() - s0) / wall,
+                        "rollout_s": m["rollout_s"],
+                        "update_s": m["update_s"],
+                        "train_success": m["train_success"],
+                    }
+                )
+
+        try:
+            if mode == "one-thread":
+                fits()
+            else:
+                worker = threading.Thread(target=fits, name="request-worker")
+                worker.start()
+                worker.join()
+        finally:
+            trainer.close()
+    return records
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, nargs="+", default=list(DEFAULT_CLIENTS))
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--child", choices=("one-thread", "two-pools"), help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="recipe overrides, a.b=c")
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, args.clients, args.overrides)), flush=True)
+        return
+    arms: dict[str, list[dict[str, Any]]] = {"one-thread": [], "two-pools": []}
+    for rep in range(args.repeats):
+        order = ["one-thread", "two-pools"] if rep % 2 == 0 else ["two-pools", "one-thread"]
+        for mode in order:
+            cmd = [sys.executable, "-m", "bench.lane_threads", "--child", mode, "--clients", *map(str, args.clients)]
+            out = subprocess.run([*cmd, *args.overrides], capture_output=True, text=True, check=True).stdout
+            rows = json.loads(out.split("RESULT ", 1)[1])
+            arms[mode] += rows
+            for r in rows:
+                print(
+                    f"{mode:10s} client {r['client']:3d}: {r['wall_s']:5.1f} s (rollout {r['rollout_s']:.1f}, update "
+                    f"{r['update_s']:.1f}), {r['cores']:.2f} cores, {r['sleeps_per_s']:7.0f} sleeps/s, "
+                    f"train success {r['train_success']:.4f}",
+                    flush=True,
+                )
+    wall = {m: sum(r["wall_s"] for r in rows) for m, rows in arms.items()}
+    ratio = wall["two-pools"] / wall["one-thread"]
+    print(f"fits' wall: one thread {wall['one-thread']:.1f} s, two pools {wall['two-pools']:.1f} s: x{ratio:.2f}")
+    if args.json:
+        report = {"machine": platform.processor() or platform.machine(), "arms": arms, "ratio": ratio}
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
