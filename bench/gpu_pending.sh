@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements issue #17 still lacks (docs/benchmarks.md, top), one after the other on one
+# Issue #17's GPU measurements (docs/benchmarks.md, top), one after the other on one
 # GPU node with the builtin + verl wheel sets installed (docs/offline-gpu.md). Each step runs under
 # its own time limit and writes its log to RESULTS/<step>.log; RESULTS/chain.log has start, end,
 # exit code and seconds of each. Start it detached so it outlives the shell that started it:
