@@ -403,9 +403,8 @@ def compute_thread() -> ThreadPoolExecutor:
     torch's CPU kernels run on OpenMP, and libgomp keeps a pool of worker threads for every
     thread that ever ran a parallel region. Once those pools together hold more threads than the
     machine has cores, libgomp stops spinning at its barriers and puts the threads to sleep at
-    every one of them: a lane built on its main thread and serving fits from a web server's
-    worker threads slept ~4,000 times a second, used 1.4 of 2 cores and fitted 1.25-1.35x slower
-    than the same fit in one thread (2026-12-05, docs/benchmarks.md)."""
+    every one of them. A lane built on its main thread that fits on a web server's worker
+    threads has two pools (docs/benchmarks.md, "The lane's threads", has what that cost)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="lane-compute")
 
 

@@ -39,8 +39,8 @@ def single_threaded_blas() -> None:
     In a Flower simulation the ServerApp is a thread of `flwr-simulation`, whose main thread
     meanwhile starts Ray's processes with `fork`. OpenBLAS's fork handler stops its worker
     threads, and a BLAS call in flight in another thread (the partition report's matrix products)
-    then waits for them forever: the run hangs at "Starting Flower Simulation" (2 of 8 runs on a
-    2-core box, 2026-12-05). One thread needs no worker, so nothing waits; the server's numpy
-    work is small. (torch's own CPU kernels do not go through this BLAS.)
+    then waits for them forever: the run hangs at "Starting Flower Simulation" (docs/reliability.md).
+    One thread needs no worker, so nothing waits; the server's numpy work is small. (torch's own
+    CPU kernels do not go through this BLAS.)
     """
     threadpool_limits(1, user_api="blas")
