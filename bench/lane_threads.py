@@ -30,18 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fl_app.host import voluntary_context_switches
+
 ROUND = 1
 DEFAULT_CLIENTS = (55, 9)  # round 1 of the default run (seed 0)
-
-
-def _sleeps() -> int:
-    """Voluntary context switches of every thread of this process."""
-    total = 0
-    for task in Path("/proc/self/task").iterdir():
-        for line in (task / "status").read_text().splitlines():
-            if line.startswith("voluntary_ctxt_switches:"):
-                total += int(line.split()[1])
-    return total
 
 
 def child(mode: str, clients: list[int], overrides: list[str]) -> list[dict[str, Any]]:
@@ -71,7 +63,7 @@ def child(mode: str, clients: list[int], overrides: list[str]) -> list[dict[str,
                     seed=cfg.run.seed,
                     proximal_mu=0.0,
                 )
-                r0, s0, t0 = resource.getrusage(resource.RUSAGE_SELF), _sleeps(), time.perf_counter()
+                r0, s0, t0 = resource.getrusage(resource.RUSAGE_SELF), voluntary_context_switches(), time.perf_counter()
                 m = trainer.fit(req).metrics
                 wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
                 cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
@@ -81,7 +73,7 @@ def child(mode: str, clients: list[int], overrides: list[str]) -> list[dict[str,
                         "wall_s": wall,
                         "cpu_s": cpu,
                         "cores": cpu / wall,
-                        "sleeps_per_s": (_sleeps() - s0) / wall,
+                        "sleeps_per_s": (voluntary_context_switches() - s0) / wall,
                         "rollout_s": m["rollout_s"],
                         "update_s": m["update_s"],
                         "train_success": m["train_success"],

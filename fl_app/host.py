@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from pathlib import Path
@@ -31,6 +32,18 @@ def cpu_model() -> str:
 def flwr_home() -> Path:
     """The FLWR_HOME `flwr` uses: $FLWR_HOME, else ~/.flwr."""
     return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr")
+
+
+def voluntary_context_switches(pid: int | str = "self") -> int:
+    """How often the threads of process `pid` went to sleep so far, all threads summed (Linux
+    /proc; psutil's count is the main thread's). Sleeps at OpenMP barriers show up here."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+    return total
 
 
 def single_threaded_blas() -> None:

@@ -76,7 +76,7 @@ def check_server_code(app_dir: Path | None, cwd: Path, simulation: bool) -> str:
     started in `cwd` or anywhere else, does too. In a deployment the nodes import the app's own
     copy and check themselves. `app_dir`: where Flower installed the run's FAB; None for a run
     without one, whose nodes are then held to this process's code."""
-    ours = code_sha256(code_root())
+    ours = _own_code()
     if app_dir is None:
         return ours
     if not app_dir.is_dir():

@@ -6,7 +6,6 @@ on one thread, so its OpenMP threads spin instead of sleeping at every barrier."
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from trainer_support import model_dir, one_torch_thread, random_model_dir, small
 from client_app.lane import LaneService, ServiceError
 from client_app.runtime_dir import NodeOwner
 from fl_app.config import save_config
-from fl_app.host import usable_cores
+from fl_app.host import usable_cores, voluntary_context_switches
 
 EXIT_WITHIN_S = 5.0
 
@@ -128,17 +127,6 @@ def test_service_whose_owner_dies_mid_fit_abandons_the_fit(tmp_path, model_dir, 
     assert errors and isinstance(errors[0], ServiceError)
 
 
-def _voluntary_switches(proc: psutil.Process) -> int:
-    """Times the process's threads went to sleep (/proc: psutil's count is the main thread's)."""
-    total = 0
-    for task in Path(f"/proc/{proc.pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError):
-            for line in (task / "status").read_text().splitlines():
-                if line.startswith("voluntary_ctxt_switches:"):
-                    total += int(line.split()[1])
-    return total
-
-
 @pytest.mark.skipif(usable_cores() < 2 or not Path("/proc/self/task").is_dir(), reason="needs 2 cores and Linux /proc")
 def test_a_lane_s_openmp_threads_keep_spinning_through_a_fit(tmp_path, owner):
     """All of a lane's torch work runs on one thread (`client_app.service.compute_thread`). Built
@@ -158,8 +146,8 @@ def test_a_lane_s_openmp_threads_keep_spinning_through_a_fit(tmp_path, owner):
         "weights_in": {"actor": str(init_dir)},
         "weights_out": {"actor": str(tmp_path / "run" / "w1" / "actor")},
     }
-    before, t0 = _voluntary_switches(service), time.monotonic()
+    before, t0 = voluntary_context_switches(service.pid), time.monotonic()
     lane.request("/fit", body)
-    rate = (_voluntary_switches(service) - before) / (time.monotonic() - t0)
+    rate = (voluntary_context_switches(service.pid) - before) / (time.monotonic() - t0)
     lane.request("/shutdown", {})
     assert rate < 1000, f"the lane's threads slept {rate:.0f} times a second during a fit"
