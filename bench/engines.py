@@ -18,9 +18,10 @@ Arms (`--arms`, comma-separated; all by default):
            passes, 2 x params x tokens each, are reported apart)
   verl     the same pass on verl's FSDP2 engine from the same weights (verl's defaults on CUDA,
            the LM head at response positions only: client_app/trainer/verl_head.py), then on
-           the same engine scoring as verl itself does (full logits at every position), and once
-           more with `--verl-variant` overrides if given, so the ratios to builtin and what moves
-           them come from one run
+           the same engine scoring as verl itself does (full logits at every position; skip with
+           `--no-full-logits`), with the reference offloaded to the CPU as verl keeps it
+           (`--verl-ref-offloaded`), and once more per `--verl-variant` of overrides, so the
+           ratios to builtin and what moves them come from one run
   io       the engine's load_weights + export_weights, and save_shards / load_shards of the
            model, next to a raw write / read of the same bytes
 
@@ -173,30 +174,36 @@ class UpdateTarget(Protocol):
     def load_weights(self, state: Any, member: str = "actor") -> None: ...
 
 
-def update_arm(trainer: UpdateTarget, episodes: list, rows: list, device: torch.device, peak: float) -> dict:
-    """One policy pass over `rows` from the engine's current weights (restored after)."""
+def update_arm(
+    trainer: UpdateTarget, episodes: list, rows: list, device: torch.device, peak: float, repeats: int = 1
+) -> dict:
+    """A policy pass over `rows` from the engine's current weights (restored after each), the
+    fastest of `repeats` (this machine's hiccups only ever slow a pass down)."""
     start = trainer.export_weights()
     advantages, _ = ADVANTAGES["group_relative"](episodes, rows, None, trainer.cfg.algo)
     params = sum(t.numel() for t in start.values())
     tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)
     e = trainer.engine
-    _sync(device)
-    t0 = time.perf_counter()
-    e.log_probs(rows, "policy")
-    if trainer.policy_loss.kl_coef > 0:
-        e.log_probs(rows, "reference")
-    _sync(device)
-    t_score = time.perf_counter() - t0
-    e.begin_fit(reference_from_policy=False)
-    try:
+    passes, scores = [], []
+    for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
-        metrics = policy_pass(e, trainer.policy_loss, rows, advantages, trainer.cfg.algo.mini_batch_size, seed=3)
+        e.log_probs(rows, "policy")
+        if trainer.policy_loss.kl_coef > 0:
+            e.log_probs(rows, "reference")
         _sync(device)
-        t_pass = time.perf_counter() - t0
-    finally:
-        e.end_fit()
-        trainer.load_weights(start)
+        scores.append(time.perf_counter() - t0)
+        e.begin_fit(reference_from_policy=False)
+        try:
+            _sync(device)
+            t0 = time.perf_counter()
+            metrics = policy_pass(e, trainer.policy_loss, rows, advantages, trainer.cfg.algo.mini_batch_size, seed=3)
+            _sync(device)
+            passes.append(time.perf_counter() - t0)
+        finally:
+            e.end_fit()
+            trainer.load_weights(start)
+    t_pass, t_score = min(passes), min(scores)
     t_steps = max(t_pass - t_score, 1e-9)  # the pass recomputes the log-probs first
     return {
         "rows": len(rows),
@@ -204,6 +211,7 @@ def update_arm(trainer: UpdateTarget, episodes: list, rows: list, device: torch.
         "params_m": round(params / 1e6, 1),
         "optimizer_steps": metrics["optimizer_steps"],
         "pass_s": round(t_pass, 3),
+        "pass_s_each": [round(t, 3) for t in passes],
         "score_s": round(t_score, 3),
         "steps_s": round(t_steps, 3),
         "train_tokens_per_s": round(tokens / t_steps, 1),
@@ -258,6 +266,72 @@ def io_arm(trainer: RLTrainer, tmp: Path) -> dict:
     }
 
 
+def verl_arms(
+    args: argparse.Namespace,
+    start: dict[str, torch.Tensor],
+    episodes: list,
+    rows: list,
+    device: torch.device,
+    peak: float,
+    tmp: Path,
+) -> dict:
+    """The verl update arm and its variants, each a fresh engine from the same weights. A
+    variant that fails is recorded with its error and the rest still run."""
+    from client_app.trainer import verl_config
+    from client_app.trainer.verl_backend import VerlEngine
+
+    compose = verl_config.recipe_overrides
+    # (label, extra verl overrides, LM head at response positions only, reference offloaded)
+    variants: list[tuple[str, list[str], bool, bool]] = [("update_verl", [], True, False)]
+    if args.verl_ref_offloaded:
+        variants.append(("update_verl_ref_offloaded", [], True, True))
+    if not args.no_full_logits:
+        variants.append(("update_verl_full_logits", [], False, False))
+    for i, variant in enumerate(args.verl_variant):
+        variants.append((f"update_verl_variant{i or ''}", variant.split(","), True, False))
+    out: dict[str, Any] = {}
+    try:
+        for label, extra, response_only, offload_reference in variants:
+            verl_config.recipe_overrides = lambda *a, extra=extra: compose(*a) + extra
+            VerlEngine.offload_reference = offload_reference
+            cfg = bench_config(args, "vllm" if device.type == "cuda" else "hf", backend="verl")
+            engine = None
+            try:
+                engine = make_engine(cfg, args.model, tmp / label)  # no rollout engine: one vLLM per process
+                assert isinstance(engine, VerlEngine)
+                for worker in (engine.actor, engine.ref):
+                    if worker is not None:
+                        worker.engine.score_response_only = response_only
+                # a stand-in with UpdateTarget's members (SimpleNamespace: mypy cannot see them, hence the cast)
+                verl = SimpleNamespace(
+                    engine=engine,
+                    cfg=cfg,
+                    policy_loss=loss_specs(cfg)[0],
+                    close=engine.close,
+                    export_weights=engine.export_weights,
+                    load_weights=engine.load_weights,
+                )
+                verl.load_weights(start)
+                out[label] = {
+                    "overrides": extra,
+                    **update_arm(cast(UpdateTarget, verl), episodes, rows, device, peak, args.repeats),
+                }
+            except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
+                out[label] = {"overrides": extra, "error": f"{type(e).__name__}: {e}"[:1000]}
+            finally:
+                if engine is not None:
+                    engine.close()
+            print(json.dumps({label: out[label]}), flush=True)
+    finally:
+        verl_config.recipe_overrides = compose
+        VerlEngine.offload_reference = False
+    base = out["update_verl"].get("pass_s")
+    for label in [v[0] for v in variants[1:]]:
+        if base and "pass_s" in out[label]:
+            out[f"{label}_over_update_verl_pass_s"] = round(out[label]["pass_s"] / base, 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.engines", description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, help="local Hugging Face model directory")
@@ -272,10 +346,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--update-rows", type=int, default=320, help="rows the update arms train on (the rollout's first)")
     ap.add_argument(
         "--verl-variant",
-        default="",
+        action="append",
+        default=[],
         help="verl overrides (comma-separated Hydra a.b=c) for one more verl engine, e.g. "
-        "actor_rollout_ref.actor.use_torch_compile=False",
+        "actor_rollout_ref.actor.use_torch_compile=False (repeatable: one engine each)",
     )
+    ap.add_argument(
+        "--verl-ref-offloaded",
+        action="store_true",
+        help="one more verl engine whose reference sits in pinned CPU memory, as verl keeps it",
+    )
+    ap.add_argument("--no-full-logits", action="store_true", help="skip the verl engine that scores full logits")
+    ap.add_argument("--repeats", type=int, default=1, help="passes per update arm; the fastest is reported")
     ap.add_argument("--json", type=Path)
     ap.add_argument("overrides", nargs="*", help="recipe overrides, a.b=c")
     args = ap.parse_args(argv)
@@ -337,50 +419,13 @@ def main(argv: list[str] | None = None) -> int:
             if update_trainer is None:
                 update_trainer = RLTrainer(base, make_engine(base, args.model), args.model, None)
             if "update" in arms:
-                report["update_builtin"] = update_arm(update_trainer, episodes, rows, device, peak)
+                report["update_builtin"] = update_arm(update_trainer, episodes, rows, device, peak, args.repeats)
                 print(json.dumps({"update_builtin": report["update_builtin"]}), flush=True)
             start = update_trainer.export_weights()
             update_trainer.close()
             if "verl" in arms:
-                from client_app.trainer import verl_config
-                from client_app.trainer.verl_backend import VerlEngine
-
-                compose = verl_config.recipe_overrides
-                variants: list[tuple[str, list[str], bool]] = [
-                    ("update_verl", [], True),
-                    ("update_verl_full_logits", [], False),
-                ]
-                if args.verl_variant:
-                    variants.append(("update_verl_variant", args.verl_variant.split(","), True))
-                for label, extra, response_only in variants:
-                    verl_config.recipe_overrides = lambda *a, extra=extra: compose(*a) + extra
-                    cfg = bench_config(args, "vllm" if device.type == "cuda" else "hf", backend="verl")
-                    engine = make_engine(cfg, args.model, Path(tmp) / label)  # no rollout engine: one vLLM per process
-                    assert isinstance(engine, VerlEngine)
-                    for worker in (engine.actor, engine.ref):
-                        if worker is not None:
-                            worker.engine.score_response_only = response_only
-                    # a stand-in with UpdateTarget's members (SimpleNamespace: mypy cannot see them, hence the cast)
-                    verl = SimpleNamespace(
-                        engine=engine,
-                        cfg=cfg,
-                        policy_loss=loss_specs(cfg)[0],
-                        close=engine.close,
-                        export_weights=engine.export_weights,
-                        load_weights=engine.load_weights,
-                    )
-                    verl.load_weights(start)
-                    report[label] = {
-                        "overrides": extra,
-                        **update_arm(cast(UpdateTarget, verl), episodes, rows, device, peak),
-                    }
-                    verl.close()
-                    print(json.dumps({label: report[label]}), flush=True)
-                verl_config.recipe_overrides = compose
-                report["verl_full_logits_over_verl_pass_s"] = round(
-                    report["update_verl_full_logits"]["pass_s"] / report["update_verl"]["pass_s"], 2
-                )
-                if "update" in arms:
+                report.update(verl_arms(args, start, episodes, rows, device, peak, Path(tmp)))
+                if "update" in arms and "pass_s" in report["update_verl"]:
                     report["verl_over_builtin_pass_s"] = round(
                         report["update_verl"]["pass_s"] / report["update_builtin"]["pass_s"], 2
                     )

@@ -29,6 +29,7 @@ import dataclasses
 import gc
 import json
 import logging
+import mmap
 import os
 import signal
 import socket
@@ -38,10 +39,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
+import numpy as np
 import psutil
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,17 +54,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from client_app import memory_debug
 from client_app.runtime_dir import NodeOwner, remove_own_files
 from client_app.trainer.base import EvalRequest, FitRequest, Trainer
-from client_app.trainer.device import freeze_survivors
+from client_app.trainer.device import freeze_survivors, resolve_device
 from client_app.variant_envs import VariantEnvServices
 from envs.registry import make_env
 from fl_app.config import Config, load_config
 from fl_app.paths import PathEscapeError, confine
-from fl_app.weights import Manifest, WeightsError, load_shards, save_shards
+from fl_app.weights import Manifest, ShardAlloc, WeightsError, anon_buffer, load_shards, save_shards
 from partitions.pool import TaskPool
 from partitions.registry import plan_partition
-
-if TYPE_CHECKING:
-    import torch
 
 
 def shared_store_root(cfg: Config) -> tuple[Path, ...]:
@@ -121,8 +121,6 @@ def cuda_memory_mb() -> dict[str, float]:
     """This process's current allocated CUDA memory and the device's used memory (every
     process, vLLM's own pool included), read at the fit's fixed phase point (after export;
     invariant 24). Empty on a CPU lane (CUDA is never initialised just to read this)."""
-    import torch
-
     if not torch.cuda.is_initialized():
         return {}
     torch.cuda.synchronize()
@@ -131,6 +129,38 @@ def cuda_memory_mb() -> dict[str, float]:
         "service_cuda_allocated_mb": torch.cuda.memory_allocated() / 2**20,
         "service_device_used_mb": (total - free) / 2**20,
     }
+
+
+class ReadBuffers:
+    """The host memory a lane reads each round's global into, kept per member and shard and
+    reused every round: page-locked on a CUDA lane, so loading the weights into the model copies
+    at the link's speed (the driver stages pageable memory through its own pinned buffers), with
+    the pinning paid once per lane; an anonymous mapping on a CPU lane (`anon_buffer`). A buffer
+    is overwritten only when no tensor views it any more (`TrainerService.read` drops its last
+    read first); one still viewed is left to its holders and replaced by a fresh one."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._bufs: dict[tuple[str, int], np.ndarray | mmap.mmap] = {}
+
+    def alloc(self, member: str) -> ShardAlloc:
+        def get(index: int, size: int) -> np.ndarray | mmap.mmap:
+            size = max(size, 1)
+            buf: np.ndarray | mmap.mmap | None = self._bufs.get((member, index))
+            # held by the dict, `buf` and getrefcount's argument only: no tensor views it any more
+            if buf is not None and len(buf) == size and sys.getrefcount(buf) <= 3:
+                return buf
+            if self.pin:
+                buf = torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
+            else:
+                buf = anon_buffer(size)
+            self._bufs[(member, index)] = buf
+            return buf
+
+        return get
+
+    def clear(self) -> None:
+        self._bufs.clear()
 
 
 class TrainerService:
@@ -147,6 +177,7 @@ class TrainerService:
         self.evals = 0
         # per member, the last weights read: (manifest sha256, verified CPU state); see read()
         self._last_read: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+        self._read_buffers = ReadBuffers(pin=resolve_device(cfg.run.device).type == "cuda")
         self._stack = contextlib.ExitStack()
         self.trainer: Trainer | None = None
         self.env_url = ""
@@ -261,8 +292,9 @@ class TrainerService:
         last = self._last_read.get(member)
         if last is not None and last[0] == manifest.sha256:
             return last[1], True
-        self._last_read.pop(member, None)  # free the old state before reading the new
-        state = load_shards(manifest)
+        del last  # this and the kept read go: the old state dies before the new is read into its buffers
+        self._last_read.pop(member, None)
+        state = load_shards(manifest, alloc=self._read_buffers.alloc(member))
         self._last_read[member] = (manifest.sha256, state)
         return state, False
 
@@ -280,6 +312,7 @@ class TrainerService:
 
     def close(self) -> None:
         self._last_read.clear()
+        self._read_buffers.clear()
         try:
             self._stack.close()
         finally:

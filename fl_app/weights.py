@@ -782,16 +782,23 @@ def anon_buffer(size: int) -> mmap.mmap:
     return mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-def read_shard(manifest: Manifest, index: int, verify: bool = True) -> dict[str, torch.Tensor]:
+# (shard index, bytes) -> a writable buffer of at least that many bytes for the shard's data
+ShardAlloc = Callable[[int, int], Any]
+
+
+def read_shard(
+    manifest: Manifest, index: int, verify: bool = True, alloc: ShardAlloc | None = None
+) -> dict[str, torch.Tensor]:
     """One shard's tensors, in manifest order, after checking its size and digest.
 
-    The tensors are writable views on one freshly read buffer (one disk read, no extra copy);
-    the digest is computed on a second thread while the next chunk is read.
+    The tensors are writable views on one buffer (one disk read, no extra copy): fresh memory,
+    or what `alloc` hands out (e.g. a lane's pinned buffers, reused every round). The digest is
+    computed on a second thread while the next chunk is read.
     """
     with ThreadPoolExecutor(1, thread_name_prefix="shard-verify") as pool:
         stream = ShardStream(manifest, index, verify, pool)
         with stream:
-            buf = anon_buffer(stream.data_bytes)
+            buf = anon_buffer(stream.data_bytes) if alloc is None else alloc(index, stream.data_bytes)
             view = memoryview(buf)
             for pos in range(0, stream.data_bytes, IO_CHUNK):
                 stream.readinto(view[pos : min(pos + IO_CHUNK, stream.data_bytes)])
@@ -814,14 +821,14 @@ def read_workers(n_shards: int) -> int:
     return max(1, min(n_shards, usable_cores() // 4))
 
 
-def load_shards(src: Path | Manifest, verify: bool = True) -> dict[str, torch.Tensor]:
+def load_shards(src: Path | Manifest, verify: bool = True, alloc: ShardAlloc | None = None) -> dict[str, torch.Tensor]:
     """The full state dict, in the original tensor order; every shard is verified before use.
-    Shards are read in parallel where cores allow (`read_workers`)."""
+    Shards are read in parallel where cores allow (`read_workers`), into `alloc`'s buffers if given."""
     manifest = src if isinstance(src, Manifest) else Manifest.from_dir(src)
     n = len(manifest.shards)
     pool = ThreadPoolExecutor(read_workers(n), thread_name_prefix="shard-read")
     try:
-        futures = [pool.submit(read_shard, manifest, i, verify) for i in range(n)]
+        futures = [pool.submit(read_shard, manifest, i, verify, alloc) for i in range(n)]
         parts = [f.result() for f in futures]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # a bad shard: the ones not yet started are not read

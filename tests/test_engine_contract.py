@@ -255,6 +255,17 @@ def test_master_weights_hold_the_exported_bits_and_write_the_same_shards(ppo, tm
     assert not any(_changed(ppo.export_weights(m), before[m]) for m in ppo.members)  # writing is read-only
 
 
+def test_the_reference_stays_on_the_engine_s_device(ppo):
+    """The reference scores every row of every fit: kept in host memory (verl's choice for a
+    forward-only engine) its weights would cross to the GPU at every micro-batch, which made
+    verl's scoring x2.6 builtin's on an H100 (docs/benchmarks.md)."""
+    ref = ppo.engine.ref
+    assert ref is not None  # SECTIONS set a KL coefficient
+    module = ref if isinstance(ref, torch.nn.Module) else ref.engine.module
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]  # FSDP2: DTensors
+    assert local and {p.device.type for p in local} == {ppo.engine.device.type}
+
+
 def test_load_refuses_foreign_narrow_or_misshapen_weights(ppo, initial):
     weights = initial["actor"]
     name = next(iter(weights))

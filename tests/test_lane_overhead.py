@@ -10,6 +10,7 @@ import weakref
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 from trainer_support import (  # noqa: F401
     assert_flat,
@@ -117,3 +118,55 @@ def test_the_end_of_fit_collection_scans_only_what_the_fit_created_and_memory_st
     print(f"frozen objects after each fit: {frozen}")
     assert frozen[-1] - frozen[2] <= 50, f"the frozen heap grows with every fit: {frozen}"
     assert_flat(rss, warmup=2, model_mb=sum(t.numel() * 4 for t in state.values()) / 2**20)
+
+
+def test_a_lane_reads_every_round_into_the_same_buffers_unless_a_tensor_still_views_them(
+    env_url,  # noqa: F811
+    model_dir,  # noqa: F811
+    tmp_path,
+):
+    """The lane's read buffers (pinned on a CUDA lane) are reused round after round, so the
+    pinning is paid once and one set is held; a buffer some tensor still views is never
+    overwritten: that read gets fresh memory, and the old tensor keeps its values."""
+    from client_app.service import ReadBuffers
+
+    cfg = small_config(model_dir, federation={"clients": 4, "clients_per_round": 2, "tasks_per_client": 20})
+    svc = TrainerService(cfg, run_id=1, lane="cpu", run_dir=tmp_path)
+    try:
+        svc.start()
+        svc.init(InitBody(run_id=1, weights_out={"actor": str(tmp_path / "g0")}))
+        pointers = []
+        for r, global_dir in enumerate(["g0", "c0", "c1"]):  # a round: the validation's read, then a fit
+            svc.evaluate(EvalBody(run_id=1, round=r, seed=0, weights_in=str(tmp_path / global_dir)))
+            pointers.append(sorted(t.data_ptr() for t in svc._last_read["actor"][1].values()))
+            service_fit(svc, r, tmp_path / global_dir, tmp_path / f"c{r}")
+        assert pointers[0] == pointers[1] == pointers[2], "a round's read did not reuse the lane's buffers"
+    finally:
+        svc.close()
+
+    def model(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return {f"w{i}": torch.randn(64, 64, generator=g) for i in range(4)}
+
+    rounds = [save_shards(model(r), tmp_path / f"round-{r}", 40_000) for r in range(2)]
+    buffers = ReadBuffers(pin=False)
+    first = load_shards(rounds[0], alloc=buffers.alloc("actor"))
+    kept = first["w0"]  # a tensor that outlives its read: its buffer must not be overwritten
+    del first
+    second = load_shards(rounds[1], alloc=buffers.alloc("actor"))
+    assert torch.equal(kept, model(0)["w0"]) and second["w0"].data_ptr() != kept.data_ptr()
+    assert all(torch.equal(v, model(1)[k]) for k, v in second.items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_lane_reads_into_pinned_memory(model_dir, tmp_path):  # noqa: F811
+    """A CUDA lane's reads land in page-locked memory, which loads into the model at the link's
+    speed; a CPU lane's do not (nothing to copy to)."""
+    state = {f"w{i}": torch.randn(256, 256) for i in range(3)}
+    manifest = save_shards(state, tmp_path / "w", 300_000)
+    cuda = TrainerService(small_config(model_dir, run={"device": "cuda"}), run_id=1, lane="0", run_dir=tmp_path)
+    cpu = TrainerService(small_config(model_dir, run={"device": "cpu"}), run_id=1, lane="cpu", run_dir=tmp_path)
+    read = load_shards(manifest, alloc=cuda._read_buffers.alloc("actor"))
+    assert all(t.is_pinned() and torch.equal(t, state[k]) for k, t in read.items())
+    assert not any(t.is_pinned() for t in load_shards(manifest, alloc=cpu._read_buffers.alloc("actor")).values())

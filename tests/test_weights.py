@@ -183,10 +183,10 @@ def test_shards_read_in_parallel_on_a_many_core_host_give_the_same_state_and_ref
     met = threading.Barrier(2, timeout=10)
     read_shard = weights.read_shard
 
-    def meeting(m, i, verify=True):  # type: ignore[no-untyped-def]
+    def meeting(m, i, verify=True, alloc=None):  # type: ignore[no-untyped-def]
         if i < 2:
             met.wait()  # raises BrokenBarrierError unless shards 0 and 1 are read at the same time
-        return read_shard(m, i, verify)
+        return read_shard(m, i, verify, alloc)
 
     monkeypatch.setattr(weights, "read_shard", meeting)
     assert _bits_equal(load_shards(tmp_path / "w"), one_by_one) and list(one_by_one) == list(_state())

@@ -313,6 +313,11 @@ class VerlEngine:
     """`engine.TrainingEngine` on verl's FSDP2 training engines (policy, reference, critic)."""
 
     critic_start: CriticStart | None = None  # set when the algorithm trains a critic
+    # verl's own choice for the reference: a forward-only engine under FSDP2's pinned CPU offload,
+    # whose weights then cross to the GPU for every micro-batch it scores. Off (ours), the
+    # reference is a training engine that never steps (its AdamW makes state only at a step),
+    # resident beside the actor; `bench.engines --verl-ref-offloaded` measures the two side by side.
+    offload_reference: bool = False
 
     def __init__(
         self, cfg: Config, model_path: Path, run_dir: Path | str | None = None, reference_path: Path | None = None
@@ -417,10 +422,9 @@ class VerlEngine:
 
         engine_config = copy.deepcopy(role_config.engine)
         micro = micro or self.cfg.algo.micro_batch_size
-        # verl keeps a forward-only FSDP2 module under a pinned-memory CPU offload policy, and
-        # pinning needs CUDA: on CPU the reference is a training engine that never steps (its
-        # AdamW creates state lazily, at a step, so it holds none)
-        engine_config.forward_only = forward_only and self.device.type != "cpu"
+        # verl offloads a forward-only FSDP2 module to pinned CPU memory (pinning needs CUDA):
+        # unless `offload_reference` asks for that, the reference is a training engine that never steps
+        engine_config.forward_only = forward_only and self.offload_reference and self.device.type != "cpu"
         engine_config.micro_batch_size_per_gpu = micro
         engine_config.infer_micro_batch_size_per_gpu = micro
         engine_config.use_dynamic_bsz = False

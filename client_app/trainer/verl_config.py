@@ -62,6 +62,9 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         f"{actor}.optim.lr_scheduler_type=constant",
         f"{actor}.optim.lr_warmup_steps=0",
         f"{actor}.optim.lr_warmup_steps_ratio=0.0",
+        # one fused AdamW kernel per step on CUDA, as builtin steps (verl's default, foreach over
+        # DTensors, dispatches every op through DTensor); the CPU keeps torch's default
+        f"{actor}.optim.override_optimizer_config={_fused(on_cpu)}",
         # objective
         f"{actor}.policy_loss.loss_mode=vanilla",
         f"{actor}.loss_agg_mode={a.loss_agg_mode}",
@@ -140,6 +143,7 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
             "critic.optim.lr_scheduler_type=constant",
             "critic.optim.lr_warmup_steps=0",
             "critic.optim.lr_warmup_steps_ratio=0.0",
+            f"critic.optim.override_optimizer_config={_fused(on_cpu)}",
             f"critic.cliprange_value={c.value_clip}",
             f"critic.loss_agg_mode={a.loss_agg_mode}",
             f"critic.loss_scale_factor={loss_horizon(cfg)}",
@@ -151,6 +155,11 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         if on_cpu:
             out.append(f"+critic.fsdp.mixed_precision={fp32_compute}")
     return out
+
+
+def _fused(on_cpu: bool) -> str:
+    """verl's `optim.override_optimizer_config`: AdamW's `fused` on CUDA, nothing on the CPU."""
+    return "null" if on_cpu else "{fused:true}"
 
 
 def _dynamic_bsz(tokens: int | None, switch: str, budget: str = "") -> list[str]:
