@@ -15,13 +15,14 @@ Arms (`--arms`, comma-separated; all by default):
   update   one policy pass of the builtin engine over the rows the rollout produced (old and
            reference log-probs, then the seeded mini-batch steps): trained tokens per second and
            model FLOPs utilisation, 6 x params x tokens / time / the peak above (the log-prob
-           passes, 2 x params x tokens each, are reported apart)
-  verl     the same pass on verl's FSDP2 engine from the same weights (verl's defaults on CUDA,
-           the LM head at response positions only: client_app/trainer/verl_head.py), then on
-           the same engine scoring as verl itself does (full logits at every position; skip with
-           `--no-full-logits`), with the reference offloaded to the CPU as verl keeps it
-           (`--verl-ref-offloaded`), and once more per `--verl-variant` of overrides, so the
-           ratios to builtin and what moves them come from one run
+           passes, 2 x params x tokens each, are reported apart); the fastest of `--repeats`
+  verl     the same pass on verl's FSDP2 engine from the same weights, as the verl backend runs
+           it (the LM head at response positions only, client_app/trainer/verl_head.py; the
+           reference resident; fused AdamW on CUDA); then the same engine scoring as verl itself
+           does (full logits at every position; skip with `--no-full-logits`), with the
+           reference offloaded to the CPU as verl keeps it (`--verl-ref-offloaded`), and once
+           more per `--verl-variant` of overrides, so the ratios to builtin and what moves them
+           come from one run
   io       the engine's load_weights + export_weights, and save_shards / load_shards of the
            model, next to a raw write / read of the same bytes
 
