@@ -83,8 +83,8 @@ def small_config(model_dir: Path, **sections: dict[str, Any]) -> Config:
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread() -> Iterator[None]:
-    """Tiny matmuls on 2 shared cores: one intra-op thread is several times faster than two
-    (OpenMP barriers stall whenever another process holds a core). Restored afterwards."""
+    """Tiny matmuls on 2 shared cores: a second intra-op thread buys little and takes the core
+    that the tests' env services and lanes run on. Restored afterwards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
