@@ -25,11 +25,14 @@ step round 900 flwr run . --run-config "recipe=\"smollm-shop-grpo\" rounds=3 loc
 step round_overhead 60 python3 -m bench.round_overhead "$R/q05-run" --json "$R/round_overhead.json"
 step superlink_stop 60 python3 -m server_app.local_superlink stop
 touch "$R/CORE_DONE"
-# 2. verl over builtin on the same rows (0.5B), fastest of 3 passes each: verl as configured now
-#    (resident reference, fused AdamW) and with the reference offloaded as verl keeps it
+# 2. verl over builtin on the same rows (0.5B), fastest of 3 passes each, eager and then with both
+#    engines' decoder layers compiled (run.compile, as the builtin GPU recipes run)
 step engines 420 python3 -m bench.engines --make-qwen05b "$Q05" --tokenizer "$TOK" --device cuda \
   --arms peak,hf,update,verl --episodes 64 --turns 15 --update-rows 320 --json "$R/engines.json" \
-  --repeats 3 --no-full-logits --verl-ref-offloaded algo.micro_batch_tokens=null
+  --repeats 3 --no-full-logits algo.micro_batch_tokens=null
+step engines_compiled 420 python3 -m bench.engines --model "$Q05" --device cuda \
+  --arms hf,update,verl --episodes 64 --turns 15 --update-rows 320 --json "$R/engines_compiled.json" \
+  --repeats 3 --no-full-logits algo.micro_batch_tokens=null run.compile=true
 # 3. the verl engine's contract on CUDA
 step contract 480 python3 -m pytest -m gpu tests/test_engine_contract.py tests/test_lane_overhead.py \
   -p no:cacheprovider -q -rA --timeout 300 -k "verl-cuda and not 20_fits or pinned"

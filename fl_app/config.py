@@ -581,7 +581,7 @@ class RunCfg(_Strict):
     )
     compile: bool = Field(
         False,
-        description="Compile the builtin engine's decoder layers (policy, reference, critic) with torch.compile for scoring and training, dynamic shapes (generation stays eager). The first fit of a lane pays the compilation; it fuses norms, rotary, SwiGLU and residual adds between the matmuls (docs/benchmarks.md). Needs a Llama/Qwen2-style decoder (`base_model.layers`).",
+        description="Compile the decoder layers (policy, reference, critic) with torch.compile for scoring and training, dynamic shapes (generation stays eager), on either engine (verl: inside its FSDP2 modules, whose hooks stay eager). The first fit of a lane pays the compilation; it fuses norms, rotary, SwiGLU and residual adds between the matmuls (docs/benchmarks.md). Needs a Llama/Qwen2-style decoder (`base_model.layers`).",
     )
     inline_max_mb: float = Field(
         64.0,
@@ -780,11 +780,6 @@ class Config(_Strict):
             )
         if self.run.precision == "bf16" and self.run.device == "cpu":
             raise ValueError("run.precision=bf16 with backend=verl needs a GPU (verl computes in fp32 on the CPU)")
-        if self.run.compile:
-            raise ValueError(
-                "run.compile compiles the builtin engine's decoder layers and verl would ignore it; the GPU "
-                "recipes set it: add run.compile=false to the run config (or set backend=builtin)"
-            )
 
     def _check_rollout_engine(self) -> None:
         """Fail closed on a rollout engine that cannot run here, or a vLLM knob it would ignore."""
