@@ -257,8 +257,8 @@ def test_master_weights_hold_the_exported_bits_and_write_the_same_shards(ppo, tm
 
 def test_the_reference_stays_on_the_engine_s_device(ppo):
     """The reference scores every row of every fit: kept in host memory (verl's choice for a
-    forward-only engine) its weights would cross to the GPU at every micro-batch, which made
-    verl's scoring x2.6 builtin's on an H100 (docs/benchmarks.md)."""
+    forward-only engine) its weights would cross to the GPU at every micro-batch
+    (docs/benchmarks.md has what that cost)."""
     ref = ppo.engine.ref
     assert ref is not None  # SECTIONS set a KL coefficient
     module = ref if isinstance(ref, torch.nn.Module) else ref.engine.module

@@ -39,7 +39,7 @@ from client_app.trainer.compute import (
     ComputeCopy,
     autocast_dtype,
     bf16_parameters,
-    compile_layers,
+    compile_models,
     resolve_precision,
 )
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
@@ -112,9 +112,7 @@ class BuiltinEngine:
         if self.critic is not None:
             self._compute["critic"] = ComputeCopy(self.critic, self.precision)
         if cfg.run.compile:
-            for module in [c.module for c in self._compute.values()] + ([self.ref] if self.ref is not None else []):
-                compile_layers(module)
-            log.info("run.compile: decoder layers compile on first use (the lane's first fit pays for it)")
+            compile_models([c.module for c in self._compute.values()] + ([self.ref] if self.ref is not None else []))
         log.info("computing in %s on %s (fp32 master weights)", self.precision, self.device)
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
 

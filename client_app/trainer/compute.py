@@ -12,9 +12,13 @@ so memory-bound elementwise kernels and casts took most of the GPU's time
 from __future__ import annotations
 
 import copy
+import logging
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
+
+log = logging.getLogger("fedagent.trainer.compute")
 
 Precision = Literal["fp32", "autocast", "bf16"]
 RECOMPILE_LIMIT = 64  # graphs per compiled function (compile_layers)
@@ -88,6 +92,13 @@ def bf16_parameters(module: torch.nn.Module) -> torch.nn.Module:
     for p in module.parameters():
         p.data = p.data.to(torch.bfloat16)
     return module
+
+
+def compile_models(models: Iterable[torch.nn.Module]) -> None:
+    """`run.compile` for an engine: `compile_layers` on each of its models (policy, reference, critic)."""
+    for model in models:
+        compile_layers(model)
+    log.info("run.compile: decoder layers compile on first use (the lane's first fit pays for it)")
 
 
 def compile_layers(model: torch.nn.Module) -> None:

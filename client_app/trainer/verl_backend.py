@@ -60,7 +60,7 @@ from client_app.rollout import TrainRow, derive_seed
 from client_app.runtime_dir import remove_at_exit
 from client_app.trainer import verl_config, verl_head
 from client_app.trainer.advantages import pad_rows
-from client_app.trainer.compute import compile_layers
+from client_app.trainer.compute import compile_models
 from client_app.trainer.device import avoid_cudnn_attention, cuda_autocast, release_memory, resolve_device
 from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch, length_order, micro_batches
 from client_app.trainer.loop import loss_specs
@@ -376,10 +376,7 @@ class VerlEngine:
             )
             self.critic.set_loss_fn(self.critic_loss_fn)
         if cfg.run.compile:  # each decoder layer's forward; FSDP2's gather and free stay in its eager hooks
-            for worker in (self.actor, self.ref, self.critic):
-                if worker is not None:
-                    compile_layers(worker.engine.module)
-            log.info("run.compile: decoder layers compile on first use (the lane's first fit pays for it)")
+            compile_models(w.engine.module for w in (self.actor, self.ref, self.critic) if w is not None)
         self.tokenizer = load_causal_lm_tokenizer(self.model_path)
         rows = self.engine.module.get_output_embeddings().weight.shape[0]
         if cfg.rollout.engine == "hf" and rows != len(self.tokenizer):
