@@ -1,4 +1,4 @@
-"""One builtin policy pass in each arm (`run.precision`, compile, token budget), side by side:
+"""One policy pass in each arm (engine, `run.precision`, compile, token budget), side by side:
 wall, trained tokens/s, MFU, and (with --profile) the top GPU (or CPU) ops.
 
     python -m bench.update_profile --make-qwen05b /tmp/q05 --device cuda --recipe smollm-shop-grpo
@@ -7,6 +7,8 @@ wall, trained tokens/s, MFU, and (with --profile) the top GPU (or CPU) ops.
         --precision fp32 bf16   # smoke
     python -m bench.update_profile --model tiny --recipe tiny-shop-grpo --device cpu --rows 248 --mini 16 \
         --rows-from demos --precision fp32 fp32@2048 --repeats 3 --peak 1   # the CPU default's token budget
+    python -m bench.update_profile --model <model dir> --device cuda --mini 16 --profile \
+        --precision bf16 verl:auto bf16+compile verl:auto+compile   # where verl's update loses to builtin's
 
 Synthetic rows shaped like a recipe's windowed turns (prompt and reply lengths drawn uniformly
 from --prompt-tokens / --reply-tokens, random token ids, one advantage per row), or with
@@ -70,11 +72,14 @@ def _sync(cuda: bool) -> None:
 
 
 def build(args: argparse.Namespace, mini: int, arm: str) -> tuple[Any, Config]:
-    """The engine of one arm: `precision[+compile][@tokens]` (run.precision, run.compile,
-    algo.micro_batch_tokens; without `@`, one micro-batch per mini-batch)."""
+    """The engine of one arm: `[verl:]precision[+compile][@tokens]` (the verl engine instead of
+    builtin, run.precision, run.compile, algo.micro_batch_tokens; without `@`, one micro-batch per
+    mini-batch)."""
+    backend, _, arm = arm.rpartition(":")
     arm, _, tokens = arm.partition("@")
     precision, _, compiled = arm.partition("+")
     dotlist = [f"model.path={args.model}", f"run.device={args.device}", f"run.precision={precision}"]
+    dotlist += [f"backend={backend or 'builtin'}", "rollout.engine=hf"]
     dotlist += [f"run.compile={compiled == 'compile'}", f"algo.micro_batch_tokens={tokens or 'null'}"]
     dotlist += [f"algo.mini_batch_size={mini}", f"algo.micro_batch_size={mini}", "model.warm_start.episodes=0"]
     cfg = load_config(args.recipe, dotlist=dotlist)
@@ -149,6 +154,9 @@ def measure(args: argparse.Namespace, mini: int) -> dict:
                 out[p]["gpu_busy_vs_unprofiled_wall"] = round(kernels / min(walls[p]), 3)
             print(f"--- {p}, mini {mini}")
             print(ops.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=args.top))
+            if cuda:  # what the host spends while the GPU waits (launches, syncs, Python-side work)
+                print(f"--- {p}, mini {mini}, by host time")
+                print(ops.table(sort_by="self_cpu_time_total", row_limit=args.top))
     for engine, _ in engines.values():
         engine.close()
     return out
@@ -164,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         "--precision",
         nargs="+",
         default=["autocast", "bf16", "bf16+compile"],
-        help="arms, side by side: a run.precision, `+compile` for run.compile, `@N` for algo.micro_batch_tokens=N",
+        help="arms, side by side: a run.precision, `+compile` for run.compile, `@N` for "
+        "algo.micro_batch_tokens=N; `verl:` first for the verl engine (`verl:auto`, `verl:auto+compile`)",
     )
     ap.add_argument("--rows", type=int, default=540, help="rows per pass (smollm-shop-grpo: ~540 per iteration)")
     ap.add_argument(

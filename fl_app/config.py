@@ -394,7 +394,7 @@ class AlgoCfg(_Strict):
     micro_batch_tokens: int | None = Field(
         None,
         gt=0,
-        description="Token budget of one forward/backward pass (policy, reference and critic), as verl's use_dynamic_bsz / ppo_max_token_len_per_gpu: rows sorted by length are cut into micro-batches of at most this many tokens (builtin counts padded tokens, rows x the longest row, and keeps at most micro_batch_size rows a pass; verl's training steps count real tokens and cap no rows, its scoring passes cut as builtin does). Short rows then share a pass and long rows pay no padding (docs/benchmarks.md, \"The CPU default's update\"). Must hold the longest row, rollout.max_prompt_tokens + max_response_tokens. Unset: micro_batch_size rows per pass. Changes memory and speed, not the loss.",
+        description="Token budget of one forward/backward pass (policy, reference and critic), as verl's use_dynamic_bsz / ppo_max_token_len_per_gpu: rows sorted by length are cut into micro-batches of at most this many tokens (padded tokens: rows x the longest row, and at most micro_batch_size rows a pass; both engines cut every pass so, verl's training steps included, where verl's own budget would mix long and short rows in every pass). Short rows then share a pass and long rows pay no padding (docs/benchmarks.md, \"The CPU default's update\"). Must hold the longest row, rollout.max_prompt_tokens + max_response_tokens. Unset: micro_batch_size rows per pass. Changes memory and speed, not the loss.",
     )
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     gamma: float = Field(

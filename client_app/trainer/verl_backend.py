@@ -62,7 +62,7 @@ from client_app.trainer import verl_config, verl_head
 from client_app.trainer.advantages import pad_rows
 from client_app.trainer.compute import compile_models
 from client_app.trainer.device import avoid_cudnn_attention, cuda_autocast, release_memory, resolve_device
-from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch, length_order, micro_batches
+from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch, micro_batches
 from client_app.trainer.loop import loss_specs
 from fl_app.config import Config
 from fl_app.weights import load_shards
@@ -553,7 +553,7 @@ class VerlEngine:
         # rows of similar length within the token budget, as builtin scores them
         for indices in micro_batches(rows, micro, self.cfg.algo.micro_batch_tokens):
             part = [rows[i] for i in indices]
-            td = self._batch(part, micro_batch=len(part))
+            td = self._batch(part)
             tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
             result = worker.infer_batch(td)
             padded = no_padding_2_padding(tu.get(result, key), td).float()
@@ -572,16 +572,11 @@ class VerlEngine:
                 f"verl's policy loss is composed from the recipe when the engine is built "
                 f"({self.policy_loss}); it cannot train {loss}"
             )
-        batch = _by_length(batch)
-        td = self._batch(
-            batch.rows,
-            _largest_divisor_at_most(len(batch.rows), self.cfg.algo.micro_batch_size),
-            old=batch.old_log_probs,
-            advantages=batch.advantages,
-            ref=batch.ref_log_probs,
-            max_tokens=self.cfg.algo.micro_batch_tokens,
-        )
-        return _step(self.engine, self.loss_fn, td, _metrics, after_backward)
+        tds = [
+            self._batch(part.rows, old=part.old_log_probs, advantages=part.advantages, ref=part.ref_log_probs)
+            for part in self._micro_batches(batch, self.cfg.algo.micro_batch_size)
+        ]
+        return _step(self.engine, self.loss_fn, tds, _metrics, after_backward)
 
     def critic_step(
         self, batch: ValueBatch, loss: ValueLossSpec, after_backward: Callable[[], None] | None = None
@@ -594,15 +589,10 @@ class VerlEngine:
                 f"verl's value loss is composed from the recipe when the engine is built "
                 f"({self.value_loss}); it cannot train {loss}"
             )
-        batch = _by_length(batch)
-        micro = _largest_divisor_at_most(len(batch.rows), self.cfg.algo.critic.micro)
-        td = self._batch(
-            batch.rows,
-            micro,
-            values=batch.old_values,
-            returns=batch.returns,
-            max_tokens=self.cfg.algo.micro_batch_tokens,
-        )
+        tds = [
+            self._batch(part.rows, values=part.old_values, returns=part.returns)
+            for part in self._micro_batches(batch, self.cfg.algo.critic.micro)
+        ]
 
         def metrics(raw: Mapping[str, Any]) -> dict[str, float]:
             return {
@@ -610,22 +600,27 @@ class VerlEngine:
                 "clipfrac": _aggregate(raw["critic/vf_clipfrac"], "mean"),
             }
 
-        return _step(self.critic.engine, self.critic_loss_fn, td, metrics, after_backward)
+        return _step(self.critic.engine, self.critic_loss_fn, tds, metrics, after_backward)
+
+    def _micro_batches(self, batch: _Batch, micro: int) -> list[_Batch]:
+        """The mini-batch cut as builtin cuts it (`engine.micro_batches`: rows of similar length,
+        at most `micro` rows and `algo.micro_batch_tokens` padded tokens a pass). verl's own
+        token budget balances real tokens across its micro-batches, so each mixes long and short
+        rows, and without packed sequences (no flash-attn) every row pads to the longest."""
+        return [_subset(batch, part) for part in micro_batches(batch.rows, micro, self.cfg.algo.micro_batch_tokens)]
 
     def _batch(
         self,
         rows: Sequence[TrainRow],
-        micro_batch: int,
         old: Sequence[torch.Tensor] | None = None,
         advantages: Sequence[torch.Tensor] | None = None,
         ref: Sequence[torch.Tensor] | None = None,
         values: Sequence[torch.Tensor] | None = None,
         returns: Sequence[torch.Tensor] | None = None,
-        max_tokens: int | None = None,
     ) -> Any:
         """Rows in verl's layout: left-padded prompts + right-padded responses, converted to
-        verl's no-padding (nested) TensorDict with the engine keys train_batch would inject.
-        With `max_tokens` verl cuts the micro-batches itself by token count (use_dynamic_bsz)."""
+        verl's no-padding (nested) TensorDict with the engine keys train_batch would inject, as
+        one micro-batch (the engine cuts its passes itself: `_micro_batches`)."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import left_right_2_no_padding
 
@@ -666,10 +661,9 @@ class VerlEngine:
             calculate_entropy=True,
             global_batch_size=n,
             use_remove_padding=bool(self.engine.model_config.use_remove_padding),
-            use_dynamic_bsz=max_tokens is not None,
-            micro_batch_size_per_gpu=micro_batch,
+            use_dynamic_bsz=False,
+            micro_batch_size_per_gpu=n,
             use_fused_kernels=False,
-            max_token_len_per_gpu=max_tokens,
             pad_token_id=self.pad_id,
         )
         return td
@@ -749,44 +743,59 @@ def _export(engine: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
 def _step(
     engine: Any,
     loss_fn: Any,
-    td: Any,
+    tds: Sequence[Any],
     metrics: Callable[[Mapping[str, Any]], dict[str, float]],
     after_backward: Callable[[], None] | None = None,
 ) -> StepResult:
-    """One optimizer step on one mini-batch, exactly what verl's `BaseEngine.train_batch` does
-    (zero_grad, `forward_backward_batch`, clip + AdamW, a non-finite norm skipped), with
-    `after_backward` (FedProx) between the backward and the step. The LR is constant, so the
-    schedule is never stepped."""
+    """One optimizer step on one mini-batch given as its micro-batches, what verl's
+    `BaseEngine.train_batch` does (zero_grad, `forward_backward_batch`, clip + AdamW, a
+    non-finite norm skipped), with `after_backward` (FedProx) between the last backward and the
+    step. verl normalises a loss by the batch it is handed, so each micro-batch's loss is
+    normalised by the whole mini-batch's tokens and rows instead (`_over_mini_batch`): the
+    gradients add up to the mini-batch's. The LR is constant, so the schedule is never stepped."""
+    from verl.utils.py_functional import append_to_dict
+
+    whole = partial(
+        _over_mini_batch,
+        loss_fn,
+        num_tokens=sum(int(td["loss_mask"].sum()) for td in tds),  # what forward_backward_batch counts
+        num_rows=sum(len(td) for td in tds),
+    )
+    raw: dict[str, Any] = {}
     with engine.train_mode():
         engine.optimizer_zero_grad()
-        output = engine.forward_backward_batch(td, loss_fn, forward_only=False)
+        for td in tds:
+            append_to_dict(raw, engine.forward_backward_batch(td, whole, forward_only=False)["metrics"])
         if after_backward is not None:
             after_backward()
         grad_norm = float(engine.optimizer_step())
     engine.optimizer_zero_grad()
-    return StepResult(metrics(output["metrics"]), grad_norm, math.isfinite(grad_norm))
+    return StepResult(metrics(raw), grad_norm, math.isfinite(grad_norm))
+
+
+def _over_mini_batch(
+    loss_fn: Any, model_output: Any, data: Any, dp_group: Any = None, *, num_tokens: int, num_rows: int
+) -> Any:
+    """verl's loss of one micro-batch, normalised by its mini-batch's loss tokens and rows
+    (verl's loss reads both from the batch; `forward_backward_batch` sets the token count to
+    the micro-batch's own)."""
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(data, batch_num_tokens=num_tokens, global_batch_size=num_rows)
+    return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
 
 
 _Batch = TypeVar("_Batch", PolicyBatch, ValueBatch)
 
 
-def _by_length(batch: _Batch) -> _Batch:
-    """The mini-batch with its rows (and their per-row tensors) in length order: verl cuts it into
-    micro-batches in order, so they pad as little as builtin's. The loss is normalised over the
-    whole mini-batch, so the order changes speed only."""
-    order = length_order(batch.rows)
-    permuted = {
-        f.name: [value[i] for i in order]
+def _subset(batch: _Batch, indices: Sequence[int]) -> _Batch:
+    """The batch's rows at `indices`, with their per-row tensors."""
+    picked = {
+        f.name: [value[i] for i in indices]
         for f in dataclasses.fields(batch)
         if (value := getattr(batch, f.name)) is not None
     }
-    return dataclasses.replace(batch, **permuted)
-
-
-def _largest_divisor_at_most(n: int, cap: int) -> int:
-    """verl's fixed-size micro-batching needs a micro size dividing the mini-batch; the split
-    only bounds memory (the loss is normalised by the whole mini-batch's token count)."""
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+    return dataclasses.replace(batch, **picked)
 
 
 def _metrics(raw: Mapping[str, Any]) -> dict[str, float]:
