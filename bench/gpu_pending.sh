@@ -4,8 +4,8 @@
 # own time limit and writes its log to RESULTS/<step>.log; RESULTS/chain.log has start, end, exit
 # code and seconds of each. Start it detached so it outlives the shell that started it:
 #     setsid bash bench/gpu_pending.sh /tmp/res <tiny tokenizer dir> > /tmp/res-chain.log 2>&1 &
-# Then poll RESULTS/DONE. (The chain of 2026-12-05 18:05, round overhead and both engines eager
-# and compiled, is in git history: bench/gpu_pending.sh at ac4b41c.)
+# Then poll RESULTS/DONE. (Earlier chains are in git history: round overhead and both engines eager and
+# compiled at ac4b41c, FSDP2 units and the RSS contract at 298011b.)
 set -u
 R=${1:?results dir}; TOK=${2:?tokenizer dir (the tiny default build: model.path of tiny-shop-grpo)}
 Q05=${Q05:-/tmp/q05}
@@ -24,14 +24,9 @@ qwen05b_dir(Path(sys.argv[1]), Path(sys.argv[2]), torch.device('cuda'))" "$Q05" 
 #    the engines bench's: ~190-token prompts), then one profiled pass each (GPU kernels and host time)
 step profile 300 python3 -m bench.update_profile --model "$Q05" --device cuda --mini 16 --rows 320 \
   --prompt-tokens 120 260 --reply-tokens 5 36 --precision bf16 verl:auto --repeats 2 --profile --top 30
-# 2. verl's FSDP2 units: one per decoder layer (verl's wrap) against one for the whole model (a
-#    parameterless class named as the only per-layer unit: one rank shards nothing, so every
-#    per-layer gather, cast and reduce-scatter is pure overhead)
-step engines_units 420 python3 -m bench.engines --model "$Q05" --device cuda --arms update,hf,verl \
-  --episodes 64 --turns 15 --update-rows 320 --json "$R/engines_units.json" --repeats 3 --no-full-logits \
-  --verl-variant "+actor_rollout_ref.actor.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap=[Qwen2RotaryEmbedding],+actor_rollout_ref.ref.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap=[Qwen2RotaryEmbedding]" \
+# 2. verl over builtin on the same rows (0.5B), fastest of 3 passes each, with verl's model as one
+#    FSDP2 unit (the engine's wrap since 2026-12-05) and its steps cut as builtin cuts them
+step engines 420 python3 -m bench.engines --model "$Q05" --device cuda --arms update,hf,verl \
+  --episodes 64 --turns 15 --update-rows 320 --json "$R/engines.json" --repeats 3 --no-full-logits \
   algo.micro_batch_tokens=null
-# 3. the host-RSS contract on CUDA, which failed once for ppo-verl (one +8.4 MB step at the 10th fit)
-step rss 300 python3 -m pytest -m "gpu or slow" tests/test_engine_contract.py -p no:cacheprovider -q -rA \
-  --timeout 280 -k "rss_flat and verl-cuda"
 touch "$R/DONE"

@@ -79,7 +79,10 @@ def build(args: argparse.Namespace, mini: int, arm: str) -> tuple[Any, Config]:
     arm, _, tokens = arm.partition("@")
     precision, _, compiled = arm.partition("+")
     dotlist = [f"model.path={args.model}", f"run.device={args.device}", f"run.precision={precision}"]
-    dotlist += [f"backend={backend or 'builtin'}", "rollout.engine=hf"]
+    # no rollouts here; verl on a GPU is built for vLLM's (with hf it refuses a model whose
+    # output rows outnumber its tokenizer's ids, as a random 0.5B with the tiny tokenizer does)
+    verl_on_gpu = backend == "verl" and args.device == "cuda"
+    dotlist += [f"backend={backend or 'builtin'}", f"rollout.engine={'vllm' if verl_on_gpu else 'hf'}"]
     dotlist += [f"run.compile={compiled == 'compile'}", f"algo.micro_batch_tokens={tokens or 'null'}"]
     dotlist += [f"algo.mini_batch_size={mini}", f"algo.micro_batch_size={mini}", "model.warm_start.episodes=0"]
     cfg = load_config(args.recipe, dotlist=dotlist)

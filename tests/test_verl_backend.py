@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("verl")
 
-from trainer_support import model_dir, one_torch_thread, small_config  # noqa: E402,F401
+from trainer_support import model_dir, one_torch_thread, random_model_dir, small_config  # noqa: E402,F401
 
 from client_app.trainer import make_engine  # noqa: E402
 
@@ -70,3 +70,42 @@ def test_a_lane_that_exits_leaves_no_rendezvous_file_behind(model_dir, tmp_path)
     alive, pid = out.stdout.split()[-2:]
     assert alive == "1", "the rendezvous file should exist while the group does"
     assert not list(tmp_path.glob(f"fedagent-verl-pg-{pid}-*"))
+
+
+def test_one_fsdp2_unit_holds_every_parameter_and_loads_after_a_forward_only_pass(tmp_path):
+    """One rank shards nothing, so the engine wraps each model (actor, reference, critic) as one
+    FSDP2 unit instead of verl's unit per decoder layer (per-unit hooks cost host time on every
+    pass). The root unit stays unsharded after a forward without backward (FSDP2 keeps the root
+    for the backward that usually follows): loading and exporting weights right after scoring
+    must still work and score the loaded weights."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    from client_app.rollout import TrainRow
+
+    path = random_model_dir(tmp_path / "policy", layers=3)
+    cfg = small_config(path, algo={"name": "ppo", "kl_coef": 0.05}).model_copy(update={"backend": "verl"})
+    engine = make_engine(cfg, path)
+    try:
+        for worker in (engine.actor, engine.ref, engine.critic):
+            units = [m for m in worker.engine.module.modules() if isinstance(m, FSDPModule)]
+            with_params = [m for m in units if m._get_fsdp_state()._fsdp_param_group is not None]
+            assert with_params == [worker.engine.module], [type(m).__name__ for m in with_params]
+        g = torch.Generator().manual_seed(0)
+        rows = [
+            TrainRow(torch.randint(5, 250, (n,), generator=g).tolist(), [7, 8, 9], [1, 1, 1], 0.0, 0, i)
+            for i, n in enumerate((20, 35, 50))
+        ]
+        start = engine.export_weights()
+        moved = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in start.items()}
+        engine.load_weights(moved)
+        expected = engine.log_probs(rows)
+        engine.load_weights(start)
+        engine.log_probs(rows)  # forward only: the root unit is left unsharded
+        engine.load_weights(moved)
+        assert all(torch.equal(a, b) for a, b in zip(engine.log_probs(rows), expected, strict=True))
+        engine.log_probs(rows)
+        exported = engine.export_weights()
+        assert all(torch.equal(exported[k], moved[k]) for k in moved)
+    finally:
+        engine.close()

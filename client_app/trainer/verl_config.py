@@ -54,6 +54,7 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         f"{actor}.fsdp_config.model_dtype=fp32",
         f"{actor}.use_torch_compile={not on_cpu}",
         f"{actor}.fsdp_config.use_torch_compile={not on_cpu}",
+        *_one_unit(f"{actor}.fsdp_config", model_path),  # the reference is built from the actor's config
         # optimizer: AdamW, constant LR, no warmup, rebuilt per fit by the backend (invariant 3)
         f"{actor}.optim.lr={a.lr}",
         f"{actor}.optim.weight_decay={a.weight_decay}",
@@ -133,6 +134,7 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
             f"critic.model.path={model_path}",
             "critic.model.enable_gradient_checkpointing=False",
             f"critic.model.use_remove_padding={packed}",
+            *_one_unit("critic.fsdp", model_path),
             f"+critic.model.override_config.attn_implementation={'flash_attention_2' if packed else 'sdpa'}",
             "critic.fsdp.model_dtype=fp32",
             f"critic.fsdp.use_torch_compile={not on_cpu}",
@@ -160,6 +162,31 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
 def _fused(on_cpu: bool) -> str:
     """verl's `optim.override_optimizer_config`: AdamW's `fused` on CUDA, nothing on the CPU."""
     return "null" if on_cpu else "{fused:true}"
+
+
+def _one_unit(fsdp: str, model_path: Path) -> list[str]:
+    """verl's FSDP2 `wrap_policy` that leaves every parameter to one unit, the root.
+
+    verl makes each decoder layer its own FSDP2 unit: across ranks, that overlaps a layer's gather
+    with the previous layer's compute. The engine runs on one rank, where a unit shards nothing
+    and costs host time on every pass (gather, cast, free and reduce-scatter hooks, ~50 units a
+    forward and backward on a 24-layer model). verl wraps the modules whose class the policy names
+    and then the root, so naming the rotary embedding (no parameters, run once per forward)
+    leaves one unit with work in it: on an H100 a 0.5B policy pass took 0.79x the time
+    (docs/benchmarks.md). A model without one keeps verl's per-layer wrap."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    names = {
+        type(m).__name__
+        for name, m in model.named_modules()
+        if name.endswith("rotary_emb") and next(m.parameters(), None) is None
+    }
+    if len(names) != 1:
+        return []
+    return [f"+{fsdp}.wrap_policy.transformer_layer_cls_to_wrap=[{names.pop()}]"]
 
 
 def _dynamic_bsz(tokens: int | None, switch: str, budget: str = "") -> list[str]:
