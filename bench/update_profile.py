@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from bench.engines import peak_tflops
@@ -151,8 +152,16 @@ def measure(args: argparse.Namespace, mini: int) -> dict:
             with profile(activities=activities) as prof:
                 one_pass(engine)
             ops = prof.key_averages()
-            if cuda:  # kernels only (the aten:: rows would count the same time twice)
-                kernels = sum(e.self_device_time_total for e in ops if not e.key.startswith("aten::")) / 1e6
+            if cuda:  # device activity (kernels, copies), as the profiler's own total counts it:
+                # not the aten:: rows (the same time again) nor the ranges verl and FSDP annotate
+                kernels = (
+                    sum(
+                        e.self_device_time_total
+                        for e in ops
+                        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+                    )
+                    / 1e6
+                )
                 out[p]["gpu_kernel_s_in_profiled_pass"] = round(kernels, 3)
                 out[p]["gpu_busy_vs_unprofiled_wall"] = round(kernels / min(walls[p]), 3)
             print(f"--- {p}, mini {mini}")
