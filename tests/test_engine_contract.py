@@ -24,6 +24,7 @@ import dataclasses
 import gc
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -420,6 +421,16 @@ def test_a_token_budget_reaches_where_the_engines_cut_their_passes(ppo, initial,
 
     for module in (builtin_engine, verl_engine):
         monkeypatch.setattr(module, "micro_batches", spy)
+    handed: list[int] = []  # verl: the rows of each batch its training step hands to verl
+    if hasattr(ppo.engine, "engine"):
+        verl_fb = ppo.engine.engine.forward_backward_batch
+
+        def train_spy(td: Any, loss_fn: Any, forward_only: bool = False) -> Any:
+            if not forward_only:
+                handed.append(len(td))
+            return verl_fb(td, loss_fn, forward_only=forward_only)
+
+        monkeypatch.setattr(ppo.engine.engine, "forward_backward_batch", train_spy)
     saved = _with_micro(ppo, len(rows), budget)
     ppo.engine.begin_fit(reference_from_policy=False)
     try:
@@ -433,6 +444,8 @@ def test_a_token_budget_reaches_where_the_engines_cut_their_passes(ppo, initial,
     for _, parts in cuts:
         assert len(parts) > 1 and all(len(p) * max(widths[i] for i in p) <= budget for p in parts)
         assert sorted(i for p in parts for i in p) == list(range(len(rows)))
+    if hasattr(ppo.engine, "engine"):  # verl trains exactly the step's cuts, one call each
+        assert handed == [len(p) for p in cuts[-1][1]], (handed, cuts[-1][1])
 
 
 def test_a_row_in_a_right_padded_batch_scores_as_if_alone(ppo, initial):

@@ -75,9 +75,10 @@ def test_a_lane_that_exits_leaves_no_rendezvous_file_behind(model_dir, tmp_path)
 def test_one_fsdp2_unit_holds_every_parameter_and_loads_after_a_forward_only_pass(tmp_path):
     """One rank shards nothing, so the engine wraps each model (actor, reference, critic) as one
     FSDP2 unit instead of verl's unit per decoder layer (per-unit hooks cost host time on every
-    pass). The root unit stays unsharded after a forward without backward (FSDP2 keeps the root
-    for the backward that usually follows): loading and exporting weights right after scoring
-    must still work and score the loaded weights."""
+    pass). Weights load into the sharded fp32 parameters; a unit left gathered after a forward
+    (`reshard_after_forward: false`, or FSDP2's default for a root) would then go on computing
+    with the weights gathered before the load. So: every unit is sharded again after a
+    forward-only pass, and weights loaded right after scoring are the ones scored and exported."""
     import torch
     from torch.distributed.fsdp import FSDPModule
 
@@ -101,7 +102,10 @@ def test_one_fsdp2_unit_holds_every_parameter_and_loads_after_a_forward_only_pas
         engine.load_weights(moved)
         expected = engine.log_probs(rows)
         engine.load_weights(start)
-        engine.log_probs(rows)  # forward only: the root unit is left unsharded
+        engine.log_probs(rows, "policy")
+        engine.log_probs(rows, "reference")
+        for worker in (engine.actor, engine.ref):
+            assert worker.engine.module._get_fsdp_state()._fsdp_param_group.is_sharded
         engine.load_weights(moved)
         assert all(torch.equal(a, b) for a, b in zip(engine.log_probs(rows), expected, strict=True))
         engine.log_probs(rows)

@@ -5,6 +5,7 @@ sized for CPU."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Iterator
@@ -115,16 +116,16 @@ def fit_rss_series(
 
 
 def assert_flat(series: list[float], warmup: int, model_mb: float) -> float:
-    """Growth per fit of the RSS floor after warm-up: the lowest reading of the second half of the
-    steady fits over the lowest of the first half, per fit between the halves. A leak raises the
-    floor (a linear one by exactly its slope); the allocator's transient peaks, gone at the next
-    fit, do not (a CUDA lane read +8.4 MB at its 10th fit once and a steady +0.2 MB/fit before)."""
+    """RSS growth per fit after warm-up, as the median of the slopes between every two steady
+    readings (Theil-Sen): a steady leak reads its slope, a leak that starts late still moves most
+    pairs, and one transient peak (the allocator's, gone at the next fit: a CUDA lane once read
+    +8.4 MB at its 10th fit after +0.15 MB a fit) moves too few of them to count."""
     steady = series[warmup:]
-    half = len(steady) // 2
-    if half < 1:
-        raise ValueError(f"{len(series)} readings after {warmup} warm-up fits: need at least 2 steady ones")
-    per_fit = (min(steady[half:]) - min(steady[:half])) / half
-    print(f"RSS after export per fit (MB): {[round(x, 1) for x in series]}; floor growth {per_fit:.2f} MB/fit")
+    if len(steady) < 3:
+        raise ValueError(f"{len(series)} readings after {warmup} warm-up fits: need at least 3 steady ones")
+    slopes = [(steady[j] - steady[i]) / (j - i) for i in range(len(steady)) for j in range(i + 1, len(steady))]
+    per_fit = statistics.median(slopes)
+    print(f"RSS after export per fit (MB): {[round(x, 1) for x in series]}; median slope {per_fit:.2f} MB/fit")
     assert per_fit < 0.25 * model_mb, f"RSS grows {per_fit:.1f} MB per fit (model is {model_mb:.1f} MB)"
     return per_fit
 

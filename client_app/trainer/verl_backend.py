@@ -748,11 +748,12 @@ def _step(
     after_backward: Callable[[], None] | None = None,
 ) -> StepResult:
     """One optimizer step on one mini-batch given as its micro-batches, what verl's
-    `BaseEngine.train_batch` does (zero_grad, `forward_backward_batch`, clip + AdamW, a
-    non-finite norm skipped), with `after_backward` (FedProx) between the last backward and the
-    step. verl normalises a loss by the batch it is handed, so each micro-batch's loss is
-    normalised by the whole mini-batch's tokens and rows instead (`_over_mini_batch`): the
-    gradients add up to the mini-batch's. The LR is constant, so the schedule is never stepped."""
+    `BaseEngine.train_batch` does (zero_grad, `forward_backward_batch`, gradients reduced after
+    the last backward, clip + AdamW, a non-finite norm skipped), with `after_backward` (FedProx)
+    between the last backward and the step. verl normalises a loss by the batch it is handed, so
+    each micro-batch's loss is normalised by the whole mini-batch's tokens and rows instead
+    (`_over_mini_batch`): the gradients add up to the mini-batch's. The LR is constant, so the
+    schedule is never stepped."""
     from verl.utils.py_functional import append_to_dict
 
     whole = partial(
@@ -764,8 +765,14 @@ def _step(
     raw: dict[str, Any] = {}
     with engine.train_mode():
         engine.optimizer_zero_grad()
-        for td in tds:
-            append_to_dict(raw, engine.forward_backward_batch(td, whole, forward_only=False)["metrics"])
+        try:
+            for i, td in enumerate(tds):
+                # FSDP2 reduces the gradients once, after the last backward, as verl defers it
+                # over the micro-batches of one call
+                engine.module.set_requires_gradient_sync(i == len(tds) - 1)
+                append_to_dict(raw, engine.forward_backward_batch(td, whole, forward_only=False)["metrics"])
+        finally:
+            engine.module.set_requires_gradient_sync(True)
         if after_backward is not None:
             after_backward()
         grad_norm = float(engine.optimizer_step())

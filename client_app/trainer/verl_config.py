@@ -173,12 +173,18 @@ def _one_unit(fsdp: str, model_path: Path) -> list[str]:
     forward and backward on a 24-layer model). verl wraps the modules whose class the policy names
     and then the root, so naming the rotary embedding (no parameters, run once per forward)
     leaves one unit with work in it: on an H100 a 0.5B policy pass took 0.79x the time
-    (docs/benchmarks.md). A model without one keeps verl's per-layer wrap."""
+    (docs/benchmarks.md). verl still wraps untied input and output embeddings as units of their
+    own; a model without a rotary embedding, or whose config does not load here, keeps verl's
+    per-layer wrap (verl then reports what is wrong with it)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return []
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        model = AutoModelForCausalLM.from_config(config)
     names = {
         type(m).__name__
         for name, m in model.named_modules()
