@@ -7,14 +7,13 @@ the engine contract in tests/test_engine_contract.py (`builtin-cpu-bf16`, and ag
 from __future__ import annotations
 
 import importlib.util
-import random
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
-from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F401
+from trainer_support import model_dir, one_torch_thread, random_rows, small_config  # noqa: F401
 
 from client_app.algos import ActorLossSpec
 from client_app.rollout import TrainRow
@@ -24,17 +23,6 @@ from client_app.trainer.engine import PolicyBatch, micro_batches
 from fl_app.config import ConfigError, load_config
 
 
-def _rows(n: int, vocab: int, seed: int) -> list[TrainRow]:
-    """Rows of different widths (a right-padded batch), random ids."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(8, 40))]
-        reply = [rng.randrange(vocab) for _ in range(rng.randint(2, 9))]
-        rows.append(TrainRow(prompt, reply, [1] * len(reply), rng.random(), i // 2, i))
-    return rows
-
-
 def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
@@ -42,7 +30,7 @@ def _graphs() -> int:
 def test_compiled_layers_score_and_train_as_eager_layers_and_generation_stays_eager(model_dir):  # noqa: F811
     engines = {c: BuiltinEngine(small_config(model_dir, run={"compile": c}), model_dir) for c in (False, True)}
     eager, compiled = engines[False], engines[True]
-    rows = _rows(6, len(eager.tokenizer), seed=0)
+    rows = random_rows(6, len(eager.tokenizer), seed=0)
     graphs = _graphs()
     got, want = compiled.log_probs(rows), eager.log_probs(rows)
     assert _graphs() > graphs, "run.compile must run the scoring pass through compiled layers"
@@ -97,7 +85,7 @@ def test_verl_compiles_its_layers_and_scores_and_trains_as_eager_layers(model_di
     for c, cfg in cfgs.items():
         engine = make_engine(cfg, model_dir, tmp_path / f"compile-{c}")
         try:
-            rows = rows or _rows(6, len(engine.tokenizer), seed=0)
+            rows = rows or random_rows(6, len(engine.tokenizer), seed=0)
             start = engine.export_weights()
             graphs = _graphs()
             scores = engine.log_probs(rows, "policy")

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("verl")
 
-from trainer_support import model_dir, one_torch_thread, random_model_dir, small_config  # noqa: E402,F401
+from trainer_support import model_dir, one_torch_thread, random_model_dir, random_rows, small_config  # noqa: E402,F401
 
 from client_app.trainer import make_engine  # noqa: E402
 
@@ -82,8 +82,6 @@ def test_one_fsdp2_unit_holds_every_parameter_and_loads_after_a_forward_only_pas
     import torch
     from torch.distributed.fsdp import FSDPModule
 
-    from client_app.rollout import TrainRow
-
     path = random_model_dir(tmp_path / "policy", layers=3)
     cfg = small_config(path, algo={"name": "ppo", "kl_coef": 0.05}).model_copy(update={"backend": "verl"})
     engine = make_engine(cfg, path)
@@ -93,10 +91,7 @@ def test_one_fsdp2_unit_holds_every_parameter_and_loads_after_a_forward_only_pas
             with_params = [m for m in units if m._get_fsdp_state()._fsdp_param_group is not None]
             assert with_params == [worker.engine.module], [type(m).__name__ for m in with_params]
         g = torch.Generator().manual_seed(0)
-        rows = [
-            TrainRow(torch.randint(5, 250, (n,), generator=g).tolist(), [7, 8, 9], [1, 1, 1], 0.0, 0, i)
-            for i, n in enumerate((20, 35, 50))
-        ]
+        rows = random_rows(3, len(engine.tokenizer), seed=0)
         start = engine.export_weights()
         moved = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in start.items()}
         engine.load_weights(moved)

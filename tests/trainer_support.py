@@ -5,6 +5,7 @@ sized for CPU."""
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ import psutil
 import pytest
 import torch
 
+from client_app.rollout import TrainRow
 from client_app.tiny_model import collect_demonstrations, init_model, train_tokenizer
 from client_app.trainer.base import FitRequest
 from envs.service import serve_in_subprocess
@@ -113,6 +115,17 @@ def fit_rss_series(
         series.append(proc.memory_info().rss / 2**20)
         also()
     return series
+
+
+def random_rows(n: int, vocab: int, seed: int) -> list[TrainRow]:
+    """Rows of different widths (a right-padded batch), random ids."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(8, 40))]
+        reply = [rng.randrange(vocab) for _ in range(rng.randint(2, 9))]
+        rows.append(TrainRow(prompt, reply, [1] * len(reply), rng.random(), i // 2, i))
+    return rows
 
 
 def assert_flat(series: list[float], warmup: int, model_mb: float) -> float:

@@ -40,6 +40,7 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
     a, r = cfg.algo, cfg.rollout
     on_cpu = device == "cpu"
     packed = has_flash_attn(device)
+    one_unit = _one_unit_class(model_path)
     actor = "actor_rollout_ref.actor"
     out = [
         # model
@@ -54,7 +55,7 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         f"{actor}.fsdp_config.model_dtype=fp32",
         f"{actor}.use_torch_compile={not on_cpu}",
         f"{actor}.fsdp_config.use_torch_compile={not on_cpu}",
-        *_one_unit(f"{actor}.fsdp_config", model_path),  # the reference is built from the actor's config
+        *_wrap(f"{actor}.fsdp_config", one_unit),  # the reference is built from the actor's config
         # optimizer: AdamW, constant LR, no warmup, rebuilt per fit by the backend (invariant 3)
         f"{actor}.optim.lr={a.lr}",
         f"{actor}.optim.weight_decay={a.weight_decay}",
@@ -134,7 +135,7 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
             f"critic.model.path={model_path}",
             "critic.model.enable_gradient_checkpointing=False",
             f"critic.model.use_remove_padding={packed}",
-            *_one_unit("critic.fsdp", model_path),
+            *_wrap("critic.fsdp", one_unit),
             f"+critic.model.override_config.attn_implementation={'flash_attention_2' if packed else 'sdpa'}",
             "critic.fsdp.model_dtype=fp32",
             f"critic.fsdp.use_torch_compile={not on_cpu}",
@@ -164,8 +165,9 @@ def _fused(on_cpu: bool) -> str:
     return "null" if on_cpu else "{fused:true}"
 
 
-def _one_unit(fsdp: str, model_path: Path) -> list[str]:
-    """verl's FSDP2 `wrap_policy` that leaves every parameter to one unit, the root.
+def _one_unit_class(model_path: Path) -> str | None:
+    """The class verl's FSDP2 `wrap_policy` names so that every parameter is left to one unit, the
+    root (None: keep verl's wrap).
 
     verl makes each decoder layer its own FSDP2 unit: across ranks, that overlaps a layer's gather
     with the previous layer's compute. The engine runs on one rank, where a unit shards nothing
@@ -182,7 +184,7 @@ def _one_unit(fsdp: str, model_path: Path) -> list[str]:
     try:
         config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError):
-        return []
+        return None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     names = {
@@ -190,9 +192,12 @@ def _one_unit(fsdp: str, model_path: Path) -> list[str]:
         for name, m in model.named_modules()
         if name.endswith("rotary_emb") and next(m.parameters(), None) is None
     }
-    if len(names) != 1:
-        return []
-    return [f"+{fsdp}.wrap_policy.transformer_layer_cls_to_wrap=[{names.pop()}]"]
+    return names.pop() if len(names) == 1 else None
+
+
+def _wrap(fsdp: str, layer_class: str | None) -> list[str]:
+    """The override that names `layer_class` as the FSDP2 units of `fsdp` (none: verl's own)."""
+    return [f"+{fsdp}.wrap_policy.transformer_layer_cls_to_wrap=[{layer_class}]"] if layer_class else []
 
 
 def _dynamic_bsz(tokens: int | None, switch: str, budget: str = "") -> list[str]:
