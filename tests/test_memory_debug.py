@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
-from trainer_support import env_url, model_dir, one_torch_thread, service_fit, small_config  # noqa: F401
+from trainer_support import assert_flat, env_url, model_dir, one_torch_thread, service_fit, small_config  # noqa: F401
 
 from client_app.memory_debug import MemoryGrowthReport
 from fl_app.weights import save_shards
@@ -65,3 +66,23 @@ def test_service_logs_what_grew_between_fits(env_url, model_dir, tmp_path, monke
     assert grown and "tensors that grew" in grown[0], caplog.text[-3000:]
     shape = list(embed.shape)
     assert f"+1 x float32 {shape} on cpu" in grown[0] and "held by: dict['retired_embedding']" in grown[0], grown[0]
+
+
+@pytest.mark.parametrize(
+    "series,warmup,leaks",
+    [
+        # two CUDA lanes' readings (H100, 2026-12-05): +0.15 MB a fit and one transient peak
+        ([2811.7, 2812.0, 2812.1, 2812.3, 2812.5, 2812.7, 2812.8, 2813.0, 2813.1, 2821.5], 5, False),
+        ([2810.6, 2810.8, 2811.0, 2813.2, 2811.3, 2811.5, 2811.6, 2827.3, 2812.0, 2812.2], 5, False),
+        ([2800.0 + 2 * i for i in range(10)], 5, True),  # a steady leak
+        ([2800.0] * 7 + [2810.0] * 3, 5, True),  # a step late in the run
+        ([90.0, 95.0, 100.0, 100.0, 100.0, 140.0], 2, True),  # a leak that starts at the last CPU fit
+    ],
+)
+def test_the_rss_check_fails_on_leaks_and_not_on_one_transient_peak(series, warmup, leaks):
+    """invariant 24's RSS tests read growth per fit with `assert_flat` (the model here is 7.8 MB)."""
+    if leaks:
+        with pytest.raises(AssertionError, match="RSS grows"):
+            assert_flat(series, warmup, model_mb=7.8)
+    else:
+        assert assert_flat(series, warmup, model_mb=7.8) < 0.25
