@@ -5,7 +5,7 @@
 # code and seconds of each. Start it detached so it outlives the shell that started it:
 #     setsid bash bench/gpu_pending.sh /tmp/res <tiny tokenizer dir> > /tmp/res-chain.log 2>&1 &
 # Then poll RESULTS/DONE. (Earlier chains are in git history: round overhead and both engines eager and
-# compiled at ac4b41c, FSDP2 units and the RSS contract at 298011b.)
+# compiled at ac4b41c, FSDP2 units and the RSS contract at 298011b, profile then engines at a198c8a.)
 set -u
 R=${1:?results dir}; TOK=${2:?tokenizer dir (the tiny default build: model.path of tiny-shop-grpo)}
 Q05=${Q05:-/tmp/q05}
@@ -20,13 +20,14 @@ step() {
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$R/chain.log"
 step model 120 python3 -c "import sys, torch; from pathlib import Path; from bench.trainer_fits import qwen05b_dir; \
 qwen05b_dir(Path(sys.argv[1]), Path(sys.argv[2]), torch.device('cuda'))" "$Q05" "$TOK"
-# 1. where verl's update loses to builtin's: one pass each on the same synthetic rows (shaped like
-#    the engines bench's: ~190-token prompts), then one profiled pass each (GPU kernels and host time)
+# 1. verl over builtin on the same rows (0.5B), fastest of 3 passes each: verl's model as one FSDP2
+#    unit, gathered once a phase (reshard_after_forward: false, 2026-12-05), and the same engine
+#    resharding after every forward (the variant: how it ran before) side by side
+step engines 480 python3 -m bench.engines --model "$Q05" --device cuda --arms update,hf,verl \
+  --episodes 64 --turns 15 --update-rows 320 --json "$R/engines.json" --repeats 3 --no-full-logits \
+  --verl-variant 'actor_rollout_ref.actor.fsdp_config.reshard_after_forward=True' algo.micro_batch_tokens=null
+# 2. where verl's update still loses to builtin's: one pass each on the same synthetic rows (shaped
+#    like the engines bench's: ~190-token prompts), then one profiled pass each (kernels, host time)
 step profile 300 python3 -m bench.update_profile --model "$Q05" --device cuda --mini 16 --rows 320 \
   --prompt-tokens 120 260 --reply-tokens 5 36 --precision bf16 verl:auto --repeats 2 --profile --top 30
-# 2. verl over builtin on the same rows (0.5B), fastest of 3 passes each, with verl's model as one
-#    FSDP2 unit (the engine's wrap since 2026-12-05) and its steps cut as builtin cuts them
-step engines 420 python3 -m bench.engines --model "$Q05" --device cuda --arms update,hf,verl \
-  --episodes 64 --turns 15 --update-rows 320 --json "$R/engines.json" --repeats 3 --no-full-logits \
-  algo.micro_batch_tokens=null
 touch "$R/DONE"

@@ -72,39 +72,68 @@ def test_a_lane_that_exits_leaves_no_rendezvous_file_behind(model_dir, tmp_path)
     assert not list(tmp_path.glob(f"fedagent-verl-pg-{pid}-*"))
 
 
-def test_one_fsdp2_unit_holds_every_parameter_and_loads_after_a_forward_only_pass(tmp_path):
+def test_one_fsdp2_unit_gathered_once_a_phase_and_weights_loaded_after_a_rollout_are_used(tmp_path, monkeypatch):
     """One rank shards nothing, so the engine wraps each model (actor, reference, critic) as one
-    FSDP2 unit instead of verl's unit per decoder layer (per-unit hooks cost host time on every
-    pass). Weights load into the sharded fp32 parameters; a unit left gathered after a forward
-    (`reshard_after_forward: false`, or FSDP2's default for a root) would then go on computing
-    with the weights gathered before the load. So: every unit is sharded again after a
-    forward-only pass, and weights loaded right after scoring are the ones scored and exported."""
+    FSDP2 unit instead of verl's unit per decoder layer, and a unit stays gathered over a
+    phase's passes: a scoring sweep, a step's micro-batches and a rollout's decoding steps each
+    gather once (not once a pass), and every phase but the rollout frees the gathered copy at its
+    end. A unit left gathered over a load would go on computing with the weights gathered
+    before it: weights loaded right after a rollout's forward passes are the ones scored and
+    exported."""
     import torch
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from client_app.trainer.engine import PolicyBatch
 
     path = random_model_dir(tmp_path / "policy", layers=3)
-    cfg = small_config(path, algo={"name": "ppo", "kl_coef": 0.05}).model_copy(update={"backend": "verl"})
-    engine = make_engine(cfg, path)
+    cfg = small_config(path, algo={"name": "ppo", "kl_coef": 0.05, "micro_batch_size": 2, "mini_batch_size": 6})
+    engine = make_engine(cfg.model_copy(update={"backend": "verl"}), path)
+    gathers: list[str] = []
+    unshard = FSDPParamGroup.unshard
+
+    def counted(group: FSDPParamGroup, *args, **kwargs):
+        if not group.is_unsharded and group._all_gather_result is None:
+            gathers.append(type(group.modules[0]).__name__)
+        return unshard(group, *args, **kwargs)
+
+    def sharded(*workers) -> bool:
+        return all(w.engine.module._get_fsdp_state()._fsdp_param_group.is_sharded for w in workers)
+
     try:
         for worker in (engine.actor, engine.ref, engine.critic):
             units = [m for m in worker.engine.module.modules() if isinstance(m, FSDPModule)]
             with_params = [m for m in units if m._get_fsdp_state()._fsdp_param_group is not None]
             assert with_params == [worker.engine.module], [type(m).__name__ for m in with_params]
         g = torch.Generator().manual_seed(0)
-        rows = random_rows(3, len(engine.tokenizer), seed=0)
+        rows = random_rows(6, len(engine.tokenizer), seed=0)  # 3 passes of 2 rows
         start = engine.export_weights()
         moved = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in start.items()}
         engine.load_weights(moved)
         expected = engine.log_probs(rows)
         engine.load_weights(start)
-        engine.log_probs(rows, "policy")
-        engine.log_probs(rows, "reference")
-        for worker in (engine.actor, engine.ref):
-            assert worker.engine.module._get_fsdp_state()._fsdp_param_group.is_sharded
+        monkeypatch.setattr(FSDPParamGroup, "unshard", counted)
+        # scoring: one gather per model for its 3 passes, all freed after
+        old, ref, values = engine.log_probs(rows), engine.log_probs(rows, "reference"), engine.values(rows)
+        assert len(gathers) == 3 and sharded(engine.actor, engine.ref, engine.critic), gathers
+        # a step of 3 micro-batches: one gather, the shards stepped
+        engine.begin_fit(reference_from_policy=False)
+        try:
+            engine.policy_step(PolicyBatch(rows, old, [torch.ones_like(x) for x in old], ref), engine.policy_loss)
+        finally:
+            engine.end_fit()
+        assert len(gathers) == 4 and sharded(engine.actor), gathers
+        # a rollout's decoding steps: one gather, kept to the load
+        model = engine.generation_model()
+        with torch.no_grad():
+            for row in rows[:3]:
+                model(input_ids=torch.tensor([row.prompt_ids]))
+        assert len(gathers) == 5 and not sharded(engine.actor), gathers
         engine.load_weights(moved)
         assert all(torch.equal(a, b) for a, b in zip(engine.log_probs(rows), expected, strict=True))
-        engine.log_probs(rows)
+        model(input_ids=torch.tensor([rows[0].prompt_ids]))
         exported = engine.export_weights()
         assert all(torch.equal(exported[k], moved[k]) for k in moved)
+        assert values and all(torch.isfinite(v).all() for v in values)
     finally:
         engine.close()

@@ -489,14 +489,21 @@ class VerlEngine:
         return self.export_weights(member)
 
     def generation_model(self) -> torch.nn.Module:
+        """The actor; it stays gathered over a rollout's decoding steps (one gather, not one a
+        step) until the scoring after it, or a load, frees it (`_reshard`)."""
         return self.engine.module.eval()
 
     def policy_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        _reshard(self.engine.module)
         weights, _peft = self.engine.get_per_tensor_param()  # (name, fp32 full tensor) pairs, lazily
         return weights
 
     def parameters(self, member: str = "actor") -> Iterable[tuple[str, torch.nn.Parameter]]:
-        return self._engine(member).module.named_parameters()
+        """The sharded fp32 masters the optimizer steps (a unit left gathered by a rollout would
+        name its gathered copies instead)."""
+        module = self._engine(member).module
+        _reshard(module)
+        return module.named_parameters()
 
     # ------------------------------------------------------------------ fit bracket
 
@@ -550,15 +557,18 @@ class VerlEngine:
         from verl.workers.utils.padding import no_padding_2_padding
 
         out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-        # rows of similar length within the token budget, as builtin scores them
-        for indices in micro_batches(rows, micro, self.cfg.algo.micro_batch_tokens):
-            part = [rows[i] for i in indices]
-            td = self._batch(part)
-            tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
-            result = worker.infer_batch(td)
-            padded = no_padding_2_padding(tu.get(result, key), td).float()
-            for b, i in enumerate(indices):
-                out[i] = padded[b, : len(rows[i].response_ids)].clone()
+        try:  # one gather for every pass (reshard_after_forward: false), freed at the end
+            # rows of similar length within the token budget, as builtin scores them
+            for indices in micro_batches(rows, micro, self.cfg.algo.micro_batch_tokens):
+                part = [rows[i] for i in indices]
+                td = self._batch(part)
+                tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+                result = worker.infer_batch(td)
+                padded = no_padding_2_padding(tu.get(result, key), td).float()
+                for b, i in enumerate(indices):
+                    out[i] = padded[b, : len(rows[i].response_ids)].clone()
+        finally:
+            _reshard(worker.engine.module)
         return out
 
     # ------------------------------------------------------------------ steps
@@ -711,6 +721,7 @@ def _inject(module: torch.nn.Module, names: Sequence[str], state: Mapping[str, t
     full: dict[str, Any] = dict(state)
     for key, alias in _tied_aliases(module).items():
         full[key] = full[alias]
+    _reshard(module)  # into the shards (gathered copies are plain tensors, not DTensors)
     set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
@@ -727,6 +738,7 @@ def _tied_aliases(module: torch.nn.Module) -> dict[str, str]:
 def _export(engine: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
     wanted = set(names)
     out: dict[str, torch.Tensor] = {}
+    _reshard(engine.module)
     generator, _peft = engine.get_per_tensor_param()
     for name, tensor in generator:
         if name not in wanted:
@@ -763,21 +775,38 @@ def _step(
         num_rows=sum(len(td) for td in tds),
     )
     raw: dict[str, Any] = {}
+    module = engine.module
     with engine.train_mode():
         engine.optimizer_zero_grad()
         try:
             for i, td in enumerate(tds):
                 # FSDP2 reduces the gradients once, after the last backward, as verl defers it
-                # over the micro-batches of one call
-                engine.module.set_requires_gradient_sync(i == len(tds) - 1)
+                # over the micro-batches of one call, and keeps the parameters gathered until then
+                last = i == len(tds) - 1
+                module.set_requires_gradient_sync(last)
+                module.set_reshard_after_backward(last)
                 append_to_dict(raw, engine.forward_backward_batch(td, whole, forward_only=False)["metrics"])
         finally:
-            engine.module.set_requires_gradient_sync(True)
+            module.set_requires_gradient_sync(True)
+            module.set_reshard_after_backward(True)
+            _reshard(module)  # the step updates the shards
         if after_backward is not None:
             after_backward()
         grad_norm = float(engine.optimizer_step())
     engine.optimizer_zero_grad()
     return StepResult(metrics(raw), grad_norm, math.isfinite(grad_norm))
+
+
+def _reshard(module: torch.nn.Module) -> None:
+    """Free every FSDP2 unit's gathered parameters. The engine's units keep them gathered after
+    a forward (`reshard_after_forward: false`: on one rank a gather per pass buys nothing), so
+    a phase of passes (a rollout, a scoring sweep, a step's micro-batches) gathers once; it ends
+    here, before the shards are read or written (a load, an export, an optimizer step)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def _over_mini_batch(

@@ -56,6 +56,8 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         f"{actor}.use_torch_compile={not on_cpu}",
         f"{actor}.fsdp_config.use_torch_compile={not on_cpu}",
         *_wrap(f"{actor}.fsdp_config", one_unit),  # the reference is built from the actor's config
+        # one rank: a unit stays gathered over a phase's passes (VerlEngine reshards it at the end)
+        f"{actor}.fsdp_config.reshard_after_forward=False",
         # optimizer: AdamW, constant LR, no warmup, rebuilt per fit by the backend (invariant 3)
         f"{actor}.optim.lr={a.lr}",
         f"{actor}.optim.weight_decay={a.weight_decay}",
@@ -136,6 +138,7 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
             "critic.model.enable_gradient_checkpointing=False",
             f"critic.model.use_remove_padding={packed}",
             *_wrap("critic.fsdp", one_unit),
+            "critic.fsdp.reshard_after_forward=False",
             f"+critic.model.override_config.attn_implementation={'flash_attention_2' if packed else 'sdpa'}",
             "critic.fsdp.model_dtype=fp32",
             f"critic.fsdp.use_torch_compile={not on_cpu}",
