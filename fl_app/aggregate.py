@@ -19,6 +19,10 @@ multiplied, so FedAvg over one client is the identity bit for bit. Zero-weight c
 skipped (not even read). Non-floating buffers are not averaged: every client must hold the
 same values.
 
+A server learning rate eta != 1 (`federation.server_lr`) makes the new model w + eta * (avg - w),
+w the round's global model, computed as the same fold with one more input: the clients with
+factors eta * f_i, then w with 1 - eta. At eta = 1 w is not read and the bits are FedAvg's.
+
 Non-finite uploads (NaN/Inf) are refused (issue #18): NaN and Inf survive every later
 multiply-add, so the finished sum is finite exactly when every contributing input is (unless
 the mean overflowed fp32, refused as well), and one check per output piece (on data still in
@@ -58,6 +62,20 @@ def weight_factors(weights: Sequence[float]) -> list[float]:
             f"(got {list(weights)}); check the clients' num-examples metric"
         )
     return [float(w) / total for w in weights]
+
+
+def server_step_factors(weights: Sequence[float], server_lr: float) -> tuple[list[float], float]:
+    """The clients' factors and the round's global model's: (eta * f_i, 1 - eta), so that the fold
+    gives w + eta * (avg - w); at eta = 1 exactly FedAvg's factors and 0 (w is not read)."""
+    if not (0 < server_lr <= 10):
+        raise WeightsError(f"server_lr must be in (0, 10], got {server_lr}; 1 is FedAvg (federation.server_lr)")
+    factors = weight_factors(weights)
+    if server_lr == 1.0:
+        return factors, 0.0
+    return [server_lr * f for f in factors], 1.0 - server_lr
+
+
+PREVIOUS = "the round's global model"  # the extra input's label in errors
 
 
 class NonFiniteWeightsError(WeightsError):
@@ -162,6 +180,11 @@ def _non_finite_error(
             {},
             labels,
         )
+    if PREVIOUS in (labels[i] for i in culprits):
+        raise WeightsError(
+            f"{PREVIOUS} (the server's last checkpoint) holds non-finite values; nothing was written. Resume "
+            "from an earlier round (move the later rounds aside) or restart the run"
+        )
     parts = []
     for i, bad in sorted(culprits.items()):
         shown = ", ".join(f"{n!r} ({c} of {total} values)" for n, c, total in bad[:3])
@@ -179,19 +202,27 @@ def _non_finite_error(
 
 # ---- in memory --------------------------------------------------------------------------------
 def fedavg_states(
-    inputs: Sequence[tuple[Mapping[str, torch.Tensor], float]], names: Sequence[str] | None = None
+    inputs: Sequence[tuple[Mapping[str, torch.Tensor], float]],
+    names: Sequence[str] | None = None,
+    previous: Mapping[str, torch.Tensor] | None = None,
+    server_lr: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """FedAvg of in-memory state dicts (inputs are not modified). Same bits as `fedavg_manifests`.
-    `names` label the inputs in errors (e.g. "client 7"); NaN/Inf raise NonFiniteWeightsError."""
-    factors = weight_factors([w for _, w in inputs])
-    labels = _labels(names, len(inputs))
-    keys = list(inputs[0][0].keys())
-    for s, _ in inputs[1:]:
+    `names` label the inputs in errors (e.g. "client 7"); NaN/Inf raise NonFiniteWeightsError.
+    With `server_lr` != 1, the step from `previous` (the round's global model) instead."""
+    factors, f_previous = server_step_factors([w for _, w in inputs], server_lr)
+    states, labels = [s for s, _ in inputs], _labels(names, len(inputs))
+    if f_previous:
+        if previous is None:
+            raise WeightsError(f"server_lr={server_lr} steps from the round's global model; pass it as `previous`")
+        states, factors, labels = [*states, previous], [*factors, f_previous], [*labels, PREVIOUS]
+    keys = list(states[0].keys())
+    for s in states[1:]:
         if list(s.keys()) != keys:
             raise WeightsError(
                 "client state dicts hold different tensor names/orders; clients must export the same model"
             )
-    live = [(i, s, f) for i, ((s, _), f) in enumerate(zip(inputs, factors)) if f > 0]
+    live = [(i, s, f) for i, (s, f) in enumerate(zip(states, factors)) if f != 0]
     _check_fp32([(k, s[k].dtype) for _, s, _ in live for k in keys])
     out: dict[str, torch.Tensor] = {}
     with _one_torch_thread():
@@ -355,16 +386,24 @@ def fedavg_manifests(
     max_shard_bytes: int,
     verify: bool = True,
     names: Sequence[str] | None = None,
+    previous: Manifest | Path | None = None,
+    server_lr: float = 1.0,
 ) -> Manifest:
     """Streaming FedAvg of sharded client models into `out_dir` (manifest written last).
 
     Every input byte is size- and digest-checked; on any error (corrupt or non-finite input,
     mismatched clients) nothing stays in `out_dir`, so the output never looks complete. `names`
-    label the inputs in errors (e.g. "client 7"); NaN/Inf raise NonFiniteWeightsError.
+    label the inputs in errors (e.g. "client 7"); NaN/Inf raise NonFiniteWeightsError. With
+    `server_lr` != 1, the step from `previous` (the round's global model) instead.
     """
     manifests = [m if isinstance(m, Manifest) else Manifest.from_dir(m) for m, _ in inputs]
-    factors = weight_factors([w for _, w in inputs])
+    factors, f_previous = server_step_factors([w for _, w in inputs], server_lr)
     labels = _labels(names, len(inputs))
+    if f_previous:
+        if previous is None:
+            raise WeightsError(f"server_lr={server_lr} steps from the round's global model; pass it as `previous`")
+        manifests.append(previous if isinstance(previous, Manifest) else Manifest.from_dir(previous))
+        factors, labels = [*factors, f_previous], [*labels, PREVIOUS]
     if not same_layout(manifests):
         raise WeightsError(
             "client manifests disagree on tensors or shard layout; every client must "
@@ -376,7 +415,7 @@ def fedavg_manifests(
             f"aggregate is asked for {max_shard_bytes}: server and clients must share run.shard_max_mb"
         )
     _check_fp32([(t.name, t.torch_dtype) for t in manifests[0].tensors])
-    live = [_Input(i, m, f) for i, (m, f) in enumerate(zip(manifests, factors)) if f > 0]
+    live = [_Input(i, m, f) for i, (m, f) in enumerate(zip(manifests, factors)) if f != 0]
     buffers = _Buffers.for_model(manifests[0], len(live))
     try:
         with ShardWriter(out_dir, max_shard_bytes) as writer, _one_torch_thread():

@@ -439,6 +439,16 @@ class FederationCfg(_Strict):
     proximal_mu: float = Field(
         0.01, ge=0, description="FedProx mu (only used by `fedprox`; applies to the policy only)."
     )
+    server_lr: float = Field(
+        1.0,
+        gt=0,
+        le=10,
+        description="Server learning rate eta: the new global model is w + eta * (avg - w), w the round's "
+        "global model and avg the strategy's weighted mean of the clients (every member). 1 = the mean itself, "
+        "FedAvg bit for bit; above 1 extrapolates the clients' mean step, as FedAvg with a server step size "
+        "(FedOpt's server SGD, Flower's FedAvgM `server_learning_rate` without momentum). Stateless, so a "
+        "resumed run aggregates exactly as an uninterrupted one.",
+    )
     eval_every: int = Field(
         1,
         ge=0,
@@ -904,6 +914,7 @@ RUN_CONFIG_ALIASES: dict[str, str] = {
     "eval-every": "federation.eval_every",
     "strategy": "federation.strategy",
     "proximal-mu": "federation.proximal_mu",
+    "server-lr": "federation.server_lr",
     "device": "run.device",
 }
 

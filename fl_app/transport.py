@@ -182,24 +182,38 @@ def fedavg_received(
     max_shard_bytes: int,
     cache_dir: Path | None = None,
     names: Sequence[str] | None = None,
+    previous: Path | None = None,
+    server_lr: float = 1.0,
 ) -> Manifest:
     """FedAvg of client replies (ref, inline state, num-examples) into the fresh weights dir `out_dir`.
 
     Inline replies are averaged in memory, store replies are streamed shard by shard; the two
     give identical bits. One round's replies all travel one way (same model, same threshold).
-    `names` label the replies in errors (a non-finite upload: `NonFiniteWeightsError`).
+    `names` label the replies in errors (a non-finite upload: `NonFiniteWeightsError`). With
+    `server_lr` != 1 the result steps from `previous`, the round's global weights dir.
     """
+    step = previous if server_lr != 1.0 else None  # FedAvg itself never reads it
     if not items:
         raise WeightsError("no client replies to aggregate")
     inline = {ref.inline for ref, _, _ in items}
     if inline == {True}:
-        avg = fedavg_states([(receive_weights(r, a, None), w) for r, a, w in items], names=names)
+        avg = fedavg_states(
+            [(receive_weights(r, a, None), w) for r, a, w in items],
+            names=names,
+            previous=load_shards(step) if step is not None else None,
+            server_lr=server_lr,
+        )
         return save_shards(avg, out_dir, max_shard_bytes)
     if inline == {False}:
         if store is None or cache_dir is None:
             raise WeightsError("replies travel through the store but no store (and cache dir) was given")
         return fedavg_manifests(
-            [(receive_manifest(r, store, cache_dir), w) for r, _, w in items], out_dir, max_shard_bytes, names=names
+            [(receive_manifest(r, store, cache_dir), w) for r, _, w in items],
+            out_dir,
+            max_shard_bytes,
+            names=names,
+            previous=step,
+            server_lr=server_lr,
         )
     raise WeightsError(
         "some replies are inline and some by reference; clients of one round must share "

@@ -210,7 +210,7 @@ class Run:
                 only_clients=cfg.federation.only_clients,
             )
             self.aggregator = StreamingAggregator(
-                cfg.federation.strategy, cfg.federation.proximal_mu, self.w.shard_bytes
+                cfg.federation.strategy, cfg.federation.proximal_mu, self.w.shard_bytes, cfg.federation.server_lr
             )
             self.token = write_disk_probe(rd.path)
         except BaseException:
@@ -489,10 +489,13 @@ def _aggregate(
     non-finite is a failed client: dropped (and the average recomputed without it) when the
     round can afford it, else the round fails closed."""
     out_dirs = {m: run.rd.member_dir(rnd, m) for m in run.rd.members}
+    previous = {m: run.rd.member_dir(rnd - 1, m) for m in run.rd.members}
     while True:
         order = sorted(replies)
         try:
-            return run.aggregator.aggregate([replies[c] for c in order], run.w.store, out_dirs, run.w.cache_dir)
+            return run.aggregator.aggregate(
+                [replies[c] for c in order], run.w.store, out_dirs, run.w.cache_dir, previous
+            )
         except WeightsError as e:
             bad = _bad_input(e)
             if bad is None:

@@ -79,22 +79,30 @@ class ClientSampler:
 
 class StreamingAggregator:
     """FedAvg (or FedProx: the same average, plus `proximal-mu` in every train config) of every
-    member, streamed shard by shard into the round's checkpoint."""
+    member, streamed shard by shard into the round's checkpoint; with a server learning rate
+    eta != 1, the step w + eta * (avg - w) from the round's global model w instead."""
 
-    def __init__(self, name: str, proximal_mu: float, shard_max_bytes: int) -> None:
+    def __init__(self, name: str, proximal_mu: float, shard_max_bytes: int, server_lr: float = 1.0) -> None:
         if name not in ("fedavg", "fedprox"):
             raise ValueError(f"unknown strategy {name!r}; use fedavg or fedprox")
         self.name, self.proximal_mu, self.shard_max_bytes = name, proximal_mu, shard_max_bytes
+        self.server_lr = server_lr
 
     def train_config(self) -> dict[str, float]:
         """What this strategy adds to every train message (Flower's FedProx adds the same key)."""
         return {"proximal-mu": self.proximal_mu} if self.name == "fedprox" else {}
 
     def aggregate(
-        self, replies: Sequence[Message], store: WeightStore, out_dirs: Mapping[str, Path], cache_dir: Path
+        self,
+        replies: Sequence[Message],
+        store: WeightStore,
+        out_dirs: Mapping[str, Path],
+        cache_dir: Path,
+        previous_dirs: Mapping[str, Path] | None = None,
     ) -> tuple[dict[str, Manifest], dict[str, float]]:
         """Average every member of `replies` (successful, in client order) into its
-        `out_dirs[member]`, all members with the same `num-examples` weights."""
+        `out_dirs[member]`, all members with the same `num-examples` weights; `previous_dirs`
+        hold the round's global model (read only when server_lr != 1)."""
         configs, metrics = [config_of(m) for m in replies], [metrics_of(m) for m in replies]
         manifests = {}
         for member, out_dir in out_dirs.items():
@@ -103,7 +111,16 @@ class StreamingAggregator:
                 for m, c, r in zip(replies, configs, metrics)
             ]
             names = [f"client {int(c['client-id'])} ({member})" for c in configs]
-            manifests[member] = fedavg_received(items, store, out_dir, self.shard_max_bytes, cache_dir, names)
+            manifests[member] = fedavg_received(
+                items,
+                store,
+                out_dir,
+                self.shard_max_bytes,
+                cache_dir,
+                names,
+                previous_dirs[member] if previous_dirs else None,
+                self.server_lr,
+            )
         return manifests, weighted_metrics(metrics)
 
 

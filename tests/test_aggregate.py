@@ -316,3 +316,49 @@ def test_tensors_spanning_many_pieces_and_shards_stay_bit_identical_to_inline(tm
     assert all(_bits(streamed[k]) == _bits(inline[k]) for k in inline)
     ref = sum(s["big"].double() * w for s, w in zip(states, weights)) / sum(weights)
     torch.testing.assert_close(streamed["big"].double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_server_lr_steps_from_the_global_model_and_one_is_fedavg_bit_for_bit(tmp_path):
+    """federation.server_lr: w + eta * (avg - w) from the round's global model w, streaming ==
+    inline bit for bit; eta = 1 never reads w and gives FedAvg's bits; a missing w fails."""
+    states, weights, previous = [_model(s) for s in range(3)], [12, 30, 7], _model(9)
+    ms, (prev_m,) = _export(tmp_path, states), _export(tmp_path / "prev", [previous])
+    fedavg = fedavg_states(list(zip(states, weights)))
+    one = fedavg_states(list(zip(states, weights)), previous=previous, server_lr=1.0)
+    assert all(_bits(one[k]) == _bits(fedavg[k]) for k in fedavg)
+    absent = tmp_path / "absent"  # at eta = 1 the streaming path does not even open it
+    streamed_one = fedavg_manifests(list(zip(ms, weights)), tmp_path / "g1", SHARD, previous=absent, server_lr=1.0)
+    assert streamed_one.sha256 == fedavg_manifests(list(zip(ms, weights)), tmp_path / "g0", SHARD).sha256
+    for eta in (1.5, 0.5):
+        inline = fedavg_states(list(zip(states, weights)), previous=previous, server_lr=eta)
+        out = fedavg_manifests(list(zip(ms, weights)), tmp_path / f"g{eta}", SHARD, previous=prev_m, server_lr=eta)
+        streamed = load_shards(out.root)
+        for k in previous:
+            assert _bits(inline[k]) == _bits(streamed[k]), k
+            if not previous[k].is_floating_point():
+                assert torch.equal(inline[k], previous[k])
+                continue
+            avg = sum(s[k].double() * w for s, w in zip(states, weights)) / sum(weights)
+            want = previous[k].double() + eta * (avg - previous[k].double())
+            assert inline[k].dtype == torch.float32
+            torch.testing.assert_close(inline[k].double(), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(WeightsError, match="pass it as `previous`"):
+        fedavg_states(list(zip(states, weights)), server_lr=1.5)
+    with pytest.raises(WeightsError, match="server_lr must be in"):
+        fedavg_states(list(zip(states, weights)), previous=previous, server_lr=0.0)
+
+
+def test_with_a_server_lr_a_nan_upload_still_names_its_client_and_a_broken_global_fails_closed(tmp_path):
+    good, prev = _model(0), _model(1)
+    bad = {k: v.clone() for k, v in good.items()}
+    bad["layers.0.b"][3] = float("nan")
+    with pytest.raises(NonFiniteWeightsError, match="client 5") as err:
+        fedavg_states([(good, 1), (bad, 1)], names=["client 4", "client 5"], previous=prev, server_lr=1.5)
+    assert err.value.inputs == [1]
+    broken = {k: v.clone() for k, v in prev.items()}
+    broken["head.weight"][0, 0] = float("inf")
+    ms, (broken_m,) = _export(tmp_path, [good, good]), _export(tmp_path / "prev", [broken])
+    with pytest.raises(WeightsError, match="the round's global model") as err2:
+        fedavg_manifests([(m, 1) for m in ms], tmp_path / "g", SHARD, previous=broken_m, server_lr=1.5)
+    assert not isinstance(err2.value, NonFiniteWeightsError)  # no client is dropped for it
+    assert not (tmp_path / "g" / "manifest.json").exists()
