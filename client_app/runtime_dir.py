@@ -102,12 +102,31 @@ def read_private(path: Path) -> str | None:
         return fh.read()
 
 
+def started(p: psutil.Process) -> float:
+    """When `p` started, a value fixed for its whole life, so another process computes the same.
+
+    psutil's `create_time()` is the boot time in wall-clock seconds plus the start offset, and
+    Linux derives the boot time from the current clock: every NTP step or slew of a VM's clock
+    moves it (a lane service once took its live owner for a reused PID and quit during start-up).
+    On Linux this is the start in seconds since boot instead (`/proc/<pid>/stat`, the kernel's
+    own record); elsewhere the kernel stores a start timestamp that does not move."""
+    if not sys.platform.startswith("linux"):
+        return p.create_time()
+    try:
+        stat_line = Path(f"/proc/{p.pid}/stat").read_bytes()
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(p.pid) from None
+    fields = stat_line[stat_line.rfind(b")") + 2 :].split()  # after the command name, from field 3
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks
+
+
 @dataclass(frozen=True)
 class NodeOwner:
     """The process a node's trainer services live and die with.
 
-    `pid` and `create_time` identify it (a reused PID is a different process); `scope` is the
-    runtime subdirectory of its services ("" = shared by every virtual node of the host).
+    `pid` and `create_time` (`started`) identify it (a reused PID is a different process);
+    `scope` is the runtime subdirectory of its services ("" = shared by every virtual node of
+    the host).
     """
 
     pid: int
@@ -117,7 +136,7 @@ class NodeOwner:
     def alive(self) -> bool:
         try:
             p = psutil.Process(self.pid)
-            return p.create_time() == self.create_time and p.status() != psutil.STATUS_ZOMBIE
+            return started(p) == self.create_time and p.status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
 
@@ -156,7 +175,7 @@ def node_owner(argv: list[str] | None = None, pid: int | None = None) -> NodeOwn
     me = psutil.Process(pid) if pid is not None else psutil.Process()
     nxt = _parent_pid_flag(list(sys.argv if argv is None else argv))
     if nxt is None:
-        return NodeOwner(me.pid, me.create_time(), "")
+        return NodeOwner(me.pid, started(me), "")
     seen = {me.pid}
     root = me
     while nxt is not None and nxt not in seen:
@@ -166,7 +185,10 @@ def node_owner(argv: list[str] | None = None, pid: int | None = None) -> NodeOwn
             nxt = _parent_pid_flag(root.cmdline())
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             raise RuntimeDirError(f"the node process {nxt} this ClientApp belongs to is gone") from None
-    created = root.create_time()
+    try:
+        created = started(root)
+    except psutil.NoSuchProcess:
+        raise RuntimeDirError(f"the node process {root.pid} this ClientApp belongs to is gone") from None
     return NodeOwner(root.pid, created, f"node-{root.pid}-{int(created * 1000)}")
 
 

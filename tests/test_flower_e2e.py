@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from flower_harness import FLWR, ROOT, flower, run_config, run_status
 
 from fl_app.provenance import code_root, code_sha256
@@ -173,6 +174,27 @@ def test_the_served_weight_store_gives_the_inline_runs_bits(fl, two_rounds, tmp_
     assert not list((cache / "work").rglob("*.safetensors")), "published dirs are dropped"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert sum(s["fits"] for s in summary["services"]) == 2
+
+
+def test_a_server_learning_rate_steps_from_the_round_s_global_model(fl, two_rounds, tmp_path):
+    """`server-lr=1.5`: the same clients train from the same round 0 as the FedAvg run, and the
+    server writes w0 + 1.5 * (their mean - w0), the mean being the FedAvg run's round 1."""
+    run_dir = tmp_path / "eta"
+    p = fl.run(_rc(run_dir, rounds=1, **{"server-lr": 1.5}), timeout_s=900)
+    status = run_status(run_dir)
+    assert status.returncode == 0, status.stdout + p.stdout[-3000:] + p.stderr[-3000:]
+    w0, mean = (load_shards(RunDir(two_rounds).member_dir(r)) for r in (0, 1))
+    got = load_shards(RunDir(run_dir).member_dir(1))
+    assert (
+        Manifest.from_dir(RunDir(run_dir).member_dir(0)).sha256
+        == Manifest.from_dir(RunDir(two_rounds).member_dir(0)).sha256
+    )
+    moved = 0
+    for name, w in w0.items():
+        want = w.double() + 1.5 * (mean[name].double() - w.double())
+        torch.testing.assert_close(got[name].double(), want, rtol=1e-5, atol=1e-6)
+        moved += int(not torch.equal(got[name], mean[name]))
+    assert moved > len(w0) // 2  # not FedAvg's mean
 
 
 def test_run_dir_with_more_rounds_than_asked_is_refused(fl, two_rounds):

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F401
 
@@ -209,6 +211,30 @@ def test_a_deployed_clientapp_belongs_to_the_root_of_its_parent_pid_chain(tmp_pa
         for p in (supernode, superexec):
             p.kill()
             p.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux derives the boot time from the clock")
+def test_a_step_of_the_system_clock_does_not_make_a_live_owner_look_gone(tmp_path, monkeypatch):
+    """Linux reports the boot time as the clock now minus the uptime, so psutil's create_time()
+    moves with every NTP step of the clock; a service that compared it took its live owner for
+    a reused PID and quit during start-up. The owner's identity and its node scope are fixed."""
+    import subprocess
+
+    import psutil._pslinux as pslinux
+
+    _runtime_env(monkeypatch, tmp_path / "rt")
+    supernode = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        argv = ["flwr-clientapp", "--parent-pid", str(supernode.pid)]
+        owner = node_owner(argv=argv)
+        before, boot = psutil.Process(supernode.pid).create_time(), pslinux.boot_time()
+        monkeypatch.setattr(pslinux, "boot_time", lambda: boot + 1.0)  # the clock stepped 1 s
+        assert psutil.Process(supernode.pid).create_time() == before + 1.0  # psutil's moved
+        assert owner.alive() and NodeOwner.from_arg(owner.as_arg()).alive()
+        assert node_owner(argv=argv) == owner  # the next ClientApp finds the same scope
+    finally:
+        supernode.kill()
+        supernode.wait()
 
 
 def test_two_nodes_of_one_lane_stop_its_service_exactly_once(svc, model_dir):  # noqa: F811

@@ -18,7 +18,7 @@ import pytest
 from trainer_support import model_dir, one_torch_thread, random_model_dir, small_config  # noqa: F401
 
 from client_app.lane import LaneService, ServiceError
-from client_app.runtime_dir import NodeOwner
+from client_app.runtime_dir import NodeOwner, started
 from fl_app.config import save_config
 from fl_app.host import usable_cores, voluntary_context_switches
 
@@ -37,7 +37,7 @@ def _lane_service(tmp_path: Path, model_dir: Path, owner_pid: int) -> LaneServic
     recipe = tmp_path / "recipe.yaml"
     save_config(small_config(model_dir, run={"run_dir": str(tmp_path / "run")}), recipe)
     # a lane name of this test's own, so the socket never meets another run's service
-    owner = NodeOwner(owner_pid, psutil.Process(owner_pid).create_time(), "")
+    owner = NodeOwner(owner_pid, started(psutil.Process(owner_pid)), "")
     return LaneService(
         run_id=7,
         run_config={"recipe": str(recipe)},
