@@ -109,12 +109,13 @@ def started(p: psutil.Process) -> float:
     Linux derives the boot time from the current clock: every NTP step or slew of a VM's clock
     moves it (a lane service once took its live owner for a reused PID and quit during start-up).
     On Linux this is the start in seconds since boot instead (`/proc/<pid>/stat`, the kernel's
-    own record); elsewhere the kernel stores a start timestamp that does not move."""
+    own record); elsewhere psutil's create_time(), which on macOS and Windows is a timestamp the
+    kernel stored at the start."""
     if not sys.platform.startswith("linux"):
         return p.create_time()
     try:
         stat_line = Path(f"/proc/{p.pid}/stat").read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before or while it was read
         raise psutil.NoSuchProcess(p.pid) from None
     fields = stat_line[stat_line.rfind(b")") + 2 :].split()  # after the command name, from field 3
     return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks

@@ -170,9 +170,7 @@ def _bad_tensors(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, int, in
     return out
 
 
-def _non_finite_error(
-    culprits: dict[int, list[tuple[str, int, int]]], labels: list[str], where: str
-) -> NonFiniteWeightsError:
+def _non_finite_error(culprits: dict[int, list[tuple[str, int, int]]], labels: list[str], where: str) -> WeightsError:
     if not culprits:
         return NonFiniteWeightsError(
             f"the weighted mean of {where} overflowed fp32 although every input is finite; nothing was written. "
@@ -181,7 +179,7 @@ def _non_finite_error(
             labels,
         )
     if PREVIOUS in (labels[i] for i in culprits):
-        raise WeightsError(
+        return WeightsError(
             f"{PREVIOUS} (the server's last checkpoint) holds non-finite values; nothing was written. Resume "
             "from an earlier round (move the later rounds aside) or restart the run"
         )
@@ -402,7 +400,14 @@ def fedavg_manifests(
     if f_previous:
         if previous is None:
             raise WeightsError(f"server_lr={server_lr} steps from the round's global model; pass it as `previous`")
-        manifests.append(previous if isinstance(previous, Manifest) else Manifest.from_dir(previous))
+        step_from = previous if isinstance(previous, Manifest) else Manifest.from_dir(previous)
+        if not same_layout([manifests[0], step_from]):
+            raise WeightsError(
+                f"{PREVIOUS} ({step_from.root}) and the clients' uploads lay their tensors or shards out "
+                "differently (was run.shard_max_mb changed on resume?); a server_lr != 1 steps from it, "
+                "so they must match: keep the run's shard size, or use server_lr 1"
+            )
+        manifests.append(step_from)
         factors, labels = [*factors, f_previous], [*labels, PREVIOUS]
     if not same_layout(manifests):
         raise WeightsError(

@@ -362,3 +362,6 @@ def test_with_a_server_lr_a_nan_upload_still_names_its_client_and_a_broken_globa
         fedavg_manifests([(m, 1) for m in ms], tmp_path / "g", SHARD, previous=broken_m, server_lr=1.5)
     assert not isinstance(err2.value, NonFiniteWeightsError)  # no client is dropped for it
     assert not (tmp_path / "g" / "manifest.json").exists()
+    other_layout = save_shards(prev, tmp_path / "prev-big", 4 * SHARD)  # run.shard_max_mb changed on resume
+    with pytest.raises(WeightsError, match="the round's global model .* differently"):
+        fedavg_manifests([(m, 1) for m in ms], tmp_path / "g2", SHARD, previous=other_layout, server_lr=1.5)

@@ -137,3 +137,64 @@ def test_one_fsdp2_unit_gathered_once_a_phase_and_weights_loaded_after_a_rollout
         assert values and all(torch.isfinite(v).all() for v in values)
     finally:
         engine.close()
+
+
+def test_a_pass_that_raises_mid_forward_or_backward_leaves_the_engine_exact(tmp_path):
+    """A pass aborted by an exception (an OOM in a rollout, a scoring sweep or a step) leaves FSDP2
+    mid-iteration: a gathered unit that ignores reshard(), later loads failing on it, or later
+    backward passes sending their gradients nowhere. The engine resets FSDP2 (torch's
+    reset_iter_state) and the next load, scores and step are exactly a clean engine's."""
+    import torch
+
+    from client_app.trainer.engine import PolicyBatch
+
+    path = random_model_dir(tmp_path / "policy", layers=2)
+    cfg = small_config(path, algo={"kl_coef": 0.05, "micro_batch_size": 2, "mini_batch_size": 6})
+    engine = make_engine(cfg.model_copy(update={"backend": "verl"}), path)
+    layer = engine.engine.module.model.layers[1]
+    armed = {"forward": False, "backward": False}
+
+    def forward_bomb(*_):
+        if armed["forward"]:
+            armed["forward"] = False
+            raise RuntimeError("out of memory (test)")
+
+    def backward_bomb(*_):
+        if armed["backward"]:
+            armed["backward"] = False
+            raise RuntimeError("out of memory in backward (test)")
+
+    layer.register_forward_pre_hook(forward_bomb)
+    layer.register_full_backward_pre_hook(backward_bomb)
+    try:
+        rows = random_rows(6, len(engine.tokenizer), seed=1)  # 3 micro-batches a pass
+        start = engine.export_weights()
+        old, ref = engine.log_probs(rows), engine.log_probs(rows, "reference")
+        batch = PolicyBatch(rows, old, [torch.linspace(-1, 1, len(x)) for x in old], ref)
+
+        def step() -> dict[str, torch.Tensor]:
+            engine.load_weights(start)
+            engine.begin_fit(reference_from_policy=False)
+            try:
+                engine.policy_step(batch, engine.policy_loss)
+            finally:
+                engine.end_fit()
+            return engine.export_weights()
+
+        clean = step()
+        assert any(not torch.equal(clean[k], start[k]) for k in start)
+        for how in ("scoring", "rollout", "step forward", "step backward"):
+            armed["backward" if how == "step backward" else "forward"] = True
+            with pytest.raises(RuntimeError, match="out of memory"):
+                if how == "scoring":
+                    engine.log_probs(rows)
+                elif how == "rollout":
+                    engine.generation_model()(input_ids=torch.tensor([rows[0].prompt_ids]))
+                else:
+                    step()
+            engine.load_weights(start)
+            assert all(torch.equal(a, b) for a, b in zip(engine.log_probs(rows), old, strict=True)), how
+            again = step()
+            assert all(torch.equal(again[k], clean[k]) for k in clean), how
+    finally:
+        engine.close()

@@ -46,7 +46,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from types import ModuleType
@@ -550,6 +550,7 @@ class VerlEngine:
     def values(self, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
         if self.critic is None:
             raise RuntimeError(f"algo.name={self.cfg.algo.name!r} has no critic, so rows have no values")
+        _reshard(self.engine.module)  # a rollout leaves the actor gathered: never two models at once
         return self._row_outputs(rows, self.critic, "values", self.cfg.algo.critic.micro)
 
     def _row_outputs(self, rows: Sequence[TrainRow], worker: Any, key: str, micro: int) -> list[torch.Tensor]:
@@ -557,7 +558,7 @@ class VerlEngine:
         from verl.workers.utils.padding import no_padding_2_padding
 
         out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-        try:  # one gather for every pass (reshard_after_forward: false), freed at the end
+        with _phase(worker.engine.module):  # one gather for every pass, freed at the end
             # rows of similar length within the token budget, as builtin scores them
             for indices in micro_batches(rows, micro, self.cfg.algo.micro_batch_tokens):
                 part = [rows[i] for i in indices]
@@ -567,8 +568,6 @@ class VerlEngine:
                 padded = no_padding_2_padding(tu.get(result, key), td).float()
                 for b, i in enumerate(indices):
                     out[i] = padded[b, : len(rows[i].response_ids)].clone()
-        finally:
-            _reshard(worker.engine.module)
         return out
 
     # ------------------------------------------------------------------ steps
@@ -779,17 +778,17 @@ def _step(
     with engine.train_mode():
         engine.optimizer_zero_grad()
         try:
-            for i, td in enumerate(tds):
-                # FSDP2 reduces the gradients once, after the last backward, as verl defers it
-                # over the micro-batches of one call, and keeps the parameters gathered until then
-                last = i == len(tds) - 1
-                module.set_requires_gradient_sync(last)
-                module.set_reshard_after_backward(last)
-                append_to_dict(raw, engine.forward_backward_batch(td, whole, forward_only=False)["metrics"])
+            with _phase(module):  # the step updates the shards
+                for i, td in enumerate(tds):
+                    # FSDP2 reduces the gradients once, after the last backward, as verl defers it
+                    # over the micro-batches of one call, and keeps the parameters gathered until then
+                    last = i == len(tds) - 1
+                    module.set_requires_gradient_sync(last)
+                    module.set_reshard_after_backward(last)
+                    append_to_dict(raw, engine.forward_backward_batch(td, whole, forward_only=False)["metrics"])
         finally:
             module.set_requires_gradient_sync(True)
             module.set_reshard_after_backward(True)
-            _reshard(module)  # the step updates the shards
         if after_backward is not None:
             after_backward()
         grad_norm = float(engine.optimizer_step())
@@ -797,16 +796,67 @@ def _step(
     return StepResult(metrics(raw), grad_norm, math.isfinite(grad_norm))
 
 
-def _reshard(module: torch.nn.Module) -> None:
+def _reshard(module: torch.nn.Module, aborted: bool = False) -> None:
     """Free every FSDP2 unit's gathered parameters. The engine's units keep them gathered after
     a forward (`reshard_after_forward: false`: on one rank a gather per pass buys nothing), so
     a phase of passes (a rollout, a scoring sweep, a step's micro-batches) gathers once; it ends
-    here, before the shards are read or written (a load, an export, an optimizer step)."""
+    here, before the shards are read or written (a load, an export, an optimizer step).
+
+    A pass that raised (`aborted`, or a unit FSDP2 will not reshard: a forward it still thinks
+    is running, e.g. an interrupted rollout) leaves FSDP2 mid-iteration: a gathered unit that
+    ignores `reshard()`, or a backward state under which later passes send their gradients
+    nowhere. torch's own recovery (`reset_iter_state`) resets it and drops the aborted pass's
+    gradients; a torch without it is an error, never a lane that trains on stale state."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [unit for unit in module.modules() if isinstance(unit, FSDPModule)]
+    if aborted:
+        _reset_iteration(module)
+    for unit in units:
+        unit.reshard()
+    if not all(_sharded(unit) for unit in units):
+        _reset_iteration(module)
+        for unit in units:
+            unit.reshard()
+
+
+def _sharded(unit: Any) -> bool:
+    """The unit holds only its shards (a unit without parameters has none to gather)."""
+    group = unit._get_fsdp_state()._fsdp_param_group
+    return group is None or bool(group.is_sharded)
+
+
+def _reset_iteration(module: torch.nn.Module) -> None:
+    reset = getattr(module, "reset_iter_state", None)
+    if reset is None:
+        raise RuntimeError(
+            f"a pass of the verl engine was aborted mid-way, and torch {torch.__version__} cannot reset FSDP2 "
+            "after that (FSDPModule.reset_iter_state, torch 2.13): this lane cannot go on; rerun the run, "
+            "which resumes after its last complete round"
+        )
+    reset()
+    # it leaves the aborted backward's gradients on the gathered parameters, which FSDP2 reuses:
+    # the next backward would add to them
     from torch.distributed.fsdp import FSDPModule
 
     for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
+        group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
+        for param in group.fsdp_params if group is not None else ():
+            param.unsharded_accumulated_grad = None
+            gathered = getattr(param, "_unsharded_param", None)
+            if gathered is not None:
+                gathered.grad = None
+
+
+@contextlib.contextmanager
+def _phase(module: torch.nn.Module) -> Iterator[None]:
+    """A phase of passes that gathers `module` once: freed at the end, reset if a pass raised."""
+    try:
+        yield
+    except BaseException:
+        _reshard(module, aborted=True)
+        raise
+    _reshard(module)
 
 
 def _over_mini_batch(
