@@ -114,7 +114,7 @@ def test_one_fsdp2_unit_gathered_once_a_phase_and_weights_loaded_after_a_rollout
         engine.load_weights(start)
         monkeypatch.setattr(FSDPParamGroup, "unshard", counted)
         # scoring: one gather per model for its 3 passes, all freed after
-        old, ref, values = engine.log_probs(rows), engine.log_probs(rows, "reference"), engine.values(rows)
+        old, ref, _ = engine.log_probs(rows), engine.log_probs(rows, "reference"), engine.values(rows)
         assert len(gathers) == 3 and sharded(engine.actor, engine.ref, engine.critic), gathers
         # a step of 3 micro-batches: one gather, the shards stepped
         engine.begin_fit(reference_from_policy=False)
@@ -134,7 +134,6 @@ def test_one_fsdp2_unit_gathered_once_a_phase_and_weights_loaded_after_a_rollout
         model(input_ids=torch.tensor([rows[0].prompt_ids]))
         exported = engine.export_weights()
         assert all(torch.equal(exported[k], moved[k]) for k in moved)
-        assert values and all(torch.isfinite(v).all() for v in values)
     finally:
         engine.close()
 
