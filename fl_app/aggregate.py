@@ -64,7 +64,7 @@ def weight_factors(weights: Sequence[float]) -> list[float]:
     return [float(w) / total for w in weights]
 
 
-def server_step_factors(weights: Sequence[float], server_lr: float) -> tuple[list[float], float]:
+def server_step_factors(weights: Sequence[float], server_lr: float, has_previous: bool) -> tuple[list[float], float]:
     """The clients' factors and the round's global model's: (eta * f_i, 1 - eta), so that the fold
     gives w + eta * (avg - w); at eta = 1 exactly FedAvg's factors and 0 (w is not read)."""
     if not (0 < server_lr <= 10):
@@ -72,6 +72,8 @@ def server_step_factors(weights: Sequence[float], server_lr: float) -> tuple[lis
     factors = weight_factors(weights)
     if server_lr == 1.0:
         return factors, 0.0
+    if not has_previous:
+        raise WeightsError(f"server_lr={server_lr} steps from the round's global model; pass it as `previous`")
     return [server_lr * f for f in factors], 1.0 - server_lr
 
 
@@ -208,11 +210,9 @@ def fedavg_states(
     """FedAvg of in-memory state dicts (inputs are not modified). Same bits as `fedavg_manifests`.
     `names` label the inputs in errors (e.g. "client 7"); NaN/Inf raise NonFiniteWeightsError.
     With `server_lr` != 1, the step from `previous` (the round's global model) instead."""
-    factors, f_previous = server_step_factors([w for _, w in inputs], server_lr)
+    factors, f_previous = server_step_factors([w for _, w in inputs], server_lr, previous is not None)
     states, labels = [s for s, _ in inputs], _labels(names, len(inputs))
-    if f_previous:
-        if previous is None:
-            raise WeightsError(f"server_lr={server_lr} steps from the round's global model; pass it as `previous`")
+    if previous is not None and f_previous:
         states, factors, labels = [*states, previous], [*factors, f_previous], [*labels, PREVIOUS]
     keys = list(states[0].keys())
     for s in states[1:]:
@@ -395,11 +395,9 @@ def fedavg_manifests(
     `server_lr` != 1, the step from `previous` (the round's global model) instead.
     """
     manifests = [m if isinstance(m, Manifest) else Manifest.from_dir(m) for m, _ in inputs]
-    factors, f_previous = server_step_factors([w for _, w in inputs], server_lr)
+    factors, f_previous = server_step_factors([w for _, w in inputs], server_lr, previous is not None)
     labels = _labels(names, len(inputs))
-    if f_previous:
-        if previous is None:
-            raise WeightsError(f"server_lr={server_lr} steps from the round's global model; pass it as `previous`")
+    if previous is not None and f_previous:
         step_from = previous if isinstance(previous, Manifest) else Manifest.from_dir(previous)
         if not same_layout([manifests[0], step_from]):
             raise WeightsError(

@@ -810,14 +810,10 @@ def _reshard(module: torch.nn.Module, aborted: bool = False) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     units = [unit for unit in module.modules() if isinstance(unit, FSDPModule)]
-    if aborted:
-        _reset_iteration(module)
     for unit in units:
         unit.reshard()
-    if not all(_sharded(unit) for unit in units):
-        _reset_iteration(module)
-        for unit in units:
-            unit.reshard()
+    if aborted or not all(_sharded(unit) for unit in units):
+        _reset_iteration(module)  # reshards every unit itself
 
 
 def _sharded(unit: Any) -> bool:
