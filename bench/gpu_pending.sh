@@ -26,7 +26,14 @@ qwen05b_dir(Path(sys.argv[1]), Path(sys.argv[2]), torch.device('cuda'))" "$Q05" 
 step engines 480 python3 -m bench.engines --model "$Q05" --device cuda --arms update,hf,verl \
   --episodes 64 --turns 15 --update-rows 320 --json "$R/engines.json" --repeats 3 --no-full-logits \
   --verl-variant 'actor_rollout_ref.actor.fsdp_config.reshard_after_forward=True' algo.micro_batch_tokens=null
-# 2. where verl's update still loses to builtin's: one pass each on the same synthetic rows (shaped
+# 2. verl's engine contract on CUDA with the unit gathered once a phase (loads after a rollout's
+#    forwards, FedProx, micro-batching that changes no gradient), and its update against builtin's;
+#    first whether this torch has FSDPModule.reset_iter_state (an aborted pass needs it)
+step fsdp_reset 60 python3 -c "import torch; from torch.distributed.fsdp import FSDPModule; \
+print(torch.__version__, 'reset_iter_state:', hasattr(FSDPModule, 'reset_iter_state'))"
+step contract 420 python3 -m pytest -m gpu tests/test_engine_contract.py tests/test_verl_cuda.py \
+  -k "verl-cuda and not 20_fits or test_verl_cuda" -p no:cacheprovider -q -rA --timeout 300
+# 3. where verl's update still loses to builtin's: one pass each on the same synthetic rows (shaped
 #    like the engines bench's: ~190-token prompts), then one profiled pass each (kernels, host time)
 step profile 300 python3 -m bench.update_profile --model "$Q05" --device cuda --mini 16 --rows 320 \
   --prompt-tokens 120 260 --reply-tokens 5 36 --precision bf16 verl:auto --repeats 2 --profile --top 30
