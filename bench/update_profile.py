@@ -19,7 +19,10 @@ mini-batch, `client_app.trainer.loop.policy_pass`). For each `--mini`, one engin
 the arms take turns for --repeats timed passes from the same starting weights, and the best
 pass of each counts. With --profile each arm is then profiled once with torch.profiler (the
 profiled pass runs slower; its op table says where GPU time goes, and its kernel total over the
-unprofiled wall says how busy the GPU was). MFU counts 6 x params x tokens for the update and
+unprofiled wall says how busy the GPU was). With --syncs (CUDA), one more pass per arm runs under
+torch's sync debug mode and counts the host-device synchronisations (`.item()`, blocking copies,
+boolean indexing) by where they come from: the innermost frame outside torch, and the first
+frame in this project. MFU counts 6 x params x tokens for the update and
 2 x params x tokens for each scoring pass, against the dense bf16 matmul rate measured at the
 start (`--peak` overrides).
 """
@@ -30,6 +33,9 @@ import argparse
 import json
 import random
 import time
+import traceback
+import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -169,9 +175,45 @@ def measure(args: argparse.Namespace, mini: int) -> dict:
             if cuda:  # what the host spends while the GPU waits (launches, syncs, Python-side work)
                 print(f"--- {p}, mini {mini}, by host time")
                 print(ops.table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if args.syncs and cuda:
+        for p, (engine, _) in engines.items():
+            census = sync_census(lambda engine=engine: one_pass(engine))
+            out[p]["syncs_per_pass"] = sum(census.values())
+            print(f"--- {p}, mini {mini}: {sum(census.values())} synchronisations in one pass, by origin")
+            for (inner, ours), n in census.most_common(args.top):
+                print(f"{n:6d}  {inner}  <-  {ours}")
     for engine, _ in engines.values():
         engine.close()
     return out
+
+
+def sync_census(run: Any) -> Counter[tuple[str, str]]:
+    """Host-device synchronisations while `run()` runs, counted by (innermost frame outside torch,
+    first frame in this project): torch's sync debug mode warns at each one, and the warning
+    hook sees the Python stack as it is at that moment."""
+    root = str(Path(__file__).resolve().parents[1])
+    torch_dir = str(Path(torch.__file__).parent)
+    census: Counter[tuple[str, str]] = Counter()
+
+    def where(frame: traceback.FrameSummary) -> str:
+        return f"{frame.filename.rsplit('site-packages/', 1)[-1].removeprefix(root + '/')}:{frame.lineno} {frame.name}"
+
+    def count(*_: Any, **__: Any) -> None:
+        stack = traceback.extract_stack()[:-1]
+        outside = [f for f in stack if not f.filename.startswith(torch_dir) and "warnings" not in f.filename]
+        ours = [f for f in stack if f.filename.startswith(root) and "bench/" not in f.filename]
+        census[(where(outside[-1]) if outside else "?", where(ours[-1]) if ours else "?")] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown, warnings.showwarning = warnings.showwarning, count
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    return census
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mini", type=int, nargs="+", default=[16, 64], help="mini-batch sizes (micro = mini)")
     ap.add_argument("--repeats", type=int, default=2, help="timed passes per arm (taking turns)")
     ap.add_argument("--profile", action="store_true", help="also profile one pass per arm (slow)")
+    ap.add_argument("--syncs", action="store_true", help="also count one pass's host-device syncs by origin (CUDA)")
     ap.add_argument("--peak", type=float, default=0.0, help="dense bf16 TFLOP/s (0: measure it here)")
     ap.add_argument("--top", type=int, default=18)
     args = ap.parse_args(argv)
