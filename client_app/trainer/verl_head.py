@@ -18,10 +18,17 @@ through verl's `EngineRegistry` (its extension point for engines) for the device
 runs on. On the CPU it scores exactly as verl's own path (tests/test_engine_contract.py); under
 CUDA autocast it differs from it by design: verl takes the log-softmax of bf16 logits, this
 engine of fp32 ones, as builtin does.
+
+Where those positions are is worked out on the host (`HostLayout`), from the micro-batch verl
+has not yet moved, and reaches the device as indices: selecting them with boolean masks on the
+device, as verl's losses also slice each row by lengths read there, makes the host wait for the
+device at every such step, and a GPU pass is bound by host time.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,15 +36,52 @@ import torch
 from client_app.algos.logits import entropy_from_logits, token_log_probs
 
 
-def response_positions(micro_batch: Any, width: int) -> torch.Tensor:
-    """[B, width] mask of the padded positions whose next token is a response token: for a row
-    of p prompt and r response tokens, positions p-1 .. p+r-2 (what `no_padding_2_padding` slices)."""
-    attention, width_p = micro_batch["attention_mask"], micro_batch["prompts"].shape[1]  # the backend's layout
-    prompt_lens, response_lens = attention[:, :width_p].sum(1), attention[:, width_p:].sum(1)
-    if bool((prompt_lens == 0).any()):
-        raise ValueError("a row has no prompt token: nothing predicts its first response token")
-    j = torch.arange(width, device=prompt_lens.device)
-    return (j >= (prompt_lens - 1)[:, None]) & (j < (prompt_lens + response_lens - 1)[:, None])
+@dataclass(frozen=True)
+class HostLayout:
+    """Where the positions this engine scores sit, worked out on the host from the micro-batch
+    before verl moves it to the device: with these indices no step of a pass waits for the
+    device (a boolean mask applied on the device must first read how many it selects)."""
+
+    shape: tuple[int, int]  # (rows, width) of the padded ids the model sees: width = the longest row
+    tokens: int  # real tokens of the micro-batch (the packed layout's length)
+    keep: torch.Tensor  # [N] flat index into [rows * width] of each position that predicts a response token
+    rows: torch.Tensor  # [N] its row
+    slots: torch.Tensor  # [N] its index in the packed layout (each row's real tokens, row after row)
+    labels: torch.Tensor  # [N] the response token it predicts
+    positioned: bool  # every row positioned 0..n-1 (what lets the model go without a padding mask)
+
+    @classmethod
+    def of(cls, micro_batch: Any) -> HostLayout:
+        """For a row of p prompt and r response tokens, positions p-1 .. p+r-2 (what verl's
+        `no_padding_2_padding` slices), in row-major order."""
+        attention, width_p = micro_batch["attention_mask"], micro_batch["prompts"].shape[1]  # the backend's layout
+        prompt_lens, response_lens = attention[:, :width_p].sum(1), attention[:, width_p:].sum(1)
+        if bool((prompt_lens == 0).any()):
+            raise ValueError("a row has no prompt token: nothing predicts its first response token")
+        lengths = prompt_lens + response_lens
+        width, n = int(lengths.max()), int(response_lens.sum())
+        rows = torch.repeat_interleave(torch.arange(len(lengths)), response_lens)
+        first = torch.cumsum(response_lens, 0) - response_lens  # each row's first kept position, in [N]
+        cols = prompt_lens[rows] - 1 + torch.arange(n) - first[rows]
+        starts = torch.cumsum(lengths, 0) - lengths
+        positions = micro_batch["position_ids"]
+        expected = torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
+        return cls(
+            shape=(len(lengths), width),
+            tokens=int(lengths.sum()),
+            keep=rows * width + cols,
+            rows=rows,
+            slots=starts[rows] + cols,
+            labels=micro_batch["responses"][attention[:, width_p:].bool()],
+            positioned=positions.dim() == 2 and torch.equal(positions.values(), expected),
+        )
+
+    def to(self, device: torch.device) -> HostLayout:
+        """The indices on `device`, copied without waiting for it."""
+        move = partial(torch.Tensor.to, device=device, non_blocking=True)
+        return replace(
+            self, keep=move(self.keep), rows=move(self.rows), slots=move(self.slots), labels=move(self.labels)
+        )
 
 
 def engine_class() -> type[Any]:
@@ -58,7 +102,8 @@ def _build_engine_class() -> type[Any]:
     class ResponseHeadEngine(FSDPEngineWithLMHead):
         """verl's FSDP2 LM engine with the LM head applied at the response positions only."""
 
-        _keep: torch.Tensor | None = None
+        _host: HostLayout | None = None  # the micro-batch being scored, while its forward runs
+        _armed: HostLayout | None = None  # the same on the device, from its inputs to its outputs
         score_response_only = True  # False: verl's own full-logits path (the bench's baseline)
 
         def initialize(self) -> None:
@@ -67,15 +112,13 @@ def _build_engine_class() -> type[Any]:
 
         def _select(self, _head: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             """The output embedding's input, cut to the armed positions ([B, L, H] -> [N, H])."""
-            keep = self._keep
-            if keep is None:
+            layout = self._armed
+            if layout is None:
                 return None  # generation, or a layout verl scores itself
             (hidden,) = args
-            if tuple(hidden.shape[:2]) != tuple(keep.shape):
-                raise RuntimeError(
-                    f"LM head input {tuple(hidden.shape)} does not match the positions {tuple(keep.shape)}"
-                )
-            return (hidden[keep],)
+            if tuple(hidden.shape[:2]) != layout.shape:
+                raise RuntimeError(f"LM head input {tuple(hidden.shape)} does not match the positions {layout.shape}")
+            return (hidden.flatten(0, 1).index_select(0, layout.keep),)
 
         def _ours(self, micro_batch: Any) -> bool:
             """The padded, unfused layout without extras: the one this engine scores itself."""
@@ -86,7 +129,7 @@ def _build_engine_class() -> type[Any]:
             layout = set(micro_batch.keys())
             return (
                 self.score_response_only
-                and {"prompts", "attention_mask"} <= layout
+                and {"prompts", "responses", "attention_mask", "position_ids"} <= layout
                 and not (
                     flag("use_remove_padding", True)
                     or flag("use_fused_kernels", False)
@@ -96,54 +139,65 @@ def _build_engine_class() -> type[Any]:
                 )
             )
 
+        def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+            """verl's, with the micro-batch's layout read here, on the host, before verl moves it."""
+            if self._ours(micro_batch):
+                self._host = HostLayout.of(micro_batch)
+                if loss_function is not None:
+                    loss_function = partial(_host_lengths, loss_function, micro_batch["attention_mask"])
+            try:
+                return super().forward_step(micro_batch, loss_function, forward_only)
+            finally:
+                self._host = self._armed = None  # never armed outside this micro-batch's forward
+
         def prepare_model_inputs(self, micro_batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             model_inputs, output_args = super().prepare_model_inputs(micro_batch)
-            if self._ours(micro_batch):
+            if self._host is not None:
                 ids, positions = model_inputs["input_ids"], model_inputs["position_ids"]
                 if positions.dim() == 2:
                     # rows are right-padded with positions 0..n-1, which the model derives itself:
                     # with neither a mask nor positions SDPA takes its causal kernel instead of a
                     # [B, heads, L, L] mask, and a real token never sees the pads after it
-                    real = model_inputs["attention_mask"].bool()
-                    if not bool((positions == torch.arange(ids.shape[1], device=ids.device))[real].all()):
+                    if not self._host.positioned:
                         raise ValueError("rows must be positioned 0..n-1 to be scored without a padding mask")
                     model_inputs["attention_mask"] = model_inputs["position_ids"] = None
-                keep = response_positions(micro_batch, ids.shape[1]).to(ids.device)
-                output_args["keep"] = keep
-                output_args["labels"] = torch.roll(ids, shifts=-1, dims=1)[keep]
-                self._keep = keep
+                self._armed = output_args["layout"] = self._host.to(ids.device)
             return model_inputs, output_args
-
-        def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
-            try:
-                return super().forward_step(micro_batch, loss_function, forward_only)
-            finally:
-                self._keep = None  # never armed outside this micro-batch's forward
 
         def prepare_model_outputs(
             self, output: Any, output_args: dict[str, Any], micro_batch: Any, logits_processor_func: Any
         ) -> dict[str, Any]:
-            keep = output_args.get("keep")
-            if keep is None:
+            layout: HostLayout | None = output_args.get("layout")
+            if layout is None:
                 return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
             logits = output.logits.float()  # [N, V]: the kept positions, row-major; fp32 as builtin's
             if not output_args.get("temperature_is_one", False):
-                rows = keep.nonzero()[:, 0]
-                logits = logits / output_args["temperature"][rows].unsqueeze(-1)
-            input_ids = micro_batch["input_ids"]  # nested: each row's real tokens
-            cu_seqlens = input_ids.offsets()
-            real = torch.arange(keep.shape[1], device=keep.device) < cu_seqlens.diff()[:, None]
+                logits = logits / output_args["temperature"][layout.rows].unsqueeze(-1)
+            cu_seqlens = micro_batch["input_ids"].offsets()  # nested: each row's real tokens
 
             def nested(per_position: torch.Tensor) -> torch.Tensor:
-                dense = per_position.new_zeros(keep.shape).masked_scatter(keep, per_position)
-                return torch.nested.nested_tensor_from_jagged(dense[real], cu_seqlens)
+                packed = per_position.new_zeros(layout.tokens).index_copy(0, layout.slots, per_position)
+                return torch.nested.nested_tensor_from_jagged(packed, cu_seqlens)
 
-            model_output = {"log_probs": nested(token_log_probs(logits, output_args["labels"]))}
+            model_output = {"log_probs": nested(token_log_probs(logits, layout.labels))}
             if tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False):
                 model_output["entropy"] = nested(entropy_from_logits(logits))
             return model_output
 
     return ResponseHeadEngine
+
+
+def _host_lengths(
+    loss_function: Any, attention_mask: torch.Tensor, model_output: Any, data: Any, dp_group: Any = None
+) -> Any:
+    """verl's loss, reading the rows' lengths from the host copy of the attention mask. Its losses
+    cut each row's response out of the packed outputs in a Python loop over the rows
+    (`no_padding_2_padding`), slicing by lengths it sums from `data["attention_mask"]`: on the
+    device, every row's slice waits for the device twice."""
+    host = data.copy()  # shallow: only the mask is swapped
+    host.clear_device_()
+    host["attention_mask"] = attention_mask
+    return loss_function(model_output=model_output, data=host, dp_group=dp_group)
 
 
 def register(device: str) -> None:
