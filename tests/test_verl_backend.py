@@ -197,3 +197,70 @@ def test_a_pass_that_raises_mid_forward_or_backward_leaves_the_engine_exact(tmp_
             assert all(torch.equal(again[k], clean[k]) for k in clean), how
     finally:
         engine.close()
+
+
+def test_rows_built_in_the_no_padding_layout_equal_verl_s_own_conversion():
+    """`verl_rows.no_padding_batch` writes, key for key and bit for bit, what verl's
+    `left_right_2_no_padding` makes of the same rows padded left and right."""
+    import random
+
+    import torch
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from client_app.rollout import TrainRow
+    from client_app.trainer.advantages import pad_rows
+    from client_app.trainer.verl_rows import no_padding_batch
+
+    rng, pad = random.Random(3), 7
+    rows = [
+        TrainRow(
+            [rng.randrange(50) for _ in range(rng.randint(1, 9))],
+            [rng.randrange(50) for _ in range(r)],
+            [rng.randint(0, 1) for _ in range(r)],
+            0.0,
+            0,
+            i,
+        )
+        for i, r in enumerate(rng.randint(1, 6) for _ in range(5))
+    ]
+    advantages = [torch.randn(len(rw.response_ids)) for rw in rows]
+    ours = no_padding_batch(rows, pad, {"advantages": advantages})
+
+    n, p, r = len(rows), max(len(rw.prompt_ids) for rw in rows), max(len(rw.response_ids) for rw in rows)
+    prompts, responses = torch.full((n, p), pad), torch.full((n, r), pad)
+    attention, mask = torch.zeros((n, p + r), dtype=torch.long), torch.zeros((n, r), dtype=torch.long)
+    for b, rw in enumerate(rows):
+        lp, lr = len(rw.prompt_ids), len(rw.response_ids)
+        prompts[b, p - lp :], responses[b, :lr], mask[b, :lr] = (
+            torch.tensor(rw.prompt_ids),
+            torch.tensor(rw.response_ids),
+            torch.tensor(rw.mask),
+        )
+        attention[b, p - lp : p + lr] = 1
+    theirs = left_right_2_no_padding(
+        tu.get_tensordict(
+            {
+                "prompts": prompts,
+                "responses": responses,
+                "input_ids": torch.cat([prompts, responses], 1),
+                "attention_mask": attention,
+                "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+                "response_mask": mask,
+                "advantages": pad_rows(advantages, r),
+            }
+        )
+    )
+    assert sorted(ours.keys()) == sorted(theirs.keys()) and len(ours) == len(theirs) == n
+    for key in theirs.keys():
+        a, b = ours[key], theirs[key]
+        if isinstance(b, torch.Tensor) and b.is_nested:
+            assert a.is_nested and torch.equal(a.values(), b.values()), key
+            assert torch.equal(a.offsets(), b.offsets()) and a.offsets().dtype == b.offsets().dtype, key
+        elif isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), key
+        else:
+            assert a == b, key
+    for key in ("max_seq_len", "max_response_len", "indices"):
+        a, b = tu.get_non_tensor_data(ours, key, None), tu.get_non_tensor_data(theirs, key, None)
+        assert (torch.equal(a, b) and a.dtype == b.dtype) if key == "indices" else a == b, key

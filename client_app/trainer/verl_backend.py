@@ -59,11 +59,11 @@ from client_app.critic import CriticStart, resolve_start_critic, seeded_value_he
 from client_app.rollout import TrainRow, derive_seed
 from client_app.runtime_dir import remove_at_exit
 from client_app.trainer import verl_config, verl_head
-from client_app.trainer.advantages import pad_rows
 from client_app.trainer.compute import compile_models
 from client_app.trainer.device import avoid_cudnn_attention, cuda_autocast, release_memory, resolve_device
 from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch, micro_batches
 from client_app.trainer.loop import loss_specs
+from client_app.trainer.verl_rows import no_padding_batch
 from fl_app.config import Config
 from fl_app.weights import load_shards
 
@@ -627,51 +627,27 @@ class VerlEngine:
         values: Sequence[torch.Tensor] | None = None,
         returns: Sequence[torch.Tensor] | None = None,
     ) -> Any:
-        """Rows in verl's layout: left-padded prompts + right-padded responses, converted to
-        verl's no-padding (nested) TensorDict with the engine keys train_batch would inject, as
-        one micro-batch (the engine cuts its passes itself: `_micro_batches`)."""
+        """Rows in verl's no-padding layout (`verl_rows.no_padding_batch`) with the engine keys
+        train_batch would inject, as one micro-batch (the engine cuts its passes itself:
+        `_micro_batches`)."""
         from verl.utils import tensordict_utils as tu
-        from verl.workers.utils.padding import left_right_2_no_padding
 
-        n, p_max, r_max = len(rows), max(len(rw.prompt_ids) for rw in rows), max(len(rw.response_ids) for rw in rows)
-        prompts = torch.full((n, p_max), self.pad_id, dtype=torch.long)
-        responses = torch.full((n, r_max), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((n, p_max + r_max), dtype=torch.long)
-        response_mask = torch.zeros((n, r_max), dtype=torch.long)
-        for b, rw in enumerate(rows):
-            lp, lr = len(rw.prompt_ids), len(rw.response_ids)
-            prompts[b, p_max - lp :] = torch.tensor(rw.prompt_ids)
-            responses[b, :lr] = torch.tensor(rw.response_ids)
-            attention[b, p_max - lp : p_max + lr] = 1
-            response_mask[b, :lr] = torch.tensor(rw.mask)
-        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        tensors: dict[str, torch.Tensor | list[Any]] = {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": torch.cat([prompts, responses], 1),
-            "attention_mask": attention,
-            "position_ids": position_ids,
-            "response_mask": response_mask,
+        named = {
+            "old_log_probs": old,
+            "advantages": advantages,
+            "ref_log_prob": ref,
+            "values": values,
+            "returns": returns,
         }
-        for key, per_row in (
-            ("old_log_probs", old),
-            ("advantages", advantages),
-            ("ref_log_prob", ref),
-            ("values", values),
-            ("returns", returns),
-        ):
-            if per_row is not None:
-                tensors[key] = pad_rows(per_row, r_max)
-        td = tu.get_tensordict(tensors)
-        td = left_right_2_no_padding(td)
+        td = no_padding_batch(rows, self.pad_id, {key: v for key, v in named.items() if v is not None})
         tu.assign_non_tensor(
             td,
             temperature=float(self.cfg.rollout.temperature),
             calculate_entropy=True,
-            global_batch_size=n,
+            global_batch_size=len(rows),
             use_remove_padding=bool(self.engine.model_config.use_remove_padding),
             use_dynamic_bsz=False,
-            micro_batch_size_per_gpu=n,
+            micro_batch_size_per_gpu=len(rows),
             use_fused_kernels=False,
             pad_token_id=self.pad_id,
         )
