@@ -5,7 +5,8 @@
 # code and seconds of each. Start it detached so it outlives the shell that started it:
 #     setsid bash bench/gpu_pending.sh /tmp/res <tiny tokenizer dir> > /tmp/res-chain.log 2>&1 &
 # Then poll RESULTS/DONE. (Earlier chains are in git history: round overhead and both engines eager and
-# compiled at ac4b41c, FSDP2 units and the RSS contract at 298011b, profile then engines at a198c8a.)
+# compiled at ac4b41c, FSDP2 units and the RSS contract at 298011b, profile then engines at a198c8a,
+# gathered once a phase against resharding after every forward at 19c19b0.)
 set -u
 R=${1:?results dir}; TOK=${2:?tokenizer dir (the tiny default build: model.path of tiny-shop-grpo)}
 Q05=${Q05:-/tmp/q05}
@@ -20,21 +21,16 @@ step() {
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$R/chain.log"
 step model 120 python3 -c "import sys, torch; from pathlib import Path; from bench.trainer_fits import qwen05b_dir; \
 qwen05b_dir(Path(sys.argv[1]), Path(sys.argv[2]), torch.device('cuda'))" "$Q05" "$TOK"
-# 1. verl over builtin on the same rows (0.5B), fastest of 3 passes each: verl's model as one FSDP2
-#    unit, gathered once a phase (reshard_after_forward: false, 2026-12-05), and the same engine
-#    resharding after every forward (the variant: how it ran before) side by side
-step engines 480 python3 -m bench.engines --model "$Q05" --device cuda --arms update,hf,verl \
+# 1. verl over builtin on the same rows (0.5B), fastest of 3 passes each (issue #17: <= 1.5x; x1.59
+#    in session 18's run E, with only 2 passes)
+step engines 420 python3 -m bench.engines --model "$Q05" --device cuda --arms update,hf,verl \
   --episodes 64 --turns 15 --update-rows 320 --json "$R/engines.json" --repeats 3 --no-full-logits \
-  --verl-variant 'actor_rollout_ref.actor.fsdp_config.reshard_after_forward=True' algo.micro_batch_tokens=null
-# 2. verl's engine contract on CUDA with the unit gathered once a phase (loads after a rollout's
-#    forwards, FedProx, micro-batching that changes no gradient), and its update against builtin's;
-#    first whether this torch has FSDPModule.reset_iter_state (an aborted pass needs it)
-step fsdp_reset 60 python3 -c "import torch; from torch.distributed.fsdp import FSDPModule; \
-print(torch.__version__, 'reset_iter_state:', hasattr(FSDPModule, 'reset_iter_state'))"
+  algo.micro_batch_tokens=null
+# 2. verl's engine contract on CUDA (the host-side layout of session 18 has run only its
+#    micro-batch test there)
 step contract 420 python3 -m pytest -m gpu tests/test_engine_contract.py tests/test_verl_cuda.py \
   -k "verl-cuda and not 20_fits or test_verl_cuda" -p no:cacheprovider -q -rA --timeout 300
-# 3. where verl's update still loses to builtin's: one pass each on the same synthetic rows (shaped
-#    like the engines bench's: ~190-token prompts), then one profiled pass each (kernels, host time)
+# 3. where verl's pass still loses: the synchronisations by origin, then kernels and host time
 step profile 300 python3 -m bench.update_profile --model "$Q05" --device cuda --mini 16 --rows 320 \
-  --prompt-tokens 120 260 --reply-tokens 5 36 --precision bf16 verl:auto --repeats 2 --profile --top 30
+  --prompt-tokens 120 260 --reply-tokens 5 36 --precision bf16 verl:auto --repeats 2 --syncs --profile --top 30
 touch "$R/DONE"

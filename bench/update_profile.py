@@ -175,7 +175,7 @@ def measure(args: argparse.Namespace, mini: int) -> dict:
             if cuda:  # what the host spends while the GPU waits (launches, syncs, Python-side work)
                 print(f"--- {p}, mini {mini}, by host time")
                 print(ops.table(sort_by="self_cpu_time_total", row_limit=args.top))
-    if args.syncs and cuda:
+    if args.syncs:
         for p, (engine, _) in engines.items():
             census = sync_census(lambda engine=engine: one_pass(engine))
             out[p]["syncs_per_pass"] = sum(census.values())
@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak", type=float, default=0.0, help="dense bf16 TFLOP/s (0: measure it here)")
     ap.add_argument("--top", type=int, default=18)
     args = ap.parse_args(argv)
+    if args.syncs and args.device != "cuda":
+        ap.error("--syncs counts host-device synchronisations: it needs --device cuda")
     device = resolve_device(args.device)
     if args.make_qwen05b:
         from bench.trainer_fits import qwen05b_dir
