@@ -54,7 +54,8 @@ class HostLayout:
     def of(cls, micro_batch: Any) -> HostLayout:
         """For a row of p prompt and r response tokens, positions p-1 .. p+r-2 (what verl's
         `no_padding_2_padding` slices), in row-major order."""
-        attention, width_p = micro_batch["attention_mask"], micro_batch["prompts"].shape[1]  # the backend's layout
+        # the backend's layout, on the host already (a copy if it came on the device)
+        attention, width_p = micro_batch["attention_mask"].cpu(), micro_batch["prompts"].shape[1]
         prompt_lens, response_lens = attention[:, :width_p].sum(1), attention[:, width_p:].sum(1)
         if bool((prompt_lens == 0).any()):
             raise ValueError("a row has no prompt token: nothing predicts its first response token")
@@ -64,7 +65,7 @@ class HostLayout:
         first = torch.cumsum(response_lens, 0) - response_lens  # each row's first kept position, in [N]
         cols = prompt_lens[rows] - 1 + torch.arange(n) - first[rows]
         starts = torch.cumsum(lengths, 0) - lengths
-        positions = micro_batch["position_ids"]
+        positions = micro_batch["position_ids"].cpu()
         expected = torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
         return cls(
             shape=(len(lengths), width),
@@ -72,7 +73,7 @@ class HostLayout:
             keep=rows * width + cols,
             rows=rows,
             slots=starts[rows] + cols,
-            labels=micro_batch["responses"][attention[:, width_p:].bool()],
+            labels=micro_batch["responses"].cpu()[attention[:, width_p:].bool()],
             positioned=positions.dim() == 2 and torch.equal(positions.values(), expected),
         )
 
@@ -144,7 +145,7 @@ def _build_engine_class() -> type[Any]:
             if self._ours(micro_batch):
                 self._host = HostLayout.of(micro_batch)
                 if loss_function is not None:
-                    loss_function = partial(_host_lengths, loss_function, micro_batch["attention_mask"])
+                    loss_function = partial(_host_lengths, loss_function, micro_batch["attention_mask"].cpu())
             try:
                 return super().forward_step(micro_batch, loss_function, forward_only)
             finally:
