@@ -422,6 +422,7 @@ def test_a_token_budget_reaches_where_the_engines_cut_their_passes(ppo, initial,
     for module in (builtin_engine, verl_engine):
         monkeypatch.setattr(module, "micro_batches", spy)
     handed: list[int] = []  # verl: the rows of each batch its training step hands to verl
+    passes: dict[str, list[int]] = {"actor": [], "reference": []}  # verl: the rows of each forward
     if hasattr(ppo.engine, "engine"):
         verl_fb = ppo.engine.engine.forward_backward_batch
 
@@ -431,6 +432,13 @@ def test_a_token_budget_reaches_where_the_engines_cut_their_passes(ppo, initial,
             return verl_fb(td, loss_fn, forward_only=forward_only)
 
         monkeypatch.setattr(ppo.engine.engine, "forward_backward_batch", train_spy)
+        for name, fsdp in (("actor", ppo.engine.engine), ("reference", ppo.engine.ref.engine)):
+
+            def pass_spy(micro_batch: Any, *args: Any, _f=fsdp.forward_step, _n=name, **kwargs: Any) -> Any:
+                passes[_n].append(len(micro_batch))
+                return _f(micro_batch, *args, **kwargs)
+
+            monkeypatch.setattr(fsdp, "forward_step", pass_spy)
     saved = _with_micro(ppo, len(rows), budget)
     ppo.engine.begin_fit(reference_from_policy=False)
     try:
@@ -446,6 +454,10 @@ def test_a_token_budget_reaches_where_the_engines_cut_their_passes(ppo, initial,
         assert sorted(i for p in parts for i in p) == list(range(len(rows)))
     if hasattr(ppo.engine, "engine"):  # verl trains exactly the step's cuts, one call each
         assert handed == [len(p) for p in cuts[-1][1]], (handed, cuts[-1][1])
+        # and scores in passes of the scoring cuts (several of one size may come in one call)
+        scored, trained = passes["actor"][: len(cuts[0][1])], passes["actor"][len(cuts[0][1]) :]
+        assert scored == [len(p) for p in cuts[0][1]] and trained == handed, passes
+        assert passes["reference"] == [len(p) for p in cuts[1][1]], passes
 
 
 def test_a_row_in_a_right_padded_batch_scores_as_if_alone(ppo, initial):

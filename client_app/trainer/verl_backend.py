@@ -48,6 +48,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
+from itertools import groupby
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
@@ -558,12 +559,15 @@ class VerlEngine:
         from verl.workers.utils.padding import no_padding_2_padding
 
         out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        # rows of similar length within the token budget, as builtin scores them; consecutive
+        # micro-batches of one size go to verl in one call, which cuts them back in order (each
+        # call costs verl's bookkeeping and a wait for the device)
+        runs = groupby(micro_batches(rows, micro, self.cfg.algo.micro_batch_tokens), key=len)
         with _phase(worker.engine.module):  # one gather for every pass, freed at the end
-            # rows of similar length within the token budget, as builtin scores them
-            for indices in micro_batches(rows, micro, self.cfg.algo.micro_batch_tokens):
-                part = [rows[i] for i in indices]
-                td = self._batch(part)
-                tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+            for size, parts in runs:
+                indices = [i for part in parts for i in part]
+                td = self._batch([rows[i] for i in indices])
+                tu.assign_non_tensor(td, micro_batch_size_per_gpu=size, calculate_entropy=False, compute_loss=False)
                 result = worker.infer_batch(td)
                 padded = no_padding_2_padding(tu.get(result, key), td).float()
                 for b, i in enumerate(indices):
@@ -629,7 +633,7 @@ class VerlEngine:
     ) -> Any:
         """Rows in verl's no-padding layout (`verl_rows.no_padding_batch`) with the engine keys
         train_batch would inject, as one micro-batch (the engine cuts its passes itself:
-        `_micro_batches`)."""
+        `_micro_batches`; a scoring sweep sets a smaller `micro_batch_size_per_gpu`)."""
         from verl.utils import tensordict_utils as tu
 
         named = {
