@@ -566,8 +566,10 @@ class VerlEngine:
         with _phase(worker.engine.module):  # one gather for every pass, freed at the end
             for size, parts in runs:
                 indices = [i for part in parts for i in part]
-                td = self._batch([rows[i] for i in indices])
-                tu.assign_non_tensor(td, micro_batch_size_per_gpu=size, calculate_entropy=False, compute_loss=False)
+                td = self._batch(
+                    [rows[i] for i in indices],
+                    engine_keys={"micro_batch_size_per_gpu": size, "calculate_entropy": False, "compute_loss": False},
+                )
                 result = worker.infer_batch(td)
                 padded = no_padding_2_padding(tu.get(result, key), td).float()
                 for b, i in enumerate(indices):
@@ -630,10 +632,12 @@ class VerlEngine:
         ref: Sequence[torch.Tensor] | None = None,
         values: Sequence[torch.Tensor] | None = None,
         returns: Sequence[torch.Tensor] | None = None,
+        engine_keys: Mapping[str, Any] | None = None,
     ) -> Any:
         """Rows in verl's no-padding layout (`verl_rows.no_padding_batch`) with the engine keys
         train_batch would inject, as one micro-batch (the engine cuts its passes itself:
-        `_micro_batches`; a scoring sweep sets a smaller `micro_batch_size_per_gpu`)."""
+        `_micro_batches`); `engine_keys` overrides them (a scoring sweep: a smaller
+        `micro_batch_size_per_gpu`, no entropy, no loss)."""
         from verl.utils import tensordict_utils as tu
 
         named = {
@@ -644,17 +648,17 @@ class VerlEngine:
             "returns": returns,
         }
         td = no_padding_batch(rows, self.pad_id, {key: v for key, v in named.items() if v is not None})
-        tu.assign_non_tensor(
-            td,
-            temperature=float(self.cfg.rollout.temperature),
-            calculate_entropy=True,
-            global_batch_size=len(rows),
-            use_remove_padding=bool(self.engine.model_config.use_remove_padding),
-            use_dynamic_bsz=False,
-            micro_batch_size_per_gpu=len(rows),
-            use_fused_kernels=False,
-            pad_token_id=self.pad_id,
-        )
+        keys = {
+            "temperature": float(self.cfg.rollout.temperature),
+            "calculate_entropy": True,
+            "global_batch_size": len(rows),
+            "use_remove_padding": bool(self.engine.model_config.use_remove_padding),
+            "use_dynamic_bsz": False,
+            "micro_batch_size_per_gpu": len(rows),
+            "use_fused_kernels": False,
+            "pad_token_id": self.pad_id,
+        }
+        tu.assign_non_tensor(td, **{**keys, **(engine_keys or {})})
         return td
 
     def close(self) -> None:

@@ -60,16 +60,16 @@ class HostLayout:
         if bool((prompt_lens == 0).any()):
             raise ValueError("a row has no prompt token: nothing predicts its first response token")
         lengths = prompt_lens + response_lens
-        width, n = int(lengths.max()), int(response_lens.sum())
+        width, n, tokens = int(lengths.max()), int(response_lens.sum()), int(lengths.sum())
         rows = torch.repeat_interleave(torch.arange(len(lengths)), response_lens)
         first = torch.cumsum(response_lens, 0) - response_lens  # each row's first kept position, in [N]
         cols = prompt_lens[rows] - 1 + torch.arange(n) - first[rows]
         starts = torch.cumsum(lengths, 0) - lengths
         positions = micro_batch["position_ids"].cpu()
-        expected = torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
+        expected = torch.arange(tokens) - torch.repeat_interleave(starts, lengths)
         return cls(
             shape=(len(lengths), width),
-            tokens=int(lengths.sum()),
+            tokens=tokens,
             keep=rows * width + cols,
             rows=rows,
             slots=starts[rows] + cols,

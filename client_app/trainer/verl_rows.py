@@ -46,16 +46,14 @@ def no_padding_batch(rows: Sequence[TrainRow], pad_id: int, per_row: Mapping[str
     response_mask = fill((n, r_max), in_response, [rw.mask for rw in rows], 0)
     attention = torch.cat([in_prompt, in_response], 1)
     lengths = prompt_lens + response_lens
+    offsets = F.pad(torch.cumsum(lengths, 0), (1, 0))  # each row's first token in the packed layout, and the end
     tokens = torch.cat([prompts, responses], 1)[attention]
-    positions = torch.arange(len(tokens)) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-    cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))  # verl's unpad_input's dtype
+    positions = torch.arange(len(tokens)) - torch.repeat_interleave(offsets[:-1], lengths)
     tensors: dict[str, Any] = {
         "prompts": prompts,
         "responses": responses,
         "attention_mask": attention.long(),
-        "position_ids": torch.nested.nested_tensor_from_jagged(
-            positions, offsets=F.pad(torch.cumsum(lengths, 0), (1, 0))
-        ),
+        "position_ids": torch.nested.nested_tensor_from_jagged(positions, offsets=offsets),
         "response_mask": response_mask,
     }
     tensors.update({key: pad_rows(values, r_max) for key, values in per_row.items()})
@@ -66,6 +64,7 @@ def no_padding_batch(rows: Sequence[TrainRow], pad_id: int, per_row: Mapping[str
         max_response_len=r_max,
         indices=torch.nonzero(attention.flatten()).flatten(),
     )
-    td["input_ids"] = torch.nested.nested_tensor_from_jagged(tokens, offsets=cu_seqlens)
+    # verl's unpad_input gives the ids' offsets as int32 (and the positions' as int64)
+    td["input_ids"] = torch.nested.nested_tensor_from_jagged(tokens, offsets=offsets.to(torch.int32))
     td["loss_mask"] = td["response_mask"]
     return td
