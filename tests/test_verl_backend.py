@@ -264,3 +264,77 @@ def test_rows_built_in_the_no_padding_layout_equal_verl_s_own_conversion():
     for key in ("max_seq_len", "max_response_len", "indices"):
         a, b = tu.get_non_tensor_data(ours, key, None), tu.get_non_tensor_data(theirs, key, None)
         assert (torch.equal(a, b) and a.dtype == b.dtype) if key == "indices" else a == b, key
+
+
+def test_adamw_steps_the_shards_own_storage_as_verl_steps_its_dtensors(tmp_path, monkeypatch):
+    """On one rank the optimizer and the gradient clip run on the plain tensors FSDP2's DTensor
+    shards hold (`verl_head.LocalShards`), not through DTensor's dispatch: the same storage, so
+    two steps give the weights verl's own DTensor step gives (verl's `_build_optimizer` on a
+    twin engine), and a shard whose storage moved after the optimizer was built is an error,
+    not a step of a stale copy."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    from client_app.trainer.engine import PolicyBatch
+    from client_app.trainer.verl_head import engine_class
+
+    path = random_model_dir(tmp_path / "policy", layers=2)
+    cfg = small_config(path, algo={"kl_coef": 0.05, "micro_batch_size": 2, "mini_batch_size": 4, "grad_clip": 0.05})
+    cfg = cfg.model_copy(update={"backend": "verl"})
+    ours = make_engine(cfg, path)
+    monkeypatch.setattr(engine_class(), "_build_optimizer", FSDPEngine._build_optimizer)
+    theirs = make_engine(cfg, path)
+    try:
+        stepped = [p for group in ours.engine.optimizer.param_groups for p in group["params"]]
+        shards = [p for p in ours.engine.module.parameters()]
+        assert len(stepped) == len(shards) > 0 and not any(isinstance(p, DTensor) for p in stepped)
+        assert [p.data_ptr() for p in stepped] == [p._local_tensor.data_ptr() for p in shards]
+        assert all(isinstance(p, DTensor) for group in theirs.engine.optimizer.param_groups for p in group["params"])
+
+        rows = random_rows(8, len(ours.tokenizer), seed=4)
+        start = ours.export_weights()
+        old, ref = ours.log_probs(rows), ours.log_probs(rows, "reference")
+        gen = torch.Generator().manual_seed(5)
+        advantages = [torch.randn(len(x), generator=gen) for x in old]
+
+        def two_steps(engine) -> tuple[dict[str, torch.Tensor], list[float]]:
+            engine.load_weights(start)
+            engine.begin_fit(reference_from_policy=False)
+            try:  # two mini-batches of two micro-batches: a second step after a first zeroes the grads
+                norms = [
+                    engine.policy_step(
+                        PolicyBatch(rows[i : i + 4], old[i : i + 4], advantages[i : i + 4], ref[i : i + 4]),
+                        engine.policy_loss,
+                    ).grad_norm
+                    for i in (0, 4)
+                ]
+            finally:
+                engine.end_fit()
+            return engine.export_weights(), norms
+
+        (w_ours, n_ours), (w_theirs, n_theirs) = two_steps(ours), two_steps(theirs)
+        assert min(n_ours) > cfg.algo.grad_clip  # the clip scaled both steps
+        assert n_ours == n_theirs, (n_ours, n_theirs)
+        assert max(float((w_ours[k] - start[k]).abs().max()) for k in start) > 1e-4
+        assert all(torch.equal(w_ours[k], w_theirs[k]) for k in start)
+
+        # a non-finite gradient norm skips the step and leaves no gradient behind for the next
+        poisoned = [a.clone() for a in advantages]
+        poisoned[0][0] = float("nan")
+        ours.load_weights(start)
+        ours.begin_fit(reference_from_policy=False)
+        try:
+            skipped = ours.policy_step(PolicyBatch(rows[:4], old[:4], poisoned[:4], ref[:4]), ours.policy_loss)
+            assert not skipped.stepped and all(torch.equal(v, start[k]) for k, v in ours.export_weights().items())
+        finally:
+            ours.end_fit()
+        assert two_steps(ours)[1] == n_ours
+
+        shard = shards[0]
+        shard._local_tensor = shard._local_tensor.clone()  # what an offload or `.to()` does to a shard
+        with pytest.raises(RuntimeError, match="moved after the optimizer was built"):
+            two_steps(ours)
+    finally:
+        ours.close()
+        theirs.close()

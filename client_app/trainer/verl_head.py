@@ -23,17 +23,29 @@ Where those positions are is worked out on the host (`HostLayout`), from the mic
 has not yet moved, and reaches the device as indices: selecting them with boolean masks on the
 device, as verl's losses also slice each row by lengths read there, makes the host wait for the
 device at every such step, and a GPU pass is bound by host time.
+
+For the same reason, on one rank (every lane's engine) AdamW and the gradient clip step the
+shards' local tensors (`LocalShards`) rather than FSDP2's DTensor parameters: on one rank a
+DTensor holds its whole tensor locally, so the arithmetic is the same, without DTensor's
+per-op dispatch over every parameter at every step.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from client_app.algos.logits import entropy_from_logits, token_log_probs
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,31 @@ class HostLayout:
         )
 
 
+class LocalShards:
+    """A one-rank FSDP2 module's parameters as the plain tensors its DTensor shards hold (the
+    same storage: stepping these steps the module). FSDP2 reduces each gradient into the
+    DTensor's own `.grad`; `take_grads` hands each tensor its local part before a step. A shard
+    whose storage has moved since (a `model.to()`, an offload) would leave the optimizer
+    stepping a dead copy: that is an error."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.params = [cast("DTensor", p) for p in module.parameters() if p.requires_grad]
+        self.tensors = [p._local_tensor for p in self.params]  # DTensor's own storage, no copy
+
+    def take_grads(self) -> None:
+        for param, tensor in zip(self.params, self.tensors):
+            if param._local_tensor.data_ptr() != tensor.data_ptr():
+                raise RuntimeError(
+                    f"an FSDP2 shard of shape {tuple(param.shape)} moved after the optimizer was built "
+                    "(the module was moved or offloaded): the optimizer would step a stale copy"
+                )
+            tensor.grad = None if param.grad is None else cast("DTensor", param.grad)._local_tensor
+
+    def zero_grad(self) -> None:
+        for param, tensor in zip(self.params, self.tensors):
+            param.grad = tensor.grad = None
+
+
 def engine_class() -> type[Any]:
     """The engine class (built on first use: verl's engine modules read the platform on import)."""
     global _ENGINE
@@ -106,10 +143,40 @@ def _build_engine_class() -> type[Any]:
         _host: HostLayout | None = None  # the micro-batch being scored, while its forward runs
         _armed: HostLayout | None = None  # the same on the device, from its inputs to its outputs
         score_response_only = True  # False: verl's own full-logits path (the bench's baseline)
+        _shards: LocalShards | None = None  # one rank: what the optimizer steps
 
         def initialize(self) -> None:
             super().initialize()
             self.module.get_output_embeddings().register_forward_pre_hook(self._select)
+
+        def _build_optimizer(self, module: torch.nn.Module) -> Any:
+            """verl's optimizer, over the shards' local tensors on one rank (`LocalShards`); verl's
+            own over DTensors across ranks, or where its step does more (a loss scaler, QAT)."""
+            from verl.workers.config.optimizer import build_optimizer
+
+            if torch.distributed.get_world_size() > 1 or self.scaler is not None or self._qat_enabled:
+                return super()._build_optimizer(module)
+            self._shards = LocalShards(module)
+            return build_optimizer(self._shards.tensors, self.optimizer_config)
+
+        def optimizer_zero_grad(self) -> None:
+            if self._shards is None:
+                return super().optimizer_zero_grad()
+            self._shards.zero_grad()  # FSDP2 adds into a DTensor gradient that is not None
+
+        def optimizer_step(self) -> float:
+            """verl's step (clip, skip a non-finite norm, AdamW) on the local tensors."""
+            if self._shards is None:
+                return super().optimizer_step()
+            self._shards.take_grads()
+            tensors = self._shards.tensors
+            norm = torch.nn.utils.clip_grad_norm_(tensors, max_norm=self.optimizer_config.clip_grad).item()
+            if math.isfinite(norm):
+                self.optimizer.step()
+            else:
+                log.warning("grad norm is %s: the step is skipped", norm)
+                self._shards.zero_grad()
+            return norm
 
         def _select(self, _head: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             """The output embedding's input, cut to the armed positions ([B, L, H] -> [N, H])."""
