@@ -22,8 +22,9 @@ dict); `begin_fit` drops the AdamW state and rebuilds the LR schedule (invariant
 (`engine.get_per_tensor_param()`), never through verl's model merger (it casts to bf16: field
 log 2026-07-23).
 
-A train step is what verl's `BaseEngine.train_batch` does for one mini-batch (zero_grad,
-`forward_backward_batch` with verl's `ppo_loss` / `value_loss`, clip + AdamW), with the loop's
+A train step is what verl's `BaseEngine.train_batch` does for one mini-batch (zero_grad, verl's
+`forward_step` and a backward per micro-batch with verl's `ppo_loss` / `value_loss`, clip +
+AdamW), with the loop's
 FedProx gradient (policy only, invariant 4) added between the backward and the step.
 tests/test_engine_contract.py holds it to the builtin engine's updates within 1e-5.
 
@@ -581,7 +582,7 @@ class VerlEngine:
     def policy_step(
         self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: Callable[[], None] | None = None
     ) -> StepResult:
-        """verl's forward_backward_batch with verl's ppo_loss, the FedProx gradient, clip + AdamW."""
+        """verl's forward_step and ppo_loss per micro-batch, the FedProx gradient, clip + AdamW."""
         if loss != self.policy_loss:
             raise ValueError(
                 f"verl's policy loss is composed from the recipe when the engine is built "
@@ -743,19 +744,25 @@ def _step(
     after_backward: Callable[[], None] | None = None,
 ) -> StepResult:
     """One optimizer step on one mini-batch given as its micro-batches, what verl's
-    `BaseEngine.train_batch` does (zero_grad, `forward_backward_batch`, gradients reduced after
-    the last backward, clip + AdamW, a non-finite norm skipped), with `after_backward` (FedProx)
-    between the last backward and the step. verl normalises a loss by the batch it is handed, so
-    each micro-batch's loss is normalised by the whole mini-batch's tokens and rows instead
-    (`_over_mini_batch`): the gradients add up to the mini-batch's. The LR is constant, so the
+    `BaseEngine.train_batch` does (zero_grad, verl's `forward_step` and a backward per
+    micro-batch with the gradients reduced after the last, clip + AdamW, a non-finite norm
+    skipped), with `after_backward` (FedProx) between the last backward and the step. verl
+    normalises a loss by the batch it is handed, so each micro-batch's loss is normalised by the
+    whole mini-batch's tokens and rows instead (`_over_mini_batch`): the gradients add up to the
+    mini-batch's. That count is the host's, so the step calls `forward_step` itself rather than
+    `forward_backward_batch`, which would count the tokens again on the device and wait for the
+    sum (one all-reduce and one synchronisation a micro-batch). The LR is constant, so the
     schedule is never stepped."""
     from verl.utils.py_functional import append_to_dict
 
+    if getattr(engine, "scaler", None) is not None:
+        raise ValueError("the verl engine's step has no loss scaler (fp16 training): train in bf16 or fp32")
     whole = partial(
         _over_mini_batch,
         loss_fn,
-        num_tokens=sum(int(td["loss_mask"].sum()) for td in tds),  # what forward_backward_batch counts
+        num_tokens=sum(int(td["loss_mask"].sum()) for td in tds),  # on the host: the rows are still there
         num_rows=sum(len(td) for td in tds),
+        dp_size=engine.get_data_parallel_size(),
     )
     raw: dict[str, Any] = {}
     module = engine.module
@@ -769,7 +776,9 @@ def _step(
                     last = i == len(tds) - 1
                     module.set_requires_gradient_sync(last)
                     module.set_reshard_after_backward(last)
-                    append_to_dict(raw, engine.forward_backward_batch(td, whole, forward_only=False)["metrics"])
+                    loss, out = engine.forward_step(td, loss_function=whole, forward_only=False)
+                    loss.backward()
+                    append_to_dict(raw, out["metrics"])
         finally:
             module.set_requires_gradient_sync(True)
             module.set_reshard_after_backward(True)
@@ -840,14 +849,13 @@ def _phase(module: torch.nn.Module) -> Iterator[None]:
 
 
 def _over_mini_batch(
-    loss_fn: Any, model_output: Any, data: Any, dp_group: Any = None, *, num_tokens: int, num_rows: int
+    loss_fn: Any, model_output: Any, data: Any, dp_group: Any = None, *, num_tokens: int, num_rows: int, dp_size: int
 ) -> Any:
     """verl's loss of one micro-batch, normalised by its mini-batch's loss tokens and rows
-    (verl's loss reads both from the batch; `forward_backward_batch` sets the token count to
-    the micro-batch's own)."""
+    (verl's loss reads both, and the rank count, from the batch)."""
     from verl.utils import tensordict_utils as tu
 
-    tu.assign_non_tensor(data, batch_num_tokens=num_tokens, global_batch_size=num_rows)
+    tu.assign_non_tensor(data, batch_num_tokens=num_tokens, global_batch_size=num_rows, dp_size=dp_size)
     return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
 
 
