@@ -21,13 +21,12 @@ step() {
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$R/chain.log"
 step model 120 python3 -c "import sys, torch; from pathlib import Path; from bench.trainer_fits import qwen05b_dir; \
 qwen05b_dir(Path(sys.argv[1]), Path(sys.argv[2]), torch.device('cuda'))" "$Q05" "$TOK"
-# 1. verl over builtin on the same rows (0.5B), fastest of 3 passes each (issue #17: <= 1.5x; x1.59
-#    in session 18's run E, with only 2 passes)
+# 1. verl over builtin on the same rows (0.5B), fastest of 3 passes each (issue #17: <= 1.5x; x1.28
+#    in session 19's run F, which ran this bench on the code before too, from a `git archive`)
 step engines 420 python3 -m bench.engines --model "$Q05" --device cuda --arms update,hf,verl \
   --episodes 64 --turns 15 --update-rows 320 --json "$R/engines.json" --repeats 3 --no-full-logits \
   algo.micro_batch_tokens=null
-# 2. verl's engine contract on CUDA (the host-side layout of session 18 has run only its
-#    micro-batch test there)
+# 2. verl's engine contract on CUDA (16 tests; all passed in run F)
 step contract 420 python3 -m pytest -m gpu tests/test_engine_contract.py tests/test_verl_cuda.py \
   -k "verl-cuda and not 20_fits or test_verl_cuda" -p no:cacheprovider -q -rA --timeout 300
 # 3. where verl's pass still loses: the synchronisations by origin, then kernels and host time

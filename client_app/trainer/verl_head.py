@@ -143,19 +143,22 @@ def _build_engine_class() -> type[Any]:
         _host: HostLayout | None = None  # the micro-batch being scored, while its forward runs
         _armed: HostLayout | None = None  # the same on the device, from its inputs to its outputs
         score_response_only = True  # False: verl's own full-logits path (the bench's baseline)
-        _shards: LocalShards | None = None  # one rank: what the optimizer steps
+        _shards: LocalShards | None = None  # what the optimizer steps (none: a forward-only engine)
 
         def initialize(self) -> None:
             super().initialize()
             self.module.get_output_embeddings().register_forward_pre_hook(self._select)
 
         def _build_optimizer(self, module: torch.nn.Module) -> Any:
-            """verl's optimizer, over the shards' local tensors on one rank (`LocalShards`); verl's
-            own over DTensors across ranks, or where its step does more (a loss scaler, QAT)."""
+            """verl's optimizer, over the shards' local tensors (`LocalShards`): one rank, and a
+            step that is clip + AdamW only (no fp16 loss scaler, no QAT: the backend sets neither)."""
             from verl.workers.config.optimizer import build_optimizer
 
             if torch.distributed.get_world_size() > 1 or self.scaler is not None or self._qat_enabled:
-                return super()._build_optimizer(module)
+                raise RuntimeError(
+                    "the verl engine steps one rank's shards with clip + AdamW only: a process group of "
+                    f"{torch.distributed.get_world_size()}, an fp16 loss scaler or QAT cannot be armed here"
+                )
             self._shards = LocalShards(module)
             return build_optimizer(self._shards.tensors, self.optimizer_config)
 
