@@ -1,9 +1,9 @@
-"""Issue #4's headline must-show, as a newcomer runs it: `flwr run .` with the embedded default
-(no run-config but a private run dir; a private SuperLink) completes its 8 rounds and the last
-round's validation success beats round 0's by >= 10 points. Measured 0.234 -> 0.344 (+10.9, a
-thin margin) in 618 s on the 2-core AMD box with an empty model cache, and 0.219 -> 0.328 on the
-2-core Intel one before the GRPO fix of 65c7617 (README, "What the default run shows"); the wall
-time is printed, not asserted (speed lives in benchmarks)."""
+"""Issue #4's headline must-show, with issue #17's bar, as a newcomer runs it: `flwr run .` with
+the embedded default (no run-config but a private run dir; a private SuperLink) completes its 9
+rounds and the last round's validation success beats round 0's by >= 15 points. Measured
+0.234 -> 0.422 (+18.8) on the 2-core AMD box with an empty model cache (README, "What the default
+run shows"; another CPU model computes other bits, so another curve); the wall time is printed,
+not asserted (speed lives in benchmarks)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fl_app.rundir import RunDir
 
 
 @pytest.mark.slow
-def test_default_flwr_run_gains_10_points(tmp_path):
+def test_default_flwr_run_gains_15_points(tmp_path):
     run_dir = tmp_path / "run"
     with flower(tmp_path / "flwr") as fr:
         t0 = time.monotonic()
@@ -26,8 +26,8 @@ def test_default_flwr_run_gains_10_points(tmp_path):
         assert p.returncode == 0 and status.returncode == 0, (
             status.stdout + p.stdout[-4000:] + p.stderr[-4000:] + fr.superlink_log()[-4000:]
         )
-    rows = RunDir(run_dir, total_rounds=8).read_metrics()
+    rows = RunDir(run_dir, total_rounds=9).read_metrics()
     curve = [round(r["val_success"], 3) for r in rows]
     print(f"\ndefault run: {wall:.0f} s, validation success by round {curve}")
-    assert [r["round"] for r in rows] == list(range(9)), curve
-    assert rows[-1]["val_success"] - rows[0]["val_success"] >= 0.10, curve
+    assert [r["round"] for r in rows] == list(range(10)), curve
+    assert rows[-1]["val_success"] - rows[0]["val_success"] >= 0.15, curve
