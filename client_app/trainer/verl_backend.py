@@ -24,8 +24,8 @@ log 2026-07-23).
 
 A train step is what verl's `BaseEngine.train_batch` does for one mini-batch (zero_grad, verl's
 `forward_step` and a backward per micro-batch with verl's `ppo_loss` / `value_loss`, clip +
-AdamW), with the loop's
-FedProx gradient (policy only, invariant 4) added between the backward and the step.
+AdamW), with the loop's FedProx gradient (policy only, invariant 4) added between the backward
+and the step.
 tests/test_engine_contract.py holds it to the builtin engine's updates within 1e-5.
 
 CPU: verl 0.9.1 ships no CPU platform. `CpuPlatform` is one, registered through verl's own
@@ -443,6 +443,8 @@ class VerlEngine:
         )
         worker = TrainingWorker(config=config)
         worker.reset()  # builds model (from model.path), optimizer, LR schedule once
+        if getattr(worker.engine, "scaler", None) is not None:  # `_step` runs verl's forward_step without one
+            raise ValueError("the verl engine's step has no loss scaler (fp16 training): train in bf16 or fp32")
         return worker
 
     # ------------------------------------------------------------------ weights
@@ -755,8 +757,6 @@ def _step(
     schedule is never stepped."""
     from verl.utils.py_functional import append_to_dict
 
-    if getattr(engine, "scaler", None) is not None:
-        raise ValueError("the verl engine's step has no loss scaler (fp16 training): train in bf16 or fp32")
     whole = partial(
         _over_mini_batch,
         loss_fn,
