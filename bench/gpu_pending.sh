@@ -27,7 +27,7 @@ step engines 420 python3 -m bench.engines --model "$Q05" --device cuda --arms up
   --episodes 64 --turns 15 --update-rows 320 --json "$R/engines.json" --repeats 3 --no-full-logits \
   algo.micro_batch_tokens=null
 # 2. verl's engine contract on CUDA (16 tests; all passed in run F)
-step contract 420 python3 -m pytest -m gpu tests/test_engine_contract.py tests/test_verl_cuda.py \
+step contract 420 python3 -m pytest -m gpu tests/trainer/test_engine_contract.py tests/trainer/test_verl_cuda.py \
   -k "verl-cuda and not 20_fits or test_verl_cuda" -p no:cacheprovider -q -rA --timeout 300
 # 3. where verl's pass still loses: the synchronisations by origin, then kernels and host time
 step profile 300 python3 -m bench.update_profile --model "$Q05" --device cuda --mini 16 --rows 320 \

@@ -18,7 +18,7 @@ The result (config, safetensors in fp32 or bf16, tokenizer with chat template, g
 config) goes into a temporary directory next to `out` and is renamed into place, with
 `import.json` recording where it came from (file sha256, package version, library versions).
 Both models hold the same dequantized weights: their logits are bit-identical
-(tests/test_models_import.py).
+(tests/models/test_models.py).
 """
 
 from __future__ import annotations

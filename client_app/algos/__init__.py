@@ -2,7 +2,7 @@
 
 All batch tensors are padded [B, T] over response tokens with a 0/1 `response_mask` marking the
 tokens the policy generated. Semantics match verl 0.9.1's `core_algos` (held to 1e-6 by
-tests/test_algos_parity.py), so a run on the builtin backend and one on the verl backend
+tests/trainer/test_algos_parity.py), so a run on the builtin backend and one on the verl backend
 optimise the same objective.
 
 A GRPO update step, in order:

@@ -1,7 +1,7 @@
 """Advantage estimators on padded [B, T] response batches.
 
 Semantics match `verl.trainer.ppo.core_algos` 0.9.1 (`compute_grpo_outcome_advantage`,
-`compute_gae_advantage_return`); tests/test_algos_parity.py holds them to 1e-6.
+`compute_gae_advantage_return`); tests/trainer/test_algos_parity.py holds them to 1e-6.
 Advantages are targets, not functions of the parameters being trained: no autograd graph.
 """
 

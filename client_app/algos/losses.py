@@ -3,7 +3,7 @@ penalty estimators, clipped value loss, and the composed actor loss.
 
 Semantics match verl 0.9.1 (`verl.trainer.ppo.core_algos.agg_loss`, `compute_policy_loss_vanilla`,
 `kl_penalty`, `compute_value_loss`, and the composition in `verl.workers.utils.losses.ppo_loss`);
-tests/test_algos_parity.py holds them to 1e-6. One deliberate difference: a batch with no valid
+tests/trainer/test_algos_parity.py holds them to 1e-6. One deliberate difference: a batch with no valid
 token aggregates to 0 where verl divides 0 by 0 (NaN would poison the weights).
 
 Gradient accumulation: aggregate every micro-batch with the `AggNorm` of its whole mini-batch and

@@ -4,7 +4,7 @@ Holds the policy (fp32 master weights, computing as `run.precision` says: by def
 copy on CUDA, `compute.ComputeCopy`), the KL reference, the PPO critic (the policy's
 architecture with a value head, `client_app.critic`) and one AdamW per trained member over the
 fp32 masters, rebuilt for every fit (invariant 3; fused on CUDA). Its losses are the project's own
-(`client_app.algos`, held to verl's `core_algos` by tests/test_algos_parity.py).
+(`client_app.algos`, held to verl's `core_algos` by tests/trainer/test_algos_parity.py).
 
 Scoring reads the backbone's hidden states only at the positions that predict a response token,
 so the [tokens, vocab] logits stay small for 150k vocabularies, and the policy's log-probs and

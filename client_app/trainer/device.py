@@ -40,7 +40,7 @@ def freeze_survivors() -> int:
     test lane of 420k objects. Frozen objects are still freed by reference counting, but a
     garbage cycle through any of them never is: the lane freezes right after a collection, when
     what lives is meant to live, and reports the count (`service_frozen_objects`), which must
-    level off after the first fits (tests/test_lane_overhead.py)."""
+    level off after the first fits (tests/client/test_lane_overhead.py)."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -4,7 +4,7 @@ A training engine owns the models (policy, reference, critic) and their optimize
 and knows how to score and train rows; it knows nothing of rounds, tasks, rollouts or
 advantages. Two implement it: `builtin.BuiltinEngine` (torch + transformers) and
 `verl_backend.VerlEngine` (verl 0.9.1's FSDP2 engine). The loop in `loop.py` is written once
-against this protocol, and `tests/test_engine_contract.py` holds every engine to it.
+against this protocol, and `tests/trainer/test_engine_contract.py` holds every engine to it.
 
 Rows (`client_app.rollout.TrainRow`) carry token ids and a generated-token mask; per-row
 quantities (log-probs, values, advantages, returns) are 1-D fp32 tensors over a row's response

@@ -26,7 +26,7 @@ A train step is what verl's `BaseEngine.train_batch` does for one mini-batch (ze
 `forward_step` and a backward per micro-batch with verl's `ppo_loss` / `value_loss`, clip +
 AdamW), with the loop's FedProx gradient (policy only, invariant 4) added between the backward
 and the step.
-tests/test_engine_contract.py holds it to the builtin engine's updates within 1e-5.
+tests/trainer/test_engine_contract.py holds it to the builtin engine's updates within 1e-5.
 
 CPU: verl 0.9.1 ships no CPU platform. `CpuPlatform` is one, registered through verl's own
 platform plugin registry (`verl.plugin.platform.PlatformRegistry` + `set_platform`), and the

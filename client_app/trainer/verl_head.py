@@ -15,7 +15,7 @@ rows go to the model without a padding mask (SDPA's causal kernel; the pads come
 position that is read, so nothing read depends on them). Every other layout (packed
 sequences, fused kernels, distillation) is verl's own code path, unchanged. It is registered
 through verl's `EngineRegistry` (its extension point for engines) for the device the backend
-runs on. On the CPU it scores exactly as verl's own path (tests/test_engine_contract.py); under
+runs on. On the CPU it scores exactly as verl's own path (tests/trainer/test_engine_contract.py); under
 CUDA autocast it differs from it by design: verl takes the log-softmax of bf16 logits, this
 engine of fp32 ones, as builtin does.
 

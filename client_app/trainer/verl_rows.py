@@ -5,7 +5,7 @@ and their masks, plus the rows' real tokens and positions as jagged (nested) ten
 the jagged part from the padded one (`left_right_2_no_padding`), slicing every row on its own;
 for a pass bound by host time that conversion was a tenth of the verl engine's overhead per
 micro-batch. `no_padding_batch` writes the same TensorDict from the rows' token lists with a
-handful of whole-batch operations (tests/test_verl_backend.py checks it key for key against
+handful of whole-batch operations (tests/trainer/test_verl_backend.py checks it key for key against
 verl's conversion).
 """
 

@@ -3,7 +3,7 @@
 Five WebShop categories, six product types each. A product type fixes the title noun, the
 search query it was "scraped" under, the category path, an attribute pool (the phrases goals
 ask for) and its option pools. Option pools are chosen so that two different values of one
-pool never match under the reward's fuzzy option matcher (tests/test_shop_reward.py checks
+pool never match under the reward's fuzzy option matcher (tests/envs/test_shop_reward.py checks
 it): a wrong click must score as a miss.
 """
 

@@ -30,7 +30,7 @@ from envs.base import Env, task_order_fingerprint
 from envs.registry import make_env
 from envs.service import build_pool, check_same_task_order
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = GameSetSpec(seed=0, num_train=6, num_val=6)
 
 
@@ -220,7 +220,11 @@ def transcript(params: dict) -> list:
 
 
 def run_isolated(code: str, *args: str, env_over: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **(env_over or {})}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(Path(__file__).parent)]),
+        **(env_over or {}),
+    }
     env.pop("ALFWORLD_DATA", None)
     return subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300, check=True

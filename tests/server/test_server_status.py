@@ -17,7 +17,7 @@ from fl_app.weights import save_shards
 from server_app.errors import one_line
 from server_app.status import COMPLETE, FAILED, UNFINISHED, UNKNOWN, run_status, wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run_dir(tmp_path: Path, rounds: int) -> RunDir:

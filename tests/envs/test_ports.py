@@ -24,7 +24,7 @@ from envs.ports import (
 )
 from envs.service import READY_PREFIX
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The verl training engine's own properties (the engine contract, shared with builtin, is
-tests/test_engine_contract.py): the verl config it composes from the recipe is written into the
+tests/trainer/test_engine_contract.py): the verl config it composes from the recipe is written into the
 run dir, and an outer Ray cluster never leaks into it. Real verl engine on CPU."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_a_lane_that_exits_leaves_no_rendezvous_file_behind(model_dir, tmp_path)
     )
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     args = [sys.executable, "-c", child, str(model_dir), str(tmp_path / "run")]
-    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1])
+    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2])
     alive, pid = out.stdout.split()[-2:]
     assert alive == "1", "the rendezvous file should exist while the group does"
     assert not list(tmp_path.glob(f"fedagent-verl-pg-{pid}-*"))

@@ -39,7 +39,7 @@ from partitions.env_variants import (
 )
 from partitions.uniform import client_shard
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHOP = dict(num_products=150, num_goals=1000, val_size=64, search_return_n=50, seed=0)  # tiny-shop-grpo's
 ENV_HET_RECIPES = sorted(
     p.relative_to(CONFIGS_DIR).with_suffix("").as_posix() for p in (CONFIGS_DIR / "env-het").glob("*.yaml")
@@ -92,7 +92,11 @@ def test_variant_bytes_are_the_same_in_another_process(base):
         "env = make_env('shop', **SHOP);"
         "print(json.dumps({k: [variant(k, c, env).to_dict() for c in (0, 7, 99)] for k in KNOBS}, sort_keys=True))"
     )
-    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    env = {
+        **os.environ,
+        "PYTHONHASHSEED": "12345",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(Path(__file__).parent)]),
+    }
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     here = {k: [variant(k, c, base).to_dict() for c in (0, 7, 99)] for k in KNOBS}
     assert out.stdout.strip() == json.dumps(here, sort_keys=True)

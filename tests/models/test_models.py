@@ -2,7 +2,7 @@
 package, through the real transformers GGUF loader), the SFT warm start of any model directory
 (content-hash cache, outcome breakdown, round 0 = the warmed model, the KL reference as
 configured) and `model_dirs`, the one place the trainers resolve `model.*`. The packaged
-SmolLM2 itself is in tests/test_models_slow.py."""
+SmolLM2 itself is in tests/models/test_models_slow.py."""
 
 from __future__ import annotations
 

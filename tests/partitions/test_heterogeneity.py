@@ -32,7 +32,7 @@ from partitions.report import PartitionMismatch, synthetic_labels, write_partiti
 from partitions.report import main as report_main
 from partitions.sizing import assign_with_overlap, client_sizes, overlap_ratio
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WEBSHOP = {"beauty": 198, "electronics": 180, "fashion": 5012, "garden": 905, "grocery": 115}  # notes §2.1
 ALFWORLD = {
     "pick_clean_then_place_in_recep": 650,
@@ -216,7 +216,7 @@ def test_invariant_11_every_process_computes_the_same_partition():
         cfg("hardness", xi_prime=1, rule="executed"),
     ]
     here = [plan_partition(c, ALF_POOL, ALF_LABELS).digest() for c in arms]
-    code = _DIGESTS.format(root=str(ROOT), tests=str(ROOT / "tests"))
+    code = _DIGESTS.format(root=str(ROOT), tests=str(Path(__file__).parent))
     others = [
         json.loads(
             subprocess.run(

@@ -302,7 +302,7 @@ def test_ranking_variants_reorder_the_same_hits():
 
 def test_lookalikes_share_text_but_lose_reward():
     """A lookalike copies a goal target's text; buying it with the goal's options where it
-    offers them loses the attacked term (tests/test_env_variants.py checks every lookalike)."""
+    offers them loses the attacked term (tests/envs/test_env_variants.py checks every lookalike)."""
     env = ShopEnv(**TINY, lookalike="price_color")
     world = env._world
     fakes = [p for p in world.products if p.asin in env.lookalike_of()]

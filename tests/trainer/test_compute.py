@@ -2,7 +2,7 @@
 (`run.compile`, builtin and verl) score and train as the eager ones do while generation stays eager, the modes
 that cannot be armed are refused before anything starts, and micro-batches respect their row
 cap and token budget. The bf16 compute copy is held to
-the engine contract in tests/test_engine_contract.py (`builtin-cpu-bf16`, and against fp32)."""
+the engine contract in tests/trainer/test_engine_contract.py (`builtin-cpu-bf16`, and against fp32)."""
 
 from __future__ import annotations
 

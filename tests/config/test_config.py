@@ -17,7 +17,7 @@ from fl_app.config import (
     save_config,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_default_recipe_is_the_published_federation_shape():

@@ -1,7 +1,7 @@
 """vLLM as the rollout engine of either training engine (`rollout.engine: vllm`,
 client_app/trainer/rollouts.py and vllm_rollout.py).
 
-The GPU tests (`pytest -m gpu tests/test_verl_vllm.py -k on_builtin`, then `-k on_verl` in a
+The GPU tests (`pytest -m gpu tests/trainer/test_verl_vllm.py -k on_builtin`, then `-k on_verl` in a
 second process: vLLM's allocator serves one engine per process; vLLM 0.24 on a CUDA machine,
 verl 0.9.1 for the verl engine: docs/offline-gpu.md) build a real trainer with its in-process
 vLLM engine on a random-weight

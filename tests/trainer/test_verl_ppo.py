@@ -1,5 +1,5 @@
 """PPO on the verl training engine through the trainer service, as a round uses it (the engine
-contract, critic included, is tests/test_engine_contract.py)."""
+contract, critic included, is tests/trainer/test_engine_contract.py)."""
 
 from __future__ import annotations
 

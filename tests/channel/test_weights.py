@@ -26,7 +26,7 @@ from fl_app.weights import (
     verify_shards,
 )
 
-V1_FIXTURE = Path(__file__).parent / "fixtures" / "weights-v1"
+V1_FIXTURE = Path(__file__).parents[1] / "fixtures" / "weights-v1"
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:

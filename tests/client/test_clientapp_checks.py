@@ -18,7 +18,7 @@ from fl_app.provenance import CodeMismatch, code_root, code_sha256
 from fl_app.transport import write_disk_probe
 from fl_app.weights import WeightsError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
 
 

@@ -287,6 +287,6 @@ def test_files_a_process_removes_at_exit_go_on_every_exit_but_a_forked_child_s(t
         "remove_own_files()\n"
         "os._exit(0)\n"
     )
-    done = subprocess.run([sys.executable, "-c", child, *map(str, files)], cwd=Path(__file__).parents[1])
+    done = subprocess.run([sys.executable, "-c", child, *map(str, files)], cwd=Path(__file__).parents[2])
     assert done.returncode == 0, "a forked child's exit removed its parent's files"
     assert not any(f.exists() for f in files)

@@ -61,7 +61,7 @@ ENGINES = [
     "builtin",
     "builtin-cpu-bf16",  # the bf16 compute copy of fp32 masters (the CUDA default), on the CPU
     # compiled decoder layers (run.compile, the GPU recipes'), on the CPU: ~70 s of compiling, so
-    # slow-marked; tests/test_compute.py holds compiled layers to eager ones in the default run
+    # slow-marked; tests/trainer/test_compute.py holds compiled layers to eager ones in the default run
     pytest.param("builtin-cpu-fp32+compile", marks=pytest.mark.slow),
     pytest.param("verl", marks=_no_verl),
     pytest.param("builtin-cuda", marks=[pytest.mark.gpu, _no_cuda]),

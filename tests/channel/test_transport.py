@@ -150,7 +150,7 @@ def test_fl_app_imports_no_flower():
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert out.stdout.strip() == "[]", out.stdout
 

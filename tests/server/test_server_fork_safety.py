@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The real partition report of the default recipe, in a loop in a thread, while the main thread
 # forks 100 times the way Ray starts its processes.

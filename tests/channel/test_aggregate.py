@@ -153,7 +153,7 @@ def test_streaming_fedavg_peak_memory_is_a_few_shards_not_models(tmp_path):
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     got = json.loads(res.stdout.strip().splitlines()[-1])
     peak = got["peak_increase_bytes"]
@@ -284,7 +284,7 @@ def test_output_shard_bound_must_match_the_clients(tmp_path):
 
 
 def test_v1_client_uploads_still_aggregate(tmp_path):
-    v1 = Path(__file__).parent / "fixtures" / "weights-v1"
+    v1 = Path(__file__).parents[1] / "fixtures" / "weights-v1"
     m = Manifest.from_dir(v1)
     out = fedavg_manifests([(m, 2), (v1, 3)], tmp_path / "g", m.max_shard_bytes)
     assert (out.version, out.hash) == (2, "blake3")

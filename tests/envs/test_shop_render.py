@@ -17,7 +17,7 @@ from envs.base import task_order_fingerprint
 from envs.shop import pages
 from envs.shop.env import ShopEnv
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 TINY = dict(num_products=300, num_goals=1000, val_size=64, search_return_n=50, seed=0)
 WRITE = os.environ.get("SHOP_WRITE_FIXTURES") == "1"
 

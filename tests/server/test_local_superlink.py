@@ -16,7 +16,7 @@ import pytest
 
 from envs.ports import choose_free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SUPERLINK = str(Path(sys.executable).with_name("flower-superlink"))
 
 

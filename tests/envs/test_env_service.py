@@ -42,7 +42,7 @@ from envs.service import (
 
 PARAMS = {"num_products": 300, "num_goals": 1000, "val_size": 64, "seed": 0}
 POOL = 8
-DOC = Path(__file__).resolve().parents[1] / "docs" / "env-service.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "env-service.md"
 
 
 @pytest.fixture(scope="module")
@@ -500,7 +500,7 @@ def test_service_exits_when_its_launcher_is_killed():
             f"with serve_in_subprocess('shop', 1, {PARAMS!r}) as u:\n"
             "    print(u, flush=True); time.sleep(600)",
         ],
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -1,4 +1,4 @@
-"""PPO's critic beyond the engine contract (tests/test_engine_contract.py): the critic's fp32
+"""PPO's critic beyond the engine contract (tests/trainer/test_engine_contract.py): the critic's fp32
 round trip through aggregation, where the starting critic comes from (invariant 7), and a PPO
 fit without its critic failing closed. Real env service, real (random-weight) Qwen2 policy and
 critic, real fits on CPU."""
