@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
-# Issue #17's pending GPU measurements (docs/benchmarks.md, top), one after the other on one GPU
+# The GPU measurements of docs/benchmarks.md's engines section, one after the other on one GPU
 # node with the builtin + verl wheel sets installed (docs/offline-gpu.md). Each step runs under its
 # own time limit and writes its log to RESULTS/<step>.log; RESULTS/chain.log has start, end, exit
 # code and seconds of each. Start it detached so it outlives the shell that started it:
 #     setsid bash bench/gpu_pending.sh /tmp/res <tiny tokenizer dir> > /tmp/res-chain.log 2>&1 &
-# Then poll RESULTS/DONE. (Earlier chains are in git history: round overhead and both engines eager and
-# compiled at ac4b41c, FSDP2 units and the RSS contract at 298011b, profile then engines at a198c8a,
-# gathered once a phase against resharding after every forward at 19c19b0.)
+# Then poll RESULTS/DONE.
 set -u
 R=${1:?results dir}; TOK=${2:?tokenizer dir (the tiny default build: model.path of tiny-shop-grpo)}
 Q05=${Q05:-/tmp/q05}
@@ -21,12 +19,12 @@ step() {
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$R/chain.log"
 step model 120 python3 -c "import sys, torch; from pathlib import Path; from bench.trainer_fits import qwen05b_dir; \
 qwen05b_dir(Path(sys.argv[1]), Path(sys.argv[2]), torch.device('cuda'))" "$Q05" "$TOK"
-# 1. verl over builtin on the same rows (0.5B), fastest of 3 passes each (issue #17: <= 1.5x; x1.28
-#    in session 19's run F, which ran this bench on the code before too, from a `git archive`)
+# 1. verl over builtin on the same rows (0.5B), fastest of 3 passes each (x1.28 on one H100,
+#    2026-12-06; run it on the code before a change too, from a `git archive`, to compare)
 step engines 420 python3 -m bench.engines --model "$Q05" --device cuda --arms update,hf,verl \
   --episodes 64 --turns 15 --update-rows 320 --json "$R/engines.json" --repeats 3 --no-full-logits \
   algo.micro_batch_tokens=null
-# 2. verl's engine contract on CUDA (16 tests; all passed in run F)
+# 2. verl's engine contract on CUDA (16 tests; all passed on one H100, 2026-12-06)
 step contract 420 python3 -m pytest -m gpu tests/trainer/test_engine_contract.py tests/trainer/test_verl_cuda.py \
   -k "verl-cuda and not 20_fits or test_verl_cuda" -p no:cacheprovider -q -rA --timeout 300
 # 3. where verl's pass still loses: the synchronisations by origin, then kernels and host time

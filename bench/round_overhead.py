@@ -6,7 +6,7 @@
 Reads the run's `metrics.jsonl` (what `flwr run` writes) and splits each round's wall time:
 - *work*: the fits' rollouts and updates (`fits_rollout_update_s`, summed over the round's
   replies) and the validation's episodes (`val_eval_s`);
-- *overhead*: the rest, which issue #17 wants at <= 5% of the round: loading the global into
+- *overhead*: the rest, to keep at <= 5% of the round: loading the global into
   each lane (the fits' `fits_load_s` and the validation's `val_load_s`), exporting each fit's
   weights (`fits_export_s`), what the fits spend outside those phases (`in_fits`: fresh
   optimizers, rows, releasing memory), the server's streaming FedAvg and checkpoint

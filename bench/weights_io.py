@@ -11,7 +11,7 @@ Rows, each the best of --repeat runs:
   load     load_shards (read, verify every byte, build tensors) with the files in the page cache
            (warm) and evicted from it (cold), and warm without verification, against reading the
            same files into the same kind of fresh buffer with plain readinto()
-  fit      what a lane's fit export did until session 9 (a fresh CPU copy of the masters, then
+  fit      what a lane's fit export once did (a fresh CPU copy of the masters, then
            save_shards with fsync) against what it does now (save_shards of the masters where
            they live, --device: CUDA tensors stream through pinned buffers; no fsync), same run
 MB/s = model bytes / seconds. Linux only (page-cache eviction by posix_fadvise).
