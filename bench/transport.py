@@ -1,4 +1,4 @@
-"""Weight transport at scale (issue #14 item 6): one round trip of an fp32 model, server -> 2
+"""Weight transport at scale: one round trip of an fp32 model, server -> 2
 nodes and 2 nodes -> server, through the built-in HTTP weight store, next to a raw loopback copy
 of the same bytes, and next to Flower's inline transport, all in one run.
 
