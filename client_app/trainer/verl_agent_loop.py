@@ -35,9 +35,10 @@ import functools
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 from uuid import uuid4
 
+from transformers import PreTrainedTokenizerBase
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
 from client_app.rollout import (
@@ -133,8 +134,9 @@ class FedAgentEnvLoop(AgentLoopBase):
         )
         self.max_new_tokens = cfg.rollout.max_response_tokens
         self.penalty = cfg.rollout.invalid_action_penalty
-        # the replicas stop on the generation config's eos ids too (Qwen: <|im_end|>, <|endoftext|>)
-        eos = self.tokenizer.eos_token_id  # type: ignore[attr-defined]  # verl types the tokenizer as the AutoTokenizer factory
+        # the replicas stop on the generation config's eos ids too (Qwen: <|im_end|>, <|endoftext|>);
+        # verl types its tokenizer as the AutoTokenizer factory, where it holds the instance
+        eos = cast(PreTrainedTokenizerBase, self.tokenizer).eos_token_id
         self.eos_ids = list(turn_end_ids_of(eos, str(self.config.actor_rollout_ref.model.path)))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
