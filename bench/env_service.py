@@ -65,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 from envs.base import Env  # noqa: E402
 from envs.client import EnvClient  # noqa: E402
 from envs.registry import make_env  # noqa: E402
-from envs.service import READY_PREFIX, serve_in_subprocess  # noqa: E402
+from envs.service import READY_PREFIX, serve_in_subprocess, stop_process  # noqa: E402
 
 # The last commit with the hand-written HTTP/1.1 client and the bare-ASGI verbs.
 DEFAULT_BASELINE = "110ee4d153ed92ebe138a994e795fd8e5c4030da"
@@ -344,12 +344,7 @@ def baseline_service(
             raise SystemExit(f"the baseline service (pid {proc.pid}) did not start")
         yield url[0]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         reader.join(5)
 
 

@@ -807,6 +807,17 @@ class ServiceStartError(RuntimeError):
     pass
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM `proc`, SIGKILL it if it has not exited `timeout_s` later, and reap it: a child
+    that hangs in its shutdown never outlives the one who started it."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextmanager
 def serve_in_subprocess(
     env_name: str,
@@ -900,13 +911,7 @@ def serve_in_subprocess(
     finally:
         if variant_file is not None:
             os.unlink(variant_file)
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, stop_timeout_s)
         reader.join(5)
 
 

@@ -44,6 +44,22 @@ def run_status(run_dir: Path) -> subprocess.CompletedProcess:
     )
 
 
+def spawn(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen:
+    """Start `cmd` with its output appended to `log`, in a process session of its own:
+    `local_superlink stop` and `Deployment.kill` end whole process groups, never the test's."""
+    with open(log, "ab") as fh:
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def sigkill(proc: psutil.Process, tree: bool = True) -> None:
+    """SIGKILL a process, with `tree` every descendant too (what a crashed machine or `kill -9` does)."""
+    procs = [proc, *proc.children(recursive=True)] if tree else [proc]
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=10)
+
+
 class FlowerRun:
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -93,10 +109,7 @@ class FlowerRun:
 
     def start(self, run_config: str, log: Path, federation_config: str = "num-supernodes=2") -> subprocess.Popen:
         """`flwr run --stream` in the background, its output into `log`."""
-        with open(log, "ab") as fh:
-            return subprocess.Popen(
-                self.command(run_config, federation_config), env=self.env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT
-            )
+        return spawn(self.command(run_config, federation_config), self.env, ROOT, log)
 
     def own_processes(self) -> list[psutil.Process]:
         """This harness's runtime processes: those whose environment names its private Ray dir
@@ -325,18 +338,8 @@ class Deployment:
     ) -> subprocess.Popen:
         if self.net is not None and host is not None:
             cmd = self.net.wrap(host, cmd, private or [])
-        log = open(self.logs / f"{name}.log", "ab")
-        proc = subprocess.Popen(
-            cmd,
-            env={**self.env, **(env or {})},
-            cwd=self.root,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-        self.procs[name] = proc
-        return proc
+        self.procs[name] = spawn(cmd, {**self.env, **(env or {})}, self.root, self.logs / f"{name}.log")
+        return self.procs[name]
 
     def start(self) -> Deployment:
         tls = (
@@ -419,9 +422,16 @@ class Deployment:
         ]
         return self._start(name, cmd, name, self.no_shared, env={"FLWR_HOME": str(self.root / f"flwr-{name}")})
 
+    def command(self, run_config: str) -> list[str]:
+        return [FLWR, "run", str(ROOT), "deploy", "--run-config", run_config, "--stream"]
+
     def run(self, run_config: str, timeout_s: float) -> subprocess.CompletedProcess:
-        cmd = [FLWR, "run", str(ROOT), "deploy", "--run-config", run_config, "--stream"]
+        cmd = self.command(run_config)
         return subprocess.run(cmd, env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+
+    def submit(self, run_config: str, log: Path) -> subprocess.Popen:
+        """`flwr run . deploy --stream` in the background, its output into `log`."""
+        return spawn(self.command(run_config), self.env, ROOT, log)
 
     def kill(self, name: str) -> None:
         """SIGKILL a host's whole process group (what a crashed machine does to its processes)."""

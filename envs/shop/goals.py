@@ -66,17 +66,5 @@ def synthesize_goals(products: Sequence[Product], num_goals: int, seed: int) -> 
         ceiling = price_ceiling(target.price, rng)
         opener = rng.choice(vocab.OPENERS)
         text = f"{opener} {_describe(target.query, attributes)}{options_clause(goal_options)}{price_clause(ceiling)}"
-        goals.append(
-            Goal(
-                asin=target.asin,
-                instruction=text,
-                attributes=attributes,
-                goal_options=goal_options,
-                price_upper=ceiling,
-                category=target.category,
-                query=target.query,
-                name=target.title,
-                product_category=target.product_category,
-            )
-        )
+        goals.append(Goal.for_target(target, text, attributes, goal_options, ceiling))
     return goals

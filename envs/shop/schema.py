@@ -49,3 +49,20 @@ class Goal:
     query: str = ""
     name: str = ""
     product_category: str = ""
+
+    @classmethod
+    def for_target(
+        cls, target: Product, instruction: str, attributes: tuple[str, ...], options: dict[str, str], ceiling: float
+    ) -> Goal:
+        """The goal of buying `target`, with what the type reward compares copied from it."""
+        return cls(
+            asin=target.asin,
+            instruction=instruction,
+            attributes=attributes,
+            goal_options=options,
+            price_upper=ceiling,
+            category=target.category,
+            query=target.query,
+            name=target.title,
+            product_category=target.product_category,
+        )

@@ -46,6 +46,7 @@ COLORS = (
 )
 METALS = ("silver", "gold", "copper", "bronze")
 PACKS = ("single", "twin pack", "4 count", "value bundle")
+BOTTLE_SIZES = ("8 fl oz", "16 fl oz", "32 fl oz")
 
 
 def _t(noun, query, path, attributes, options, price) -> ProductType:
@@ -66,10 +67,7 @@ CATEGORIES: dict[str, tuple[ProductType, ...]] = {
             f"{BEAUTY} › Hair Care › Shampoo",
             "sulfate free, paraben free, for dry hair, color safe, argan oil, tea tree, "
             "cruelty free, vegan, volumizing, anti dandruff",
-            [
-                ("size", ("8 fl oz", "16 fl oz", "32 fl oz")),
-                ("scent", ("coconut", "lavender", "eucalyptus", "unscented")),
-            ],
+            [("size", BOTTLE_SIZES), ("scent", ("coconut", "lavender", "eucalyptus", "unscented"))],
             (6, 40),
         ),
         _t(
@@ -112,10 +110,7 @@ CATEGORIES: dict[str, tuple[ProductType, ...]] = {
             f"{BEAUTY} › Skin Care › Body › Lotions",
             "shea butter, for dry skin, fast absorbing, non greasy, fragrance free, "
             "natural ingredients, paraben free, aloe vera",
-            [
-                ("size", ("8 fl oz", "16 fl oz", "32 fl oz")),
-                ("scent", ("vanilla", "lavender", "cucumber", "unscented")),
-            ],
+            [("size", BOTTLE_SIZES), ("scent", ("vanilla", "lavender", "cucumber", "unscented"))],
             (5, 35),
         ),
     ),

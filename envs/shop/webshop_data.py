@@ -150,17 +150,7 @@ def _goal(
     ones already word their options."""
     ceiling = price_ceiling(product.price, rng)
     clause = options_clause(options) if mention_options else ""
-    return Goal(
-        asin=product.asin,
-        instruction=text.strip(".") + clause + price_clause(ceiling),
-        attributes=attributes,
-        goal_options=options,
-        price_upper=ceiling,
-        category=product.category,
-        query=product.query,
-        name=product.title,
-        product_category=product.product_category,
-    )
+    return Goal.for_target(product, text.strip(".") + clause + price_clause(ceiling), attributes, options, ceiling)
 
 
 def load_goals(

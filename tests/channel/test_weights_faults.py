@@ -78,9 +78,14 @@ def _fresh(base: Path) -> Path:
     return Path(tempfile.mkdtemp(dir=base))
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
+def _fresh_copy(original: Path, base: Path) -> tuple[Path, Path]:
+    """A new scratch dir (`_fresh`) and a copy of the original weights in it, for an example to damage."""
+    scratch = _fresh(base)
+    return scratch, Path(shutil.copytree(original, scratch / "w"))
+
+
+def _manifest_doc(d: Path) -> dict:
+    return json.loads((d / MANIFEST_NAME).read_text())
 
 
 def _mutate_json(data: st.DataObject, doc: object) -> object:
@@ -99,10 +104,8 @@ def _mutate_json(data: st.DataObject, doc: object) -> object:
 @fuzz(300)
 @given(data=st.data())
 def test_any_manifest_mutation_is_refused_or_loads_the_exact_model(original, base, data):
-    scratch = _fresh(base)
-    d = _copy(original, scratch / "w")
-    doc = json.loads((d / MANIFEST_NAME).read_text())
-    (d / MANIFEST_NAME).write_text(json.dumps(_mutate_json(data, doc)))
+    _, d = _fresh_copy(original, base)
+    (d / MANIFEST_NAME).write_text(json.dumps(_mutate_json(data, _manifest_doc(d))))
     try:
         got = load_shards(d)
     except WeightsError:
@@ -129,8 +132,7 @@ def _corrupt(data: st.DataObject, raw: bytes) -> bytes:
 @fuzz(200)
 @given(data=st.data())
 def test_any_shard_corruption_is_refused_by_load_verify_and_aggregation(original, base, data):
-    scratch = _fresh(base)
-    d = _copy(original, scratch / "w")
+    scratch, d = _fresh_copy(original, base)
     m = Manifest.from_dir(d)
     victim = d / m.shards[data.draw(st.integers(0, len(m.shards) - 1))].file
     raw = victim.read_bytes()
@@ -154,11 +156,10 @@ def test_any_shard_corruption_is_refused_by_load_verify_and_aggregation(original
 @fuzz(200)
 @given(data=st.data())
 def test_a_malicious_client_with_a_consistent_manifest_cannot_crash_the_reader(original, base, data):
-    scratch = _fresh(base)
     # The client controls shard bytes AND manifest (digest and size re-computed): only the
     # parsing of what it sent stands between it and the server. Refused, or exactly its layout.
-    d = _copy(original, scratch / "w")
-    doc = json.loads((d / MANIFEST_NAME).read_text())
+    scratch, d = _fresh_copy(original, base)
+    doc = _manifest_doc(d)
     i = data.draw(st.integers(0, len(doc["shards"]) - 1))
     victim = d / doc["shards"][i]["file"]
     bad = _corrupt(data, victim.read_bytes())

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -155,22 +154,7 @@ def _kill_a_node_mid_round(tmp_path: Path, recipe: Path) -> tuple[dict, list[dic
     Returns the summary, the metrics rows and the dead node's trainer service pids."""
     run_dir = tmp_path / "runs" / "r"
     with deployment(tmp_path, nodes=2) as d:
-        log = open(tmp_path / "flwr-run.log", "w")
-        run = subprocess.Popen(
-            [
-                str(Path(sys.executable).with_name("flwr")),
-                "run",
-                str(ROOT),
-                "deploy",
-                "--run-config",
-                run_config(recipe, run_dir, rounds=3),
-                "--stream",
-            ],
-            env=d.env,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        run = d.submit(run_config(recipe, run_dir, rounds=3), tmp_path / "flwr-run.log")
         try:
             rd = RunDir(run_dir, total_rounds=3)
             deadline = time.monotonic() + 1800
@@ -192,7 +176,6 @@ def _kill_a_node_mid_round(tmp_path: Path, recipe: Path) -> tuple[dict, list[dic
             if run.poll() is None:
                 run.kill()
             run.wait()
-            log.close()
         status = run_status(run_dir)
         assert status.returncode == 0, status.stdout + (tmp_path / "flwr-run.log").read_text()[-4000:]
         return _summary(run_dir), rd.read_metrics(), dead

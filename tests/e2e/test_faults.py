@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from flower_harness import ROOT, flower, run_config, run_status
+from flower_harness import ROOT, flower, run_config, run_status, sigkill
 
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest
@@ -57,16 +56,6 @@ def _last(rd: RunDir) -> int:
     return -1 if last is None else last
 
 
-def _kill(proc: psutil.Process, tree: bool) -> None:
-    procs = [proc, *proc.children(recursive=True)] if tree else [proc]
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
 def test_a_kill_at_a_random_point_then_resume_gives_the_uninterrupted_weights(tmp_path):
@@ -96,7 +85,7 @@ def test_a_kill_at_a_random_point_then_resume_gives_the_uninterrupted_weights(tm
                 time.sleep(0.2)
             killed_in = rd.last_complete_round()
             if targets:
-                _kill(rng.choice(targets), tree=kind == "server")
+                sigkill(rng.choice(targets), tree=kind == "server")
             try:
                 proc.wait(timeout=900)
             except Exception:  # noqa: BLE001 - a stream that outlived its server is ended here

@@ -4,15 +4,13 @@ trainer service, env service and tiny model (issue 4's must-shows, scaled to min
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from flower_harness import FLWR, ROOT, flower, run_config, run_status
+from flower_harness import ROOT, flower, run_config, run_status, sigkill
 
 from fl_app.provenance import code_root, code_sha256
 from fl_app.rundir import RunDir
@@ -224,19 +222,6 @@ def test_labels_of_another_env_fail_the_run_before_any_lane_starts(fl, tmp_path)
     assert not _service_pids(fl) or all(not psutil.pid_exists(p) for p in _service_pids(fl))
 
 
-def _kill_tree(pid: int) -> list[int]:
-    """SIGKILL a process and every descendant (what a crashed node or `kill -9` does)."""
-    root = psutil.Process(pid)
-    procs = [root, *root.children(recursive=True)]
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-    return [p.pid for p in procs]
-
-
 @pytest.mark.slow
 def test_sigkill_mid_round_then_rerun_resumes_cleanly(tmp_path):
     """Kill the whole run (SuperLink, simulation, Ray actors) mid-round; the trainer service of
@@ -244,23 +229,7 @@ def test_sigkill_mid_round_then_rerun_resumes_cleanly(tmp_path):
     run_dir = tmp_path / "killed"
     home = tmp_path / "flwr"
     with flower(home) as fr:
-        log = open(tmp_path / "first-attempt.log", "w")
-        proc = subprocess.Popen(
-            [
-                FLWR,
-                "run",
-                str(ROOT),
-                "--run-config",
-                _rc(run_dir, rounds=4),
-                "--federation-config",
-                "num-supernodes=2",
-                "--stream",
-            ],
-            env=fr.env,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        proc = fr.start(_rc(run_dir, rounds=4), tmp_path / "first-attempt.log")
         try:
             deadline = time.monotonic() + 1200
             rd = RunDir(run_dir, total_rounds=4)
@@ -270,11 +239,10 @@ def test_sigkill_mid_round_then_rerun_resumes_cleanly(tmp_path):
             time.sleep(2)  # now inside round 2
             first_services = _service_pids(fr)
             assert first_services
-            _kill_tree(find_superlink(fr.home).pid)
+            sigkill(find_superlink(fr.home))
         finally:
             proc.kill()
             proc.wait()
-            log.close()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in first_services):
             time.sleep(0.5)
@@ -293,24 +261,7 @@ def test_stopping_the_local_superlink_mid_run_stops_the_runtime_too(tmp_path):
     (its own process group) and the lane's trainer service must not keep training."""
     run_dir = tmp_path / "stopped"
     with flower(tmp_path / "flwr") as fr:
-        log = open(tmp_path / "run.log", "w")
-        proc = subprocess.Popen(
-            [
-                FLWR,
-                "run",
-                str(ROOT),
-                "--run-config",
-                _rc(run_dir, rounds=50),
-                "--federation-config",
-                "num-supernodes=1",
-                "--stream",
-            ],
-            env=fr.env,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc = fr.start(_rc(run_dir, rounds=50), tmp_path / "run.log", "num-supernodes=1")
         try:
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline and not _service_pids(fr) and proc.poll() is None:
@@ -340,4 +291,3 @@ def test_stopping_the_local_superlink_mid_run_stops_the_runtime_too(tmp_path):
         finally:
             proc.kill()
             proc.wait()
-            log.close()

@@ -16,18 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import orjson
 import pytest
+from env_support import SHOP_PARAMS
 
 from envs.client import EnvClient, EnvServiceError, SyncEnvClient, TransportError
 from envs.ports import choose_free_port
 from envs.service import serve_in_subprocess
 
-PARAMS = {"num_products": 300, "num_goals": 1000, "val_size": 64, "seed": 0}
 POOL = 4
 
 
 @pytest.fixture(scope="module")
 def url():
-    with serve_in_subprocess("shop", POOL, PARAMS) as base_url:
+    with serve_in_subprocess("shop", POOL, SHOP_PARAMS) as base_url:
         yield base_url
 
 
@@ -139,7 +139,7 @@ def test_transport_errors_are_retried_with_backoff_until_the_service_is_up():
             pending = ex.submit(c.info)
             time.sleep(0.5)
             assert not pending.done()  # refused connections, retrying
-            with serve_in_subprocess("shop", 1, PARAMS, port=port):
+            with serve_in_subprocess("shop", 1, SHOP_PARAMS, port=port):
                 assert pending.result(timeout=60)["pool_size"] == 1
 
 
@@ -155,7 +155,7 @@ def test_a_restarted_service_is_reached_on_fresh_connections():
         async with EnvClient(f"http://127.0.0.1:{port}", backoff_s=0.1) as c:
             pids = []
             for _ in range(2):
-                with serve_in_subprocess("shop", 1, PARAMS, port=port):
+                with serve_in_subprocess("shop", 1, SHOP_PARAMS, port=port):
                     pids.append(await pid(c))
                     await asyncio.gather(*[pid(c) for _ in range(8)])  # several pooled connections
             assert pids[0] != pids[1]
@@ -273,7 +273,7 @@ def test_the_batch_channel_outlives_the_http_deadlines():
             [r] = await c.step_batch([("idle", await c.expert("idle"))])
             assert r["info"]["valid_action"]
 
-    with serve_in_subprocess("shop", 1, PARAMS, header_timeout_s=0.5, body_timeout_s=0.5) as base:
+    with serve_in_subprocess("shop", 1, SHOP_PARAMS, header_timeout_s=0.5, body_timeout_s=0.5) as base:
         asyncio.run(go(base))
 
 
@@ -285,7 +285,7 @@ def test_a_batch_channel_to_a_restarted_service_is_replaced():
         async with EnvClient(f"http://127.0.0.1:{port}", backoff_s=0.1) as c:
             tasks = []
             for _ in range(2):
-                with serve_in_subprocess("shop", 1, PARAMS, port=port):
+                with serve_in_subprocess("shop", 1, SHOP_PARAMS, port=port):
                     await c.create("s")
                     [r] = await c.reset_batch([("s", 5)])
                     tasks.append(r["info"]["task_id"])

@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 import pytest
+from env_support import SHOP_PARAMS
 from test_alfworld import alf_cache, small_params  # noqa: F401  (alf_cache: a fixture)
 
 from envs.base import task_order_fingerprint
@@ -40,20 +41,19 @@ from envs.service import (
     serve_in_subprocess,
 )
 
-PARAMS = {"num_products": 300, "num_goals": 1000, "val_size": 64, "seed": 0}
 POOL = 8
 DOC = Path(__file__).resolve().parents[2] / "docs" / "env-service.md"
 
 
 @pytest.fixture(scope="module")
 def url():
-    with serve_in_subprocess("shop", POOL, PARAMS) as base_url:
+    with serve_in_subprocess("shop", POOL, SHOP_PARAMS) as base_url:
         yield base_url
 
 
 @pytest.fixture(scope="module")
 def offload_url():
-    with serve_in_subprocess("shop", POOL, PARAMS, offload=True) as base_url:
+    with serve_in_subprocess("shop", POOL, SHOP_PARAMS, offload=True) as base_url:
         yield base_url
 
 
@@ -107,7 +107,7 @@ def test_documented_expert_episode_reaches_reward_one(url, capsys):
 def test_info_reports_pool_and_full_task_order_fingerprint(url):
     i = assert_pool_whole(url)
     assert i["env"] == "shop" and i["pool_size"] == POOL and i["num_tasks"] == 1000
-    assert i["fingerprint"] == task_order_fingerprint(make_env("shop", **PARAMS))
+    assert i["fingerprint"] == task_order_fingerprint(make_env("shop", **SHOP_PARAMS))
 
 
 def test_error_codes(url):
@@ -148,7 +148,7 @@ def test_batched_verbs_answer_bad_items_per_item(url):
             resets = await c.reset_batch([("b0", 1), ("nope", 2), ("b1", 3)])
             assert "nope" in resets[1]["error"]
             assert [r["info"]["task_id"] for r in (resets[0], resets[2])] == [
-                make_env("shop", **PARAMS).task_ids()[i] for i in (1, 3)
+                make_env("shop", **SHOP_PARAMS).task_ids()[i] for i in (1, 3)
             ]
             body = {
                 "items": [
@@ -200,15 +200,22 @@ def test_step_retry_replays_instead_of_advancing(url):
 # -------------------------------------------------------------------- invariant 20
 
 
+async def _creates_on_a_full_pool(c: EnvClient, holders: list[str], sid: str, times: int = 1) -> list[asyncio.Future]:
+    """`holders` take the whole pool, then `times` concurrent /create of `sid`, given the time to
+    park on it (each waits for a free env)."""
+    await c.create_many(holders)
+    parked = [asyncio.ensure_future(c.create(sid)) for _ in range(times)]
+    await asyncio.sleep(0.3)
+    return parked
+
+
 def test_create_is_idempotent_under_concurrent_retries(url):
     """With the pool exhausted, 3 concurrent /create of one session borrow exactly one env."""
     holders = [f"h{i}" for i in range(POOL)]
 
     async def go():
         async with EnvClient(url) as c:
-            await c.create_many(holders)
-            dupes = [asyncio.ensure_future(c.create("dup")) for _ in range(3)]
-            await asyncio.sleep(0.3)
+            dupes = await _creates_on_a_full_pool(c, holders, "dup", times=3)
             i = await c.info()
             assert (i["free"], i["live_sessions"], i["pending_sessions"]) == (0, POOL, 1)
             assert not any(d.done() for d in dupes)  # parked, not failed
@@ -228,9 +235,7 @@ def test_close_of_pending_create_returns_env_to_pool(url):
 
     async def go():
         async with EnvClient(url) as c:
-            await c.create_many(holders)
-            parked = asyncio.ensure_future(c.create("late"))
-            await asyncio.sleep(0.3)
+            (parked,) = await _creates_on_a_full_pool(c, holders, "late")
             await c.close("late")
             with pytest.raises(EnvServiceError) as e:
                 await parked
@@ -320,7 +325,7 @@ def test_conserved_is_false_while_an_engine_sits_with_an_unreachable_session():
     client left) is not conserved, though it is placed exactly once."""
 
     async def go():
-        pool = EnvPool(build_pool("shop", 2, PARAMS))
+        pool = EnvPool(build_pool("shop", 2, SHOP_PARAMS))
         for sid in ("a", "b"):
             pool.reserve(sid)
             pool.get(sid)  # used by its client: reachable
@@ -369,7 +374,7 @@ def storm_service(request) -> Iterator[tuple[StormCase, str, dict, int]]:
         with serve_in_subprocess("alfworld", 4, params, offload=True) as base_url:
             yield case, base_url, params, 4
     else:
-        yield case, request.getfixturevalue("offload_url" if case.offload else "url"), PARAMS, POOL
+        yield case, request.getfixturevalue("offload_url" if case.offload else "url"), SHOP_PARAMS, POOL
 
 
 async def _doomed(h: aiohttp.ClientSession, url: str, path: str, body: dict, rng: random.Random):
@@ -459,27 +464,27 @@ def test_pool_conserved_under_storm(storm_service):
 
 
 def test_pool_members_built_concurrently_share_task_order():
-    envs = build_pool("shop", 4, PARAMS)
+    envs = build_pool("shop", 4, SHOP_PARAMS)
     assert len({id(e) for e in envs}) == 4
-    assert check_same_task_order(envs) == task_order_fingerprint(make_env("shop", **PARAMS))
+    assert check_same_task_order(envs) == task_order_fingerprint(make_env("shop", **SHOP_PARAMS))
 
 
 def test_refuses_start_on_fingerprint_mismatch(monkeypatch):
-    other = make_env("shop", **{**PARAMS, "seed": 1})
-    same = make_env("shop", **PARAMS)
+    other = make_env("shop", **{**SHOP_PARAMS, "seed": 1})
+    same = make_env("shop", **SHOP_PARAMS)
     assert task_order_fingerprint(other) != task_order_fingerprint(same)
     with pytest.raises(PoolMismatchError, match="member 1"):
         check_same_task_order([same, other])
     # create_app runs that check on what build_pool returns, before serving anything
     monkeypatch.setattr("envs.service.build_pool", lambda *a, **k: [same, same, other])
     with pytest.raises(PoolMismatchError, match="refusing to start"):
-        create_app("shop", 3, PARAMS)
+        create_app("shop", 3, SHOP_PARAMS)
 
 
 def test_concurrent_services_report_same_fingerprint():
     """Two services built at once agree on the task order; both are stopped (by PID) when the
     scope exits with an error (invariant 22)."""
-    cms = [serve_in_subprocess("shop", 2, PARAMS) for _ in range(2)]
+    cms = [serve_in_subprocess("shop", 2, SHOP_PARAMS) for _ in range(2)]
     with pytest.raises(RuntimeError, match="boom"):
         with ExitStack() as stack, ThreadPoolExecutor(2) as ex:
             urls = [f.result() for f in [ex.submit(stack.enter_context, cm) for cm in cms]]
@@ -497,7 +502,7 @@ def test_service_exits_when_its_launcher_is_killed():
             sys.executable,
             "-c",
             "import sys, time; from envs.service import serve_in_subprocess\n"
-            f"with serve_in_subprocess('shop', 1, {PARAMS!r}) as u:\n"
+            f"with serve_in_subprocess('shop', 1, {SHOP_PARAMS!r}) as u:\n"
             "    print(u, flush=True); time.sleep(600)",
         ],
         cwd=Path(__file__).resolve().parents[2],
@@ -530,7 +535,7 @@ def test_a_client_that_leaves_before_its_batch_answer_leaves_no_traceback():
     port = choose_free_port()
     cmd = [sys.executable, "-m", "envs.service", "--env", "shop", "--port", str(port), "--pool-size", "4"]
     proc = subprocess.Popen(
-        [*cmd, "--params", json.dumps(PARAMS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*cmd, "--params", json.dumps(SHOP_PARAMS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().startswith(READY_PREFIX)

@@ -12,18 +12,18 @@ import asyncio
 import time
 
 import pytest
+from env_support import SHOP_PARAMS
 
 from envs.client import EnvClient
 from envs.service import serve_in_subprocess
 
-PARAMS = {"num_products": 300, "num_goals": 1000, "val_size": 64, "seed": 0}
 HEAD_S, BODY_S = 1.0, 1.5
 REQUEST_HEAD = b"POST /reset HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
 
 
 @pytest.fixture(scope="module")
 def url():
-    with serve_in_subprocess("shop", 2, PARAMS, header_timeout_s=HEAD_S, body_timeout_s=BODY_S) as base_url:
+    with serve_in_subprocess("shop", 2, SHOP_PARAMS, header_timeout_s=HEAD_S, body_timeout_s=BODY_S) as base_url:
         yield base_url
 
 

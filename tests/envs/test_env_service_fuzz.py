@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import orjson
 import pytest
+from env_support import SHOP_PARAMS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -37,7 +38,6 @@ from hypothesis.stateful import (
 
 from envs.service import serve_in_subprocess
 
-PARAMS = {"num_products": 300, "num_goals": 1000, "val_size": 64, "seed": 0}
 POOL = 4
 VERBS = ["/create", "/close", "/reset", "/step", "/expert", "/reset_batch", "/step_batch"]
 COUNTS: Counter[str] = Counter()
@@ -50,7 +50,7 @@ LONG = settings(max_examples=4000, database=None, deadline=None, suppress_health
 
 @pytest.fixture(scope="module")
 def wire() -> Iterator[Wire]:
-    with serve_in_subprocess("shop", POOL, PARAMS) as url:
+    with serve_in_subprocess("shop", POOL, SHOP_PARAMS) as url:
         w = Wire(url)
         yield w
         w.conn.close()

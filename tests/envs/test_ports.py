@@ -22,7 +22,7 @@ from envs.ports import (
     in_ephemeral_range,
     port_is_free,
 )
-from envs.service import READY_PREFIX
+from envs.service import READY_PREFIX, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,9 +128,4 @@ def test_cli_relocate_prints_the_chosen_port(busy):
         with socket.create_connection(("127.0.0.1", ready["port"]), timeout=5):
             pass
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)

@@ -33,6 +33,18 @@ from envs.shop.schema import Goal, Product
 TINY = dict(num_products=300, num_goals=1000, val_size=64, search_return_n=50, seed=0)
 
 
+def _product(asin: str, title: str, category: str, query: str, product_category: str, **rest) -> Product:
+    """A hand-made product; what a test does not name is empty, one price of 1.0."""
+    empty = dict(attributes=(), bullets=(), description="", options={}, pricing=(1.0,), price=1.0)
+    return Product(asin, title, category, query, product_category, **{**empty, **rest})
+
+
+def _goal(name: str, query: str, product_category: str, **rest) -> Goal:
+    """A hand-made goal for product B0 with no instruction or attributes unless a test names them."""
+    fields = {"asin": "B0", "instruction": "", "attributes": ()} | rest
+    return Goal(**fields, query=query, name=name, product_category=product_category)
+
+
 def sweep_oracle(env: ShopEnv) -> tuple[list[int], list[float]]:
     """Play the oracle on every task; returns (failed tasks, steps per episode)."""
     failed, steps = [], []
@@ -91,29 +103,27 @@ def test_normalisers_raise_on_non_str(bad):
 def test_option_matching_compares_values_to_values():
     """Field log 2026-07-25: clicked values vs (name, value) goal pairs scored perfect plays
     as misses whenever colour normalisation rewrote the clicked side only."""
-    product = Product(
-        asin="B0TEST0001",
-        title="Walker Boots",
-        category="fashion",
-        query="boots",
-        product_category="Clothing › Boots › Women",
+    product = _product(
+        "B0TEST0001",
+        "Walker Boots",
+        "fashion",
+        "boots",
+        "Clothing › Boots › Women",
         attributes=("rubber sole",),
-        bullets=(),
-        description="",
         options={"color": ("r.brown2060", "fashion black girl01"), "size": ("6.5", "7")},
         pricing=(33.99,),
         price=33.99,
     )
     for color in product.options["color"]:
-        goal = Goal(
+        goal = _goal(
+            product.title,
+            "boots",
+            product.product_category,
             asin=product.asin,
             instruction="x",
             attributes=("rubber sole",),
             goal_options={"color": color, "size": "6.5"},
             price_upper=70.0,
-            query="boots",
-            name=product.title,
-            product_category=product.product_category,
         )
         result = purchase_reward(product, goal, {"color": color, "size": "6.5"})
         assert (result.option_hits, result.total) == (2, 1.0), color
@@ -167,27 +177,8 @@ def test_wrong_product_type_is_scaled_down():
 
 
 def test_type_reward_levels_follow_webshop_rules():
-    base = Product(
-        asin="B0",
-        title="Lumo Argan Shampoo Bottle",
-        category="beauty",
-        query="shampoo",
-        product_category="A › B › C",
-        attributes=(),
-        bullets=(),
-        description="",
-        options={},
-        pricing=(1.0,),
-        price=1.0,
-    )
-    goal = Goal(
-        asin="B0",
-        instruction="",
-        attributes=(),
-        query="shampoo",
-        name="Lumo Argan Shampoo Bottle Pump",
-        product_category="A › B › C",
-    )
+    base = _product("B0", "Lumo Argan Shampoo Bottle", "beauty", "shampoo", "A › B › C")
+    goal = _goal("Lumo Argan Shampoo Bottle Pump", "shampoo", "A › B › C")
     other = dict(query="lamp", product_category="X › Y › Z")
     assert type_reward(replace(base, **other, title="Lumo Argan Shampoo Bottle"), goal) == 1.0
     assert type_reward(replace(base, **other, title="Zed Shampoo Wand"), goal) == 0.5  # 1/5
@@ -218,26 +209,9 @@ def test_title_noun_proxy_ignores_function_words_only():
     """Issue #19 (b): spaCy tags Title-Case adjectives in titles ("Free", "High") as proper
     nouns, so WebShop's title score counts them; the old list dropped them and scored a wrong
     product that shares them with the goal's title 0 where WebShop scores 1."""
-    goal = Goal(
-        asin="B0",
-        instruction="",
-        attributes=(),
-        query="shampoo",
-        name="Vexa Sulfate Free Shampoo",
-        product_category="Beauty › Hair Care › Shampoo",
-    )
-    bars = Product(
-        asin="B1",
-        title="Kalo Gluten Free Protein Bars",
-        category="grocery",
-        query="protein bars",
-        product_category="Grocery › Snacks › Nutrition Bars",
-        attributes=(),
-        bullets=(),
-        description="",
-        options={},
-        pricing=(1.0,),
-        price=1.0,
+    goal = _goal("Vexa Sulfate Free Shampoo", "shampoo", "Beauty › Hair Care › Shampoo")
+    bars = _product(
+        "B1", "Kalo Gluten Free Protein Bars", "grocery", "protein bars", "Grocery › Snacks › Nutrition Bars"
     )
     assert title_nouns(goal.name) & title_nouns(bars.title) == {"free"}
     assert type_reward(bars, goal) == 1.0  # 1/4 > 0.2, WebShop's rule

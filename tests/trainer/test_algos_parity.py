@@ -85,6 +85,21 @@ def actor_config(**overrides) -> ActorConfig:
     return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, **overrides)
 
 
+def verl_actor_config(spec: algos.ActorLossSpec) -> ActorConfig:
+    """verl's ActorConfig for the actor objective `spec` (verl's names for the same knobs)."""
+    return actor_config(
+        clip_ratio=spec.clip_ratio_low,
+        clip_ratio_low=spec.clip_ratio_low,
+        clip_ratio_high=spec.clip_ratio_high,
+        clip_ratio_c=spec.clip_ratio_c,
+        entropy_coeff=spec.entropy_coeff,
+        use_kl_loss=spec.kl_coef > 0,
+        kl_loss_coef=spec.kl_coef,
+        kl_loss_type=spec.kl_type,
+        loss_agg_mode=spec.loss_agg_mode,
+    )
+
+
 # ---------------------------------------------------------------- advantages
 
 
@@ -406,17 +421,7 @@ def test_actor_loss_matches_verl_ppo_loss(seed: int, mode: str, kl_type: str, gl
         kl_type=kl_type,
         loss_agg_mode=mode,
     )
-    cfg = actor_config(
-        clip_ratio=0.2,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        clip_ratio_c=3.0,
-        entropy_coeff=0.01,
-        use_kl_loss=True,
-        kl_loss_coef=0.05,
-        kl_loss_type=kl_type,
-        loss_agg_mode=mode,
-    )
+    cfg = verl_actor_config(spec)
     info = verl_global_info(d["mask"]) if global_norm else None
     lp_ours, ent_ours = d["log_prob"].clone().requires_grad_(True), d["entropy"].clone().requires_grad_(True)
     lp_ref, ent_ref = d["log_prob"].clone().requires_grad_(True), d["entropy"].clone().requires_grad_(True)
