@@ -46,13 +46,15 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from bench.report import emit
 from client_app.algos import ActorLossSpec
 from client_app.rollout import derive_seed, group_specs, training_rows
 from client_app.trainer import make_engine
 from client_app.trainer.advantages import ADVANTAGES
 from client_app.trainer.device import resolve_device
-from client_app.trainer.engine import TrainingEngine
-from client_app.trainer.loop import RLTrainer, loss_specs, policy_pass
+from client_app.trainer.engine import Engine
+from client_app.trainer.loop import RLTrainer, policy_pass
+from client_app.trainer.losses import loss_specs
 from envs.service import serve_in_subprocess
 from fl_app.config import Config, load_config
 from fl_app.weights import load_shards, save_shards
@@ -167,7 +169,7 @@ class UpdateTarget(Protocol):
     """What update_arm uses: an RLTrainer, or the verl arm's stand-in (a training engine alone)."""
 
     cfg: Config
-    engine: TrainingEngine
+    engine: Engine
     policy_loss: ActorLossSpec
 
     def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]: ...
@@ -189,9 +191,9 @@ def update_arm(
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
-        e.log_probs(rows, "policy")
+        e.score(rows, "policy")
         if trainer.policy_loss.kl_coef > 0:
-            e.log_probs(rows, "reference")
+            e.score(rows, "reference")
         _sync(device)
         scores.append(time.perf_counter() - t0)
         e.begin_fit(reference_from_policy=False)
@@ -430,10 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                     report["verl_over_builtin_pass_s"] = round(
                         report["update_verl"]["pass_s"] / report["update_builtin"]["pass_s"], 2
                     )
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    return 0
+    return emit(report, args.json)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ from client_app.models import model_dirs
 from client_app.rollout import TrainRow
 from client_app.trainer import make_engine
 from client_app.trainer.device import resolve_device
-from client_app.trainer.loop import loss_specs, policy_pass
+from client_app.trainer.loop import policy_pass
+from client_app.trainer.losses import loss_specs
 from fl_app.config import Config, load_config
 
 

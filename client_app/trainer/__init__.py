@@ -1,12 +1,12 @@
 """The lane's trainer: one fit loop (`loop.RLTrainer`) over a training engine (`backend`:
-builtin or verl, `engine.TrainingEngine`) and a rollout engine (`rollout.engine`: hf or vllm)."""
+builtin or verl, `engine.Engine`) and a rollout engine (`rollout.engine`: hf or vllm)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from client_app.trainer.engine import TrainingEngine
+from client_app.trainer.engine import Engine
 from fl_app.config import Config
 
 if TYPE_CHECKING:
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def make_engine(
     cfg: Config, model_path: Path, run_dir: Path | None = None, reference_path: Path | None = None
-) -> TrainingEngine:
+) -> Engine:
     """The training engine `cfg.backend` names (verl is imported only when chosen: an optional
     extra). `reference_path`: the KL reference's model dir when it is not the policy's."""
     if cfg.backend == "verl":

@@ -43,7 +43,17 @@ from client_app.trainer.compute import (
     resolve_precision,
 )
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
-from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch, micro_batches
+from client_app.trainer.engine import (
+    AfterBackward,
+    Batch,
+    LossSpec,
+    PolicyBatch,
+    Role,
+    StepResult,
+    ValueBatch,
+    check_loadable,
+    micro_batches,
+)
 from fl_app.config import Config
 from fl_app.weights import load_shards
 
@@ -51,7 +61,7 @@ log = logging.getLogger("fedagent.trainer.builtin")
 
 
 class BuiltinEngine:
-    """`engine.TrainingEngine` on torch + transformers."""
+    """`engine.Engine` (both of its parts) on torch + transformers."""
 
     def __init__(self, cfg: Config, model_path: Path, reference_path: Path | None = None) -> None:
         self.cfg = cfg
@@ -136,22 +146,7 @@ class BuiltinEngine:
     @torch.no_grad()
     def load_weights(self, state: Mapping[str, torch.Tensor], member: str = "actor") -> None:
         params = self._member(member)
-        missing = sorted(set(params) - set(state))
-        unexpected = sorted(set(state) - set(params))
-        if missing or unexpected:
-            raise KeyError(
-                f"weights do not match the {member} model: missing {missing[:5]} ({len(missing)}), "
-                f"unexpected {unexpected[:5]} ({len(unexpected)}); they must come from "
-                f"export_weights({member!r}) of the same architecture"
-            )
-        for name, t in state.items():
-            p = params[name]
-            if t.shape != p.shape:
-                raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model {tuple(p.shape)}")
-            if t.dtype != torch.float32:
-                raise TypeError(
-                    f"weight {name} is {t.dtype}; weights travel as fp32 (invariant 1), never cast them on the way"
-                )
+        check_loadable(state, {name: tuple(p.shape) for name, p in params.items()}, member)
         for name, t in state.items():
             params[name].copy_(t)
         if member in self._compute:
@@ -202,8 +197,15 @@ class BuiltinEngine:
     # ------------------------------------------------------------------ scoring
 
     @torch.no_grad()
-    def log_probs(self, rows: Sequence[TrainRow], scorer: Scorer = "policy") -> list[torch.Tensor]:
-        model = self._compute["actor"].module if scorer == "policy" else self.ref
+    def score(self, rows: Sequence[TrainRow], role: Role) -> list[torch.Tensor]:
+        if role == "critic":
+            return _per_row(
+                rows,
+                self.cfg.algo.critic.micro,
+                self.cfg.algo.micro_batch_tokens,
+                lambda part: self._response_values(part)[0],
+            )
+        model = self._compute["actor"].module if role == "policy" else self.ref
         if model is None:
             raise RuntimeError("no reference model: algo.kl_coef is 0, so nothing needs the reference's log-probs")
 
@@ -213,20 +215,17 @@ class BuiltinEngine:
 
         return _per_row(rows, self.cfg.algo.micro_batch_size, self.cfg.algo.micro_batch_tokens, one)
 
-    @torch.no_grad()
-    def values(self, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
-        return _per_row(
-            rows,
-            self.cfg.algo.critic.micro,
-            self.cfg.algo.micro_batch_tokens,
-            lambda part: self._response_values(part)[0],
-        )
-
     # ------------------------------------------------------------------ steps
 
-    def policy_step(
-        self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: Callable[[], None] | None = None
-    ) -> StepResult:
+    def step(self, batch: Batch, loss: LossSpec, after_backward: AfterBackward | None = None) -> StepResult:
+        """The policy's step on a `PolicyBatch`, the critic's on a `ValueBatch`."""
+        if isinstance(batch, PolicyBatch) and isinstance(loss, ActorLossSpec):
+            return self._policy_step(batch, loss, after_backward)
+        if isinstance(batch, ValueBatch) and isinstance(loss, ValueLossSpec):
+            return self._critic_step(batch, loss, after_backward)
+        raise TypeError(f"a {type(batch).__name__} steps with its own member's loss, not a {type(loss).__name__}")
+
+    def _policy_step(self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: AfterBackward | None) -> StepResult:
         """Policy gradients micro-batch by micro-batch, every micro loss normalised by the whole
         mini-batch (so the sum is the mini-batch loss whatever the micro size), then the step."""
         rows = batch.rows
@@ -259,11 +258,9 @@ class BuiltinEngine:
                 sums[k] += float(v) if k in ("pg_loss", "entropy", "kl_loss") else float(v) / len(parts)
         if after_backward is not None:
             after_backward()
-        return self._step("actor", self.cfg.algo.grad_clip, dict(sums))
+        return self._optimizer_step("actor", self.cfg.algo.grad_clip, dict(sums))
 
-    def critic_step(
-        self, batch: ValueBatch, loss: ValueLossSpec, after_backward: Callable[[], None] | None = None
-    ) -> StepResult:
+    def _critic_step(self, batch: ValueBatch, loss: ValueLossSpec, after_backward: AfterBackward | None) -> StepResult:
         """Critic gradients of one mini-batch: coef x the clipped squared error reduced over the
         WHOLE mini-batch (micro-batch invariant: the field log's 2026-07-22 critic-loss drift
         cannot happen here), then the step. FedProx never touches it (invariant 4)."""
@@ -291,9 +288,9 @@ class BuiltinEngine:
             sums["clipfrac"] += float(clipfrac) / len(parts)
         if after_backward is not None:
             after_backward()
-        return self._step("critic", self.cfg.algo.critic.grad_clip, dict(sums))
+        return self._optimizer_step("critic", self.cfg.algo.critic.grad_clip, dict(sums))
 
-    def _step(self, member: str, grad_clip: float, metrics: dict[str, float]) -> StepResult:
+    def _optimizer_step(self, member: str, grad_clip: float, metrics: dict[str, float]) -> StepResult:
         """Global-norm clip and an AdamW step (skipped on a non-finite norm), grads cleared."""
         if member not in self.optimizers:
             raise RuntimeError("a train step outside a fit: call begin_fit() first (fresh optimizers, invariant 3)")

@@ -1,10 +1,17 @@
-"""The narrow interface between the one fit loop (`loop.py`) and a training engine.
+"""The narrow interfaces between a training engine and what drives it.
 
 A training engine owns the models (policy, reference, critic) and their optimizers on one lane,
 and knows how to score and train rows; it knows nothing of rounds, tasks, rollouts or
 advantages. Two implement it: `builtin.BuiltinEngine` (torch + transformers) and
-`verl_backend.VerlEngine` (verl 0.9.1's FSDP2 engine). The loop in `loop.py` is written once
-against this protocol, and `tests/trainer/test_engine_contract.py` holds every engine to it.
+`verl_backend.VerlEngine` (verl 0.9.1's FSDP2 engine). Each implements two small protocols, one
+per kind of caller, so each caller sees only what it uses:
+
+  * `RolloutPolicy`: what a rollout engine (`rollouts.Rollouts`: hf `generate` or a vLLM sync)
+    needs, the live policy;
+  * `TrainingEngine`: what the fit loop (`loop.py`) needs, the members' weights, scoring and
+    optimizer steps.
+
+`tests/trainer/test_engine_contract.py` holds every engine to both.
 
 Rows (`client_app.rollout.TrainRow`) carry token ids and a generated-token mask; per-row
 quantities (log-probs, values, advantages, returns) are 1-D fp32 tensors over a row's response
@@ -15,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, overload
 
 import torch
 
@@ -23,7 +30,9 @@ from client_app.algos import ActorLossSpec, ValueLossSpec
 from client_app.critic import CriticStart
 from client_app.rollout import TrainRow
 
-Scorer = Literal["policy", "reference"]
+# Whose scores: the policy's and the reference's log-probs, or the critic's values.
+Role = Literal["policy", "reference", "critic"]
+AfterBackward = Callable[[], None]  # FedProx's gradient, between the last backward and the clip
 
 
 @dataclass(frozen=True)
@@ -57,12 +66,31 @@ class StepResult:
     stepped: bool
 
 
-class TrainingEngine(Protocol):
-    """What the fit loop needs from a training engine (see the module doc)."""
+# A step's mini-batch and loss: both the policy's or both the critic's (`TrainingEngine.step`).
+Batch = PolicyBatch | ValueBatch
+LossSpec = ActorLossSpec | ValueLossSpec
+
+
+class RolloutPolicy(Protocol):
+    """What a rollout engine needs of the training engine: the policy it holds right now."""
 
     device: torch.device
     tokenizer: Any
     amp_dtype: torch.dtype | None  # the autocast dtype its forward passes (and hf generation) run under
+
+    def generation_model(self) -> torch.nn.Module:
+        """The live policy, in eval mode, for Hugging Face `generate` (rollout.engine: hf)."""
+        ...
+
+    def policy_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The policy's full tensors under Hugging Face names, one at a time, for a rollout
+        engine's in-place weight sync (rollout.engine: vllm)."""
+        ...
+
+
+class TrainingEngine(Protocol):
+    """What the fit loop needs of a training engine: weights in and out, scores, steps."""
+
     critic_start: CriticStart | None  # where the starting critic came from; None without a critic
 
     @property
@@ -85,15 +113,6 @@ class TrainingEngine(Protocol):
         `export_weights`."""
         ...
 
-    def generation_model(self) -> torch.nn.Module:
-        """The live policy, in eval mode, for Hugging Face `generate` (rollout.engine: hf)."""
-        ...
-
-    def policy_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The policy's full tensors under Hugging Face names, one at a time, for a rollout
-        engine's in-place weight sync (rollout.engine: vllm)."""
-        ...
-
     def parameters(self, member: str = "actor") -> Iterable[tuple[str, torch.nn.Parameter]]:
         """`member`'s trainable parameters as its optimizer sees them, gradients included
         (FedProx anchors the policy's and adds its gradient to them, invariant 4)."""
@@ -108,32 +127,56 @@ class TrainingEngine(Protocol):
         """Release optimizer state and gradients (invariant 24)."""
         ...
 
-    def log_probs(self, rows: Sequence[TrainRow], scorer: Scorer = "policy") -> list[torch.Tensor]:
-        """Log-probs of each row's response tokens at the sampling temperature (no gradient)."""
+    def score(self, rows: Sequence[TrainRow], role: Role) -> list[torch.Tensor]:
+        """Per response token of each row, without gradient: the log-probs under the policy or
+        the reference at the sampling temperature, or the critic's values."""
         ...
 
-    def values(self, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
-        """The critic's value at each response token of each row (no gradient)."""
-        ...
+    @overload
+    def step(
+        self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: AfterBackward | None = None
+    ) -> StepResult: ...
 
-    def policy_step(
-        self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: Callable[[], None] | None = None
-    ) -> StepResult:
-        """One optimizer step of the policy on one mini-batch: gradients accumulated over
-        micro-batches of the loss normalised by the WHOLE mini-batch (micro-batching changes
-        memory, not the gradient), `after_backward` (FedProx) before the clip, then the step."""
-        ...
+    @overload
+    def step(
+        self, batch: ValueBatch, loss: ValueLossSpec, after_backward: AfterBackward | None = None
+    ) -> StepResult: ...
 
-    def critic_step(
-        self, batch: ValueBatch, loss: ValueLossSpec, after_backward: Callable[[], None] | None = None
-    ) -> StepResult:
-        """One optimizer step of the critic on one mini-batch, as `policy_step` (FedProx never
-        touches it: the loop passes no `after_backward` here)."""
+    def step(self, batch: Batch, loss: LossSpec, after_backward: AfterBackward | None = None) -> StepResult:
+        """One optimizer step of the member the batch is for (a `PolicyBatch` the policy, a
+        `ValueBatch` the critic) on one mini-batch: gradients accumulated over micro-batches of
+        the loss normalised by the WHOLE mini-batch (micro-batching changes memory, not the
+        gradient), `after_backward` (FedProx, the policy only) before the clip, then the step."""
         ...
 
     def close(self) -> None:
         """Drop the models and their memory."""
         ...
+
+
+class Engine(RolloutPolicy, TrainingEngine, Protocol):
+    """Both parts, as every engine class implements them: what `make_engine` builds and the
+    trainer holds (it hands the rollout engine one part and its loop the other)."""
+
+
+def check_loadable(state: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], member: str) -> None:
+    """What `load_weights` refuses before it copies anything: other names than the model's
+    parameters (`shapes`), another shape, anything but fp32 (invariant 1)."""
+    missing = sorted(set(shapes) - set(state))
+    unexpected = sorted(set(state) - set(shapes))
+    if missing or unexpected:
+        raise KeyError(
+            f"weights do not match the {member} model: missing {missing[:5]} ({len(missing)}), "
+            f"unexpected {unexpected[:5]} ({len(unexpected)}); they must come from "
+            f"export_weights({member!r}) of the same architecture"
+        )
+    for name, t in state.items():
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model {shapes[name]}")
+        if t.dtype != torch.float32:
+            raise TypeError(
+                f"weight {name} is {t.dtype}; weights travel as fp32 (invariant 1), never cast them on the way"
+            )
 
 
 def length_order(rows: Sequence[TrainRow]) -> list[int]:

@@ -17,8 +17,9 @@ starts fresh optimizers (invariant 3), runs E RL iterations on fresh tasks of th
 
 Everything a fit allocates (optimizer state, grads, FedProx anchor, rollout buffers) is released
 before it returns, so a trainer serving hundreds of fits keeps a flat memory (invariant 24).
-The engine (`engine.TrainingEngine`) does the tensor work: builtin (torch + transformers) or
-verl (FSDP2); the rollout engine (hf or vllm) is chosen separately.
+The training engine does the tensor work: builtin (torch + transformers) or verl (FSDP2); the
+loop uses its training part (`engine.TrainingEngine`), the rollout engine (hf or vllm, chosen
+separately) its rollout part (`engine.RolloutPolicy`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from client_app.rollout import (
 from client_app.trainer.advantages import ADVANTAGES, token_mean, uniform_groups
 from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
 from client_app.trainer.device import release_memory
-from client_app.trainer.engine import PolicyBatch, StepResult, TrainingEngine, ValueBatch
+from client_app.trainer.engine import Engine, PolicyBatch, StepResult, TrainingEngine, ValueBatch
+from client_app.trainer.losses import loss_specs
 from client_app.trainer.rollouts import Rollouts
 from envs.client import SyncEnvClient
 from fl_app.config import Config
@@ -69,26 +71,6 @@ _SUMMED = frozenset(
         "critic_skipped_steps",
     }
 )
-
-
-def loss_specs(cfg: Config) -> tuple[ActorLossSpec, ValueLossSpec]:
-    """The policy and value objectives the recipe asks for (both engines train these)."""
-    a, r = cfg.algo, cfg.rollout
-    horizon = r.max_prompt_tokens if r.mode == "concat" else r.max_response_tokens
-    policy = ActorLossSpec(
-        clip_ratio_low=a.clip_ratio,
-        clip_ratio_high=a.clip_ratio,
-        clip_ratio_c=a.clip_ratio_c,
-        entropy_coeff=a.entropy_coeff,
-        kl_coef=a.kl_coef,
-        kl_type=a.kl_type,
-        loss_agg_mode=a.loss_agg_mode,
-        horizon=horizon,
-    )
-    value = ValueLossSpec(
-        value_clip=a.critic.value_clip, coef=a.critic.loss_coef, loss_agg_mode=a.loss_agg_mode, horizon=horizon
-    )
-    return policy, value
 
 
 _SHARES = outcome_key("train_", "")  # the fit's outcome shares (outcome_shares(..., "train_"))
@@ -115,7 +97,7 @@ def _merged(per_epoch: list[dict[str, float]]) -> dict[str, float]:
 class RLTrainer:
     """`base.Trainer` over a training engine, a rollout engine and an env service client."""
 
-    def __init__(self, cfg: Config, engine: TrainingEngine, model_path: Path, env_url: str | None) -> None:
+    def __init__(self, cfg: Config, engine: Engine, model_path: Path, env_url: str | None) -> None:
         self.cfg, self.engine = cfg, engine
         self.algorithm = cfg.algo.spec
         self.policy_loss, self.value_loss = loss_specs(cfg)
@@ -304,7 +286,7 @@ class RLTrainer:
     ) -> tuple[list[torch.Tensor], dict[str, float]]:
         """The algorithm's advantages; with a critic, its rollout-time values feed the estimator
         and the critic then takes one pass toward the value targets, before the policy update."""
-        values = self.engine.values(rows) if self.algorithm.critic else None
+        values = self.engine.score(rows, "critic") if self.algorithm.critic else None
         advantages, returns = ADVANTAGES[self.algorithm.advantage](episodes, rows, values, self.cfg.algo)
         if values is None or returns is None:
             return advantages, {}
@@ -347,13 +329,13 @@ def policy_pass(
 ) -> dict[str, float]:
     """One pass of the policy over `rows`: rollout-time (and reference) log-probs, then one
     optimizer step per mini-batch in a seeded order; `after_backward` (FedProx) in every step."""
-    old = engine.log_probs(rows, "policy")
-    ref = engine.log_probs(rows, "reference") if loss.kl_coef > 0 else None
+    old = engine.score(rows, "policy")
+    ref = engine.score(rows, "reference") if loss.kl_coef > 0 else None
     return _mini_batch_pass(
         len(rows),
         mini,
         seed,
-        lambda idx: engine.policy_step(
+        lambda idx: engine.step(
             PolicyBatch(
                 [rows[i] for i in idx],
                 [old[i] for i in idx],
@@ -381,7 +363,7 @@ def critic_pass(
         len(rows),
         mini,
         seed,
-        lambda idx: engine.critic_step(
+        lambda idx: engine.step(
             ValueBatch([rows[i] for i in idx], [values[i] for i in idx], [returns[i] for i in idx]), loss
         ),
     )

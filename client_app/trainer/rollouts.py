@@ -1,10 +1,10 @@
 """The rollout engine, chosen independently of the training engine (`rollout.engine`).
 
   hf    batched Hugging Face `generate` on the training engine's own live policy
-        (`TrainingEngine.generation_model`): nothing to sync, CPU or GPU.
+        (`RolloutPolicy.generation_model`): nothing to sync, CPU or GPU.
   vllm  an in-process vLLM engine (`vllm_rollout.VllmGenerator`) that sleeps outside rollouts:
         before each rollout it is woken with the training engine's current weights
-        (`TrainingEngine.policy_tensors`, synced in place) and it is put back to sleep after,
+        (`RolloutPolicy.policy_tensors`, synced in place) and it is put back to sleep after,
         on every path (invariant 25), so the update and the export have the GPU to themselves.
 
 Either way the same episode loop (`client_app.rollout.run_episodes`) plays the episodes, so
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from client_app.rollout import BatchedGenerator, Episode, EpisodeSpec, RolloutSettings, RolloutStats, run_episodes
-from client_app.trainer.engine import TrainingEngine
+from client_app.trainer.engine import RolloutPolicy
 from envs.registry import system_prompt
 from fl_app.config import Config
 
@@ -50,9 +50,9 @@ def hf_generator(
 class Rollouts:
     """Plays episodes with the policy the training engine holds right now."""
 
-    def __init__(self, cfg: Config, engine: TrainingEngine, model_path: Path) -> None:
+    def __init__(self, cfg: Config, policy: RolloutPolicy, model_path: Path) -> None:
         r = cfg.rollout
-        self.engine = engine
+        self.policy = policy
         self.settings = rollout_settings(cfg)
         self.generator: Any
         if r.engine == "vllm":
@@ -60,7 +60,7 @@ class Rollouts:
 
             self.generator = VllmGenerator(
                 model_path,
-                engine.tokenizer,
+                policy.tokenizer,
                 r.max_response_tokens,
                 max_model_len=r.max_prompt_tokens + r.max_response_tokens,
                 gpu_memory_utilization=r.gpu_memory_utilization,
@@ -68,7 +68,7 @@ class Rollouts:
             )
         else:
             self.generator = hf_generator(
-                engine.generation_model(), engine.tokenizer, cfg, engine.device, engine.amp_dtype
+                policy.generation_model(), policy.tokenizer, cfg, policy.device, policy.amp_dtype
             )
 
     @property
@@ -80,13 +80,13 @@ class Rollouts:
     ) -> tuple[list[Episode], RolloutStats, float]:
         """Play `specs` to the end: (episodes, stats, seconds spent syncing weights)."""
         if not self.syncs_weights:
-            self.engine.generation_model()  # eval mode: rollout and update score the same policy
+            self.policy.generation_model()  # eval mode: rollout and update score the same policy
             episodes, stats = run_episodes(
                 self.generator, env, specs, self.settings, temperature, seed, max_sessions, desc=desc
             )
             return episodes, stats, 0.0
         try:
-            sync_s = self.generator.load_weights(self.engine.policy_tensors())
+            sync_s = self.generator.load_weights(self.policy.policy_tensors())
             episodes, stats = run_episodes(
                 self.generator, env, specs, self.settings, temperature, seed, max_sessions, desc=desc
             )

@@ -1,4 +1,4 @@
-"""The verl training engine: verl 0.9.1's FSDP2 engine behind `engine.TrainingEngine`.
+"""The verl training engine: verl 0.9.1's FSDP2 engine behind `engine.Engine`.
 
 Built once per lane, in the lane service's own process (no Ray: verl's `TrainingWorker` is
 constructed in-process over a process group this module starts, world size 1):
@@ -28,11 +28,8 @@ AdamW), with the loop's FedProx gradient (policy only, invariant 4) added betwee
 and the step.
 tests/trainer/test_engine_contract.py holds it to the builtin engine's updates within 1e-5.
 
-CPU: verl 0.9.1 ships no CPU platform. `CpuPlatform` is one, registered through verl's own
-platform plugin registry (`verl.plugin.platform.PlatformRegistry` + `set_platform`), and the
-FSDP engine classes (verl's value engine, our LM engine) are registered for device "cpu" through
-`EngineRegistry.register`; the
-process group is gloo. Rollouts run the builtin's episode loop (so the context a policy acted
+CPU: verl 0.9.1 ships no CPU platform; `verl_cpu.arm_cpu` gives it one, and the process group
+is gloo. Rollouts run the builtin's episode loop (so the context a policy acted
 on is exactly the row it trains on) with one of two generators: `verl.rollout_engine: hf`,
 batched Hugging Face `generate` on the engine's own FSDP2 module; `vllm` (GPU), an in-process
 vLLM engine woken with the engine's full tensors before each rollout and asleep otherwise
@@ -51,20 +48,29 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import groupby
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
 
-from client_app.algos import ActorLossSpec, ValueLossSpec
 from client_app.critic import CriticStart, resolve_start_critic, seeded_value_head
 from client_app.rollout import TrainRow, derive_seed
 from client_app.runtime_dir import remove_at_exit
 from client_app.trainer import verl_config, verl_head
 from client_app.trainer.compute import compile_models
 from client_app.trainer.device import avoid_cudnn_attention, cuda_autocast, release_memory, resolve_device
-from client_app.trainer.engine import PolicyBatch, Scorer, StepResult, ValueBatch, micro_batches
-from client_app.trainer.loop import loss_specs
+from client_app.trainer.engine import (
+    AfterBackward,
+    Batch,
+    LossSpec,
+    PolicyBatch,
+    Role,
+    StepResult,
+    ValueBatch,
+    check_loadable,
+    micro_batches,
+)
+from client_app.trainer.losses import loss_specs
+from client_app.trainer.verl_cpu import arm_cpu
 from client_app.trainer.verl_rows import no_padding_batch
 from fl_app.config import Config
 from fl_app.weights import load_shards
@@ -82,144 +88,7 @@ _METRICS = {
 }
 
 
-# ---------------------------------------------------------------------------------- CPU seams
-
-
-def _platform_base() -> type:
-    from verl.plugin.platform import PlatformBase
-
-    return PlatformBase
-
-
-class _CpuDeviceModule(ModuleType):
-    """`torch.cpu` plus the allocator statistics verl's workers log after every step (the CPU
-    has no caching allocator: they read 0; host memory is measured as RSS instead)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.cpu, name)
-
-    @staticmethod
-    def _zero(*args: Any, **kwargs: Any) -> int:
-        return 0
-
-    max_memory_allocated = max_memory_reserved = memory_allocated = memory_reserved = _zero
-
-    @staticmethod
-    def reset_peak_memory_stats(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    @staticmethod
-    def mem_get_info(*args: Any, **kwargs: Any) -> tuple[int, int]:
-        return 0, 0
-
-
-_CPU_DEVICE_MODULE = _CpuDeviceModule("fedagent_verl_cpu_device")
-
-
-def make_cpu_platform() -> Any:
-    """A verl platform for the host CPU (verl 0.9.1 registers nvidia, huawei and amd only)."""
-    base = _platform_base()
-
-    class CpuPlatform(base):  # type: ignore[misc, valid-type]
-        """Device "cpu", collectives over gloo, no IPC, no profiler, no Ray accelerator."""
-
-        device_name = "cpu"
-        vendor_name = "cpu"
-
-        @property
-        def device_module(self) -> ModuleType:
-            return _CPU_DEVICE_MODULE
-
-        def is_available(self) -> bool:
-            return True
-
-        def current_device(self) -> str:  # used as `tensor.to(get_device_id())`
-            return "cpu"
-
-        def device_count(self) -> int:
-            return 1
-
-        def set_device(self, device_index: int) -> None:
-            pass
-
-        def synchronize(self, device_index: int | None = None) -> None:
-            pass
-
-        def manual_seed(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def set_allocator_settings(self, settings: str) -> None:
-            pass
-
-        def empty_cache(self) -> None:
-            pass
-
-        def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
-            return None, None
-
-        def communication_backend_name(self) -> str:
-            return "gloo"
-
-        def visible_devices_envvar(self) -> str:
-            return "CUDA_VISIBLE_DEVICES"
-
-        @contextlib.contextmanager
-        def nvtx_range(self, msg: str):
-            yield
-
-        def profiler_start(self) -> None:
-            pass
-
-        def profiler_stop(self) -> None:
-            pass
-
-        def ray_resource_name(self) -> str:
-            return "CPU"
-
-        def ray_noset_envvars(self) -> list[str]:
-            return []
-
-        def is_ipc_supported(self) -> bool:
-            return False
-
-        def cudart(self) -> None:
-            return None
-
-    return CpuPlatform
-
-
-def arm_cpu() -> None:
-    """Make verl run on the CPU in this process: the CPU platform is the current one and
-    verl's FSDP engines are registered for device "cpu". Idempotent. verl resolves its platform
-    once per process, falling back to nvidia when it finds no accelerator; that fallback (no
-    CUDA device behind it) is replaced, a platform with a real device behind it is not: fail
-    closed."""
-    from verl.plugin.platform import PlatformRegistry, platform_manager, set_platform
-
-    if PlatformRegistry.get("cpu") is None:
-        PlatformRegistry.register(platform="cpu")(make_cpu_platform())
-    current = platform_manager._current_platform
-    if current is None or (current.device_name == "cuda" and not torch.cuda.is_available()):
-        cpu = PlatformRegistry.get("cpu")
-        if cpu is None:
-            raise RuntimeError("verl's platform registry lost the cpu platform just registered")
-        set_platform(cpu())
-    elif current.device_name != "cpu":
-        raise RuntimeError(
-            f"verl already runs on {current.device_name!r} in this process; run.device=cpu needs a process of its own"
-        )
-    # imported only now: verl's engine modules read the platform when they are imported
-    from verl.utils.device import get_device_name
-    from verl.workers.engine import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
-
-    if "cpu" not in EngineRegistry._engines["value_model"]["fsdp2"]:
-        EngineRegistry.register(model_type="value_model", backend=["fsdp2"], device="cpu")(FSDPEngineWithValueHead)
-    if get_device_name() != "cpu":
-        raise RuntimeError(f"verl's platform is {get_device_name()!r} after arming the CPU platform")
+# ---------------------------------------------------------------------------------- runtime seams
 
 
 def ensure_process_group(device: str) -> None:
@@ -313,7 +182,8 @@ def isolate_from_outer_ray() -> None:
 
 
 class VerlEngine:
-    """`engine.TrainingEngine` on verl's FSDP2 training engines (policy, reference, critic)."""
+    """`engine.Engine` (both of its parts) on verl's FSDP2 training engines (policy, reference,
+    critic)."""
 
     critic_start: CriticStart | None = None  # set when the algorithm trains a critic
     # verl's own choice for the reference: a forward-only engine under FSDP2's pinned CPU offload,
@@ -393,7 +263,7 @@ class VerlEngine:
         if self.ref is not None and reference_path is not None and Path(reference_path) != self.model_path:
             from client_app.models import hf_parameters  # model.reference: backbone under a warm start
 
-            _inject(self.ref.engine.module, self._names["actor"], hf_parameters(Path(reference_path)))
+            _inject(self.ref.engine.module, hf_parameters(Path(reference_path)), "actor")
         if cfg.model.init_from:
             self._load_start(cfg.model.init_from, "actor")
         if self.critic is not None and self.critic_start is not None:
@@ -481,7 +351,7 @@ class VerlEngine:
 
     @torch.no_grad()
     def load_weights(self, state: Mapping[str, torch.Tensor], member: str = "actor") -> None:
-        _inject(self._engine(member).module, self._names[member], state)
+        _inject(self._engine(member).module, state, member)
 
     def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
         """fp32 full tensors straight from the engine (`get_per_tensor_param`), detached CPU
@@ -535,7 +405,7 @@ class VerlEngine:
             engine.lr_scheduler = get_constant_schedule_with_warmup(optimizer=optimizer, num_warmup_steps=0)
             engine.checkpoint_manager.lr_scheduler = engine.lr_scheduler
         if reference_from_policy and self.ref is not None:
-            _inject(self.ref.engine.module, self._names["actor"], self.export_weights())
+            _inject(self.ref.engine.module, self.export_weights(), "actor")
 
     def end_fit(self) -> None:
         for engine, _ in self._trained_engines():
@@ -544,18 +414,17 @@ class VerlEngine:
 
     # ------------------------------------------------------------------ scoring
 
-    def log_probs(self, rows: Sequence[TrainRow], scorer: Scorer = "policy") -> list[torch.Tensor]:
-        """From verl's `TrainingWorker.infer_batch` at the rollout temperature."""
-        worker = self.actor if scorer == "policy" else self.ref
+    def score(self, rows: Sequence[TrainRow], role: Role) -> list[torch.Tensor]:
+        """From verl's `TrainingWorker.infer_batch` (log-probs at the rollout temperature)."""
+        if role == "critic":
+            if self.critic is None:
+                raise RuntimeError(f"algo.name={self.cfg.algo.name!r} has no critic, so rows have no values")
+            _reshard(self.engine.module)  # a rollout leaves the actor gathered: never two models at once
+            return self._row_outputs(rows, self.critic, "values", self.cfg.algo.critic.micro)
+        worker = self.actor if role == "policy" else self.ref
         if worker is None:
             raise RuntimeError("no reference model: algo.kl_coef is 0, so nothing needs the reference's log-probs")
         return self._row_outputs(rows, worker, "log_probs", self.cfg.algo.micro_batch_size)
-
-    def values(self, rows: Sequence[TrainRow]) -> list[torch.Tensor]:
-        if self.critic is None:
-            raise RuntimeError(f"algo.name={self.cfg.algo.name!r} has no critic, so rows have no values")
-        _reshard(self.engine.module)  # a rollout leaves the actor gathered: never two models at once
-        return self._row_outputs(rows, self.critic, "values", self.cfg.algo.critic.micro)
 
     def _row_outputs(self, rows: Sequence[TrainRow], worker: Any, key: str, micro: int) -> list[torch.Tensor]:
         from verl.utils import tensordict_utils as tu
@@ -581,44 +450,32 @@ class VerlEngine:
 
     # ------------------------------------------------------------------ steps
 
-    def policy_step(
-        self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: Callable[[], None] | None = None
-    ) -> StepResult:
-        """verl's forward_step and ppo_loss per micro-batch, the FedProx gradient, clip + AdamW."""
-        if loss != self.policy_loss:
-            raise ValueError(
-                f"verl's policy loss is composed from the recipe when the engine is built "
-                f"({self.policy_loss}); it cannot train {loss}"
-            )
-        tds = [
-            self._batch(part.rows, old=part.old_log_probs, advantages=part.advantages, ref=part.ref_log_probs)
-            for part in self._micro_batches(batch, self.cfg.algo.micro_batch_size)
-        ]
-        return _step(self.engine, self.loss_fn, tds, _metrics, after_backward)
-
-    def critic_step(
-        self, batch: ValueBatch, loss: ValueLossSpec, after_backward: Callable[[], None] | None = None
-    ) -> StepResult:
-        """verl's value loss (scaled to algo.critic.loss_coef), clip + AdamW; never FedProx."""
+    def step(self, batch: Batch, loss: LossSpec, after_backward: AfterBackward | None = None) -> StepResult:
+        """verl's forward_step and ppo_loss (a `PolicyBatch`) or the scaled value_loss (a
+        `ValueBatch`) per micro-batch, `after_backward` (FedProx: the policy), clip + AdamW."""
+        if isinstance(batch, PolicyBatch):
+            self._check_loss(loss, self.policy_loss, "policy")
+            tds = [
+                self._batch(part.rows, old=part.old_log_probs, advantages=part.advantages, ref=part.ref_log_probs)
+                for part in self._micro_batches(batch, self.cfg.algo.micro_batch_size)
+            ]
+            return _step(self.engine, self.loss_fn, tds, _policy_metrics, after_backward)
         if self.critic is None:
             raise RuntimeError(f"algo.name={self.cfg.algo.name!r} trains no critic")
-        if loss != self.value_loss:
-            raise ValueError(
-                f"verl's value loss is composed from the recipe when the engine is built "
-                f"({self.value_loss}); it cannot train {loss}"
-            )
+        self._check_loss(loss, self.value_loss, "value")
         tds = [
             self._batch(part.rows, values=part.old_values, returns=part.returns)
             for part in self._micro_batches(batch, self.cfg.algo.critic.micro)
         ]
+        return _step(self.critic.engine, self.critic_loss_fn, tds, _critic_metrics, after_backward)
 
-        def metrics(raw: Mapping[str, Any]) -> dict[str, float]:
-            return {
-                "loss": _aggregate(raw["critic/vf_loss"], "sum"),
-                "clipfrac": _aggregate(raw["critic/vf_clipfrac"], "mean"),
-            }
-
-        return _step(self.critic.engine, self.critic_loss_fn, tds, metrics, after_backward)
+    @staticmethod
+    def _check_loss(loss: LossSpec, built: LossSpec, what: str) -> None:
+        if loss != built:
+            raise ValueError(
+                f"verl's {what} loss is composed from the recipe when the engine is built ({built}); "
+                f"it cannot train {loss}"
+            )
 
     def _micro_batches(self, batch: _Batch, micro: int) -> list[_Batch]:
         """The mini-batch cut as builtin cuts it (`engine.micro_batches`: rows of similar length,
@@ -685,25 +542,12 @@ def load_causal_lm_tokenizer(path: Path) -> Any:
     return tokenizer
 
 
-def _inject(module: torch.nn.Module, names: Sequence[str], state: Mapping[str, torch.Tensor]) -> None:
-    """Copy a full fp32 state dict into an FSDP2 module in place (set_model_state_dict; a tied
-    LM head follows its embedding)."""
+def _inject(module: torch.nn.Module, state: Mapping[str, torch.Tensor], member: str) -> None:
+    """Copy a full fp32 state dict of `member`'s architecture into an FSDP2 module in place
+    (set_model_state_dict; a tied LM head follows its embedding)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    missing = sorted(set(names) - set(state))
-    unexpected = sorted(set(state) - set(names))
-    if missing or unexpected:
-        raise KeyError(
-            f"weights do not match the verl actor: missing {missing[:5]} ({len(missing)}), unexpected "
-            f"{unexpected[:5]} ({len(unexpected)}); they must come from export_weights() of the same "
-            "architecture"
-        )
-    shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
-    for name, t in state.items():
-        if tuple(t.shape) != shapes[name]:
-            raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model {shapes[name]}")
-        if t.dtype != torch.float32:
-            raise TypeError(f"weight {name} is {t.dtype}; weights travel as fp32 (invariant 1), never cast them")
+    check_loadable(state, {n: tuple(p.shape) for n, p in module.named_parameters()}, member)
     full: dict[str, Any] = dict(state)
     for key, alias in _tied_aliases(module).items():
         full[key] = full[alias]
@@ -872,11 +716,16 @@ def _subset(batch: _Batch, indices: Sequence[int]) -> _Batch:
     return dataclasses.replace(batch, **picked)
 
 
-def _metrics(raw: Mapping[str, Any]) -> dict[str, float]:
+def _policy_metrics(raw: Mapping[str, Any]) -> dict[str, float]:
     """verl's metrics of one mini-batch, in builtin's names. A verl `Metric` aggregates its
     micro-batch values itself (SUM for the loss shares, MEAN for fractions: verl's ppo_loss
     declares which), which is builtin's convention; plain lists follow `_METRICS`."""
     return {name: _aggregate(raw[key], how) for key, (name, how) in _METRICS.items() if key in raw}
+
+
+def _critic_metrics(raw: Mapping[str, Any]) -> dict[str, float]:
+    """verl's value-loss metrics of one mini-batch, in builtin's names."""
+    return {"loss": _aggregate(raw["critic/vf_loss"], "sum"), "clipfrac": _aggregate(raw["critic/vf_clipfrac"], "mean")}
 
 
 def _aggregate(value: Any, how: str) -> float:

@@ -8,7 +8,7 @@ task groups) plays the episodes whichever engine generates.
 Why in-process (`vllm.LLM` with `VLLM_ENABLE_V1_MULTIPROCESSING=0`, one rank) rather than
 verl's Ray-hosted vLLM replicas: the lane service already is the single process that owns the
 GPU lane, the training engine lives in it, and a weight sync is then a loop over the engine's
-full tensors (`TrainingEngine.policy_tensors`) into vLLM's `model.load_weights` on the same
+full tensors (`engine.RolloutPolicy.policy_tensors`) into vLLM's `model.load_weights` on the same
 device, with no IPC handles, no Ray cluster (issue #7: never attach to Flower's) and nothing to
 clean up but this object.
 

@@ -32,7 +32,7 @@ def test_compiled_layers_score_and_train_as_eager_layers_and_generation_stays_ea
     eager, compiled = engines[False], engines[True]
     rows = random_rows(6, len(eager.tokenizer), seed=0)
     graphs = _graphs()
-    got, want = compiled.log_probs(rows), eager.log_probs(rows)
+    got, want = compiled.score(rows, "policy"), eager.score(rows, "policy")
     assert _graphs() > graphs, "run.compile must run the scoring pass through compiled layers"
     assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT  # past 8 graphs new shapes ran eager
     for g, w in zip(got, want):
@@ -46,7 +46,7 @@ def test_compiled_layers_score_and_train_as_eager_layers_and_generation_stays_ea
             grads[c] = {n: p.grad.clone() for n, p in engine.parameters() if p.grad is not None}
 
         engine.begin_fit(reference_from_policy=False)
-        engine.policy_step(PolicyBatch(rows, engine.log_probs(rows), advantages, None), loss, after_backward=keep)
+        engine.step(PolicyBatch(rows, engine.score(rows, "policy"), advantages, None), loss, after_backward=keep)
         engine.end_fit()
     assert grads[False] and grads[False].keys() == grads[True].keys()
     for name, g in grads[False].items():
@@ -69,7 +69,8 @@ def test_verl_compiles_its_layers_and_scores_and_trains_as_eager_layers(model_di
     gather and free stay in FSDP2's eager hooks), and a policy pass with the reference's KL ends
     where the eager engine's does."""
     from client_app.trainer import make_engine
-    from client_app.trainer.loop import loss_specs, policy_pass
+    from client_app.trainer.loop import policy_pass
+    from client_app.trainer.losses import loss_specs
 
     algo = {"kl_coef": 0.05, "mini_batch_size": 3, "micro_batch_size": 2}
     cfgs = {
@@ -88,7 +89,7 @@ def test_verl_compiles_its_layers_and_scores_and_trains_as_eager_layers(model_di
             rows = rows or random_rows(6, len(engine.tokenizer), seed=0)
             start = engine.export_weights()
             graphs = _graphs()
-            scores = engine.log_probs(rows, "policy")
+            scores = engine.score(rows, "policy")
             assert (_graphs() > graphs) == c, "run.compile must run verl's scoring through compiled layers"
             advantages = [torch.full((len(r.response_ids),), a) for r, a in zip(rows, (1.0, -1.0, 0.5, -0.5, 2.0, 0.0))]
             engine.begin_fit(reference_from_policy=False)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib.util
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -202,11 +203,8 @@ def kind(request) -> str:
 
 @pytest.fixture(scope="module")
 def ppo(kind, env_url, model_dir, tmp_path_factory):  # noqa: F811
-    t = build(kind, model_dir, env_url, tmp_path_factory.mktemp("run"), algo=PPO)
-    try:
+    with closing(build(kind, model_dir, env_url, tmp_path_factory.mktemp("run"), algo=PPO)) as t:
         yield t
-    finally:
-        t.close()
 
 
 @pytest.fixture(scope="module")
@@ -319,8 +317,8 @@ def test_fedprox_adds_mu_times_the_drift_to_the_policy_gradient_only(ppo, initia
     gen = torch.Generator().manual_seed(1)
     ppo.load_weights({k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in initial["actor"].items()})
     moved = ppo.export_weights()
-    old = ppo.engine.log_probs(rows)
-    ref = ppo.engine.log_probs(rows, "reference")
+    old = ppo.engine.score(rows, "policy")
+    ref = ppo.engine.score(rows, "reference")
     batch = PolicyBatch(rows, old, adv, ref)
     mu, grads = 0.5, {}
     ppo.engine.begin_fit(reference_from_policy=False)
@@ -333,7 +331,7 @@ def test_fedprox_adds_mu_times_the_drift_to_the_policy_gradient_only(ppo, initia
                     hook()
                 grads[label] = _grads(ppo, "actor")
 
-            ppo.engine.policy_step(batch, ppo.policy_loss, after_backward=snapshot)
+            ppo.engine.step(batch, ppo.policy_loss, after_backward=snapshot)
     finally:
         ppo.engine.end_fit()
         anchor.release()
@@ -360,9 +358,9 @@ def test_micro_batches_change_neither_gradients_nor_losses(ppo, initial):
     micro-batches by length (algo.micro_batch_tokens; field log 2026-07-22)."""
     _load(ppo, initial)
     episodes, rows, adv = scored_rows(ppo, [30, 31, 32], 1, seed=5)
-    old = [lp - 0.05 for lp in ppo.engine.log_probs(rows)]  # ratios != 1
-    ref = ppo.engine.log_probs(rows, "reference")
-    values = ppo.engine.values(rows)
+    old = [lp - 0.05 for lp in ppo.engine.score(rows, "policy")]  # ratios != 1
+    ref = ppo.engine.score(rows, "reference")
+    values = ppo.engine.score(rows, "critic")
     _, returns = ADVANTAGES["gae"](episodes, rows, values, ppo.cfg.algo)
     old_values = [v + 1.2 * torch.linspace(-1, 1, len(v)) for v in values]  # the clip binds on some tokens
     longest = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
@@ -373,12 +371,12 @@ def test_micro_batches_change_neither_gradients_nor_losses(ppo, initial):
         try:
             grads: dict[str, dict[str, torch.Tensor]] = {}
             _load(ppo, initial)
-            pol = ppo.engine.policy_step(
+            pol = ppo.engine.step(
                 PolicyBatch(rows, old, adv, ref),
                 ppo.policy_loss,
                 after_backward=lambda: grads.__setitem__("actor", _grads(ppo, "actor")),  # noqa: B023 (runs now)
             )
-            val = ppo.engine.critic_step(
+            val = ppo.engine.step(
                 ValueBatch(rows, old_values, returns),
                 ppo.value_loss,
                 after_backward=lambda: grads.__setitem__("critic", _grads(ppo, "critic")),  # noqa: B023
@@ -433,8 +431,8 @@ def test_a_token_budget_reaches_where_the_engines_cut_their_passes(ppo, initial,
     saved = _with_micro(ppo, len(rows), budget)
     ppo.engine.begin_fit(reference_from_policy=False)
     try:
-        old = ppo.engine.log_probs(rows)
-        ppo.engine.policy_step(PolicyBatch(rows, old, adv, ppo.engine.log_probs(rows, "reference")), ppo.policy_loss)
+        old = ppo.engine.score(rows, "policy")
+        ppo.engine.step(PolicyBatch(rows, old, adv, ppo.engine.score(rows, "reference")), ppo.policy_loss)
     finally:
         ppo.engine.end_fit()
         ppo.engine.cfg = saved
@@ -454,10 +452,10 @@ def test_a_row_in_a_right_padded_batch_scores_as_if_alone(ppo, initial):
     _load(ppo, initial)
     _, rows = play(ppo, [40, 41, 42], 1, seed=9)
     assert len({len(r.prompt_ids) + len(r.response_ids) for r in rows}) > 1, "need rows of different lengths"
-    batched = (ppo.engine.log_probs(rows), ppo.engine.values(rows))
+    batched = (ppo.engine.score(rows, "policy"), ppo.engine.score(rows, "critic"))
     saved = _with_micro(ppo, 1)
     try:
-        alone = (ppo.engine.log_probs(rows), ppo.engine.values(rows))
+        alone = (ppo.engine.score(rows, "policy"), ppo.engine.score(rows, "critic"))
     finally:
         ppo.engine.cfg = saved
     atol = 1e-5 if _computes_in_fp32(ppo) else 5e-2
@@ -537,10 +535,8 @@ def wide(request, kind, env_url, tmp_path_factory):  # noqa: F811
         rollout={"max_prompt_tokens": 128},
         algo=algo,
     )
-    try:
+    with closing(t):
         yield t
-    finally:
-        t.close()
 
 
 def test_rss_flat_across_6_fits(wide):
@@ -614,13 +610,11 @@ def test_fresh_critics_and_row_scores_are_the_same_on_both_engines(pair):
         ours, theirs = builtin.export_weights(member), verl.export_weights(member)
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), member
     _, rows = play(builtin, [0, 1, 2], 2, seed=3)
-    for scorer in ("policy", "reference"):
+    for role in ("policy", "reference", "critic"):
         diffs = [
-            float((a - b).abs().max())
-            for a, b in zip(builtin.engine.log_probs(rows, scorer), verl.engine.log_probs(rows, scorer))
+            float((a - b).abs().max()) for a, b in zip(builtin.engine.score(rows, role), verl.engine.score(rows, role))
         ]
-        assert max(diffs) < TOL, scorer
-    assert max(float((a - b).abs().max()) for a, b in zip(builtin.engine.values(rows), verl.engine.values(rows))) < TOL
+        assert max(diffs) < TOL, role
 
 
 @needs_verl
@@ -654,7 +648,7 @@ def test_engines_take_the_same_policy_steps(pair, mode, mu):
 def test_engines_take_the_same_critic_steps(pair):
     builtin, verl = pair
     episodes, rows, _ = scored_rows(builtin, [0, 1, 2, 3], 1, seed=11)
-    values = builtin.engine.values(rows)
+    values = builtin.engine.score(rows, "critic")
     _, returns = ADVANTAGES["gae"](episodes, rows, values, builtin.cfg.algo)
     old = [v + 0.3 * torch.linspace(-1, 1, len(v)) for v in values]  # the value clip binds
     start = builtin.export_weights("critic")
@@ -695,7 +689,7 @@ def test_verl_lm_head_sees_only_response_positions_and_trains_as_verl_scores(pai
 
         def score_and_pass() -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
             seen.clear()
-            scores = verl.engine.log_probs(rows)
+            scores = verl.engine.score(rows, "policy")
             verl.engine.begin_fit(reference_from_policy=False)
             try:
                 # 4-row mini-batches: 2-row micro-batches (padded rows of unequal length)

@@ -68,7 +68,7 @@ def test_critic_round_trip_export_aggregate_load_gives_identical_values(trainer,
     trainer.fit(FitRequest(round=1, client_id=1, task_indices=TRAIN_TASKS, local_epochs=1, seed=2))
     critic = trainer.export_weights("critic")
     rows = _rows(trainer, [60, 61], seed=9)
-    values = trainer.engine.values(rows)
+    values = trainer.engine.score(rows, "critic")
     ref = WeightsRef(inline=True, nbytes=state_nbytes(critic))
     arrays = critic
     inline = fedavg_received([(ref, arrays, 3.0), (ref, arrays, 5.0)], None, tmp_path / "inline", SHARD_BYTES)
@@ -77,9 +77,9 @@ def test_critic_round_trip_export_aggregate_load_gives_identical_values(trainer,
     assert [s.digest for s in inline.shards] == [s.digest for s in stored.shards]
     other = make_trainer(ppo_config(model_dir, run={"seed": 1}), env_url)  # another fresh value head
     try:
-        assert not all(torch.equal(a, b) for a, b in zip(other.engine.values(rows), values))
+        assert not all(torch.equal(a, b) for a, b in zip(other.engine.score(rows, "critic"), values))
         other.load_weights(load_shards(tmp_path / "stored"), "critic")
-        assert all(torch.equal(a, b) for a, b in zip(other.engine.values(rows), values))
+        assert all(torch.equal(a, b) for a, b in zip(other.engine.score(rows, "critic"), values))
     finally:
         other.close()
         _load(trainer, initial)

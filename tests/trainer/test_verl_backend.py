@@ -110,16 +110,16 @@ def test_one_fsdp2_unit_gathered_once_a_phase_and_weights_loaded_after_a_rollout
         start = engine.export_weights()
         moved = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in start.items()}
         engine.load_weights(moved)
-        expected = engine.log_probs(rows)
+        expected = engine.score(rows, "policy")
         engine.load_weights(start)
         monkeypatch.setattr(FSDPParamGroup, "unshard", counted)
         # scoring: one gather per model for its 3 passes, all freed after
-        old, ref, _ = engine.log_probs(rows), engine.log_probs(rows, "reference"), engine.values(rows)
+        old, ref, _ = engine.score(rows, "policy"), engine.score(rows, "reference"), engine.score(rows, "critic")
         assert len(gathers) == 3 and sharded(engine.actor, engine.ref, engine.critic), gathers
         # a step of 3 micro-batches: one gather, the shards stepped
         engine.begin_fit(reference_from_policy=False)
         try:
-            engine.policy_step(PolicyBatch(rows, old, [torch.ones_like(x) for x in old], ref), engine.policy_loss)
+            engine.step(PolicyBatch(rows, old, [torch.ones_like(x) for x in old], ref), engine.policy_loss)
         finally:
             engine.end_fit()
         assert len(gathers) == 4 and sharded(engine.actor), gathers
@@ -130,7 +130,7 @@ def test_one_fsdp2_unit_gathered_once_a_phase_and_weights_loaded_after_a_rollout
                 model(input_ids=torch.tensor([row.prompt_ids]))
         assert len(gathers) == 5 and not sharded(engine.actor), gathers
         engine.load_weights(moved)
-        assert all(torch.equal(a, b) for a, b in zip(engine.log_probs(rows), expected, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(engine.score(rows, "policy"), expected, strict=True))
         model(input_ids=torch.tensor([rows[0].prompt_ids]))
         exported = engine.export_weights()
         assert all(torch.equal(exported[k], moved[k]) for k in moved)
@@ -168,14 +168,14 @@ def test_a_pass_that_raises_mid_forward_or_backward_leaves_the_engine_exact(tmp_
     try:
         rows = random_rows(6, len(engine.tokenizer), seed=1)  # 3 micro-batches a pass
         start = engine.export_weights()
-        old, ref = engine.log_probs(rows), engine.log_probs(rows, "reference")
+        old, ref = engine.score(rows, "policy"), engine.score(rows, "reference")
         batch = PolicyBatch(rows, old, [torch.linspace(-1, 1, len(x)) for x in old], ref)
 
         def step() -> dict[str, torch.Tensor]:
             engine.load_weights(start)
             engine.begin_fit(reference_from_policy=False)
             try:
-                engine.policy_step(batch, engine.policy_loss)
+                engine.step(batch, engine.policy_loss)
             finally:
                 engine.end_fit()
             return engine.export_weights()
@@ -186,13 +186,13 @@ def test_a_pass_that_raises_mid_forward_or_backward_leaves_the_engine_exact(tmp_
             armed["backward" if how == "step backward" else "forward"] = True
             with pytest.raises(RuntimeError, match="out of memory"):
                 if how == "scoring":
-                    engine.log_probs(rows)
+                    engine.score(rows, "policy")
                 elif how == "rollout":
                     engine.generation_model()(input_ids=torch.tensor([rows[0].prompt_ids]))
                 else:
                     step()
             engine.load_weights(start)
-            assert all(torch.equal(a, b) for a, b in zip(engine.log_probs(rows), old, strict=True)), how
+            assert all(torch.equal(a, b) for a, b in zip(engine.score(rows, "policy"), old, strict=True)), how
             again = step()
             assert all(torch.equal(again[k], clean[k]) for k in clean), how
     finally:
@@ -294,7 +294,7 @@ def test_adamw_steps_the_shards_own_storage_as_verl_steps_its_dtensors(tmp_path,
 
         rows = random_rows(8, len(ours.tokenizer), seed=4)
         start = ours.export_weights()
-        old, ref = ours.log_probs(rows), ours.log_probs(rows, "reference")
+        old, ref = ours.score(rows, "policy"), ours.score(rows, "reference")
         gen = torch.Generator().manual_seed(5)
         advantages = [torch.randn(len(x), generator=gen) for x in old]
 
@@ -303,7 +303,7 @@ def test_adamw_steps_the_shards_own_storage_as_verl_steps_its_dtensors(tmp_path,
             engine.begin_fit(reference_from_policy=False)
             try:  # two mini-batches of two micro-batches: a second step after a first zeroes the grads
                 norms = [
-                    engine.policy_step(
+                    engine.step(
                         PolicyBatch(rows[i : i + 4], old[i : i + 4], advantages[i : i + 4], ref[i : i + 4]),
                         engine.policy_loss,
                     ).grad_norm
@@ -325,7 +325,7 @@ def test_adamw_steps_the_shards_own_storage_as_verl_steps_its_dtensors(tmp_path,
         ours.load_weights(start)
         ours.begin_fit(reference_from_policy=False)
         try:
-            skipped = ours.policy_step(PolicyBatch(rows[:4], old[:4], poisoned[:4], ref[:4]), ours.policy_loss)
+            skipped = ours.step(PolicyBatch(rows[:4], old[:4], poisoned[:4], ref[:4]), ours.policy_loss)
             assert not skipped.stepped and all(torch.equal(v, start[k]) for k, v in ours.export_weights().items())
         finally:
             ours.end_fit()

@@ -33,7 +33,9 @@ def test_cuda_update_agrees_with_builtin_within_bf16_noise(env_url, model_dir, t
         _, rows, advantages = scored_rows(builtin, [0, 1], 2, seed=123)
         start = builtin.export_weights()
         verl.load_weights(start)
-        lp_gap = torch.cat([(x - y).abs() for x, y in zip(verl.engine.log_probs(rows), builtin.engine.log_probs(rows))])
+        lp_gap = torch.cat(
+            [(x - y).abs() for x, y in zip(verl.engine.score(rows, "policy"), builtin.engine.score(rows, "policy"))]
+        )
         seed = derive_seed("minibatch", 0, 1, 3, 0)
         (w_builtin, m_builtin), (w_verl, m_verl) = _policy_pass_pair(pair, rows, advantages, seed)
         (w_reshuffled, _), _ = _policy_pass_pair(pair, rows, advantages, seed + 1)
