@@ -43,17 +43,8 @@ from client_app.trainer.compute import (
     resolve_precision,
 )
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
-from client_app.trainer.engine import (
-    AfterBackward,
-    Batch,
-    LossSpec,
-    PolicyBatch,
-    Role,
-    StepResult,
-    ValueBatch,
-    check_loadable,
-    micro_batches,
-)
+from client_app.trainer.engine import Batch, LossSpec, PolicyBatch, Role, StepResult, ValueBatch, micro_batches
+from client_app.trainer.weight_check import check_loadable
 from fl_app.config import Config
 from fl_app.weights import load_shards
 
@@ -217,7 +208,7 @@ class BuiltinEngine:
 
     # ------------------------------------------------------------------ steps
 
-    def step(self, batch: Batch, loss: LossSpec, after_backward: AfterBackward | None = None) -> StepResult:
+    def step(self, batch: Batch, loss: LossSpec, after_backward: Callable[[], None] | None = None) -> StepResult:
         """The policy's step on a `PolicyBatch`, the critic's on a `ValueBatch`."""
         if isinstance(batch, PolicyBatch) and isinstance(loss, ActorLossSpec):
             return self._policy_step(batch, loss, after_backward)
@@ -225,7 +216,9 @@ class BuiltinEngine:
             return self._critic_step(batch, loss, after_backward)
         raise TypeError(f"a {type(batch).__name__} steps with its own member's loss, not a {type(loss).__name__}")
 
-    def _policy_step(self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: AfterBackward | None) -> StepResult:
+    def _policy_step(
+        self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: Callable[[], None] | None
+    ) -> StepResult:
         """Policy gradients micro-batch by micro-batch, every micro loss normalised by the whole
         mini-batch (so the sum is the mini-batch loss whatever the micro size), then the step."""
         rows = batch.rows
@@ -260,7 +253,9 @@ class BuiltinEngine:
             after_backward()
         return self._optimizer_step("actor", self.cfg.algo.grad_clip, dict(sums))
 
-    def _critic_step(self, batch: ValueBatch, loss: ValueLossSpec, after_backward: AfterBackward | None) -> StepResult:
+    def _critic_step(
+        self, batch: ValueBatch, loss: ValueLossSpec, after_backward: Callable[[], None] | None
+    ) -> StepResult:
         """Critic gradients of one mini-batch: coef x the clipped squared error reduced over the
         WHOLE mini-batch (micro-batch invariant: the field log's 2026-07-22 critic-loss drift
         cannot happen here), then the step. FedProx never touches it (invariant 4)."""

@@ -32,7 +32,6 @@ from client_app.rollout import TrainRow
 
 # Whose scores: the policy's and the reference's log-probs, or the critic's values.
 Role = Literal["policy", "reference", "critic"]
-AfterBackward = Callable[[], None]  # FedProx's gradient, between the last backward and the clip
 
 
 @dataclass(frozen=True)
@@ -134,15 +133,15 @@ class TrainingEngine(Protocol):
 
     @overload
     def step(
-        self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: AfterBackward | None = None
+        self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: Callable[[], None] | None = None
     ) -> StepResult: ...
 
     @overload
     def step(
-        self, batch: ValueBatch, loss: ValueLossSpec, after_backward: AfterBackward | None = None
+        self, batch: ValueBatch, loss: ValueLossSpec, after_backward: Callable[[], None] | None = None
     ) -> StepResult: ...
 
-    def step(self, batch: Batch, loss: LossSpec, after_backward: AfterBackward | None = None) -> StepResult:
+    def step(self, batch: Batch, loss: LossSpec, after_backward: Callable[[], None] | None = None) -> StepResult:
         """One optimizer step of the member the batch is for (a `PolicyBatch` the policy, a
         `ValueBatch` the critic) on one mini-batch: gradients accumulated over micro-batches of
         the loss normalised by the WHOLE mini-batch (micro-batching changes memory, not the
@@ -157,26 +156,6 @@ class TrainingEngine(Protocol):
 class Engine(RolloutPolicy, TrainingEngine, Protocol):
     """Both parts, as every engine class implements them: what `make_engine` builds and the
     trainer holds (it hands the rollout engine one part and its loop the other)."""
-
-
-def check_loadable(state: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], member: str) -> None:
-    """What `load_weights` refuses before it copies anything: other names than the model's
-    parameters (`shapes`), another shape, anything but fp32 (invariant 1)."""
-    missing = sorted(set(shapes) - set(state))
-    unexpected = sorted(set(state) - set(shapes))
-    if missing or unexpected:
-        raise KeyError(
-            f"weights do not match the {member} model: missing {missing[:5]} ({len(missing)}), "
-            f"unexpected {unexpected[:5]} ({len(unexpected)}); they must come from "
-            f"export_weights({member!r}) of the same architecture"
-        )
-    for name, t in state.items():
-        if tuple(t.shape) != shapes[name]:
-            raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model {shapes[name]}")
-        if t.dtype != torch.float32:
-            raise TypeError(
-                f"weight {name} is {t.dtype}; weights travel as fp32 (invariant 1), never cast them on the way"
-            )
 
 
 def length_order(rows: Sequence[TrainRow]) -> list[int]:

@@ -58,20 +58,11 @@ from client_app.runtime_dir import remove_at_exit
 from client_app.trainer import verl_config, verl_head
 from client_app.trainer.compute import compile_models
 from client_app.trainer.device import avoid_cudnn_attention, cuda_autocast, release_memory, resolve_device
-from client_app.trainer.engine import (
-    AfterBackward,
-    Batch,
-    LossSpec,
-    PolicyBatch,
-    Role,
-    StepResult,
-    ValueBatch,
-    check_loadable,
-    micro_batches,
-)
+from client_app.trainer.engine import Batch, LossSpec, PolicyBatch, Role, StepResult, ValueBatch, micro_batches
 from client_app.trainer.losses import loss_specs
 from client_app.trainer.verl_cpu import arm_cpu
 from client_app.trainer.verl_rows import no_padding_batch
+from client_app.trainer.weight_check import check_loadable
 from fl_app.config import Config
 from fl_app.weights import load_shards
 
@@ -450,7 +441,7 @@ class VerlEngine:
 
     # ------------------------------------------------------------------ steps
 
-    def step(self, batch: Batch, loss: LossSpec, after_backward: AfterBackward | None = None) -> StepResult:
+    def step(self, batch: Batch, loss: LossSpec, after_backward: Callable[[], None] | None = None) -> StepResult:
         """verl's forward_step and ppo_loss (a `PolicyBatch`) or the scaled value_loss (a
         `ValueBatch`) per micro-batch, `after_backward` (FedProx: the policy), clip + AdamW."""
         if isinstance(batch, PolicyBatch):
