@@ -46,6 +46,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from bench.report import emit
 from client_app.algos import ActorLossSpec
 from client_app.rollout import derive_seed, group_specs, training_rows
 from client_app.trainer import make_engine
@@ -431,10 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                     report["verl_over_builtin_pass_s"] = round(
                         report["update_verl"]["pass_s"] / report["update_builtin"]["pass_s"], 2
                     )
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    return 0
+    return emit(report, args.json)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 from client_app.trainer import make_trainer
-from client_app.trainer.base import FitRequest
+from client_app.trainer.base import ClientTasks
 from envs.service import serve_in_subprocess
+from fl_app.calls import FitCall
 from fl_app.config import Config, load_config
 from fl_app.weights import load_shards, save_shards
 
@@ -95,17 +96,14 @@ def persistent_fits(cfg: Config, env_url: str, fits: int, weights: Path) -> tupl
         global_w = load_shards(weights)
         for i in range(fits):
             start = val + i * TASKS_PER_CLIENT
-            req = FitRequest(
-                round=i // 2 + 1,
-                client_id=i,
-                task_indices=list(range(start, start + TASKS_PER_CLIENT)),
-                local_epochs=cfg.federation.local_epochs,
-                seed=cfg.run.seed,
+            call, tasks = (
+                FitCall(round=i // 2 + 1, client_id=i, local_epochs=cfg.federation.local_epochs, seed=cfg.run.seed),
+                ClientTasks(list(range(start, start + TASKS_PER_CLIENT))),
             )
             t0 = time.perf_counter()
             trainer.load_weights(global_w)
             t1 = time.perf_counter()
-            res = trainer.fit(req)
+            res = trainer.fit(call, tasks)
             t2 = time.perf_counter()
             global_w = trainer.export_weights()  # the next client starts from this one's result
             t3 = time.perf_counter()

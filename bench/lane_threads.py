@@ -39,8 +39,9 @@ DEFAULT_CLIENTS = (55, 9)  # round 1 of the default run (seed 0)
 def child(mode: str, clients: list[int], overrides: list[str]) -> list[dict[str, Any]]:
     """One arm in this process: build on the main thread, fit on it or on a second thread."""
     from client_app.trainer import make_trainer
-    from client_app.trainer.base import FitRequest
+    from client_app.trainer.base import ClientTasks
     from envs.service import serve_in_subprocess
+    from fl_app.calls import FitCall
     from fl_app.config import load_config
     from partitions.pool import build_pool
     from partitions.registry import plan_partition
@@ -55,16 +56,18 @@ def child(mode: str, clients: list[int], overrides: list[str]) -> list[dict[str,
         def fits() -> None:
             for c in clients:
                 trainer.load_weights(initial)
-                req = FitRequest(
-                    round=ROUND,
-                    client_id=c,
-                    task_indices=plan.shard(c),
-                    local_epochs=cfg.federation.local_epochs,
-                    seed=cfg.run.seed,
-                    proximal_mu=0.0,
+                call, tasks = (
+                    FitCall(
+                        round=ROUND,
+                        client_id=c,
+                        local_epochs=cfg.federation.local_epochs,
+                        seed=cfg.run.seed,
+                        proximal_mu=0.0,
+                    ),
+                    ClientTasks(plan.shard(c)),
                 )
                 r0, s0, t0 = resource.getrusage(resource.RUSAGE_SELF), voluntary_context_switches(), time.perf_counter()
-                m = trainer.fit(req).metrics
+                m = trainer.fit(call, tasks).metrics
                 wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
                 cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
                 records.append(

@@ -43,9 +43,10 @@ import torch
 from bench.rollout import QWEN05B
 from client_app.tiny_model import build_tiny_model
 from client_app.trainer import make_trainer
-from client_app.trainer.base import FitRequest
+from client_app.trainer.base import ClientTasks
 from client_app.trainer.device import resolve_device
 from envs.service import serve_in_subprocess
+from fl_app.calls import FitCall
 from fl_app.config import Config, load_config
 
 MB = 2**20
@@ -114,20 +115,22 @@ def run_fits(cfg: Config, fits: int, warmup: int) -> dict:
             in_round = 0
             for i in range(fits):
                 start = (i * TASKS_PER_CLIENT) % max(n_train - TASKS_PER_CLIENT, 1)
-                req = FitRequest(
-                    round=i // per_round + 1,
-                    client_id=i,
-                    task_indices=[val + start + k for k in range(TASKS_PER_CLIENT)],
-                    local_epochs=cfg.federation.local_epochs,
-                    seed=cfg.run.seed,
-                    proximal_mu=0.0,
+                call, tasks = (
+                    FitCall(
+                        round=i // per_round + 1,
+                        client_id=i,
+                        local_epochs=cfg.federation.local_epochs,
+                        seed=cfg.run.seed,
+                        proximal_mu=0.0,
+                    ),
+                    ClientTasks([val + start + k for k in range(TASKS_PER_CLIENT)]),
                 )
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
                 trainer.load_weights(global_w)
                 t1 = time.perf_counter()
-                res = trainer.fit(req)
+                res = trainer.fit(call, tasks)
                 t2 = time.perf_counter()
                 export = trainer.export_weights()
                 t3 = time.perf_counter()
@@ -140,7 +143,7 @@ def run_fits(cfg: Config, fits: int, warmup: int) -> dict:
                     {
                         "fit": i,
                         "client": i,
-                        "round": req.round,
+                        "round": call.round,
                         "episodes": res.num_examples,
                         "load_s": t1 - t0,
                         "fit_s": t2 - t1,

@@ -79,7 +79,7 @@ def _raw_send(conn: socket.socket, paths: list[Path]) -> None:
 
 def node_main() -> None:
     """A node: runs one JSON command per stdin line, answers with its wall-clock start and end."""
-    from fl_app.store_http import HttpWeightStore
+    from fl_app.channel.http import HttpWeightStore
 
     print(json.dumps({"ready": True}), flush=True)  # imports done: legs time transfers, not start-up
     for line in sys.stdin:
@@ -150,6 +150,17 @@ class Leg(TypedDict, total=False):
     raw_gbps: float
     store_gbps: float
     ratio: float
+
+
+def _both_ways(nodes: list[Node], raw_s: float, raw_dirs: list[Path], ops: list[dict[str, Any]]) -> tuple[Leg, list]:
+    """One direction, timed both ways: the raw copy just made (`raw_s`, its `raw_dirs` removed
+    now), then the same bytes through the store (`ops`, one per node)."""
+    leg: Leg = {"raw": raw_s, "raw_cpu": LEG_CPU[-1]}
+    for d in raw_dirs:
+        shutil.rmtree(d)
+    leg["store"], replies = _leg(nodes, ops, [])
+    leg["store_cpu"] = LEG_CPU[-1]
+    return leg, replies
 
 
 def _leg(nodes: list[Node], cmds: list[dict[str, Any]], local: list[threading.Thread]) -> tuple[float, list[dict]]:
@@ -412,7 +423,7 @@ def main() -> None:
         return node_main()
 
     from envs.ports import bind_listener
-    from fl_app.store_server import WeightStoreServer, new_token
+    from fl_app.channel.http_server import WeightStoreServer, new_token
 
     work = args.workdir
     if work.exists():
@@ -433,12 +444,8 @@ def main() -> None:
         server = WeightStoreServer(run_dir, token, bind_listener("127.0.0.1", None)).start()
         legs: dict[str, Leg] = {}
         try:
-            legs["down"] = {
-                "raw": raw_down(nodes, model.root, files, [work / f"raw-node{i}" for i in range(2)]),
-                "raw_cpu": LEG_CPU[-1],
-            }
-            for i in range(2):
-                shutil.rmtree(work / f"raw-node{i}")
+            raw = [work / f"raw-node{i}" for i in range(2)]
+            raw_s = raw_down(nodes, model.root, files, raw)
             fetch = [
                 {
                     "op": "fetch",
@@ -450,16 +457,11 @@ def main() -> None:
                 }
                 for i in range(2)
             ]
-            legs["down"]["store"], replies = _leg(nodes, fetch, [])
-            legs["down"]["store_cpu"] = LEG_CPU[-1]
+            legs["down"], replies = _both_ways(nodes, raw_s, raw, fetch)
             fetched = [Path(r["dir"]) for r in replies]
             print(f"down: raw {legs['down']['raw']:.1f} s, store {legs['down']['store']:.1f} s", flush=True)
-            legs["up"] = {
-                "raw": raw_up(nodes, fetched, files, [work / f"raw-up{i}" for i in range(2)]),
-                "raw_cpu": LEG_CPU[-1],
-            }
-            for i in range(2):
-                shutil.rmtree(work / f"raw-up{i}")
+            raw = [work / f"raw-up{i}" for i in range(2)]
+            raw_s = raw_up(nodes, fetched, files, raw)
             publish = [
                 {
                     "op": "publish",
@@ -471,8 +473,7 @@ def main() -> None:
                 }
                 for i in range(2)
             ]
-            legs["up"]["store"], _ = _leg(nodes, publish, [])
-            legs["up"]["store_cpu"] = LEG_CPU[-1]
+            legs["up"], _ = _both_ways(nodes, raw_s, raw, publish)
             print(f"up: raw {legs['up']['raw']:.1f} s, store {legs['up']['store']:.1f} s", flush=True)
         finally:
             server.stop()

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.report import emit
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.vllm_generate", description=__doc__.split("\n")[0])
@@ -81,10 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_startup_s": round(startup_s, 1),
         "rows": rows,
     }
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    return 0
+    return emit(report, args.json)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fl_app.config import Config, ConfigError, load_config
+from fl_app.config import Config, cli_config
 from partitions.labels import write_labels
 from partitions.pool import build_pool
 
@@ -48,8 +48,8 @@ def label_tasks(
 ) -> dict[str, Any]:
     """Roll the reference policy out once on each training task; write and return the labels body."""
     from client_app.trainer import make_trainer
-    from client_app.trainer.base import EvalRequest
     from envs.service import serve_in_subprocess
+    from fl_app.calls import EvalCall
     from fl_app.weights import load_shards
 
     pool = build_pool(cfg.env.name, cfg.env.params)
@@ -67,7 +67,7 @@ def label_tasks(
                 f"(weights {digest[:12]}, {cfg.rollout.mode}, T={cfg.rollout.val_temperature}, seed {seed})",
                 flush=True,
             )
-            res = trainer.evaluate(EvalRequest(task_indices=tasks, seed=seed))
+            res = trainer.evaluate(EvalCall(seed=seed), tasks)
         finally:
             trainer.close()
     if set(res.outcomes) != set(tasks):
@@ -127,10 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.limit < 0:
         ap.error("--limit must be >= 0")
-    try:
-        cfg = load_config(args.recipe, dotlist=args.overrides)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
+    if (cfg := cli_config(args.recipe, args.overrides)) is None:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fl_app.config import Config, ConfigError, load_config, model_directory
+from fl_app.config import Config, cli_config, model_directory
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,7 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _warm_start(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.recipe, dotlist=args.overrides)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
+    if (cfg := cli_config(args.recipe, args.overrides)) is None:
         return 2
     if cfg.model.warm_start.episodes == 0:
         print(f"recipe {args.recipe} has model.warm_start.episodes=0: nothing to warm-start", file=sys.stderr)

@@ -58,7 +58,7 @@ def draw_tasks(shard: Sequence[int], n: int, seed: int, round: int, client: int,
     n <= len(shard), and cycles through the shard again when n is larger.
     """
     if not shard:
-        raise ValueError("the client's task shard is empty; FitRequest.task_indices must list at least one task")
+        raise ValueError("the client's task shard is empty; ClientTasks.task_indices must list at least one task")
     ranked = sorted(range(len(shard)), key=lambda j: row_seed(seed, round, client, epoch, j))
     return [int(shard[ranked[i % len(shard)]]) for i in range(n)]
 

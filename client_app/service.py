@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import json
 import logging
@@ -53,11 +52,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from client_app import memory_debug
 from client_app.runtime_dir import NodeOwner, remove_own_files
-from client_app.trainer.base import EvalRequest, FitRequest, Trainer
+from client_app.trainer.base import ClientTasks, Trainer
 from client_app.trainer.device import freeze_survivors, resolve_device
 from client_app.variant_envs import VariantEnvServices
 from envs.registry import make_env
-from fl_app.config import Config, load_config
+from fl_app.calls import EvalCall, FitCall, InitCall
+from fl_app.config import Config, load_config, recipe_sha256
 from fl_app.paths import PathEscapeError, confine
 from fl_app.weights import Manifest, ShardAlloc, WeightsError, anon_buffer, load_shards, save_shards
 from partitions.pool import TaskPool
@@ -81,36 +81,17 @@ class Refused(Exception):
         self.status = status
 
 
-Seed = Annotated[int, Field(ge=0, lt=2**63)]
-Count = Annotated[int, Field(ge=0, lt=2**31)]
 DirPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]  # no NUL: not a path
 
 
-class _Body(BaseModel):
+class Dirs(BaseModel):
+    """Where a call's weights are on this node: the local dirs the ClientApp got the call's
+    global weights into (`Channel.get`), and the dirs this service writes the call's output to."""
+
     model_config = ConfigDict(extra="forbid")
 
-
-class FitBody(_Body):
-    run_id: int
-    round: Count
-    client_id: Count
-    local_epochs: Annotated[int, Field(gt=0, le=10_000)]
-    seed: Seed
-    proximal_mu: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
-    weights_in: dict[str, DirPath]  # member -> manifest directory of the global weights
-    weights_out: dict[str, DirPath]  # member -> directory to write this client's fp32 shards into
-
-
-class EvalBody(_Body):
-    run_id: int
-    round: Count
-    seed: Seed
-    weights_in: DirPath  # the global actor (validation needs no critic)
-
-
-class InitBody(_Body):
-    run_id: int
-    weights_out: dict[str, DirPath]  # member -> directory for the initial weights
+    weights_in: dict[str, DirPath] = Field(default_factory=dict)  # member -> the global weights' dir
+    weights_out: dict[str, DirPath] = Field(default_factory=dict)  # member -> where to write its fp32 shards
 
 
 def rss_mb() -> float:
@@ -208,21 +189,14 @@ class TrainerService:
         freeze_survivors()
         self.last_request = time.monotonic()  # the idle clock starts when the service can serve
 
-    def fit_request(self, body: FitBody) -> FitRequest:
-        """The trainer's request for this client: its shard, and under env heterogeneity the
-        service of its env variant (started on first use)."""
-        req = FitRequest(
-            round=body.round,
-            client_id=body.client_id,
-            task_indices=self.shard(body.client_id),
-            local_epochs=body.local_epochs,
-            seed=body.seed,
-            proximal_mu=body.proximal_mu,
-        )
+    def client_tasks(self, client_id: int) -> ClientTasks:
+        """What this client trains on: its shard, and under env heterogeneity the service of its
+        env variant (started on first use)."""
+        tasks = ClientTasks(self.shard(client_id))
         if self.variants is None:
-            return req
-        env = self.variants.for_client(body.client_id, req.task_indices)
-        return dataclasses.replace(req, task_indices=env.tasks, env_url=env.url, env_variant=env.variant.content_hash)
+            return tasks
+        env = self.variants.for_client(client_id, tasks.task_indices)
+        return ClientTasks(env.tasks, env_url=env.url, env_variant=env.variant.content_hash)
 
     def shard(self, client_id: int) -> list[int]:
         """This client's training tasks: every lane recomputes the same global assignment."""
@@ -243,21 +217,36 @@ class TrainerService:
             "is refused too)"
         )
 
-    def _check_members(self, dirs: dict[str, str]) -> None:
-        """A request must name exactly the members the trainer holds: a PPO fit without its critic
-        (or a critic the trainer lacks) fails closed instead of training half a model."""
-        assert self.trainer is not None
-        if set(dirs) != set(self.trainer.members):
+    def check(
+        self, call: FitCall | EvalCall | InitCall, dirs: Dirs, members: tuple[str, ...]
+    ) -> tuple[dict[str, Path], dict[str, Path]]:
+        """Validate a call before any work: this run, the server's recipe, the members it names
+        (a PPO fit without its critic, or a critic the trainer lacks, fails closed instead of
+        training half a model), and every dir confined. Returns the dirs in and out, resolved."""
+        self._check_run(call.run_id)
+        if call.recipe_sha256 != (own := recipe_sha256(self.cfg)):
             raise Refused(
                 409,
-                f"the request carries weights for {sorted(dirs)} but this trainer federates "
-                f"{list(self.trainer.members)}; server and client must run the same algo.name",
+                f"this lane resolved a different recipe than the server (sha256 {own[:12]}... vs "
+                f"{call.recipe_sha256[:12]}...): server and nodes must run the same app (FAB) and run config; "
+                "check the recipe files and environment on this node",
             )
-
-    def member_dirs(self, dirs: dict[str, str], what: str) -> dict[str, Path]:
-        """Every member's dir of a request, checked (members, confinement) before any work."""
-        self._check_members(dirs)
-        return {m: self.confined(d, f"{what}[{m!r}]") for m, d in dirs.items()}
+        assert self.trainer is not None
+        ins, outs = set(call.weights), set(dirs.weights_out)
+        want_in = members if not isinstance(call, InitCall) else ()
+        want_out = self.trainer.members if not isinstance(call, EvalCall) else ()
+        if ins != set(want_in) or set(dirs.weights_in) != ins or outs != set(want_out):
+            raise Refused(
+                409,
+                f"the call carries weights for {sorted(ins)} (dirs in {sorted(dirs.weights_in)}, out "
+                f"{sorted(outs)}) but this {call.kind} needs {sorted(want_in)} in and {sorted(want_out)} out "
+                f"(the trainer federates {list(self.trainer.members)}); server and client must run the same "
+                "algo.name",
+            )
+        return (
+            {m: self.confined(d, f"weights_in[{m!r}]") for m, d in dirs.weights_in.items()},
+            {m: self.confined(d, f"weights_out[{m!r}]") for m, d in dirs.weights_out.items()},
+        )
 
     def save(self, outs: dict[str, Path], durable: bool) -> int:
         """Write every member's fp32 masters into its (checked) dir, straight from the trainer's
@@ -298,10 +287,9 @@ class TrainerService:
         self._last_read[member] = (manifest.sha256, state)
         return state, False
 
-    def init(self, body: InitBody) -> dict[str, Any]:
+    def init(self, call: InitCall, dirs: Dirs) -> dict[str, Any]:
         """Export the initial weights (before any load): the run's round 0, and where the critic came from."""
-        self._check_run(body.run_id)
-        outs = self.member_dirs(body.weights_out, "weights_out")
+        _, outs = self.check(call, dirs, ())
         with self.lock:
             if self.fits or self.evals:
                 raise Refused(409, "initial weights requested after the trainer already loaded others")
@@ -322,23 +310,21 @@ class TrainerService:
         if run_id != self.run_id:
             raise Refused(409, f"this trainer service belongs to run {self.run_id}, not run {run_id}")
 
-    def fit(self, body: FitBody) -> dict[str, Any]:
-        self._check_run(body.run_id)
+    def fit(self, call: FitCall, dirs: Dirs) -> dict[str, Any]:
         assert self.trainer is not None
-        if body.client_id >= self.cfg.federation.clients:
+        ins, outs = self.check(call, dirs, self.trainer.members)
+        if call.client_id >= self.cfg.federation.clients:
             raise Refused(
                 422,
-                f"client_id {body.client_id} is not a client of this run "
+                f"client_id {call.client_id} is not a client of this run "
                 f"(federation.clients={self.cfg.federation.clients})",
             )
-        ins = self.member_dirs(body.weights_in, "weights_in")
-        outs = self.member_dirs(body.weights_out, "weights_out")
         with self.lock:
             self.last_request = time.monotonic()
             t0 = time.perf_counter()
             reused = self.load(ins)
             t_load = time.perf_counter() - t0
-            res = self.trainer.fit(self.fit_request(body))
+            res = self.trainer.fit(call, self.client_tasks(call.client_id))
             t1 = time.perf_counter()
             bytes_out = self.save(outs, durable=False)
             t_export = time.perf_counter() - t1
@@ -368,8 +354,8 @@ class TrainerService:
                 "fit %d (round %d, client %d): load %.2f s%s, rollout %.1f s (weight sync %.2f s), update %.1f s, "
                 "export %.2f s; after export: RSS %.0f MB, CUDA allocated %.0f MB, device used %.0f MB",
                 self.fits,
-                body.round,
-                body.client_id,
+                call.round,
+                call.client_id,
                 t_load,
                 " (the lane's last read)" if reused else "",
                 metrics.get("rollout_s", 0.0),
@@ -382,18 +368,15 @@ class TrainerService:
             )
             return {"num_examples": res.num_examples, "metrics": metrics}
 
-    def evaluate(self, body: EvalBody) -> dict[str, Any]:
-        self._check_run(body.run_id)
+    def evaluate(self, call: EvalCall, dirs: Dirs) -> dict[str, Any]:
+        ins, _ = self.check(call, dirs, ("actor",))
         assert self.trainer is not None
-        weights_in = self.confined(body.weights_in, "weights_in")
         with self.lock:
             self.last_request = time.monotonic()
             t0 = time.perf_counter()
-            reused = self.load({"actor": weights_in})
+            reused = self.load(ins)
             t_load = time.perf_counter() - t0
-            res = self.trainer.evaluate(
-                EvalRequest(task_indices=list(range(self.cfg.federation.val_tasks)), seed=body.seed)
-            )
+            res = self.trainer.evaluate(call, range(self.cfg.federation.val_tasks))
             self.evals += 1
             self.last_request = time.monotonic()
             metrics = {**res.metrics, "load_s": t_load, "load_reused": float(reused)}
@@ -477,16 +460,16 @@ def create_app(svc: TrainerService, stop: threading.Event, compute: ThreadPoolEx
         }
 
     @app.post("/fit")
-    async def fit(body: FitBody) -> dict[str, Any]:
-        return await on_compute(svc.fit, body)
+    async def fit(call: FitCall, dirs: Dirs) -> dict[str, Any]:
+        return await on_compute(svc.fit, call, dirs)
 
     @app.post("/evaluate")
-    async def evaluate(body: EvalBody) -> dict[str, Any]:
-        return await on_compute(svc.evaluate, body)
+    async def evaluate(call: EvalCall, dirs: Dirs) -> dict[str, Any]:
+        return await on_compute(svc.evaluate, call, dirs)
 
     @app.post("/init")
-    async def init(body: InitBody) -> dict[str, Any]:
-        return await on_compute(svc.init, body)
+    async def init(call: InitCall, dirs: Dirs) -> dict[str, Any]:
+        return await on_compute(svc.init, call, dirs)
 
     @app.post("/shutdown")
     def shutdown() -> dict[str, Any]:

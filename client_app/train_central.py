@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from client_app.trainer.base import EvalRequest, FitRequest
-from fl_app.config import ConfigError, load_config, save_config
+from client_app.trainer.base import ClientTasks
+from fl_app.calls import EvalCall, FitCall
+from fl_app.config import ConfigError, cli_config, save_config
 
 
 def _plot(lines: list[dict[str, Any]], path: Path) -> None:
@@ -77,10 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.iterations < 0 or args.eval_every < 1:
         ap.error("--iterations must be >= 0 and --eval-every >= 1")
-    try:
-        cfg = load_config(args.recipe, dotlist=args.overrides)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
+    if (cfg := cli_config(args.recipe, args.overrides)) is None:
         return 2
     args.iterations = args.iterations or cfg.federation.rounds * cfg.federation.local_epochs
 
@@ -113,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"split val_size={val_size}; lower val_tasks or raise env.params.val_size"
                 )
             shard = list(range(val_size, num_tasks))[: args.tasks or None]
-            val = EvalRequest(task_indices=list(range(cfg.federation.val_tasks)), seed=cfg.run.seed)
+            val, val_tasks = EvalCall(seed=cfg.run.seed), range(cfg.federation.val_tasks)
 
             def record(line: dict[str, Any]) -> None:
                 line["elapsed_s"] = round(time.perf_counter() - t_start, 2)
@@ -122,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 sink.flush()
 
             def validate(iteration: int) -> None:
-                res = trainer.evaluate(val)
+                res = trainer.evaluate(val, val_tasks)
                 record({"iteration": iteration, **{f"val_{k}": v for k, v in res.metrics.items()}})
                 print(
                     f"iter {iteration:4d}  val success {res.metrics['success']:.3f}  "
@@ -143,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
 
             validate(0)
             trainer.fit(
-                FitRequest(round=1, client_id=0, task_indices=shard, local_epochs=args.iterations, seed=cfg.run.seed),
+                FitCall(round=1, client_id=0, local_epochs=args.iterations, seed=cfg.run.seed),
+                ClientTasks(shard),
                 on_iteration=on_iteration,
             )
         finally:

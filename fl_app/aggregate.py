@@ -11,6 +11,7 @@ they give identical bits:
   pieces are read, before the next shard starts; any failure aborts the writer, which deletes
   what it wrote, so the output never looks complete and a retry finds it empty.
 - `fedavg_states` averages in-memory state dicts (the inline transport path).
+`fedavg_refs` takes a round's replies as the channel's refs and picks the one that applies.
 
 Per tensor, in client order: acc = x_0 * f_0, then acc += x_i * f_i (one fused multiply-add),
 with f_i = w_i / sum(w) and all math in fp32: nothing is widened to float64, nothing narrowed.
@@ -32,7 +33,6 @@ the culprits in a `NonFiniteWeightsError`.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import queue
 import threading
@@ -42,7 +42,18 @@ from pathlib import Path
 
 import torch
 
-from fl_app.weights import Manifest, ShardStream, ShardWriter, WeightsError, read_shard, same_layout
+from fl_app.channel import Channel, WeightsRef
+from fl_app.host import one_torch_thread
+from fl_app.weights import (
+    Manifest,
+    ShardStream,
+    ShardWriter,
+    WeightsError,
+    load_shards,
+    read_shard,
+    same_layout,
+    save_shards,
+)
 
 PIECE_BYTES = 1 << 20  # fold granularity: all live buffers stay in the last-level cache; a multiple of 64
 _BUFFERS_PER_INPUT = 3  # one being folded, one read ahead, one being read
@@ -132,18 +143,6 @@ def _pieces(nbytes: int, itemsize: int) -> Iterator[tuple[int, int]]:
         yield off, min(step, numel - off)
 
 
-@contextlib.contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """Fold on one intra-op thread: the pipeline's own threads use the other cores, and on a
-    busy machine a multi-threaded op on a cache-sized piece waits for its slowest thread."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
 def _check_fp32(tensors: Sequence[tuple[str, torch.dtype]]) -> None:
     bad = [f"{n} ({d})" for n, d in tensors if d.is_floating_point and d != torch.float32]
     if bad:
@@ -223,7 +222,7 @@ def fedavg_states(
     live = [(i, s, f) for i, (s, f) in enumerate(zip(states, factors)) if f != 0]
     _check_fp32([(k, s[k].dtype) for _, s, _ in live for k in keys])
     out: dict[str, torch.Tensor] = {}
-    with _one_torch_thread():
+    with one_torch_thread():  # the pipeline's own threads use the other cores
         for key in keys:
             xs = [(s[key].detach().cpu().contiguous(), f) for _, s, f in live]
             x0 = xs[0][0]
@@ -421,7 +420,7 @@ def fedavg_manifests(
     live = [_Input(i, m, f) for i, (m, f) in enumerate(zip(manifests, factors)) if f != 0]
     buffers = _Buffers.for_model(manifests[0], len(live))
     try:
-        with ShardWriter(out_dir, max_shard_bytes) as writer, _one_torch_thread():
+        with ShardWriter(out_dir, max_shard_bytes) as writer, one_torch_thread():
             for s in range(len(manifests[0].shards)):
                 _fedavg_shard(writer, live, s, verify, buffers)
             return writer.finish()
@@ -434,3 +433,45 @@ def fedavg_manifests(
             if bad:
                 culprits[inp.index] = bad
         raise _non_finite_error(culprits, labels, e.where) from None
+
+
+def fedavg_refs(
+    items: Sequence[tuple[WeightsRef, Mapping[str, torch.Tensor], float]],
+    channel: Channel,
+    out_dir: Path,
+    names: Sequence[str] | None = None,
+    previous: Path | None = None,
+    server_lr: float = 1.0,
+) -> Manifest:
+    """FedAvg of client replies (ref, inline state, num-examples) into the fresh weights dir `out_dir`.
+
+    Inline replies are averaged in memory, store replies are streamed shard by shard; the two
+    give identical bits. One round's replies all travel one way (same model, same threshold).
+    `names` label the replies in errors (a non-finite upload: `NonFiniteWeightsError`). With
+    `server_lr` != 1 the result steps from `previous`, the round's global weights dir.
+    """
+    step = previous if server_lr != 1.0 else None  # FedAvg itself never reads it
+    if not items:
+        raise WeightsError("no client replies to aggregate")
+    inline = {ref.inline for ref, _, _ in items}
+    if inline == {True}:
+        avg = fedavg_states(
+            [(channel.state(r, a), w) for r, a, w in items],
+            names=names,
+            previous=load_shards(step) if step is not None else None,
+            server_lr=server_lr,
+        )
+        return save_shards(avg, out_dir, channel.shard_bytes)
+    if inline == {False}:
+        return fedavg_manifests(
+            [(channel.manifest(r), w) for r, _, w in items],
+            out_dir,
+            channel.shard_bytes,
+            names=names,
+            previous=step,
+            server_lr=server_lr,
+        )
+    raise WeightsError(
+        "some replies are inline and some by reference; clients of one round must share "
+        "run.inline_max_mb (it is part of the run config)"
+    )

@@ -20,6 +20,7 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -1119,6 +1120,16 @@ def config_doc() -> str:
     )
 
 
+def cli_config(recipe: str, overrides: Sequence[str]) -> Config | None:
+    """The recipe a command line names with its `a.b=c` overrides, or None after printing why it
+    is bad (the command then exits 2, as for any usage error)."""
+    try:
+        return load_config(recipe, dotlist=list(overrides))
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -1141,10 +1152,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.doc or args.run_config_keys:
         print(config_doc() if args.doc else run_config_toml(), end="")
         return 0
-    try:
-        cfg = load_config(args.check, dotlist=args.overrides)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
+    if (cfg := cli_config(args.check, args.overrides)) is None:
         return 2
     if not args.work_only:
         print(OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump(mode="json"))))

@@ -5,9 +5,25 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 
 from threadpoolctl import threadpool_limits
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run torch's CPU ops on one intra-op thread inside the block (restored after): a process
+    whose own threads use the other cores, or tiny ops on shared cores, gain nothing from a
+    second one and wait for the slowest thread at every op."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 def usable_cores() -> int:

@@ -421,7 +421,7 @@ def _writeback_starter() -> Callable[[int, int, int], object] | None:
 _start_writeback = _writeback_starter()
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -620,7 +620,7 @@ class ShardWriter:
             self.flush()
             if self.durable:
                 for shard in self._shards:  # writeback was started as they were written
-                    _fsync_path(self.out_dir / shard.file)
+                    fsync_path(self.out_dir / shard.file)
             manifest = Manifest(tuple(self._shards), self.max_shard_bytes, self.out_dir)
             tmp = self.out_dir / (MANIFEST_NAME + ".tmp")
             self._written.append(tmp)
@@ -631,7 +631,7 @@ class ShardWriter:
                     os.fsync(f.fileno())
             os.replace(tmp, self.out_dir / MANIFEST_NAME)
             if self.durable:
-                _fsync_path(self.out_dir)  # the rename itself
+                fsync_path(self.out_dir)  # the rename itself
         except BaseException:
             self.abort()
             raise

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from fl_app.config import Config, ConfigError, load_config
+from fl_app.config import Config, cli_config
 from partitions.env_realized import format_report as format_env_report
 from partitions.env_realized import realized_env_heterogeneity
 from partitions.labels import FORMAT, Labels, LabelsError
@@ -229,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     dotlist = list(args.overrides)
     if args.synthetic_labels is not None:
         dotlist.append("partition.labels=<synthetic>")
-    try:
-        cfg = load_config(args.recipe, dotlist=dotlist)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
+    if (cfg := cli_config(args.recipe, dotlist)) is None:
         return 2
     pool = pool_from_counts(_parse_counts(args.counts)) if args.counts else build_pool(cfg.env.name, cfg.env.params)
     try:

@@ -4,22 +4,24 @@ Round loop (read top to bottom to follow one round):
   1. load + validate the config (before anything starts), open the run dir, find the resume point
      on disk (the highest complete round); summary.json says `running` from here on;
   2. round 0 = the initial model, exported by a trainer lane, written as fp32 shards, validated;
-  3. each round r: sample logical clients (pure function of (seed, r)), send each a train message
-     carrying the global weights (inline or a manifest reference), collect the replies (a failed
-     client is dropped or re-dispatched: server_app.dispatch), stream-average their fp32 shards
-     into rounds/round-r, validate on a trainer lane every `eval_every` rounds, append one line to
-     metrics.jsonl, mark the round complete;
+  3. each round r, in Flower's vocabulary: `configure_train` samples logical clients (a pure
+     function of (seed, r)) and builds the round's `FitCall` naming the global weights; `train`
+     sends each client its message and collects the replies (a failed client is dropped or
+     re-dispatched: server_app.dispatch); `aggregate_train` stream-averages their fp32 shards
+     into rounds/round-r; `evaluate_fn` validates on a trainer lane every `eval_every` rounds;
+     one line goes to metrics.jsonl and the round is marked complete;
   4. after the last round: summary.json, the plot, and a shutdown message to every node's lane.
 
 "The global weights" are every member the run federates (`Config.weight_members`): the actor,
 and for PPO the critic beside it (invariant 7). Each member travels, is averaged and is written
 on its own (rounds/round-r/<member>), and a round is complete only when all of them are.
 
-Every message carries the digest of the recipe the server resolved (`recipe-sha256`, checked by
-each node against its own resolution), the digest of the run's code (`code-sha256`: the FAB's,
-which the server first checks against the code it and its environment import, fl_app.provenance),
-the run dir the server uses, and the token of its shared-disk probe (a node that cannot read it
-cannot use the run dir as the weight store).
+Every message is one typed call (fl_app.calls: `InitCall`, `FitCall`, `EvalCall`), built here
+once per round: the digest of the recipe the server resolved (checked by each lane against its
+own resolution), the digest of the run's code (the FAB's, which the server first checks against
+the code it and its environment import, fl_app.provenance), the run dir the server uses, the
+token of its shared-disk probe, the weight store nodes open, and per member a `WeightsRef` to
+the round's global weights (fl_app.channel).
 """
 
 from __future__ import annotations
@@ -42,16 +44,16 @@ from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 from envs.ports import bind_listener
 from fl_app.aggregate import NonFiniteWeightsError
+from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall
+from fl_app.channel import Channel, WeightsRef, arrays_key, write_disk_probe
+from fl_app.channel.http_server import WeightStoreServer, new_token
+from fl_app.channel.open import open_store
 from fl_app.config import Config, load_config, recipe_sha256, save_config
 from fl_app.host import single_threaded_blas
 from fl_app.outcomes import outcome_shares_of
 from fl_app.plots import plot_validation
 from fl_app.provenance import check_server_code
 from fl_app.rundir import RunDir
-from fl_app.store import DirStore, WeightStore
-from fl_app.store_open import open_store
-from fl_app.store_server import WeightStoreServer, new_token
-from fl_app.transport import WeightsRef, receive_weights, send_members, write_disk_probe
 from fl_app.weights import Manifest, WeightsError, save_shards
 from partitions.report import write_partition_report
 from partitions.uniform import sampling_seed
@@ -64,6 +66,7 @@ from server_app.strategy import (
     StreamingAggregator,
     inline_state,
     metrics_of,
+    reply_of,
 )
 
 # Flower's simulation engine forks beside the thread this module runs in (single_threaded_blas).
@@ -111,36 +114,42 @@ def _wait_for_nodes(grid: Grid) -> list[int]:
 
 
 class Weights:
-    """The run's weight store and the rule for how weights travel (inline when small).
+    """The server's end of the weight channel, and what nodes are told to open.
 
-    The server's own copy of every entry is its run dir. `store` is where nodes put and get what
-    does not travel inline (`run.weight_store`, docs/weight-store.md): the run dir itself on a
-    shared disk (''), the run dir served over HTTP(S) from this process ('http': nodes get its
-    URL and a per-run token in every message), or a disk or object store everybody reaches
-    (file://, s3://: the global model is published there before a message names it). `close()`
-    stops the served store; the run calls it on every path.
+    The server's own copy of every entry is its run dir. `channel.store` is where nodes put and
+    get what does not travel inline (`run.weight_store`, docs/weight-store.md): the run dir
+    itself on a shared disk (''), the run dir served over HTTP(S) from this process ('http':
+    nodes get its URL and a per-run token in every call), or a disk or object store everybody
+    reaches (file://, s3://: the global model is published there before a call names it).
+    `close()` stops the served store; the run calls it on every path.
     """
 
     def __init__(self, rd: RunDir, cfg: Config, run_id: int) -> None:
         self.rd = rd
         r = cfg.run
-        self.shard_bytes = int(r.shard_max_mb * 2**20)
-        self.inline_bytes = int(r.inline_max_mb * 2**20)
-        self.cache_dir = rd.path / "scratch" / "fetched"
+        shard_bytes = int(r.shard_max_mb * 2**20)
         self.server: WeightStoreServer | None = None
         spec = r.weight_store.strip()
         if spec not in ("", "http"):  # entries are immutable: each run its own prefix, or a later run's
             spec = f"{spec.rstrip('/')}/run-{run_id}"  # uploads collide with an earlier one's under the same keys
-        self.node_store: dict[str, str] = {"weight-store": spec, "weight-store-token": ""}
-        # a store other than the run dir gets each global model published once before a message names it
+        self.node_store: dict[str, str] = {"weight_store": spec, "weight_store_token": ""}
+        # a store other than the run dir gets each global model published once before a call names it
         self.remote = spec not in ("", "http")
         self._published: set[str] = set()
-        if not self.remote:
-            self.store: WeightStore = DirStore(rd.path, self.shard_bytes)
-        else:
-            self.store = open_store(
-                spec, run_dir=rd.path, max_shard_bytes=self.shard_bytes, parallel=r.weight_store_parallel, node="server"
-            )
+        store = open_store(
+            spec if self.remote else "",
+            run_dir=rd.path,
+            max_shard_bytes=shard_bytes,
+            parallel=r.weight_store_parallel,
+            node="server",
+        )
+        self.channel = Channel(
+            store,
+            cache_dir=rd.path / "scratch" / "fetched",
+            inline_max_bytes=int(r.inline_max_mb * 2**20),
+            shard_bytes=shard_bytes,
+            run_dir=rd.path,
+        )
         if spec == "http":
             token = new_token()
             advertise = urlsplit(r.weight_store_url).hostname if r.weight_store_url else None
@@ -153,20 +162,23 @@ class Weights:
                 keyfile=r.weight_store_keyfile or None,
                 advertise_host=advertise,
             ).start()
-            self.node_store = {"weight-store": self.server.url, "weight-store-token": token}
+            self.node_store = {"weight_store": self.server.url, "weight_store_token": token}
             log(f"weight store: serving {rd.path} at {self.server.url} (nodes fetch and upload shards there)")
 
-    def payload(self, r: int, members: tuple[str, ...]) -> tuple[dict[str, ArrayRecord], dict[str, Any]]:
-        """What a message carries to name the global `members` of round r: per member its
-        ArrayRecord (RecordDict key `arrays_key(member)`) and its WeightsRef config entries."""
-        keys = {m: self.rd.store_key(self.rd.member_dir(r, m)) for m in members}
-        for m, key in keys.items():
+    def payload(self, r: int, members: tuple[str, ...]) -> tuple[dict[str, ArrayRecord], dict[str, WeightsRef]]:
+        """What a call carries to name the global `members` of round r: per member its ref, and
+        its ArrayRecord (RecordDict key `arrays_key(member)`, empty unless the ref is inline)."""
+        arrays, refs = {}, {}
+        for m in members:
+            local = self.rd.member_dir(r, m)
+            key = self.rd.store_key(local)
             if self.remote and key not in self._published:
-                if Manifest.from_dir(self.rd.member_dir(r, m)).tensor_bytes > self.inline_bytes:
-                    self.store.publish(self.rd.member_dir(r, m), key)
+                if Manifest.from_dir(local).tensor_bytes > self.channel.inline_max_bytes:
+                    self.channel.store.publish(local, key)
                 self._published.add(key)
-        arrays, config, _refs = send_members(self.store, keys, self.inline_bytes)
-        return {k: ArrayRecord(v) for k, v in arrays.items()}, config
+            refs[m], state = self.channel.put_entry(key)
+            arrays[arrays_key(m)] = ArrayRecord(state)
+        return arrays, refs
 
     def close(self) -> None:
         if self.server is not None:
@@ -182,10 +194,10 @@ class Nodes:
         self.seen: dict[int, dict[str, str]] = {}
 
     def note(self, reply: Message) -> None:
-        if reply.has_error() or "config" not in reply.content:
+        if reply.has_error() or RECORD not in reply.content:
             return
-        conf = reply.content.config_records["config"]
-        info = {k: str(conf[k]) for k in ("node-host", "lane", "service-log") if k in conf}
+        r = reply_of(reply)
+        info = {"node-host": r.node_host, "lane": r.lane, "service-log": r.service_log}
         node = int(reply.metadata.src_node_id)
         if info and self.seen.get(node) != info:
             self.seen[node] = info
@@ -210,38 +222,35 @@ class Run:
                 only_clients=cfg.federation.only_clients,
             )
             self.aggregator = StreamingAggregator(
-                cfg.federation.strategy, cfg.federation.proximal_mu, self.w.shard_bytes, cfg.federation.server_lr
+                cfg.federation.strategy, cfg.federation.proximal_mu, cfg.federation.server_lr
             )
             self.token = write_disk_probe(rd.path)
         except BaseException:
             self.w.close()
             raise
-        self.common = {
-            "run-dir": str(rd.path),
-            "run-dir-token": self.token,
-            "recipe-sha256": recipe_sha256(cfg),
-            "code-sha256": code,
+        # what every call of this run carries (fl_app.calls.Call)
+        self.header: dict[str, Any] = {
+            "run_id": context.run_id,
+            "recipe_sha256": recipe_sha256(cfg),
+            "code_sha256": code,
+            "run_dir": str(rd.path),
+            "run_dir_token": self.token,
             **self.w.node_store,
         }
 
-    def message(self, node: int, mtype: str, arrays: dict[str, ArrayRecord], config: dict[str, Any]) -> Message:
+    def message(self, node: int, mtype: str, call: Call, arrays: dict[str, ArrayRecord] | None = None) -> Message:
+        """`call` as one record, with the inline arrays of its weights beside it."""
+        content = RecordDict({**(arrays or {}), RECORD: ConfigRecord({RECORD: call.model_dump_json()})})
         ttl = self.cfg.federation.client_timeout_s + 60.0
-        return Message(
-            content=RecordDict({**arrays, "config": ConfigRecord({**self.common, **config})}),
-            message_type=mtype,
-            dst_node_id=node,
-            ttl=ttl,
-        )
+        return Message(content=content, message_type=mtype, dst_node_id=node, ttl=ttl)
 
-    def ask(
-        self, mtype: str, what: str, arrays: dict[str, ArrayRecord] | None = None, config: dict[str, Any] | None = None
-    ) -> Message:
+    def ask(self, mtype: str, what: str, call: Call, arrays: dict[str, ArrayRecord] | None = None) -> Message:
         """One request to the first connected node (the nodes connected now: a lost one is gone)."""
         nodes = sorted(self.grid.get_node_ids())
         reply = request_one(
             self.grid,
             nodes,
-            lambda n: self.message(n, mtype, arrays or {}, config or {}),
+            lambda n: self.message(n, mtype, call, arrays),
             what,
             self.cfg.federation.client_timeout_s,
             log,
@@ -253,24 +262,23 @@ class Run:
 def _initial_model(run: Run, members: tuple[str, ...]) -> tuple[int, dict[str, Any]]:
     """Round 0: a lane exports its freshly built members; the server writes them as the checkpoint.
     Returns the bytes written and where the lane's critic came from (PPO; empty otherwise)."""
-    reply = run.ask("query.init", "round 0: initial model")
-    conf = reply.content.config_records["config"]
-    w = run.w
+    reply = run.ask("query.init", "round 0: initial model", InitCall(**run.header))
+    done, channel = reply_of(reply), run.w.channel
     nbytes = 0
     for member in members:
-        state = receive_weights(
-            WeightsRef.from_config(conf, prefix=member), inline_state(reply, member), w.store, w.cache_dir
-        )
-        nbytes += save_shards(state, w.rd.member_dir(0, member), w.shard_bytes).tensor_bytes
-    critic = {k.removeprefix("critic-start-"): str(v) for k, v in conf.items() if k.startswith("critic-start-")}
-    return nbytes, critic
+        if member not in done.weights:
+            raise RoundError(f"round 0: the lane exported {sorted(done.weights)}, not the run's {member!r}")
+        state = channel.state(done.weights[member], inline_state(reply, member))
+        nbytes += save_shards(state, run.rd.member_dir(0, member), channel.shard_bytes).tensor_bytes
+    return nbytes, dict(done.critic_start)
 
 
-def _evaluate(run: Run, rnd: int) -> dict[str, float]:
-    arrays, ref = run.w.payload(rnd, ("actor",))
-    reply = run.ask(
-        MessageType.EVALUATE, f"round {rnd}: validation", arrays, {**ref, "server-round": rnd, "seed": run.cfg.run.seed}
-    )
+def evaluate_fn(run: Run, rnd: int) -> dict[str, float]:
+    """Validation of round `rnd`'s global actor on a lane (Flower's `evaluate_fn`, on a node:
+    the server never loads the model)."""
+    arrays, refs = run.w.payload(rnd, ("actor",))
+    call = EvalCall(**run.header, round=rnd, seed=run.cfg.run.seed, weights=refs)
+    reply = run.ask(MessageType.EVALUATE, f"round {rnd}: validation", call, arrays)
     return {f"val_{k}": v for k, v in metrics_of(reply).items() if k != "num-examples"}
 
 
@@ -399,7 +407,7 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         with _heartbeat("round 0: waiting for the trainer lane to start and export the initial model"):
             nbytes, lane_critic = _initial_model(run, members)
         with _heartbeat("round 0: validating the initial model"):
-            val = _evaluate(run, 0)
+            val = evaluate_fn(run, 0)
         extra = {"critic_start": lane_critic} if lane_critic else {}
         rd.complete_round(0, {**val, **extra, "wall_s": time.perf_counter() - t0})
         log(
@@ -414,29 +422,21 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
 
     for rnd in range(start + 1, fed.rounds + 1):
         t0 = time.perf_counter()
-        arrays, ref = run.w.payload(rnd - 1, members)
-        sampled = run.sampler.sample(rnd)
+        sampled, call, arrays = configure_train(run, rnd)
         row: dict[str, Any] = {"clients": sampled}
-        train_conf = {
-            **ref,
-            "server-round": rnd,
-            "local-epochs": fed.local_epochs,
-            "seed": cfg.run.seed,
-            **run.aggregator.train_config(),
-        }
         with _heartbeat(f"round {rnd}/{fed.rounds}: clients {sampled} training"):
-            replies, failures = _train(run, rnd, sampled, arrays, train_conf)
+            replies, failures = train(run, sampled, call, arrays)
         row.update(_fit_times(replies))  # before aggregation may refuse a reply
         t_agg = time.perf_counter()
-        manifests, train = _aggregate(run, rnd, replies, failures)
+        manifests, train_metrics = aggregate_train(run, rnd, replies, failures)
         row["aggregate_s"] = time.perf_counter() - t_agg
         if failures:
             row["failed"] = [f.as_dict() for f in failures]
             row["dropped"] = sorted(set(sampled) - set(replies))
-        row.update({k if k.startswith("train_") else f"train_{k}": v for k, v in train.items()})
+        row.update({k if k.startswith("train_") else f"train_{k}": v for k, v in train_metrics.items()})
         if _due_for_eval(cfg, rnd):
             with _heartbeat(f"round {rnd}/{fed.rounds}: validating"):
-                row.update(_evaluate(run, rnd))
+                row.update(evaluate_fn(run, rnd))
         row["wall_s"] = time.perf_counter() - t0
         row["bytes_moved"] = 2 * len(replies) * sum(m.tensor_bytes for m in manifests.values())
         rd.complete_round(rnd, row)
@@ -452,16 +452,34 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
     return critic
 
 
-def _train(
-    run: Run, rnd: int, sampled: list[int], arrays: dict[str, ArrayRecord], conf: dict[str, Any]
+def configure_train(run: Run, rnd: int) -> tuple[list[int], FitCall, dict[str, ArrayRecord]]:
+    """Round `rnd`'s clients and its fit call (Flower's `configure_train`): the call is built
+    once and each sampled client's message names that client."""
+    fed = run.cfg.federation
+    arrays, refs = run.w.payload(rnd - 1, run.rd.members)
+    call = FitCall(
+        **run.header,
+        round=rnd,
+        client_id=0,
+        local_epochs=fed.local_epochs,
+        seed=run.cfg.run.seed,
+        proximal_mu=run.aggregator.fit_mu,
+        weights=refs,
+    )
+    return run.sampler.sample(rnd), call, arrays
+
+
+def train(
+    run: Run, sampled: list[int], call: FitCall, arrays: dict[str, ArrayRecord]
 ) -> tuple[dict[int, Message], list[ClientFailure]]:
     """Every sampled client's train message, with failed clients dropped or re-dispatched."""
     make: Callable[[int, int], Message] = lambda cid, node: run.message(  # noqa: E731
-        node, MessageType.TRAIN, arrays, {**conf, "client-id": cid}
+        node, MessageType.TRAIN, call.model_copy(update={"client_id": cid}), arrays
     )
     nodes = sorted(run.grid.get_node_ids())
+    fed = run.cfg.federation
     outcome = RoundDispatch(
-        run.grid, make, round_=rnd, min_ok=run.cfg.min_clients(), timeout_s=run.cfg.federation.client_timeout_s, log=log
+        run.grid, make, round_=call.round, min_ok=run.cfg.min_clients(), timeout_s=fed.client_timeout_s, log=log
     ).run(run.sampler.assign(sampled, nodes))
     for reply in outcome.replies.values():
         run.nodes.note(reply)
@@ -482,10 +500,11 @@ def _fit_times(replies: dict[int, Message]) -> dict[str, float]:
     return {f"fits_{k}_s": v for k, v in sums.items()}
 
 
-def _aggregate(
+def aggregate_train(
     run: Run, rnd: int, replies: dict[int, Message], failures: list[ClientFailure]
 ) -> tuple[dict[str, Manifest], dict[str, float]]:
-    """Average the replies into the round's checkpoint. An upload the aggregator refuses as
+    """Average the replies into the round's checkpoint (Flower's `aggregate_train`, streamed
+    from the replies' refs). An upload the aggregator refuses as
     non-finite is a failed client: dropped (and the average recomputed without it) when the
     round can afford it, else the round fails closed."""
     out_dirs = {m: run.rd.member_dir(rnd, m) for m in run.rd.members}
@@ -493,9 +512,7 @@ def _aggregate(
     while True:
         order = sorted(replies)
         try:
-            return run.aggregator.aggregate(
-                [replies[c] for c in order], run.w.store, out_dirs, run.w.cache_dir, previous
-            )
+            return run.aggregator.aggregate_train({c: replies[c] for c in order}, run.w.channel, out_dirs, previous)
         except WeightsError as e:
             bad = _bad_input(e)
             if bad is None:
@@ -522,7 +539,7 @@ def _bad_input(e: WeightsError) -> int | None:
 
 def _shutdown_lanes(run: Run) -> list[dict[str, Any]]:
     """Stop every node's lane services; one entry per service stopped (fits, evals, its node and log)."""
-    msgs = [run.message(n, "query.shutdown", {}, {}) for n in sorted(run.grid.get_node_ids())]
+    msgs = [run.message(n, "query.shutdown", Call(**run.header)) for n in sorted(run.grid.get_node_ids())]
     seen = run.nodes
     out = []
     for reply in run.grid.send_and_receive(msgs, timeout=120):

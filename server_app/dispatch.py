@@ -26,7 +26,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from server_app.errors import one_line
-from server_app.strategy import ClientFailure, RoundError, config_of
+from server_app.strategy import ClientFailure, RoundError, reply_of
 
 # replies are pulled this often: every round waits for a fit and a validation reply, and a 1 s
 # poll cost ~1 s of idle per round (round walls came out as whole seconds + 0.04)
@@ -117,7 +117,7 @@ class RoundDispatch:
         if reply.has_error():
             self._failed(attempt, error_line(reply))
             return
-        got = int(config_of(reply)["client-id"])
+        got = reply_of(reply).client_id
         if got != attempt.client:
             self._failed(attempt, f"replied as client {got}")
             return

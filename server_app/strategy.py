@@ -13,11 +13,12 @@ replacing every method Flower calls (as this module once did) only borrowed thei
   handful of SuperNodes (or one GPU lane) serves the published 100-client protocol;
 - `StreamingAggregator` is FedAvg (the num-examples-weighted mean, fl_app.aggregate) for every
   member the run federates (the actor, and for PPO the critic, with the same weights: invariant
-  7). FedProx is the same average: like Flower's FedProx, the strategy only adds `proximal-mu`
-  to every train config, and the client applies the term (to the policy only, invariant 4).
+  7). FedProx is the same average: like Flower's FedProx, the strategy only sets
+  `proximal_mu` in every fit call, and the client applies the term (to the policy only,
+  invariant 4).
 
-A message carries each member's weights under its own name: the ArrayRecord
-`fl_app.transport.arrays_key(member)` and the `WeightsRef` config entries prefixed `member`.
+A reply (fl_app.calls.Reply) names each member's weights by a `WeightsRef`, with its inline
+arrays under `fl_app.channel.arrays_key(member)`; the aggregator receives the refs.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from typing import Any
 import torch
 from flwr.app import Message
 
+from fl_app.aggregate import fedavg_refs
+from fl_app.calls import RECORD, Reply
+from fl_app.channel import Channel, arrays_key
 from fl_app.outcomes import outcome_key
-from fl_app.store import WeightStore
-from fl_app.transport import WeightsRef, arrays_key, fedavg_received
-from fl_app.weights import Manifest
+from fl_app.weights import Manifest, WeightsError
 from partitions.uniform import sample_clients
 
 
@@ -78,46 +80,47 @@ class ClientSampler:
 
 
 class StreamingAggregator:
-    """FedAvg (or FedProx: the same average, plus `proximal-mu` in every train config) of every
+    """FedAvg (or FedProx: the same average, plus `proximal_mu` in every fit call) of every
     member, streamed shard by shard into the round's checkpoint; with a server learning rate
     eta != 1, the step w + eta * (avg - w) from the round's global model w instead."""
 
-    def __init__(self, name: str, proximal_mu: float, shard_max_bytes: int, server_lr: float = 1.0) -> None:
+    def __init__(self, name: str, proximal_mu: float, server_lr: float = 1.0) -> None:
         if name not in ("fedavg", "fedprox"):
             raise ValueError(f"unknown strategy {name!r}; use fedavg or fedprox")
-        self.name, self.proximal_mu, self.shard_max_bytes = name, proximal_mu, shard_max_bytes
+        self.name, self.proximal_mu = name, proximal_mu
         self.server_lr = server_lr
 
-    def train_config(self) -> dict[str, float]:
-        """What this strategy adds to every train message (Flower's FedProx adds the same key)."""
-        return {"proximal-mu": self.proximal_mu} if self.name == "fedprox" else {}
+    @property
+    def fit_mu(self) -> float:
+        """The `proximal_mu` of every fit call (Flower's FedProx sends the same value): 0 for FedAvg."""
+        return self.proximal_mu if self.name == "fedprox" else 0.0
 
-    def aggregate(
+    def aggregate_train(
         self,
-        replies: Sequence[Message],
-        store: WeightStore,
+        replies: Mapping[int, Message],
+        channel: Channel,
         out_dirs: Mapping[str, Path],
-        cache_dir: Path,
         previous_dirs: Mapping[str, Path] | None = None,
     ) -> tuple[dict[str, Manifest], dict[str, float]]:
-        """Average every member of `replies` (successful, in client order) into its
-        `out_dirs[member]`, all members with the same `num-examples` weights; `previous_dirs`
-        hold the round's global model (read only when server_lr != 1)."""
-        configs, metrics = [config_of(m) for m in replies], [metrics_of(m) for m in replies]
+        """Average every member of `replies` (client id -> its successful reply, in client order)
+        into its `out_dirs[member]`, all members with the same `num-examples` weights;
+        `previous_dirs` hold the round's global model (read only when server_lr != 1)."""
+        done = {c: reply_of(m) for c, m in replies.items()}
+        metrics = [metrics_of(m) for m in replies.values()]
         manifests = {}
         for member, out_dir in out_dirs.items():
+            for c, r in done.items():
+                if member not in r.weights:
+                    raise WeightsError(f"client {c}'s reply carries {sorted(r.weights)}, not the run's {member!r}")
             items = [
-                (WeightsRef.from_config(c, prefix=member), inline_state(m, member), r["num-examples"])
-                for m, c, r in zip(replies, configs, metrics)
+                (done[c].weights[member], inline_state(m, member), x["num-examples"])
+                for (c, m), x in zip(replies.items(), metrics)
             ]
-            names = [f"client {int(c['client-id'])} ({member})" for c in configs]
-            manifests[member] = fedavg_received(
+            manifests[member] = fedavg_refs(
                 items,
-                store,
+                channel,
                 out_dir,
-                self.shard_max_bytes,
-                cache_dir,
-                names,
+                [f"client {c} ({member})" for c in replies],
                 previous_dirs[member] if previous_dirs else None,
                 self.server_lr,
             )
@@ -130,9 +133,9 @@ def inline_state(msg: Message, member: str) -> dict[str, torch.Tensor]:
     return dict(record.to_torch_state_dict()) if record is not None else {}
 
 
-def config_of(msg: Message) -> dict[str, Any]:
-    """A message's config record as a plain dict."""
-    return dict(msg.content.config_records["config"])
+def reply_of(msg: Message) -> Reply:
+    """A node's typed reply (fl_app.calls.Reply)."""
+    return Reply.model_validate_json(str(msg.content.config_records[RECORD][RECORD]))
 
 
 def metrics_of(msg: Message) -> dict[str, float]:

@@ -9,7 +9,7 @@ import random
 import statistics
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar
 
 import psutil
 import pytest
@@ -17,12 +17,16 @@ import torch
 
 from client_app.rollout import TrainRow
 from client_app.tiny_model import collect_demonstrations, init_model, train_tokenizer
-from client_app.trainer.base import FitRequest
+from client_app.trainer.base import ClientTasks
 from envs.service import serve_in_subprocess
+from fl_app import host
+from fl_app.calls import FitCall
 from fl_app.config import Config, EnvCfg, TinyModelCfg
 
 SMALL_ENV_PARAMS = {"num_products": 300, "num_goals": 120, "val_size": 16, "search_return_n": 50, "seed": 0}
 POOL_SIZE = 8
+
+C = TypeVar("C")
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +92,8 @@ def small_config(model_dir: Path, **sections: dict[str, Any]) -> Config:
 def one_torch_thread() -> Iterator[None]:
     """Tiny matmuls on 2 shared cores: a second intra-op thread buys little and takes the core
     that the tests' env services and lanes run on. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with host.one_torch_thread():
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def fit_rss_series(
@@ -108,7 +108,7 @@ def fit_rss_series(
             trainer.load_weights(weights, member)
         shard = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))[(7 * i) % 50 :][:40]
         trainer.fit(
-            FitRequest(round=1 + i // 2, client_id=i, task_indices=shard, local_epochs=1, seed=0, proximal_mu=0.01)
+            FitCall(round=1 + i // 2, client_id=i, local_epochs=1, seed=0, proximal_mu=0.01), ClientTasks(shard)
         )
         exported = {m: trainer.export_weights(m) for m in trainer.members}
         del exported
@@ -148,17 +148,22 @@ def initial_and_size(trainer: Any) -> tuple[dict[str, dict[str, torch.Tensor]], 
     return state, sum(t.numel() * 4 for t in state["actor"].values()) / 2**20
 
 
+def service_call(svc: Any, kind: type[C], members: tuple[str, ...] = ("actor",), **fields: Any) -> C:
+    """A call as the server would send it to `svc` (a TrainerService): its run, its recipe's
+    digest, and a ref per member in (the service reads the local dirs it is handed, not the refs)."""
+    from fl_app.calls import InitCall
+    from fl_app.channel import WeightsRef
+    from fl_app.config import recipe_sha256
+
+    refs = {m: WeightsRef(inline=True, nbytes=0) for m in members} if kind is not InitCall else {}
+    header = {"run_id": svc.run_id, "recipe_sha256": recipe_sha256(svc.cfg), "weights": refs}
+    return kind(**{**header, **fields})
+
+
 def service_fit(svc: Any, client: int, weights_in: Path, weights_out: Path) -> dict[str, float]:
     """One round-1 fit of `client` (1 local epoch, seed 0) on a real TrainerService: its metrics."""
-    from client_app.service import FitBody
+    from client_app.service import Dirs
 
-    body = FitBody(
-        run_id=svc.run_id,
-        round=1,
-        client_id=client,
-        local_epochs=1,
-        seed=0,
-        weights_in={"actor": str(weights_in)},
-        weights_out={"actor": str(weights_out)},
-    )
-    return svc.fit(body)["metrics"]
+    call = service_call(svc, FitCall, round=1, client_id=client, local_epochs=1, seed=0)
+    dirs = Dirs(weights_in={"actor": str(weights_in)}, weights_out={"actor": str(weights_out)})
+    return svc.fit(call, dirs)["metrics"]

@@ -2,32 +2,30 @@
 
 A trainer is persistent: it is built once per GPU lane and serves many client fits in turn.
 Per fit it swaps weights in, rebuilds only the optimizer and LR schedule (a fresh AdamW per
-fit is what FedAvg assumes), trains, and exports fp32 weights. Weights come in named members:
+fit is what FedAvg assumes), trains, and exports fp32 weights. A fit is the server's `FitCall`
+itself (fl_app.calls), with the client's tasks its lane resolved (`ClientTasks`). Weights come in named members:
 `actor` always, `critic` too for PPO (invariant 7: the critic is federated beside the policy).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol
+from typing import Protocol
 
 import torch
 
 from client_app.critic import CriticStart
+from fl_app.calls import EvalCall, FitCall
 
 
 @dataclass(frozen=True)
-class FitRequest:
-    """One client's local training in one round."""
+class ClientTasks:
+    """What a client trains on, as its lane resolves it from the call's client id: its shard of
+    the env's tasks and, under environment heterogeneity, the env service of its variant and the
+    variant's content hash that service must report (empty: the trainer's own env service)."""
 
-    round: int  # federated round (1-based)
-    client_id: int  # logical client id in [0, federation.clients)
-    task_indices: list[int]  # the client's shard: env task indices it may draw from
-    local_epochs: int  # E: RL iterations (rollout batch + update) in this fit
-    seed: int  # master seed; row seeds derive from (seed, round, client, epoch, index)
-    proximal_mu: float = 0.0  # FedProx mu; anchor = the weights loaded for this fit; policy only
-    # the client's env variant (issue 19): the env service serving it and the variant's content
-    # hash that service must report; empty: the trainer's own (unperturbed) env service
+    task_indices: list[int]
     env_url: str = ""
     env_variant: str = ""
 
@@ -36,12 +34,6 @@ class FitRequest:
 class FitResult:
     num_examples: int  # weight of this client in FedAvg (episodes trained on)
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class EvalRequest:
-    task_indices: list[int]  # the fixed validation set
-    seed: int  # decoding seed (fixed across rounds)
 
 
 @dataclass
@@ -75,9 +67,9 @@ class Trainer(Protocol):
         stale after the next load or fit): what the service writes out after a fit."""
         ...
 
-    def fit(self, req: FitRequest) -> FitResult: ...
+    def fit(self, call: FitCall, tasks: ClientTasks) -> FitResult: ...
 
-    def evaluate(self, req: EvalRequest) -> EvalResult: ...
+    def evaluate(self, call: EvalCall, task_indices: Sequence[int]) -> EvalResult: ...
 
     def close(self) -> None:
         """Release everything the trainer holds (env sessions, device memory)."""

@@ -47,12 +47,13 @@ from client_app.rollout import (
     training_rows,
 )
 from client_app.trainer.advantages import ADVANTAGES, token_mean, uniform_groups
-from client_app.trainer.base import EvalRequest, EvalResult, FitRequest, FitResult
+from client_app.trainer.base import ClientTasks, EvalResult, FitResult
 from client_app.trainer.device import release_memory
 from client_app.trainer.engine import Engine, PolicyBatch, StepResult, TrainingEngine, ValueBatch
 from client_app.trainer.losses import loss_specs
 from client_app.trainer.rollouts import Rollouts
 from envs.client import SyncEnvClient
+from fl_app.calls import EvalCall, FitCall
 from fl_app.config import Config
 from fl_app.outcomes import outcome_key
 
@@ -131,45 +132,49 @@ class RLTrainer:
     def master_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
         return self.engine.master_weights(member)
 
-    def fit(self, req: FitRequest, on_iteration: IterationCallback | None = None) -> FitResult:
-        """E RL iterations from the loaded weights with fresh optimizers. `on_iteration(epoch,
-        metrics)` runs after each iteration (the central trainer validates there)."""
-        if req.local_epochs < 1:
-            raise ValueError(f"local_epochs must be >= 1, got {req.local_epochs}")
+    def fit(self, call: FitCall, tasks: ClientTasks, on_iteration: IterationCallback | None = None) -> FitResult:
+        """`call.local_epochs` RL iterations on the client's `tasks` from the loaded weights with
+        fresh optimizers. `on_iteration(epoch, metrics)` runs after each iteration (the central
+        trainer validates there)."""
         self._need_env()
-        with self._env_for(req) as (env, sessions):
-            return self._fit(req, env, sessions, on_iteration)
+        with self._env_for(call, tasks) as (env, sessions):
+            return self._fit(call, tasks, env, sessions, on_iteration)
 
     @contextlib.contextmanager
-    def _env_for(self, req: FitRequest) -> Iterator[tuple[SyncEnvClient, int]]:
-        """The env this fit plays on: the client's variant service when the request names one
+    def _env_for(self, call: FitCall, tasks: ClientTasks) -> Iterator[tuple[SyncEnvClient, int]]:
+        """The env this fit plays on: the client's variant service when its tasks name one
         (checked to serve exactly that variant before any episode), else the trainer's own."""
         assert self.env is not None
-        if not req.env_url:
-            if req.env_variant:
-                raise ValueError("FitRequest.env_variant without env_url: which service serves it?")
+        if not tasks.env_url:
+            if tasks.env_variant:
+                raise ValueError("ClientTasks.env_variant without env_url: which service serves it?")
             yield self.env, self.max_sessions
             return
-        with SyncEnvClient(req.env_url) as env:
+        with SyncEnvClient(tasks.env_url) as env:
             info = env.info()
             served = (info.get("variant") or {}).get("hash")
-            if served != req.env_variant:
+            if served != tasks.env_variant:
                 raise RuntimeError(
-                    f"env service {req.env_url} serves variant {served!r}, not client "
-                    f"{req.client_id}'s {req.env_variant!r}: refusing to train on another env"
+                    f"env service {tasks.env_url} serves variant {served!r}, not client "
+                    f"{call.client_id}'s {tasks.env_variant!r}: refusing to train on another env"
                 )
             yield env, int(info["pool_size"])
 
     def _fit(
-        self, req: FitRequest, env: SyncEnvClient, sessions: int, on_iteration: IterationCallback | None
+        self,
+        call: FitCall,
+        tasks: ClientTasks,
+        env: SyncEnvClient,
+        sessions: int,
+        on_iteration: IterationCallback | None,
     ) -> FitResult:
         self.engine.begin_fit(reference_from_policy=self.cfg.algo.ref_anchor == "round")
-        anchor = FedProxAnchor.snapshot(self.engine.parameters("actor")) if req.proximal_mu > 0 else None
+        anchor = FedProxAnchor.snapshot(self.engine.parameters("actor")) if call.proximal_mu > 0 else None
         per_epoch: list[dict[str, float]] = []
         episodes_trained = 0
         try:
-            for epoch in range(req.local_epochs):
-                metrics, n_episodes = self._iteration(req, epoch, anchor, env, sessions)
+            for epoch in range(call.local_epochs):
+                metrics, n_episodes = self._iteration(call, tasks.task_indices, epoch, anchor, env, sessions)
                 per_epoch.append(metrics)
                 episodes_trained += n_episodes
                 if on_iteration is not None:
@@ -185,15 +190,15 @@ class RLTrainer:
         metrics["rollout_steps_per_s"] = metrics["rollout_steps"] / max(metrics["rollout_s"], 1e-9)
         return FitResult(num_examples=episodes_trained, metrics=metrics)
 
-    def evaluate(self, req: EvalRequest) -> EvalResult:
+    def evaluate(self, call: EvalCall, task_indices: Sequence[int]) -> EvalResult:
         """One episode per validation task at rollout.val_temperature. Scores are the raw env
         rewards: the training-only invalid-action penalty never applies (invariant 10)."""
-        if not req.task_indices:
-            raise ValueError("EvalRequest.task_indices is empty; pass the fixed validation tasks")
+        if not task_indices:
+            raise ValueError("no validation tasks: pass the fixed validation set")
         episodes, stats, sync_s = self._play(
-            group_specs(req.task_indices, 1),
+            group_specs(list(task_indices), 1),
             self.cfg.rollout.val_temperature,
-            derive_seed("eval", req.seed),
+            derive_seed("eval", call.seed),
             "validate",
         )
         return EvalResult(
@@ -222,18 +227,24 @@ class RLTrainer:
     # ------------------------------------------------------------------ one iteration
 
     def _iteration(
-        self, req: FitRequest, epoch: int, anchor: FedProxAnchor | None, env: SyncEnvClient, sessions: int
+        self,
+        call: FitCall,
+        shard: Sequence[int],
+        epoch: int,
+        anchor: FedProxAnchor | None,
+        env: SyncEnvClient,
+        sessions: int,
     ) -> tuple[dict[str, float], int]:
         a, r = self.cfg.algo, self.cfg.rollout
-        seed = (req.seed, req.round, req.client_id, epoch)
+        seed = (call.seed, call.round, call.client_id, epoch)
         # 1. draw tasks, 2. rollout
-        tasks = draw_tasks(req.task_indices, a.tasks_per_step, req.seed, req.round, req.client_id, epoch)
+        tasks = draw_tasks(shard, a.tasks_per_step, call.seed, call.round, call.client_id, epoch)
         t0 = time.perf_counter()
         episodes, stats, sync_s = self._play(
             group_specs(tasks, a.rollouts_per_task),
             r.temperature,
             derive_seed("sample", *seed),
-            f"r{req.round} c{req.client_id} e{epoch}",
+            f"r{call.round} c{call.client_id} e{epoch}",
             env,
             sessions,
         )
@@ -250,7 +261,7 @@ class RLTrainer:
             rows, advantages = [rows[i] for i in keep], [advantages[i] for i in keep]
         # 5. policy update (none when no row is left)
         update = (
-            self._policy_pass(rows, advantages, anchor, req.proximal_mu, derive_seed("minibatch", *seed))
+            self._policy_pass(rows, advantages, anchor, call.proximal_mu, derive_seed("minibatch", *seed))
             if rows
             else {"optimizer_steps": 0.0, "skipped_steps": 0.0}
         )

@@ -11,8 +11,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.supercore.task_identity import TaskIdentity
 
 from fl_app.aggregate import NonFiniteWeightsError
-from fl_app.store import DirStore
-from fl_app.transport import WeightsRef, arrays_key
+from fl_app.calls import RECORD, Reply
+from fl_app.channel import Channel, WeightsRef, arrays_key
+from fl_app.channel.run_dir import DirStore
 from fl_app.weights import WeightsError
 from server_app.app import _bad_input
 from server_app.strategy import StreamingAggregator
@@ -23,11 +24,11 @@ SHARD = 1 << 20
 def _reply(cid: int, state: dict[str, torch.Tensor]) -> Message:
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    ref = WeightsRef(inline=True, nbytes=nbytes).to_config(prefix="actor")
+    reply = Reply(weights={"actor": WeightsRef(inline=True, nbytes=nbytes)}, client_id=cid)
     content = RecordDict(
         {
             arrays_key("actor"): ArrayRecord(state),
-            "config": ConfigRecord({**ref, "client-id": cid}),
+            RECORD: ConfigRecord({RECORD: reply.model_dump_json()}),
             "metrics": MetricRecord({"num-examples": 8}),
         }
     )
@@ -37,15 +38,16 @@ def _reply(cid: int, state: dict[str, torch.Tensor]) -> Message:
 def test_a_nan_upload_is_refused_naming_its_client_and_nothing_is_written(tmp_path):
     good = {"w": torch.ones(4, 3), "b": torch.zeros(3)}
     bad = {"w": torch.ones(4, 3), "b": torch.tensor([0.0, float("nan"), float("inf")])}
-    replies = [_reply(3, good), _reply(7, bad), _reply(9, good)]
+    replies = {3: _reply(3, good), 7: _reply(7, bad), 9: _reply(9, good)}
     out = tmp_path / "rounds" / "round-0001" / "actor"
-    agg = StreamingAggregator("fedavg", 0.0, SHARD)
+    agg = StreamingAggregator("fedavg", 0.0)
+    channel = Channel(
+        DirStore(tmp_path, SHARD), cache_dir=tmp_path / "cache", inline_max_bytes=SHARD, shard_bytes=SHARD
+    )
     with pytest.raises(NonFiniteWeightsError, match=r"client 7 \(actor\)") as err:
-        agg.aggregate(replies, DirStore(tmp_path, SHARD), {"actor": out}, tmp_path / "cache")
+        agg.aggregate_train(replies, channel, {"actor": out})
     assert err.value.inputs == [1] and _bad_input(err.value) == 1  # the round loop drops client 7
     assert not (out / "manifest.json").exists() and not any(out.glob("*.safetensors"))
-    manifests, _ = agg.aggregate(
-        [replies[0], replies[2]], DirStore(tmp_path, SHARD), {"actor": out}, tmp_path / "cache"
-    )
+    manifests, _ = agg.aggregate_train({3: replies[3], 9: replies[9]}, channel, {"actor": out})
     assert manifests["actor"].tensor_bytes == 4 * 15  # the others still average
     assert _bad_input(WeightsError("a corrupt shard")) is None  # other errors are not a client's

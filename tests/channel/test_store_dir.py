@@ -8,9 +8,9 @@ import os
 import pytest
 from store_support import model, same_bits
 
-from fl_app.store import DirStore
-from fl_app.store_http import HttpWeightStore
-from fl_app.store_open import open_store
+from fl_app.channel.http import HttpWeightStore
+from fl_app.channel.open import open_store
+from fl_app.channel.run_dir import DirStore
 from fl_app.weights import MANIFEST_NAME, WeightsError, save_shards
 
 SHARD = 8 << 10

@@ -16,10 +16,10 @@ import s3fs
 from store_support import model, same_bits
 
 from envs.ports import choose_free_port
-from fl_app.store import DirStore
-from fl_app.store_fsspec import FsspecWeightStore
-from fl_app.store_open import open_store
-from fl_app.store_remote import WeightStoreUnreachable
+from fl_app.channel.object_store import FsspecWeightStore
+from fl_app.channel.open import open_store
+from fl_app.channel.remote import WeightStoreUnreachable
+from fl_app.channel.run_dir import DirStore
 from fl_app.weights import WeightsError, load_shards, save_shards
 
 SHARD = 8 << 10

@@ -13,10 +13,10 @@ import pytest
 from store_support import CuttingProxy, model, same_bits, write_ca_and_cert
 
 from envs.ports import PRIVATE_BAND, bind_listener, in_ephemeral_range
-from fl_app.store import DirStore
-from fl_app.store_http import HttpWeightStore
-from fl_app.store_remote import WeightStoreRefused, WeightStoreUnreachable
-from fl_app.store_server import WeightStoreServer, new_token
+from fl_app.channel.http import HttpWeightStore
+from fl_app.channel.http_server import WeightStoreServer, new_token
+from fl_app.channel.remote import WeightStoreRefused, WeightStoreUnreachable
+from fl_app.channel.run_dir import DirStore
 from fl_app.weights import Manifest, WeightsError, load_shards, save_shards
 
 SHARD = 8 << 10
@@ -300,7 +300,7 @@ def test_prune_cache_keeps_the_newest_entries_and_skips_one_being_fetched(tmp_pa
     import fcntl
     import os
 
-    from fl_app.store_remote import prune_cache
+    from fl_app.channel.remote import prune_cache
 
     names = [f"{i:064x}" for i in range(5)]
     for age, name in enumerate(names):  # names[0] newest ... names[-1] oldest
@@ -331,7 +331,7 @@ def test_the_served_run_dir_store_lives_until_the_run_closes_it(tmp_path):
     (tmp_path / "run").mkdir()
     w = Weights(RunDir(tmp_path / "run"), cfg, run_id=7)
     try:
-        url, token = w.node_store["weight-store"], w.node_store["weight-store-token"]
+        url, token = w.node_store["weight_store"], w.node_store["weight_store_token"]
         assert urlsplit(url).hostname == "127.0.0.1" and len(token) >= 32
         assert httpx.get(f"{url}/v1/ping", headers={"Authorization": f"Bearer {token}"}).is_success
         assert httpx.get(f"{url}/v1/ping").status_code in (401, 403)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fl_app.store import DirStore
+from fl_app.channel.run_dir import DirStore
 from fl_app.weights import (
     MANIFEST_NAME,
     Manifest,

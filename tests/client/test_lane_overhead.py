@@ -18,12 +18,14 @@ from trainer_support import (  # noqa: F401
     model_dir,
     one_torch_thread,
     random_model_dir,
+    service_call,
     service_fit,
     small_config,
 )
 
 import fl_app.weights as weights
-from client_app.service import EvalBody, InitBody, TrainerService
+from client_app.service import Dirs, TrainerService
+from fl_app.calls import EvalCall, InitCall
 from fl_app.weights import load_shards, save_shards
 
 
@@ -50,7 +52,9 @@ def test_a_lane_reads_each_global_once_and_every_fit_starts_from_it(env_url, mod
         assert all(torch.equal(reused[k], fresh[k]) for k in fresh), "the kept read was trained in place"
         assert any(not torch.equal(fresh[k], v) for k, v in load_shards(global_dir).items()), "the fit must train"
         # validation of the same global reuses the read; another manifest is read from disk
-        validation = svc.evaluate(EvalBody(run_id=1, round=1, seed=0, weights_in=str(global_dir)))
+        validation = svc.evaluate(
+            service_call(svc, EvalCall, round=1, seed=0), Dirs(weights_in={"actor": str(global_dir)})
+        )
         assert validation["metrics"]["load_reused"] == 1.0
         previous = weakref.ref(next(iter(svc._last_read["actor"][1].values())))
         assert fit(2, tmp_path / "c0", "c2")["load_reused"] == 0.0
@@ -65,13 +69,13 @@ def test_initial_weights_are_fsynced_and_a_fit_upload_is_not(env_url, model_dir,
     """Round 0's weights are durable; a fit's upload skips the fsyncs (the server verifies it by
     digest, and a crash makes the round redo it), and still loads, verified, as the fit's result."""
     synced: list[Path] = []
-    fsync_path = weights._fsync_path
-    monkeypatch.setattr(weights, "_fsync_path", lambda p: (synced.append(Path(p)), fsync_path(p))[1])
+    fsync_path = weights.fsync_path
+    monkeypatch.setattr(weights, "fsync_path", lambda p: (synced.append(Path(p)), fsync_path(p))[1])
     cfg = small_config(model_dir, federation={"clients": 2, "clients_per_round": 1, "tasks_per_client": 20})
     svc = TrainerService(cfg, run_id=1, lane="cpu", run_dir=tmp_path)
     try:
         svc.start()
-        svc.init(InitBody(run_id=1, weights_out={"actor": str(tmp_path / "init")}))
+        svc.init(service_call(svc, InitCall), Dirs(weights_out={"actor": str(tmp_path / "init")}))
         assert tmp_path / "init" in synced and any(p.parent == tmp_path / "init" for p in synced)
         synced.clear()
         service_fit(svc, 0, tmp_path / "init", tmp_path / "c0")
@@ -134,10 +138,12 @@ def test_a_lane_reads_every_round_into_the_same_buffers_unless_a_tensor_still_vi
     svc = TrainerService(cfg, run_id=1, lane="cpu", run_dir=tmp_path)
     try:
         svc.start()
-        svc.init(InitBody(run_id=1, weights_out={"actor": str(tmp_path / "g0")}))
+        svc.init(service_call(svc, InitCall), Dirs(weights_out={"actor": str(tmp_path / "g0")}))
         pointers = []
         for r, global_dir in enumerate(["g0", "c0", "c1"]):  # a round: the validation's read, then a fit
-            svc.evaluate(EvalBody(run_id=1, round=r, seed=0, weights_in=str(tmp_path / global_dir)))
+            svc.evaluate(
+                service_call(svc, EvalCall, round=r, seed=0), Dirs(weights_in={"actor": str(tmp_path / global_dir)})
+            )
             pointers.append(sorted(t.data_ptr() for t in svc._last_read["actor"][1].values()))
             service_fit(svc, r, tmp_path / global_dir, tmp_path / f"c{r}")
         assert pointers[0] == pointers[1] == pointers[2], "a round's read did not reuse the lane's buffers"

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F401
 
 from client_app.lane import LaneService
-from fl_app.config import save_config
+from fl_app.config import load_config, recipe_sha256, save_config
 
 RUN_ID = 7
 FAST, LONG = 120, 3000
@@ -49,8 +49,9 @@ def target(tmp_path_factory, model_dir):  # noqa: F811
         run_dir=root / "run",
     )
     lane.ensure_started()
+    digest = recipe_sha256(load_config(str(recipe), overrides={"recipe": str(recipe)}))  # as the lane resolves it
     client = httpx.Client(transport=httpx.HTTPTransport(uds=str(lane.socket)), base_url="http://svc", timeout=600)
-    yield root, lane, client
+    yield root, digest, lane, client
     client.close()
     lane.shutdown()
 
@@ -92,30 +93,107 @@ def _ints() -> st.SearchStrategy[object]:
     return st.one_of(st.integers(-3, 5), st.integers(), st.just(RUN_ID), _json)
 
 
-def _bodies(root: Path) -> st.SearchStrategy[tuple[str, object]]:
-    members = st.dictionaries(st.sampled_from(["actor", "critic", ""]) | st.text(max_size=6), _paths(root), max_size=3)
-    dirs = st.one_of(members, _json)
+def _texts() -> st.SearchStrategy[object]:
+    return st.one_of(st.text(max_size=12), _json)
+
+
+def _members(values: st.SearchStrategy[object]) -> st.SearchStrategy[dict[str, object]]:
+    return st.dictionaries(st.sampled_from(["actor", "critic", ""]) | st.text(max_size=6), values, max_size=3)
+
+
+_REF = {"inline": True, "nbytes": 0}
+
+
+def _calls(root: Path, digest: str) -> dict[str, st.SearchStrategy[dict[str, object]]]:
+    """Per path, a call's JSON: every field of `fl_app.calls` well typed or not, any of them left
+    out, one too many; the recipe digest mostly the lane's own, so the checks behind it are reached."""
+    refs = st.fixed_dictionaries(
+        {"inline": st.booleans() | _json, "nbytes": _ints()},
+        optional={"key": _texts(), "manifest_sha256": _texts(), "extra": _json},
+    )
+    header = {
+        "run_id": _ints(),
+        "round": _ints(),
+        "recipe_sha256": st.sampled_from([digest, digest, digest, "", "0" * 64]) | _json,
+        "weights": _members(st.just(_REF) | refs | _json) | _json,
+    }
+    optional = {
+        "code_sha256": _texts(),
+        "run_dir": _paths(root) | _json,
+        "run_dir_token": _texts(),
+        "weight_store": st.sampled_from(["", "http://127.0.0.1:1/store", "file:///etc"]) | _json,
+        "weight_store_token": _texts(),
+        "kind": st.sampled_from(["fit", "evaluate", "init"]) | _json,
+        "extra": _json,
+    }
     floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), _json)
-    fit = st.fixed_dictionaries(
+    fit = {"client_id": _ints(), "local_epochs": st.integers(-1, 2) | _json, "seed": _ints()}
+    return {
+        "/fit": st.fixed_dictionaries({**header, **fit}, optional={**optional, "proximal_mu": floats}),
+        "/evaluate": st.fixed_dictionaries({**header, "seed": _ints()}, optional=optional),
+        "/init": st.fixed_dictionaries(header, optional=optional),
+    }
+
+
+def _well_typed(root: Path, digest: str) -> st.SearchStrategy[tuple[str, object]]:
+    """Well-typed calls, mostly of this run and recipe, naming members and dirs that mostly match:
+    these reach the checks behind validation (run, recipe, members, the dirs' confinement) and,
+    inside the roots, the reads and writes."""
+    paths = _paths(root)
+    members = st.sampled_from([("actor",)] * 4 + [(), ("critic",), ("actor", "critic")])
+    header = st.fixed_dictionaries(
         {
-            "run_id": _ints(),
-            "round": _ints(),
-            "client_id": _ints(),
-            "local_epochs": st.integers(-1, 2) | _json,
-            "seed": _ints(),
-            "weights_in": dirs,
-            "weights_out": dirs,
-        },
-        optional={"proximal_mu": floats, "extra": _json},
+            "run_id": st.sampled_from([RUN_ID] * 4 + [RUN_ID + 1]),
+            "round": st.integers(0, 2),
+            "recipe_sha256": st.sampled_from([digest] * 4 + ["", "0" * 64]),
+        }
     )
-    evaluate = st.fixed_dictionaries(
-        {"run_id": _ints(), "round": _ints(), "seed": _ints(), "weights_in": _paths(root) | _json}
+
+    def dirs_of(names: tuple[str, ...]) -> st.SearchStrategy[dict[str, str]]:
+        return st.fixed_dictionaries({m: paths for m in names})
+
+    def body(kind: str, call: dict, weights: tuple[str, ...], ins: tuple[str, ...], outs: tuple[str, ...]):
+        refs = {m: _REF for m in weights}
+        return st.tuples(dirs_of(ins), dirs_of(outs)).map(
+            lambda d: (
+                f"/{kind}",
+                {"call": {**call, "weights": refs}, "dirs": {"weights_in": d[0], "weights_out": d[1]}},
+            )
+        )
+
+    fit = st.builds(
+        lambda h, client, epochs: {**h, "client_id": client, "local_epochs": epochs, "seed": 0},
+        header,
+        st.integers(0, 2),
+        st.integers(1, 2),
     )
-    init = st.fixed_dictionaries({"run_id": _ints(), "weights_out": dirs})
+    evaluate = header.map(lambda h: {**h, "seed": 0})
     return st.one_of(
-        st.tuples(st.just("/fit"), fit),
-        st.tuples(st.just("/evaluate"), evaluate),
-        st.tuples(st.just("/init"), init),
+        st.tuples(fit, members, members, members).flatmap(lambda a: body("fit", *a)),
+        st.tuples(evaluate, members, members, st.sampled_from([(), (), ("actor",)])).flatmap(
+            lambda a: body("evaluate", *a)
+        ),
+        st.tuples(header, st.sampled_from([(), (), ("actor",)]), members).flatmap(
+            lambda a: body("init", a[0], a[1], (), a[2])
+        ),
+    )
+
+
+def _bodies(root: Path, digest: str) -> st.SearchStrategy[tuple[str, object]]:
+    dirs = st.fixed_dictionaries(
+        {}, optional={"weights_in": _members(_paths(root)) | _json, "weights_out": _members(_paths(root)) | _json}
+    )
+    bodies = [
+        st.tuples(
+            st.just(path),
+            st.fixed_dictionaries({"call": call | _json}, optional={"dirs": dirs | _json, "extra": _json}),
+        )
+        for path, call in _calls(root, digest).items()
+    ]
+    return st.one_of(
+        *bodies,
+        _well_typed(root, digest),
+        _well_typed(root, digest),
         st.tuples(st.sampled_from(["/fit", "/init", "/evaluate"]), _json),
     )
 
@@ -143,28 +221,38 @@ def _fuzz(n: int):
 
 
 def test_fuzzed_requests_get_a_4xx_with_the_cause_never_a_5xx_nor_a_write_outside(target):
-    root, lane, client = target
+    root, digest, lane, client = target
 
     nul = str(root / "run" / "a\x00b")
+    call = {"run_id": RUN_ID, "round": 1, "recipe_sha256": digest, "weights": {"actor": _REF}}
+    fit = {**call, "client_id": 0, "local_epochs": 1, "seed": 0}
 
     @_fuzz(FAST)
-    @given(_bodies(root))
-    @example(("/init", {"run_id": RUN_ID, "weights_out": {"actor": nul}}))
-    @example(("/evaluate", {"run_id": RUN_ID, "round": 0, "seed": 0, "weights_in": nul}))
+    @given(_bodies(root, digest))
+    @example(("/init", {"call": {**call, "weights": {}}, "dirs": {"weights_out": {"actor": nul}}}))
+    @example(("/evaluate", {"call": {**call, "seed": 0}, "dirs": {"weights_in": {"actor": nul}}}))
     @example(
         (
             "/fit",
             {
-                "run_id": RUN_ID,
-                "round": 1,
-                "client_id": 0,
-                "local_epochs": 1,
-                "seed": 2**64,
-                "weights_in": {"actor": nul},
-                "weights_out": {"actor": str(root / "outside")},
+                "call": {**fit, "seed": 2**64},
+                "dirs": {"weights_in": {"actor": nul}, "weights_out": {"actor": str(root / "outside")}},
             },
         )
     )
+    @example(("/fit", {"call": fit, "dirs": {"weights_in": {"actor": nul}, "weights_out": {"actor": nul}}}))
+    @example(  # wrong types inside the call: a ref that is no ref, a string count, a list of a digest
+        (
+            "/fit",
+            {
+                "call": {**fit, "weights": {"actor": {"inline": "yes", "nbytes": -1}}, "client_id": "0"},
+                "dirs": {"weights_in": {"actor": str(root / "outside")}, "weights_out": {}},
+            },
+        )
+    )
+    @example(("/evaluate", {"call": {**call, "seed": 0, "recipe_sha256": [digest]}, "dirs": {}}))
+    @example(("/init", {"call": {**call, "kind": "fit"}, "dirs": {"weights_out": {"actor": str(root / "outside")}}}))
+    @example(("/fit", {"call": [fit], "dirs": {"weights_in": {"actor": str(root / "outside")}}}))
     def run(case: tuple[str, object]) -> None:
         _check(root, lane, client, *case)
 
@@ -174,10 +262,10 @@ def test_fuzzed_requests_get_a_4xx_with_the_cause_never_a_5xx_nor_a_write_outsid
 
 @pytest.mark.slow
 def test_fuzzed_requests_long(target):
-    root, lane, client = target
+    root, digest, lane, client = target
 
     @_fuzz(LONG)
-    @given(_bodies(root))
+    @given(_bodies(root, digest))
     def run(case: tuple[str, object]) -> None:
         _check(root, lane, client, *case)
 

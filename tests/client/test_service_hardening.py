@@ -8,6 +8,7 @@ once. Each case must be refused with the root cause in the caller's exception, n
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import sys
@@ -20,7 +21,8 @@ from trainer_support import model_dir, one_torch_thread, small_config  # noqa: F
 
 from client_app.lane import LaneService, ServiceRequestError
 from client_app.runtime_dir import NodeOwner, RuntimeDirError, node_owner, private_dir
-from fl_app.config import save_config
+from fl_app.channel import WeightsRef
+from fl_app.config import load_config, recipe_sha256, save_config
 
 RUN_ID = 7
 OTHER_UID = 65534  # nobody
@@ -46,7 +48,7 @@ def svc(tmp_path_factory, model_dir):  # noqa: F811
     lane = _lane(root, model_dir, f"hard{os.getpid()}")
     lane.ensure_started()
     init = root / "run" / "rounds" / "round-0000" / "actor"
-    lane.request("/init", {"run_id": RUN_ID, "weights_out": {"actor": str(init)}})
+    lane.request("/init", _init(root, str(init)))
     yield lane, root
     lane.shutdown()
 
@@ -57,23 +59,41 @@ def _refused(lane: LaneService, path: str, body: dict) -> ServiceRequestError:
     return info.value
 
 
-def _fit(root: Path, weights_in: str, weights_out: str, **extra: object) -> dict:
-    return {
-        "run_id": RUN_ID,
-        "round": 1,
-        "client_id": 0,
-        "local_epochs": 1,
-        "seed": 0,
-        "weights_in": {"actor": weights_in},
-        "weights_out": {"actor": weights_out},
-        **extra,
-    }
+@functools.cache
+def _recipe_sha256(root: Path) -> str:
+    """The digest of the recipe as the lane resolves it (`client_app.service.main`)."""
+    recipe = str(root / "recipe.yaml")
+    return recipe_sha256(load_config(recipe, overrides={"recipe": recipe}))
+
+
+def _call(root: Path, members: tuple[str, ...] = ("actor",), **fields: object) -> dict:
+    """A call's JSON as the server sends it to this lane: its run, its recipe, a ref per member."""
+    ref = WeightsRef(inline=True, nbytes=0).model_dump(mode="json")
+    return {"run_id": RUN_ID, "recipe_sha256": _recipe_sha256(root), "weights": {m: ref for m in members}, **fields}
+
+
+def _body(call: dict, weights_in: dict | None = None, weights_out: dict | None = None) -> dict:
+    """What the ClientApp posts: the call and where its weights are on this node."""
+    return {"call": call, "dirs": {"weights_in": weights_in or {}, "weights_out": weights_out or {}}}
+
+
+def _init(root: Path, weights_out: str, **fields: object) -> dict:
+    return _body(_call(root, members=(), **fields), weights_out={"actor": weights_out})
+
+
+def _evaluate(root: Path, weights_in: str, **fields: object) -> dict:
+    return _body(_call(root, **{"round": 0, "seed": 0, **fields}), weights_in={"actor": weights_in})
+
+
+def _fit(root: Path, weights_in: str, weights_out: str, **fields: object) -> dict:
+    call = _call(root, **{"round": 1, "client_id": 0, "local_epochs": 1, "seed": 0, **fields})
+    return _body(call, {"actor": weights_in}, {"actor": weights_out})
 
 
 def test_init_refuses_to_write_outside_the_run_dir(svc, tmp_path):
-    lane, _ = svc
+    lane, root = svc
     target = tmp_path / "elsewhere" / "actor"
-    err = _refused(lane, "/init", {"run_id": RUN_ID, "weights_out": {"actor": str(target)}})
+    err = _refused(lane, "/init", _init(root, str(target)))
     assert err.status == 403 and err.error_type == "PathEscapeError", err
     assert str(target) in err.message and "outside the run dir" in err.message
     assert not (tmp_path / "elsewhere").exists()
@@ -102,8 +122,8 @@ def test_fit_refuses_dotdot_and_symlinks_out_of_the_run_dir_before_any_work(svc,
 
 
 def test_evaluate_refuses_a_weights_dir_outside_its_roots(svc):
-    lane, _ = svc
-    err = _refused(lane, "/evaluate", {"run_id": RUN_ID, "round": 0, "seed": 0, "weights_in": "/proc/self"})
+    lane, root = svc
+    err = _refused(lane, "/evaluate", _evaluate(root, "/proc/self"))
     assert err.status == 403 and "/proc/self" in err.message
 
 
@@ -111,7 +131,7 @@ def test_the_node_weight_cache_is_the_one_other_root(svc):
     lane, root = svc
     cache_in = root / "cache" / "fetched" / "actor"  # inside run.weight_cache_dir: accepted, then read
     cache_in.mkdir(parents=True)
-    err = _refused(lane, "/evaluate", {"run_id": RUN_ID, "round": 0, "seed": 0, "weights_in": str(cache_in)})
+    err = _refused(lane, "/evaluate", _evaluate(root, str(cache_in)))
     assert err.status == 422 and err.error_type == "WeightsError" and "manifest" in err.message
 
 
@@ -125,10 +145,81 @@ def test_service_errors_arrive_with_their_type_and_message_not_a_bare_500(svc):
     assert "WeightsError: " in str(err) and "Internal Server Error" not in str(err)
     err = _refused(lane, "/fit", _fit(root, str(empty), str(empty), run_id=RUN_ID + 1))
     assert err.status == 409 and f"belongs to run {RUN_ID}" in err.message
-    err = _refused(lane, "/fit", {**_fit(root, str(empty), str(empty)), "weights_in": {"critic": str(empty)}})
+    critic = _fit(root, str(empty), str(empty))  # a critic in, where this GRPO trainer federates an actor only
+    critic["call"]["weights"] = _call(root, members=("critic",))["weights"]
+    critic["dirs"]["weights_in"] = {"critic": str(empty)}
+    err = _refused(lane, "/fit", critic)
     assert err.status == 409 and "federates ['actor']" in err.message
-    err = _refused(lane, "/fit", {"run_id": RUN_ID, "round": -1})
+    err = _refused(lane, "/fit", {"call": {"run_id": RUN_ID, "round": -1}, "dirs": {}})
     assert err.status == 422 and err.error_type == "RequestValidationError" and "round" in err.message
+
+
+@pytest.mark.parametrize("digest", ["0" * 64, ""], ids=["another recipe", "no recipe named"])
+def test_a_call_of_another_recipe_is_refused_before_any_work(svc, tmp_path, digest):
+    """A node trains, validates and exports only for the recipe it resolved itself: a call whose
+    recipe digest differs (a server with other recipe files or run config) is refused, 409 naming
+    the lane's digest, before any dir is looked at, and nothing is read, trained or written."""
+    lane, root = svc
+    good_in = str(root / "run" / "rounds" / "round-0000" / "actor")
+    out = root / "run" / "other-recipe"
+    cases = {
+        "fit": ("/fit", _fit(root, good_in, str(out / "fit" / "actor"), recipe_sha256=digest)),
+        "fit, dirs outside": ("/fit", _fit(root, "/etc", str(tmp_path / "x" / "actor"), recipe_sha256=digest)),
+        "evaluate": ("/evaluate", _evaluate(root, good_in, recipe_sha256=digest)),
+        "init": ("/init", _init(root, str(out / "init" / "actor"), recipe_sha256=digest)),
+    }
+    health = lane.health()
+    for what, (path, body) in cases.items():
+        err = _refused(lane, path, body)
+        assert (err.status, err.error_type) == (409, "Refused"), (what, err)
+        assert "different recipe" in err.message and _recipe_sha256(root)[:12] in err.message, (what, err)
+    assert not out.exists() and not (tmp_path / "x").exists()
+    after = lane.health()
+    assert (after["fits"], after["evals"]) == (health["fits"], health["evals"])  # nothing trained nor validated
+
+
+def test_a_call_whose_weights_differ_from_its_dirs_is_refused_before_any_work(svc):
+    """The members a call carries weights for, the dirs the node got them into and the dirs it
+    writes must all be the ones the call needs (a fit: the trainer's members in and out; a
+    validation: the actor in, nothing out; round 0: nothing in, the members out), else 409."""
+    lane, root = svc
+    good_in = str(root / "run" / "rounds" / "round-0000" / "actor")
+    out = root / "run" / "mismatch"
+
+    def refs(*members: str) -> dict:
+        return _call(root, members=members)["weights"]
+
+    def fit(weights: dict, weights_out: dict | None = None) -> dict:
+        body = _fit(root, good_in, str(out / "actor"))
+        body["call"]["weights"] = weights
+        if weights_out is not None:
+            body["dirs"]["weights_out"] = weights_out
+        return body
+
+    evaluate_with_out = _evaluate(root, good_in)
+    evaluate_with_out["dirs"]["weights_out"] = {"actor": str(out / "eval")}
+    evaluate_with_critic = _evaluate(root, good_in)
+    evaluate_with_critic["call"]["weights"] = refs("actor", "critic")
+    init_with_weights = _init(root, str(out / "init"))
+    init_with_weights["call"]["weights"] = refs("actor")
+    cases = {
+        "fit: a critic the dirs lack": ("/fit", fit(refs("actor", "critic")), "['actor', 'critic'] (dirs in ['actor']"),
+        "fit: no weights named": ("/fit", fit({}), "weights for [] (dirs in ['actor']"),
+        "fit: another member": ("/fit", fit(refs("critic")), "weights for ['critic'] (dirs in ['actor']"),
+        "fit: nothing out": ("/fit", fit(refs("actor"), weights_out={}), "out []) but this fit needs"),
+        "evaluate: a dir out": ("/evaluate", evaluate_with_out, "this evaluate needs ['actor'] in and [] out"),
+        "evaluate: a critic": ("/evaluate", evaluate_with_critic, "this evaluate needs ['actor'] in"),
+        "init: weights in": ("/init", init_with_weights, "this init needs [] in and ['actor'] out"),
+    }
+    health = lane.health()
+    for what, (path, body, words) in cases.items():
+        err = _refused(lane, path, body)
+        assert (err.status, err.error_type) == (409, "Refused"), (what, err)
+        assert "the call carries weights for" in err.message and words in err.message, (what, err.message)
+        assert "federates ['actor']" in err.message, (what, err.message)
+    assert not out.exists()
+    after = lane.health()
+    assert (after["fits"], after["evals"]) == (health["fits"], health["evals"])
 
 
 def test_socket_is_private_to_its_user(svc):

@@ -19,7 +19,9 @@ from trainer_support import model_dir, one_torch_thread, random_model_dir, small
 
 from client_app.lane import LaneService, ServiceError
 from client_app.runtime_dir import NodeOwner, started
-from fl_app.config import save_config
+from fl_app.calls import FitCall, InitCall
+from fl_app.channel import WeightsRef
+from fl_app.config import load_config, recipe_sha256, save_config
 from fl_app.host import usable_cores, voluntary_context_switches
 
 EXIT_WITHIN_S = 5.0
@@ -45,6 +47,16 @@ def _lane_service(tmp_path: Path, model_dir: Path, owner_pid: int) -> LaneServic
         lane=f"test{os.getpid()}-{tmp_path.name[-12:]}",
         owner=owner,
     )
+
+
+def _body(tmp_path: Path, kind: type[FitCall | InitCall], dirs: dict[str, dict[str, str]], **fields: object) -> dict:
+    """What the ClientApp posts: the call as the server sends it (run 7, the recipe's digest as the
+    service resolves it, a ref per member it reads) and this node's dirs."""
+    recipe = str(tmp_path / "recipe.yaml")
+    refs = {m: WeightsRef(inline=True, nbytes=0) for m in dirs.get("weights_in", {})}
+    digest = recipe_sha256(load_config(recipe, overrides={"recipe": recipe}))
+    call = kind(run_id=7, recipe_sha256=digest, weights=refs, **fields)
+    return {"call": call.model_dump(mode="json"), "dirs": dirs}
 
 
 def _wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -104,17 +116,17 @@ def test_service_whose_owner_dies_mid_fit_abandons_the_fit(tmp_path, model_dir, 
     lane = _lane_service(tmp_path, model_dir, owner.pid)
     health = lane.ensure_started()
     init_dir = tmp_path / "run" / "w0" / "actor"  # the service works only inside its run dir
-    lane.request("/init", {"run_id": 7, "weights_out": {"actor": str(init_dir)}})
+    lane.request("/init", _body(tmp_path, InitCall, {"weights_out": {"actor": str(init_dir)}}))
     out_dir = tmp_path / "run" / "w1" / "actor"
-    body = {
-        "run_id": 7,
-        "round": 1,
-        "client_id": 0,
-        "local_epochs": 200,
-        "seed": 0,  # minutes of work
-        "weights_in": {"actor": str(init_dir)},
-        "weights_out": {"actor": str(out_dir)},
-    }
+    body = _body(
+        tmp_path,
+        FitCall,
+        {"weights_in": {"actor": str(init_dir)}, "weights_out": {"actor": str(out_dir)}},
+        round=1,
+        client_id=0,
+        local_epochs=200,  # minutes of work
+        seed=0,
+    )
     fitter, errors = _in_background(lambda: lane.request("/fit", body))
     time.sleep(2.0)  # well inside the fit
     assert fitter.is_alive(), "the 200-epoch fit ended within 2 s; the test did not test a fit in progress"
@@ -136,16 +148,16 @@ def test_a_lane_s_openmp_threads_keep_spinning_through_a_fit(tmp_path, owner):
     lane = _lane_service(tmp_path, random_model_dir(tmp_path / "wide", hidden_size=128), owner.pid)
     service = psutil.Process(lane.ensure_started()["pid"])
     init_dir = tmp_path / "run" / "w0" / "actor"
-    lane.request("/init", {"run_id": 7, "weights_out": {"actor": str(init_dir)}})
-    body = {
-        "run_id": 7,
-        "round": 1,
-        "client_id": 0,
-        "local_epochs": 4,
-        "seed": 0,
-        "weights_in": {"actor": str(init_dir)},
-        "weights_out": {"actor": str(tmp_path / "run" / "w1" / "actor")},
-    }
+    lane.request("/init", _body(tmp_path, InitCall, {"weights_out": {"actor": str(init_dir)}}))
+    body = _body(
+        tmp_path,
+        FitCall,
+        {"weights_in": {"actor": str(init_dir)}, "weights_out": {"actor": str(tmp_path / "run" / "w1" / "actor")}},
+        round=1,
+        client_id=0,
+        local_epochs=4,
+        seed=0,
+    )
     before, t0 = voluntary_context_switches(service.pid), time.monotonic()
     lane.request("/fit", body)
     rate = (voluntary_context_switches(service.pid) - before) / (time.monotonic() - t0)

@@ -16,12 +16,13 @@ import pytest
 from trainer_support import SMALL_ENV_PARAMS, model_dir, one_torch_thread, small_config  # noqa: F401
 
 from client_app.trainer import make_trainer
-from client_app.trainer.base import EvalRequest, FitRequest
+from client_app.trainer.base import ClientTasks
 from client_app.variant_envs import VariantEnvServices
 from envs.base import task_order_fingerprint
 from envs.client import SyncEnvClient
 from envs.registry import make_env
 from envs.service import serve_in_subprocess
+from fl_app.calls import EvalCall, FitCall
 from fl_app.config import Config, load_config
 from partitions.pool import build_pool
 from partitions.registry import plan_partition
@@ -132,22 +133,17 @@ def test_fits_play_on_the_clients_variant_and_validation_on_the_plain_env(model_
                 if services.for_client(x, shard(x)).variant.label != services.for_client(y, shard(y)).variant.label
             )
             env_a, env_b = services.for_client(a, shard(a)), services.for_client(b, shard(b))
-            req = FitRequest(
-                round=1,
-                client_id=a,
-                task_indices=env_a.tasks,
-                local_epochs=1,
-                seed=0,
-                env_url=env_a.url,
-                env_variant=env_a.variant.content_hash,
+            call, tasks = (
+                FitCall(round=1, client_id=a, local_epochs=1, seed=0),
+                ClientTasks(env_a.tasks, env_url=env_a.url, env_variant=env_a.variant.content_hash),
             )
-            result = trainer.fit(req)
+            result = trainer.fit(call, tasks)
             assert result.num_examples == cfg.algo.tasks_per_step * cfg.algo.group_size
             with pytest.raises(RuntimeError, match="refusing to train on another env"):
-                trainer.fit(dataclasses.replace(req, env_url=env_b.url))
+                trainer.fit(call, dataclasses.replace(tasks, env_url=env_b.url))
             with pytest.raises(ValueError, match="without env_url"):
-                trainer.fit(dataclasses.replace(req, env_url=""))
-            assert trainer.evaluate(EvalRequest(task_indices=list(range(4)), seed=0)).num_examples == 4
+                trainer.fit(call, dataclasses.replace(tasks, env_url=""))
+            assert trainer.evaluate(EvalCall(seed=0), list(range(4))).num_examples == 4
             with SyncEnvClient(plain_url) as plain:
                 info = plain.info()
             assert info["variant"] is None

@@ -25,10 +25,18 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
+from fl_app.calls import RECORD, FitCall, Reply
 from server_app.dispatch import RoundDispatch, request_one
 from server_app.strategy import RoundError
 
 RUN_ID, TASK_ID, SUPERLINK = 7, 11, 1
+
+
+def _call(cid: int) -> str:
+    """Client `cid`'s fit call of round 3, as the server sends it."""
+    return FitCall(run_id=RUN_ID, round=3, client_id=cid, local_epochs=1, seed=0).model_dump_json()
+
+
 TRACEBACK = (
     "<class 'client_app.lane.ServiceRequestError'>:<'trainer service /fit failed (HTTP 422): "
     'WeightsError: /r/x: no manifest.json\nTraceback (most recent call last):\n  File "x.py"\'>'
@@ -67,10 +75,11 @@ class Federation:
                 if b in ("dead", "silent"):
                     continue
                 for msg in self.state.get_message_ins(node_id=node, limit=10, run_id=RUN_ID):
-                    cid = int(msg.content["config"]["client-id"])
+                    cid = FitCall.model_validate_json(str(msg.content[RECORD][RECORD])).client_id
                     self.served[node].append(cid)
                     if b == "ok":
-                        reply = Message(content=RecordDict({"config": ConfigRecord({"client-id": cid})}), reply_to=msg)
+                        done = Reply(client_id=cid).model_dump_json()
+                        reply = Message(content=RecordDict({RECORD: ConfigRecord({RECORD: done})}), reply_to=msg)
                     else:
                         reply = Message(
                             Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=TRACEBACK), reply_to=msg
@@ -80,7 +89,7 @@ class Federation:
 
     def message(self, cid: int, node: int) -> Message:
         return Message(
-            content=RecordDict({"config": ConfigRecord({"client-id": cid})}), dst_node_id=node, message_type="train"
+            content=RecordDict({RECORD: ConfigRecord({RECORD: _call(cid)})}), dst_node_id=node, message_type="train"
         )
 
     def dispatch(self, assignment: dict[int, int], min_ok: int, timeout_s: float = 60.0):

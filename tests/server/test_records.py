@@ -9,8 +9,9 @@ import pytest
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+from fl_app.calls import RECORD, Reply
 from fl_app.config import ConfigError, load_config, resolved
-from server_app.strategy import config_of, metrics_of, weighted_metrics
+from server_app.strategy import metrics_of, reply_of, weighted_metrics
 
 
 @pytest.fixture
@@ -22,8 +23,9 @@ def task() -> Iterator[None]:
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
-def _reply(metrics: dict, config: dict | None = None) -> Message:
-    content = RecordDict({"metrics": MetricRecord(metrics), "config": ConfigRecord(config or {"client-id": 7})})
+def _reply(metrics: dict, reply: Reply | None = None) -> Message:
+    done = (reply or Reply(client_id=7)).model_dump_json()
+    content = RecordDict({"metrics": MetricRecord(metrics), RECORD: ConfigRecord({RECORD: done})})
     return Message(content=content, dst_node_id=1, message_type="train")
 
 
@@ -31,7 +33,7 @@ def test_metrics_of_gives_floats_and_refuses_a_list_metric(task):
     assert metrics_of(_reply({"num-examples": 64, "reward": 0.5})) == {"num-examples": 64.0, "reward": 0.5}
     with pytest.raises(TypeError, match="metric 'curve' of a reply is a list"):
         metrics_of(_reply({"num-examples": 64, "curve": [0.1, 0.2]}))
-    assert config_of(_reply({}, {"client-id": 7, "lane": "0"})) == {"client-id": 7, "lane": "0"}
+    assert reply_of(_reply({}, Reply(client_id=7, lane="0"))) == Reply(client_id=7, lane="0")
 
 
 def test_weighted_metrics_weight_by_examples_and_sum_them():

@@ -11,10 +11,10 @@ import matplotlib.image
 import pytest
 import torch
 
+from fl_app.channel.run_dir import DirStore
 from fl_app.paths import PathEscapeError
 from fl_app.plots import plot_validation
 from fl_app.rundir import MARKER, RunDir, RunDirError, sibling_member
-from fl_app.store import DirStore
 from fl_app.weights import Manifest, save_shards
 
 SHARD = 1 << 16

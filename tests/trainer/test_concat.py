@@ -13,10 +13,11 @@ from client_app import prompts
 from client_app.rollout import BatchedGenerator, RolloutSettings, group_specs, run_episodes, training_rows
 from client_app.tiny_model import load_causal_lm
 from client_app.trainer import make_trainer
-from client_app.trainer.base import FitRequest
+from client_app.trainer.base import ClientTasks
 from envs.client import SyncEnvClient
 from envs.registry import system_prompt
 from envs.service import serve_in_subprocess
+from fl_app.calls import FitCall
 
 SHOP = system_prompt("shop")
 
@@ -185,7 +186,7 @@ def test_both_rollout_modes_train_the_tiny_model(mode, algo, tmp_path_factory):
         t = make_trainer(cfg, url)
         try:
             before = {m: t.export_weights(m) for m in t.members}
-            res = t.fit(FitRequest(round=1, client_id=0, task_indices=list(range(16, 200)), local_epochs=2, seed=0))
+            res = t.fit(FitCall(round=1, client_id=0, local_epochs=2, seed=0), ClientTasks(list(range(16, 200))))
             m = res.metrics
             assert res.num_examples == 2 * 4 and m["skipped_steps"] == 0 and m["optimizer_steps"] >= 2
             assert m["rows"] == 2 * 4 if mode == "concat" else m["rows"] > 2 * 4  # summed over 2 epochs

@@ -45,10 +45,11 @@ from client_app.algos import FedProxAnchor
 from client_app.rollout import Episode, TrainRow, derive_seed, group_specs, training_rows
 from client_app.trainer import make_engine
 from client_app.trainer.advantages import ADVANTAGES
-from client_app.trainer.base import EvalRequest, FitRequest
+from client_app.trainer.base import ClientTasks
 from client_app.trainer.compute import resolve_precision
 from client_app.trainer.engine import PolicyBatch, ValueBatch
 from client_app.trainer.loop import RLTrainer, critic_pass, policy_pass
+from fl_app.calls import EvalCall, FitCall
 from fl_app.config import Config
 from fl_app.weights import save_shards
 
@@ -286,11 +287,11 @@ def test_ppo_fits_train_both_members_from_fresh_optimizers(ppo, initial):
     """Two fits from the same weights with the same request end bit-identical in both members:
     no optimizer state (moments, step counts) of the policy or the critic survives a fit; and
     nothing is left behind (invariants 3, 24)."""
-    req = FitRequest(round=3, client_id=4, task_indices=TRAIN_TASKS, local_epochs=2, seed=5)
+    call, tasks = FitCall(round=3, client_id=4, local_epochs=2, seed=5), ClientTasks(TRAIN_TASKS)
     ends, results = [], []
     for _ in range(2):
         _load(ppo, initial)
-        results.append(ppo.fit(req))
+        results.append(ppo.fit(call, tasks))
         ends.append(_state(ppo))
     _load(ppo, initial)
     m = results[0].metrics
@@ -342,7 +343,7 @@ def test_fedprox_adds_mu_times_the_drift_to_the_policy_gradient_only(ppo, initia
     out = {}
     for mu in (0.0, 5.0):
         _load(ppo, initial)
-        ppo.fit(FitRequest(round=2, client_id=5, task_indices=TRAIN_TASKS, local_epochs=1, seed=1, proximal_mu=mu))
+        ppo.fit(FitCall(round=2, client_id=5, local_epochs=1, seed=1, proximal_mu=mu), ClientTasks(TRAIN_TASKS))
         out[mu] = _state(ppo)
     _load(ppo, initial)
     assert _changed(out[0.0]["actor"], out[5.0]["actor"])
@@ -469,13 +470,13 @@ def test_validation_is_never_penalised(kind, env_url, model_dir, mode):  # noqa:
     """Invariant 10 in both rollout modes (field log 2026-07-28: concat mode penalised validation)."""
     t = build(kind, model_dir, env_url, rollout={"mode": mode}, algo={"kl_coef": 0.0})
     try:
-        req = EvalRequest(task_indices=list(range(8)), seed=0)
+        val, val_tasks = EvalCall(seed=0), range(8)
         runs = {}
         for penalty in (0.0, 5.0):
             t.cfg = t.cfg.model_copy(
                 update={"rollout": t.cfg.rollout.model_copy(update={"invalid_action_penalty": penalty})}
             )
-            runs[penalty] = t.evaluate(req)
+            runs[penalty] = t.evaluate(val, val_tasks)
         keys = ("success", "reward", "turns", "invalid_action_rate")
         assert runs[0.0].metrics["invalid_action_rate"] > 0, "the penalty must have had something to act on"
         assert {k: runs[0.0].metrics[k] for k in keys} == {k: runs[5.0].metrics[k] for k in keys}
@@ -490,7 +491,7 @@ def test_a_concat_grpo_fit_trains_one_row_per_episode(kind, env_url, model_dir):
     t = build(kind, model_dir, env_url, rollout={"mode": "concat", "max_prompt_tokens": 1024}, env={"max_turns": 3})
     try:
         before = t.export_weights()
-        res = t.fit(FitRequest(round=1, client_id=2, task_indices=TRAIN_TASKS, local_epochs=2, seed=0))
+        res = t.fit(FitCall(round=1, client_id=2, local_epochs=2, seed=0), ClientTasks(TRAIN_TASKS))
         assert res.metrics["rows"] == res.num_examples == 2 * 2 * 2  # E x tasks x group
         assert res.metrics["optimizer_steps"] >= 2 and _changed(before, t.export_weights())
     finally:
@@ -507,7 +508,7 @@ def test_a_fit_leaves_out_the_groups_whose_episodes_all_scored_the_same(kind, en
         t = build(kind, model_dir, env_url, rollout={"invalid_action_penalty": 0.0}, algo={"filter_uniform_groups": on})
         try:
             before = t.export_weights()
-            res = t.fit(FitRequest(round=1, client_id=3, task_indices=TRAIN_TASKS, local_epochs=2, seed=0))
+            res = t.fit(FitCall(round=1, client_id=3, local_epochs=2, seed=0), ClientTasks(TRAIN_TASKS))
             seen[on] = (res.metrics, _changed(before, t.export_weights()))
             # invariant 2: FedAvg weighs a client by the episodes it played, filtered or not
             assert res.num_examples == 2 * t.cfg.algo.tasks_per_step * t.cfg.algo.rollouts_per_task

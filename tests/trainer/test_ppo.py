@@ -9,16 +9,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_support import SMALL_ENV_PARAMS, env_url, model_dir, one_torch_thread, small_config  # noqa: F401
+from trainer_support import (  # noqa: F401
+    SMALL_ENV_PARAMS,
+    env_url,
+    model_dir,
+    one_torch_thread,
+    service_call,
+    small_config,
+)
 
 from client_app.critic import VALUE_HEAD, build_critic
 from client_app.rollout import derive_seed, group_specs, training_rows
 from client_app.trainer import make_trainer
-from client_app.trainer.base import FitRequest
+from client_app.trainer.base import ClientTasks
 from client_app.trainer.loop import RLTrainer
-from fl_app.aggregate import fedavg_manifests
+from fl_app.aggregate import fedavg_manifests, fedavg_refs
+from fl_app.calls import FitCall
+from fl_app.channel import Channel, WeightsRef
+from fl_app.channel.run_dir import DirStore
 from fl_app.rundir import RunDir, RunDirError
-from fl_app.transport import WeightsRef, fedavg_received
 from fl_app.weights import load_shards, save_shards, state_nbytes
 
 TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))
@@ -65,13 +74,19 @@ def test_critic_round_trip_export_aggregate_load_gives_identical_values(trainer,
     """A trained critic exported, FedAvg'd (inline and through the store), and loaded into another
     trainer predicts exactly the same values (invariant 1 for the critic)."""
     _load(trainer, initial)
-    trainer.fit(FitRequest(round=1, client_id=1, task_indices=TRAIN_TASKS, local_epochs=1, seed=2))
+    trainer.fit(FitCall(round=1, client_id=1, local_epochs=1, seed=2), ClientTasks(TRAIN_TASKS))
     critic = trainer.export_weights("critic")
     rows = _rows(trainer, [60, 61], seed=9)
     values = trainer.engine.score(rows, "critic")
     ref = WeightsRef(inline=True, nbytes=state_nbytes(critic))
     arrays = critic
-    inline = fedavg_received([(ref, arrays, 3.0), (ref, arrays, 5.0)], None, tmp_path / "inline", SHARD_BYTES)
+    channel = Channel(
+        DirStore(tmp_path, SHARD_BYTES),
+        cache_dir=tmp_path / "cache",
+        inline_max_bytes=ref.nbytes,
+        shard_bytes=SHARD_BYTES,
+    )
+    inline = fedavg_refs([(ref, arrays, 3.0), (ref, arrays, 5.0)], channel, tmp_path / "inline")
     clients = [save_shards(critic, tmp_path / f"client-{k}", SHARD_BYTES) for k in range(2)]
     stored = fedavg_manifests([(clients[0], 3.0), (clients[1], 5.0)], tmp_path / "stored", SHARD_BYTES)
     assert [s.digest for s in inline.shards] == [s.digest for s in stored.shards]
@@ -101,7 +116,7 @@ def _write_run(run: Path, weights: dict[str, dict[str, torch.Tensor]], rounds: i
 @pytest.fixture(scope="module")
 def trained(trainer, initial) -> dict[str, dict[str, torch.Tensor]]:
     _load(trainer, initial)
-    trainer.fit(FitRequest(round=1, client_id=7, task_indices=TRAIN_TASKS, local_epochs=1, seed=3))
+    trainer.fit(FitCall(round=1, client_id=7, local_epochs=1, seed=3), ClientTasks(TRAIN_TASKS))
     out = {m: trainer.export_weights(m) for m in trainer.members}
     _load(trainer, initial)
     return out
@@ -165,23 +180,18 @@ def test_init_from_an_incomplete_round_is_refused(env_url, model_dir, trained, t
 def test_a_ppo_fit_without_its_critic_fails_closed(model_dir, tmp_path):
     """The trainer service refuses a PPO fit that does not carry the critic instead of training
     half a model (invariant 28: fail closed)."""
-    from client_app.service import FitBody, Refused, TrainerService
+    from client_app.service import Dirs, Refused, TrainerService
 
     svc = TrainerService(ppo_config(model_dir), run_id=1, lane="cpu", run_dir=tmp_path)
     try:
         svc.start()
         actor = save_shards(svc.trainer.export_weights("actor"), tmp_path / "actor", SHARD_BYTES).root
-        body = FitBody(
-            run_id=1,
-            round=1,
-            client_id=0,
-            local_epochs=1,
-            seed=0,
-            weights_in={"actor": str(actor)},
-            weights_out={"actor": str(tmp_path / "out")},
-        )
-        with pytest.raises(Refused, match=r"carries weights for \['actor'\] but this trainer federates"):
-            svc.fit(body)
+        call = service_call(svc, FitCall, round=1, client_id=0, local_epochs=1, seed=0)
+        dirs = Dirs(weights_in={"actor": str(actor)}, weights_out={"actor": str(tmp_path / "out")})
+        with pytest.raises(
+            Refused, match=r"carries weights for \['actor'\].*the trainer federates \['actor', 'critic'\]"
+        ):
+            svc.fit(call, dirs)
         assert svc.fits == 0 and not (tmp_path / "out").exists()
     finally:
         svc.close()

@@ -23,9 +23,10 @@ from transformers import DistilBertConfig
 
 from client_app.tiny_model import ModelDirError
 from client_app.trainer import make_trainer
-from client_app.trainer.base import EvalRequest, FitRequest
+from client_app.trainer.base import ClientTasks
 from client_app.trainer.builtin import BuiltinEngine
 from client_app.trainer.device import avoid_cudnn_attention
+from fl_app.calls import EvalCall, FitCall
 
 TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))
 
@@ -67,9 +68,7 @@ def test_cuda_fit_keeps_fp32_master_weights(env_url, model_dir):
         assert t.engine.device.type == "cuda" and t.engine.precision == "bf16" and t.engine.amp_dtype is None
         initial = t.export_weights()
         assert all(v.dtype == torch.float32 and v.device.type == "cpu" for v in initial.values())
-        res = t.fit(
-            FitRequest(round=1, client_id=0, task_indices=TRAIN_TASKS, local_epochs=2, seed=0, proximal_mu=0.01)
-        )
+        res = t.fit(FitCall(round=1, client_id=0, local_epochs=2, seed=0, proximal_mu=0.01), ClientTasks(TRAIN_TASKS))
         assert res.num_examples == 8 and res.metrics["optimizer_steps"] >= 2 and res.metrics["skipped_steps"] == 0
         trained = t.export_weights()
         assert all(p.dtype == torch.float32 for _, p in t.engine.parameters("actor"))
@@ -79,7 +78,7 @@ def test_cuda_fit_keeps_fp32_master_weights(env_url, model_dir):
             torch.equal(a.view(torch.int32), b.view(torch.int32))
             for a, b in zip(t.export_weights().values(), initial.values())
         )
-        ev = t.evaluate(EvalRequest(task_indices=list(range(8)), seed=0))
+        ev = t.evaluate(EvalCall(seed=0), list(range(8)))
         assert ev.num_examples == 8 and 0.0 <= ev.metrics["success"] <= 1.0 and ev.metrics["turns"] >= 1
         assert torch.cuda.memory_allocated() > 0
     finally:

@@ -8,11 +8,12 @@ import torch
 
 pytest.importorskip("verl")
 
-from trainer_support import model_dir, one_torch_thread, small_config  # noqa: E402,F401
+from trainer_support import model_dir, one_torch_thread, service_call, small_config  # noqa: E402,F401
 
 from fl_app.config import Config  # noqa: E402
 
 TOL = 1e-5
+MEMBERS = ("actor", "critic")
 SECTIONS = {
     "algo": {
         "name": "ppo",
@@ -33,7 +34,8 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_lane_service_federates_the_verl_critic(model_dir, tmp_path):  # noqa: F811
     """Through the trainer service, as a round uses it: round 0 exports both members (and says
     where the critic came from), a fit loads and returns both."""
-    from client_app.service import FitBody, InitBody, TrainerService
+    from client_app.service import Dirs, TrainerService
+    from fl_app.calls import FitCall, InitCall
     from fl_app.weights import load_shards
 
     data = small_config(model_dir, run={"run_dir": str(tmp_path / "run")}, **SECTIONS).model_dump()
@@ -42,19 +44,14 @@ def test_lane_service_federates_the_verl_critic(model_dir, tmp_path):  # noqa: F
     try:
         svc.start()
         run = tmp_path / "run"  # the service reads and writes weights only inside the run dir
-        init = svc.init(InitBody(run_id=1, weights_out={m: str(run / "r0" / m) for m in ("actor", "critic")}))
+        init = svc.init(service_call(svc, InitCall), Dirs(weights_out={m: str(run / "r0" / m) for m in MEMBERS}))
         assert init["critic_start"]["mode"] == "fresh"
-        out = {m: str(run / "r1" / m) for m in ("actor", "critic")}
         reply = svc.fit(
-            FitBody(
-                run_id=1,
-                round=1,
-                client_id=0,
-                local_epochs=1,
-                seed=0,
-                weights_in={m: str(run / "r0" / m) for m in ("actor", "critic")},
-                weights_out=out,
-            )
+            service_call(svc, FitCall, members=MEMBERS, round=1, client_id=0, local_epochs=1, seed=0),
+            Dirs(
+                weights_in={m: str(run / "r0" / m) for m in MEMBERS},
+                weights_out={m: str(run / "r1" / m) for m in MEMBERS},
+            ),
         )
         assert reply["metrics"]["critic_optimizer_steps"] >= 1
         before, after = load_shards(run / "r0" / "critic"), load_shards(run / "r1" / "critic")

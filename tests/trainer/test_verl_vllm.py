@@ -164,7 +164,8 @@ def test_fits_with_vllm_rollouts_keep_memory_flat(gpu_trainer):
     over 6 fits of different clients from different weights; vLLM asleep at that point."""
     import psutil
 
-    from client_app.trainer.base import FitRequest
+    from client_app.trainer.base import ClientTasks
+    from fl_app.calls import FitCall
 
     t = gpu_trainer
     initial = t.export_weights()
@@ -174,14 +175,8 @@ def test_fits_with_vllm_rollouts_keep_memory_flat(gpu_trainer):
         g = torch.Generator().manual_seed(i)
         t.load_weights({k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in initial.items()})
         res = t.fit(
-            FitRequest(
-                round=1 + i // 2,
-                client_id=i,
-                task_indices=list(range(16 + 3 * i, 56)),
-                local_epochs=1,
-                seed=0,
-                proximal_mu=0.01,
-            )
+            FitCall(round=1 + i // 2, client_id=i, local_epochs=1, seed=0, proximal_mu=0.01),
+            ClientTasks(list(range(16 + 3 * i, 56))),
         )
         assert res.metrics["rollout_sync_s"] > 0 and res.metrics["rollout_tokens"] > 0
         del res

@@ -1,8 +1,8 @@
-"""A node's view of the built-in HTTP weight store (fl_app/store_server.py) on another machine.
+"""A node's view of the built-in HTTP weight store (fl_app/channel/http_server.py) on another machine.
 
 Shards travel as plain files over HTTP/1.1 (TLS when the URL is https), several at a time, each
 streamed to or from disk in large chunks; a download that is cut off resumes with a range read,
-and every shard is verified before it counts (the node's cache, fl_app/store_remote.py; the
+and every shard is verified before it counts (the node's cache, fl_app/channel/remote.py; the
 server for uploads). aiohttp carries the bytes: on 2 cores it moves a 4 MiB-chunked body ~3x
 faster than httpx (docs/weight-store.md). The blocking API runs each call on a private event
 loop in a worker thread, so it works the same from plain code and from inside a running loop.
@@ -24,16 +24,17 @@ from urllib.parse import urlsplit
 import aiohttp
 import uvloop
 
-from fl_app.store import check_key
-from fl_app.store_files import write_all
-from fl_app.store_remote import (
+from fl_app.channel.files import write_all
+from fl_app.channel.remote import (
     DEFAULT_PARALLEL,
     DOWNLOAD_RETRIES,
     CacheSlot,
     RemoteStore,
     WeightStoreRefused,
     WeightStoreUnreachable,
+    raise_first_failure,
 )
+from fl_app.channel.store import check_key
 from fl_app.weights import Manifest, WeightsError
 
 CHUNK = 4 << 20
@@ -61,9 +62,7 @@ async def _all_or_nothing(jobs: list[Awaitable[None]], limit: int) -> None:
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    for t in done:
-        if t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]
+    raise_first_failure(done)
 
 
 class HttpWeightStore(RemoteStore):

@@ -23,16 +23,17 @@ from urllib.parse import urlsplit
 
 import fsspec
 
-from fl_app.store import check_key
-from fl_app.store_files import is_entry_file
-from fl_app.store_remote import (
+from fl_app.channel.files import is_entry_file
+from fl_app.channel.remote import (
     DEFAULT_PARALLEL,
     DOWNLOAD_RETRIES,
     CacheSlot,
     RemoteStore,
     WeightStoreRefused,
     WeightStoreUnreachable,
+    raise_first_failure,
 )
+from fl_app.channel.store import check_key
 from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError
 
 RANGE_BYTES = 16 << 20  # one ranged read; what a cut-off download loses at most
@@ -54,9 +55,7 @@ def _each(jobs: list[Callable[[], None]], parallel: int) -> None:
         done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
         for f in futures:
             f.cancel()
-        for f in done:
-            if f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
+        raise_first_failure(done)
 
 
 class FsspecWeightStore(RemoteStore):

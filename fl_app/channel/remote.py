@@ -19,19 +19,28 @@ import re
 import shutil
 import tempfile
 from abc import abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from fl_app.store import WeightStore, check_digest, check_key, check_pinned
-from fl_app.store_files import check_shard_names, install_entry, verify_shard
+from fl_app.channel.files import check_shard_names, install_entry, verify_shard
+from fl_app.channel.store import WeightStore, check_digest, check_key, check_pinned
 from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError, load_shards, save_shards
 
 DEFAULT_PARALLEL = 4
 DOWNLOAD_RETRIES = 3
+
+
+def raise_first_failure(done: Iterable[Any]) -> None:
+    """Raise the first exception among finished jobs (threads' futures or asyncio tasks alike),
+    so a transfer that fails stops as one error, its cause named."""
+    for job in done:
+        if job.exception() is not None:
+            raise job.exception()
 
 
 class WeightStoreUnreachable(WeightsError):

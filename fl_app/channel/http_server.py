@@ -38,9 +38,10 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.responses import FileResponse
 
+from fl_app.channel.files import check_shard_names, install_entry, sibling_tmp, verify_shard, write_all
+from fl_app.channel.run_dir import DirStore
+from fl_app.channel.store import check_key
 from fl_app.paths import PathEscapeError, confine
-from fl_app.store import DirStore, check_key
-from fl_app.store_files import check_shard_names, install_entry, sibling_tmp, verify_shard, write_all
 from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError
 
 CHUNK = 4 << 20  # bytes per read/write: large enough that per-chunk Python overhead vanishes
@@ -317,7 +318,7 @@ class WeightStoreServer:
         if len(token) < _MIN_TOKEN_CHARS:
             raise WeightsError(
                 f"the weight store's token must have >= {_MIN_TOKEN_CHARS} characters; "
-                "use fl_app.store_server.new_token()"
+                "use fl_app.channel.http_server.new_token()"
             )
         if not Path(root).is_dir():
             raise WeightsError(f"the weight store's root {root} is not a directory")

@@ -17,7 +17,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError, read_shard
+from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError, fsync_path, read_shard
 
 _FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # Verification reads a whole shard into memory (up to run.shard_max_mb) and hashes it: two at a
@@ -58,14 +58,6 @@ def write_all(fd: int, pieces: list[bytes]) -> None:
             views.pop(0)
         if n:
             views[0] = views[0][n:]
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sibling_tmp(dest: Path, what: str) -> Path:
