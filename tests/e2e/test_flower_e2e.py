@@ -167,7 +167,7 @@ def test_the_served_weight_store_gives_the_inline_runs_bits(fl, two_rounds, tmp_
         assert [s.digest for s in served.shards] == [s.digest for s in inline.shards]
     # through the channel: round 0's model was uploaded into the server's run dir by a node, the
     # nodes fetched the global models into their own cache and wrote only there
-    assert (run_dir / "scratch" / "init-actor" / "manifest.json").is_file()
+    assert (run_dir / "scratch" / "init-0000" / "actor" / "manifest.json").is_file()
     assert len([d for d in cache.iterdir() if (d / "manifest.json").is_file()]) == 2  # rounds 0 and 1
     assert not list((cache / "work").rglob("*.safetensors")), "published dirs are dropped"
     summary = json.loads((run_dir / "summary.json").read_text())
