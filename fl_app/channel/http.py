@@ -176,7 +176,7 @@ class HttpWeightStore(RemoteStore):
 
         _run(go())
 
-    def _manifest_or_none(self, key: str) -> str | None:
+    def manifest_or_none(self, key: str) -> str | None:
         what = f"reading the manifest of {key!r}"
 
         async def go() -> str | None:
@@ -188,17 +188,6 @@ class HttpWeightStore(RemoteStore):
                 return await resp.text()
 
         return _run(go())
-
-    def manifest_text(self, key: str) -> str:
-        if (text := self._manifest_or_none(key)) is None:
-            raise WeightsError(
-                f"{self._who()}the weight store at {self.url} has no complete entry {key!r} "
-                "(never published, or its upload has not been committed)"
-            )
-        return text
-
-    def exists(self, key: str) -> bool:
-        return self._manifest_or_none(check_key(key)) is not None
 
     def delete(self, key: str) -> None:
         what = f"deleting {key!r}"

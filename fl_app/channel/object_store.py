@@ -109,7 +109,7 @@ class FsspecWeightStore(RemoteStore):
                 "see docs/weight-store.md"
             ) from e
 
-    def _manifest_or_none(self, key: str) -> str | None:
+    def manifest_or_none(self, key: str) -> str | None:
         path = self._path(key, MANIFEST_NAME)
         with self._errors(f"reading the manifest of {key!r}"):
             self.fs.invalidate_cache(self._path(key))  # another machine may have published it since
@@ -117,17 +117,6 @@ class FsspecWeightStore(RemoteStore):
                 return self.fs.cat_file(path).decode()
             except FileNotFoundError:
                 return None
-
-    def manifest_text(self, key: str) -> str:
-        if (text := self._manifest_or_none(key)) is None:
-            raise WeightsError(
-                f"{self.url} has no complete entry {key!r} (no {MANIFEST_NAME}: never published, "
-                "or its upload did not finish)"
-            )
-        return text
-
-    def exists(self, key: str) -> bool:
-        return self._manifest_or_none(key) is not None
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -183,7 +172,7 @@ class FsspecWeightStore(RemoteStore):
 
     def publish(self, local_dir: Path, key: str) -> Manifest:
         local = Manifest.from_dir(local_dir)
-        if (text := self._manifest_or_none(key)) is not None:
+        if (text := self.manifest_or_none(key)) is not None:
             existing = Manifest.from_json(text)
             if existing.sha256 == local.sha256:
                 return dataclasses.replace(local, root=None)  # the entry is not on this machine

@@ -130,9 +130,25 @@ class RemoteStore(WeightStore):
         self.max_shard_bytes = max_shard_bytes
         self.parallel = parallel
 
+    url: str  # where the store is, for error messages
+    node: str  # which process asks ('' for the server), for error messages
+
     @abstractmethod
+    def manifest_or_none(self, key: str) -> str | None:
+        """The entry's manifest JSON, or None when the entry is absent or incomplete."""
+
     def manifest_text(self, key: str) -> str:
         """The entry's manifest JSON (raises WeightsError naming the entry when it is absent)."""
+        if (text := self.manifest_or_none(check_key(key))) is None:
+            who = f"node {self.node}: " if self.node else ""
+            raise WeightsError(
+                f"{who}the weight store at {self.url} has no complete entry {key!r} (no {MANIFEST_NAME}: "
+                "never published, or its upload did not finish)"
+            )
+        return text
+
+    def exists(self, key: str) -> bool:
+        return self.manifest_or_none(check_key(key)) is not None
 
     @abstractmethod
     def download(self, key: str, slot: CacheSlot, shards: list[int]) -> None:
