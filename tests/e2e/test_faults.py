@@ -51,6 +51,12 @@ def _targets(fr, kind: str) -> list[psutil.Process]:
     return out
 
 
+def _mean_round_s(run_dir: Path) -> float:
+    """The mean wall time of a finished run's rounds after round 0."""
+    rows = [r for r in RunDir(run_dir).read_metrics() if r["round"] > 0]
+    return sum(r["wall_s"] for r in rows) / len(rows)
+
+
 def _last(rd: RunDir) -> int:
     last = rd.last_complete_round() if rd.path.exists() else None
     return -1 if last is None else last
@@ -68,12 +74,15 @@ def test_a_kill_at_a_random_point_then_resume_gives_the_uninterrupted_weights(tm
         p = fr.run(run_config(RECIPE, ref_dir, rounds=ROUNDS), timeout_s=2400)
         assert run_status(ref_dir).returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         reference = _digests(ref_dir)
+        # the kill lands in the first half of the round after `after`: a delay in seconds longer
+        # than the rounds left would find the run already finished, with nothing to kill
+        round_s = _mean_round_s(ref_dir)
         for kind in KINDS:
             run_dir = tmp_path / kind.replace(" ", "-")
             log = tmp_path / f"{kind.replace(' ', '-')}.log"
             proc = fr.start(run_config(RECIPE, run_dir, rounds=ROUNDS), log)
             rd = RunDir(run_dir, total_rounds=ROUNDS)
-            after, delay = rng.randint(0, ROUNDS - 1), rng.uniform(0.0, 20.0)
+            after, delay = rng.randint(0, ROUNDS - 1), rng.uniform(0.0, 0.5 * round_s)
             deadline = time.monotonic() + 2400
             while _last(rd) < after:
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
