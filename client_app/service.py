@@ -149,6 +149,7 @@ class TrainerService:
 
     def __init__(self, cfg: Config, run_id: int, lane: str, run_dir: Path | None = None) -> None:
         self.cfg, self.run_id, self.lane = cfg, run_id, lane
+        self.recipe_sha256 = recipe_sha256(cfg)  # what every call's recipe digest must be
         self.run_dir = Path(run_dir) if run_dir is not None else cfg.resolved_run_dir()
         # where request paths may point: the run dir, and the node's cache of fetched/staged weights
         self.roots = (self.run_dir, Path(cfg.run.weight_cache_dir).expanduser(), *shared_store_root(cfg))
@@ -224,7 +225,7 @@ class TrainerService:
         (a PPO fit without its critic, or a critic the trainer lacks, fails closed instead of
         training half a model), and every dir confined. Returns the dirs in and out, resolved."""
         self._check_run(call.run_id)
-        if call.recipe_sha256 != (own := recipe_sha256(self.cfg)):
+        if call.recipe_sha256 != (own := self.recipe_sha256):
             raise Refused(
                 409,
                 f"this lane resolved a different recipe than the server (sha256 {own[:12]}... vs "
