@@ -61,8 +61,8 @@ class EnvClient:
     """Async client; use as `async with EnvClient(url) as env: ...` inside one event loop.
 
     `max_connections` bounds the requests in flight (one per connection), `timeout_s` each
-    attempt, `retries` the extra attempts after a transport failure (backoff `backoff_s`,
-    doubling)."""
+    attempt and the time a verb keeps asking again after 503 + Retry-After, `retries` the extra
+    attempts after a transport failure (backoff `backoff_s`, doubling)."""
 
     def __init__(
         self,

@@ -373,8 +373,8 @@ class EnvPool:
 
     def stats(self) -> dict[str, Any]:
         holders = [s for s in self.sessions.values() if s.env is not None]
-        lapsed = len(self._lapsed_sessions(self.clock()))
-        orphaned = lapsed + sum(1 for s in holders if not s.claimed and s.waiters == 0)
+        lapsed = self._lapsed_sessions(self.clock())
+        orphaned = len({s.sid for s in holders if not s.claimed and s.waiters == 0} | {s.sid for s in lapsed})
         placed = list(self._free) + [s.env for s in holders] + self._returning
         return {
             "pool_size": len(self.envs),
@@ -383,7 +383,7 @@ class EnvPool:
             "pending_sessions": len(self._waiting),
             "returning": len(self._returning),
             "orphaned": orphaned,
-            "lapsed": lapsed,
+            "lapsed": len(lapsed),
             "leases_expired": self.leases_expired,
             "creates_refused": self.creates_refused,
             **dataclasses.asdict(self.limits),
