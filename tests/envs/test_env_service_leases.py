@@ -22,7 +22,15 @@ from env_support import SHOP_PARAMS
 from multidict import CIMultiDict
 
 from envs.client import EnvClient, EnvServiceError
-from envs.service import EnvPool, LeaseExpired, PoolBusy, PoolLimits, build_pool, serve_in_subprocess
+from envs.service import (
+    ClientGone,
+    EnvPool,
+    LeaseExpired,
+    PoolBusy,
+    PoolLimits,
+    build_pool,
+    serve_in_subprocess,
+)
 
 LEASE_S = 1.0
 # a lapsed session is reaped within a quarter lease; a loaded 2-core box adds its own delays
@@ -144,6 +152,31 @@ def test_a_create_whose_client_has_gone_gives_its_engine_back():
 
     with serve_in_subprocess("shop", 4, SHOP_PARAMS, limits=PoolLimits(lease_s=LEASE_S)) as url:
         run(go(url))
+
+
+def test_a_create_answered_at_once_to_a_client_already_gone_gives_the_engine_back_at_once():
+    """The check behind the at-once return, in the pool: a /create that finds a free engine but
+    whose client has already disconnected is not claimed; the engine goes straight back (the
+    service before: claimed, held until a /close that never comes). A duplicate still waiting
+    keeps the reservation."""
+
+    async def go() -> None:
+        pool = EnvPool(build_pool("shop", 2, SHOP_PARAMS))
+
+        async def gone() -> None:  # the client's disconnect, already seen
+            return None
+
+        with pytest.raises(ClientGone):
+            await pool.create("left", gone)
+        stats = pool.stats()
+        assert (stats["free"], stats["live_sessions"], stats["conserved"]) == (2, 0, True), stats
+        never = asyncio.get_running_loop().create_future
+        await pool.create("kept", never)
+        with pytest.raises(ClientGone):
+            await pool.create("kept", gone)  # a dropped duplicate of an answered /create
+        assert pool.get("kept").env is not None and pool.stats()["free"] == 1
+
+    run(go())
 
 
 def test_a_storm_of_dropped_creates_ends_with_every_engine_free():
