@@ -114,9 +114,9 @@ def test_engines_of_clients_gone_after_their_create_come_back_after_the_lease():
 
     async def go(url: str) -> None:
         async with EnvClient(url) as c:
+            start = time.monotonic()  # before any lease starts
             for k in range(4):
                 assert (await _post(url, "/create", {"session_id": f"gone{k}"}))[0] == 200
-            start = time.monotonic()
             i = await c.info()
             assert (i["free"], i["live_sessions"], i["conserved"]) == (0, 4, True), i
             i, waited = await _until(c, lambda i: i["free"] == 4, REAPED_WITHIN_S)
