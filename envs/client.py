@@ -10,12 +10,16 @@ truncated answer, timeout) a bounded number of times with exponential backoff. T
 because the service makes every verb idempotent: /create joins an existing reservation, /close
 of a closed session is a no-op, /reset replays the same seed, and /step carries the session's
 `turn` so a step that already ran is replayed, not taken twice. HTTP errors (404, 409, 422, ...)
-are answers, not failures: no retry.
+are answers, not failures: no retry. Except one: 503 with `Retry-After` (a /create the exhausted
+pool could not serve in time, or could not park) is asked again after that many seconds, with
++-50% jitter so refused clients do not come back in step, for as long as the verb's `timeout_s`
+allows; then it is raised like any other answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
@@ -57,8 +61,8 @@ class EnvClient:
     """Async client; use as `async with EnvClient(url) as env: ...` inside one event loop.
 
     `max_connections` bounds the requests in flight (one per connection), `timeout_s` each
-    attempt, `retries` the extra attempts after a transport failure (backoff `backoff_s`,
-    doubling)."""
+    attempt and the time a verb keeps asking again after 503 + Retry-After, `retries` the extra
+    attempts after a transport failure (backoff `backoff_s`, doubling)."""
 
     def __init__(
         self,
@@ -80,6 +84,7 @@ class EnvClient:
         self._http: aiohttp.ClientSession | None = None  # opened in the loop, on first use
         self._channels: list[aiohttp.ClientWebSocketResponse] = []  # idle batch channels
         self._turns: dict[str, int] = {}  # steps taken since reset, per session (retry safety)
+        self._jitter = random.Random()  # Retry-After jitter: clients must not come back in step
 
     async def __aenter__(self) -> EnvClient:
         return self
@@ -131,11 +136,18 @@ class EnvClient:
         body = None if payload is None else orjson.dumps(payload)
         http = self._session()
 
-        async def once() -> tuple[int, bytes]:
+        async def once() -> tuple[int, bytes, str | None]:
             async with http.request(method, url, data=body, headers=None if body is None else _JSON) as resp:
-                return resp.status, await resp.read()
+                return resp.status, await resp.read(), resp.headers.get("Retry-After")
 
-        status, answer = await self._retrying(f"{method} {url}", once)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self._timeout_s
+        while True:
+            status, answer, retry_after = await self._retrying(f"{method} {url}", once)
+            pause = self._retry_pause(status, retry_after)
+            if pause is None or loop.time() + pause > give_up:
+                break
+            await asyncio.sleep(pause)
         if status >= 400:
             try:
                 detail = orjson.loads(answer)["detail"]
@@ -143,6 +155,17 @@ class EnvClient:
                 detail = answer.decode(errors="replace")
             raise EnvServiceError(status, path, detail)
         return orjson.loads(answer)
+
+    def _retry_pause(self, status: int, retry_after: str | None) -> float | None:
+        """Seconds to wait before asking again: a 503's `Retry-After` (delay-seconds) with +-50%
+        jitter; None for any other answer."""
+        if status != 503 or retry_after is None:
+            return None
+        try:
+            delay = float(retry_after)
+        except ValueError:  # an HTTP-date: the service never sends one
+            return None
+        return max(delay, 0.0) * self._jitter.uniform(0.5, 1.5)
 
     async def _batch(self, verb: str, items: list[dict]) -> list[dict]:
         """A batched verb over a batch channel: an idle one, else a new one (so concurrent calls

@@ -13,9 +13,18 @@ the bookkeeping (invariant 20):
   - /close leaks: /close is idempotent and always puts the env back, also for a session whose
     env has not arrived yet (it simply never receives one) or that is mid-step (the env goes back
     when the step ends, never to a second session while in use).
+Trust in clients ends there: a client can vanish right after its /create was answered (or as it
+was answered: a /create whose client has already gone gives its engine back at once), and then
+nobody will ever close its session. So every session holding an engine has a lease, renewed by
+each of its requests: silent longer than `--lease-timeout`, it is closed, its engine goes back
+and its later requests get 410 naming the lease. A parked /create waits at most
+`--create-timeout` and at most `--max-parked` wait at once; beyond either the answer is 503 with
+`Retry-After`, which `EnvClient` honours: an unbounded queue of parked requests held the
+clients' connections, so the engines' holders could not send the /close that frees them.
 Every state change of the pool is plain synchronous code on the event-loop thread, so no await
 can split a check from the action it guards; the conservation check in /info proves it under load
-(each engine placed exactly once, and none held by a session nobody can reach).
+(each engine placed exactly once, and none held by a session nobody can reach: never claimed, or
+silent past its lease).
 
 Step retries are made safe by an optional `turn` (steps taken since reset): a retried step whose
 first attempt already ran replays the stored result instead of advancing the episode twice.
@@ -25,6 +34,7 @@ for a request's head and one for its body (`--header-timeout`, `--body-timeout`)
 trickles bytes is answered 408 and closed instead of being held for as long as it likes.
 
 Run: python -m envs.service --env shop --port 23456 [--pool-size K] [--params JSON] [--relocate]
+     [--lease-timeout S] [--create-timeout S] [--max-parked N]
 """
 
 from __future__ import annotations
@@ -40,11 +50,12 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
-from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +74,13 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
 READY_PREFIX = "ENV-SERVICE READY "
+# A rollout holds its sessions while it generates the next turn for all of them: minutes of
+# silence per session are normal, so the lease is long; crashed clients cost engines that long.
+DEFAULT_LEASE_S = 600.0
+DEFAULT_CREATE_WAIT_S = 30.0  # well inside EnvClient's 120 s timeout, so the 503 reaches it
+DEFAULT_MAX_PARKED = 256  # half of EnvClient's 512 connections
+RETRY_AFTER_S = 1
+LAPSED_REMEMBERED = 4096  # sids closed by their lease kept for the 410's message
 
 
 class PoolMismatchError(RuntimeError):
@@ -70,9 +88,10 @@ class PoolMismatchError(RuntimeError):
 
 
 class RequestError(Exception):
-    """A request the service answers with `status` and `{"detail": message}`."""
+    """A request the service answers with `status`, `headers` and `{"detail": message}`."""
 
     status = 400
+    headers: dict[str, str] | None = None
 
 
 class UnknownSession(RequestError, LookupError):
@@ -105,6 +124,20 @@ class TooLarge(RequestError):
     status = 413
 
 
+class LeaseExpired(UnknownSession):
+    """The session was closed by its lease: no request for longer than `lease_s` (HTTP 410)."""
+
+    status = 410
+
+
+class PoolBusy(RequestError):
+    """No engine for a /create now: it waited `create_wait_s`, or `max_parked` others already
+    wait (HTTP 503 with `Retry-After`; `EnvClient` retries it within its timeout)."""
+
+    status = 503
+    headers = {"retry-after": str(RETRY_AFTER_S)}
+
+
 class ClientGone(RequestError):
     """The client disconnected before its answer was ready (499, nginx's code; nobody reads it)."""
 
@@ -117,9 +150,10 @@ class ClientGone(RequestError):
 @dataclasses.dataclass(eq=False)
 class _Session:
     sid: str
+    seen: float  # when a request of this session last arrived or ended (its lease runs from here)
     env: Env | None = None
     closed: bool = False
-    waiters: int = 0  # parked /create requests still connected
+    waiters: int = 0  # /create requests of it still waiting for their answer
     claimed: bool = False  # a /create was answered, or another verb used it
     turn: int | None = None  # steps since the last reset; None before any reset
     last_step: tuple[str, dict] | None = None  # (action, result) of step `turn - 1`, for retries
@@ -134,58 +168,109 @@ class _Session:
         return self.env
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolLimits:
+    """How long the pool waits for its clients, and for how many.
+
+    `lease_s`: a session holding an engine with no request for this long is closed and its
+    engine goes back (its client crashed, or never heard its /create answered).
+    `create_wait_s`: a /create parked on an exhausted pool longer than this is answered 503.
+    `max_parked`: with this many /create parked, one more that would park is answered 503 at
+    once (parked requests hold their clients' connections: an unbounded queue starved the
+    engines' holders of connections for their /close)."""
+
+    lease_s: float = DEFAULT_LEASE_S
+    create_wait_s: float = DEFAULT_CREATE_WAIT_S
+    max_parked: int = DEFAULT_MAX_PARKED
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--lease-timeout", self.lease_s), ("--create-timeout", self.create_wait_s)):
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
+        if type(self.max_parked) is not int or self.max_parked < 0:
+            raise ValueError(f"--max-parked must be an integer >= 0, got {self.max_parked!r}")
+
+
 class EnvPool:
     """Borrow/return bookkeeping for a fixed set of engines.
 
     Invariant: every engine is in exactly one place: the free list, one live session, or a
     closed session that is finishing its last engine call (`_returning`); and no live session
-    holding an engine is an orphan (unclaimed: no /create of it was answered or is still
-    waiting, and no other verb has used it). Methods that change that state never await, so
-    they are atomic on the event loop.
+    holding an engine is unreachable: an orphan (no /create of it was answered or is still
+    waiting, and no other verb has used it) or lapsed (no request of it for longer than its
+    lease, and no engine call in flight). `reap` closes lapsed sessions; until it runs, `stats`
+    counts them as orphaned. Methods that change that state never await, so they are atomic on
+    the event loop. `clock` is the time the leases are measured in (monotonic seconds).
     """
 
-    def __init__(self, envs: list[Env]):
+    def __init__(self, envs: list[Env], limits: PoolLimits | None = None, clock: Callable[[], float] = time.monotonic):
         self.envs = list(envs)
+        self.limits = limits or PoolLimits()
+        self.clock = clock
         self._free: deque[Env] = deque(self.envs)
-        self._waiting: deque[_Session] = deque()  # FIFO of sessions parked on an empty pool
+        self._waiting: deque[_Session] = deque()  # FIFO of live sessions parked on an empty pool
         self._returning: list[Env] = []
         self.sessions: dict[str, _Session] = {}
+        self._lapsed: OrderedDict[str, float] = OrderedDict()  # sids closed by their lease -> idle s
+        self.leases_expired = 0
+        self.creates_refused = 0  # 503s: parked too long, or too many parked
 
     def reserve(self, sid: str) -> _Session:
-        """The session for `sid`, created (and handed an env if one is free) if absent."""
+        """The session for `sid`, created (and handed an env if one is free, else parked) if
+        absent; PoolBusy when a /create of it would park while `max_parked` already are (a
+        duplicate counts: it holds a connection too)."""
         s = self.sessions.get(sid)
+        if s.env is None if s is not None else not self._free:
+            parked = sum(p.waiters for p in self._waiting)
+            if parked >= self.limits.max_parked:
+                self.creates_refused += 1
+                raise PoolBusy(
+                    f"all {len(self.envs)} engines are lent and {parked} /create already wait "
+                    f"(--max-parked {self.limits.max_parked}); retry later"
+                )
         if s is None:
-            s = self.sessions[sid] = _Session(sid)
+            self._lapsed.pop(sid, None)
+            s = self.sessions[sid] = _Session(sid, self.clock())
             if self._free:
                 self._hand(s, self._free.popleft())
             else:
                 self._waiting.append(s)
+        s.seen = self.clock()
         return s
 
     async def create(self, sid: str, client_gone: Callable[[], Awaitable[object]]) -> None:
-        """Reserve `sid` and wait for its env. `client_gone()` resolves when the requesting
-        client disconnects; if it does while parked, and no other /create of the session is
-        waiting and nothing used it, the reservation is given back (`abandon`)."""
+        """Reserve `sid` and wait for its env (at most `create_wait_s`, else PoolBusy).
+        `client_gone()` resolves when the requesting client disconnects; if it has by the time
+        the env is there (at once or after parking), and no other /create of the session is
+        waiting and nothing used it, the reservation is given back (`abandon`), engine included:
+        nobody would ever close it."""
         s = self.reserve(sid)
-        if s.env is None and not s.closed:
-            s.waiters += 1
-            ready = asyncio.ensure_future(s.ready.wait())
-            gone = asyncio.ensure_future(client_gone())
-            answered = False
-            try:
-                done, _ = await asyncio.wait((ready, gone), return_when=asyncio.FIRST_COMPLETED)
-                answered = gone not in done  # both done: the client left as the env arrived
-            finally:
-                s.waiters -= 1
-                ready.cancel()
-                gone.cancel()
-                if not answered:  # the client left (or this request was cancelled)
-                    self.abandon(s)
-            if not answered:
-                raise ClientGone(f"the client of /create {sid!r} disconnected while it was parked")
+        s.waiters += 1
+        ready = asyncio.ensure_future(s.ready.wait())
+        gone = asyncio.ensure_future(client_gone())
+        done: set[asyncio.Future] = set()
+        try:
+            done, _ = await asyncio.wait(
+                (ready, gone), timeout=self.limits.create_wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            s.waiters -= 1
+            ready.cancel()
+            gone.cancel()
+            if ready not in done or gone in done:  # not answerable (both done: it left as the env came)
+                self.abandon(s)
+        if gone in done:
+            raise ClientGone(f"the client of /create {sid!r} disconnected before its answer")
+        if not done:
+            self.creates_refused += 1
+            raise PoolBusy(
+                f"no pooled env became free within {self.limits.create_wait_s:g} s (--create-timeout); "
+                f"all {len(self.envs)} engines are lent; retry later"
+            )
         if s.closed:
             raise SessionConflict(f"session {sid!r} was closed before a pooled env became free")
         s.claimed = True
+        s.seen = self.clock()
 
     def abandon(self, s: _Session) -> None:
         """Give `s` back if nobody can reach it: its last waiting /create left unanswered and
@@ -195,15 +280,32 @@ class EnvPool:
             self._retire(s)
 
     def get(self, sid: str) -> _Session:
+        """The session a verb runs on; using it claims it and renews its lease."""
         s = self.sessions.get(sid)
         if s is None:
-            raise UnknownSession(f"unknown session {sid!r}: /create it first (or it was closed)")
+            raise self.unknown(sid)
         if s.env is None:
             raise SessionConflict(
                 f"session {sid!r} is still waiting for a pooled env; wait for its /create to return before using it"
             )
         s.claimed = True
+        s.seen = self.clock()
         return s
+
+    def unknown(self, sid: str) -> UnknownSession:
+        """The error for a session that is not (or no longer) in the pool: 410 if its lease closed it."""
+        idle = self._lapsed.get(sid)
+        if idle is not None:
+            return LeaseExpired(
+                f"session {sid!r} was closed after {idle:.0f} s without a request: its lease "
+                f"(--lease-timeout {self.limits.lease_s:g} s) expired and its engine went back to the pool; "
+                "/create it again"
+            )
+        return UnknownSession(f"unknown session {sid!r}: /create it first (or it was closed)")
+
+    def touch(self, s: _Session) -> None:
+        """Renew `s`'s lease (an engine call on it just ended)."""
+        s.seen = self.clock()
 
     async def close(self, sid: str) -> None:
         """Idempotent: unknown or already-closed sessions are a no-op."""
@@ -213,13 +315,40 @@ class EnvPool:
             # so a cancelled /close request cannot strand it.
             await asyncio.shield(self._return_after_lock(s))
 
+    def _lapsed_sessions(self, now: float) -> list[_Session]:
+        """Sessions holding an engine, with no request for longer than the lease and no engine
+        call in flight (a call in flight is use: a slow offloaded step does not lose its env)."""
+        lease = self.limits.lease_s
+        return [s for s in self.sessions.values() if s.env is not None and now - s.seen > lease and not s.lock.locked()]
+
+    def reap(self) -> int:
+        """Close every lapsed session (its engine goes back); later requests of one get 410."""
+        now = self.clock()
+        lapsed = self._lapsed_sessions(now)
+        for s in lapsed:
+            del self.sessions[s.sid]
+            self._retire(s)
+            self._lapsed[s.sid] = now - s.seen
+            if len(self._lapsed) > LAPSED_REMEMBERED:
+                self._lapsed.popitem(last=False)
+        self.leases_expired += len(lapsed)
+        return len(lapsed)
+
+    async def reap_forever(self) -> None:
+        """`reap` every quarter lease (at most every second): a lapsed session is closed
+        between 1 and 1.25 leases after its last request."""
+        while True:
+            await asyncio.sleep(min(self.limits.lease_s / 4, 1.0))
+            self.reap()
+
     def _retire(self, s: _Session) -> bool:
         """Mark a session (already removed from `sessions`) closed and give its env back now;
         True when an engine call is in flight on it, so the env must wait for the lock."""
         s.closed = True
         s.ready.set()  # wakes parked /create duplicates (they report closed)
         if s.env is None:
-            return False  # still parked: `_give` skips closed sessions
+            self._waiting.remove(s)  # still parked: it never receives one
+            return False
         if s.lock.locked():
             self._returning.append(s.env)
             return True
@@ -232,12 +361,10 @@ class EnvPool:
             self._give(s.engine)
 
     def _give(self, env: Env) -> None:
-        while self._waiting:
-            s = self._waiting.popleft()
-            if not s.closed:
-                self._hand(s, env)
-                return
-        self._free.append(env)
+        if self._waiting:
+            self._hand(self._waiting.popleft(), env)
+        else:
+            self._free.append(env)
 
     @staticmethod
     def _hand(s: _Session, env: Env) -> None:
@@ -246,17 +373,22 @@ class EnvPool:
 
     def stats(self) -> dict[str, Any]:
         holders = [s for s in self.sessions.values() if s.env is not None]
-        orphaned = sum(1 for s in holders if not s.claimed and s.waiters == 0)
+        lapsed = self._lapsed_sessions(self.clock())
+        orphaned = len({s.sid for s in holders if not s.claimed and s.waiters == 0} | {s.sid for s in lapsed})
         placed = list(self._free) + [s.env for s in holders] + self._returning
         return {
             "pool_size": len(self.envs),
             "free": len(self._free),
             "live_sessions": len(holders),
-            "pending_sessions": sum(1 for s in self.sessions.values() if s.env is None),
+            "pending_sessions": len(self._waiting),
             "returning": len(self._returning),
             "orphaned": orphaned,
+            "lapsed": len(lapsed),
+            "leases_expired": self.leases_expired,
+            "creates_refused": self.creates_refused,
+            **dataclasses.asdict(self.limits),
             # Conservation: each engine placed exactly once (no leak, no double hold), and none
-            # held by a session nobody can reach.
+            # held by a session nobody can reach (never claimed, or silent past its lease).
             "conserved": orphaned == 0 and len(placed) == len(self.envs) == len({id(e) for e in placed}),
         }
 
@@ -344,8 +476,8 @@ def _dumps(payload: Any) -> bytes:
     return orjson.dumps(payload, default=_jsonable, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
 
 
-def _json(payload: Any, status: int = 200) -> Response:
-    return Response(_dumps(payload), status_code=status, media_type="application/json")
+def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_dumps(payload), status_code=status, headers=headers, media_type="application/json")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -399,7 +531,7 @@ def _json_verb(handler: Verb, shape: _Shape, limit: int) -> Callable[[Request], 
                 raise Malformed(f"the body is not valid JSON: {e}") from None
             return _json(await handler(shape.check(obj), request))
         except RequestError as e:
-            return _json({"detail": str(e)}, e.status)
+            return _json({"detail": str(e)}, e.status, e.headers)
 
     return endpoint
 
@@ -430,6 +562,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     offload: bool = False,
     variant: dict[str, Any] | None = None,
+    limits: PoolLimits | None = None,
 ) -> FastAPI:
     """Build the pool (refusing mismatched task orders) and the app serving it.
 
@@ -445,11 +578,24 @@ def create_app(
 
     `variant`: serve one client's env variant (its hash and label are in `/info`, so a client
     can check it talks to the variant it asked for); None serves the unperturbed env.
+
+    `limits`: the sessions' lease and the parked /create's deadline and bound (`PoolLimits`);
+    the app reaps lapsed sessions while it runs.
     """
-    pool = EnvPool(build_pool(env_name, pool_size, env_params, variant))
+    limits = limits or PoolLimits()  # checked before the (slow) pool build
+    pool = EnvPool(build_pool(env_name, pool_size, env_params, variant), limits)
     fingerprint = check_same_task_order(pool.envs)
     first = pool.envs[0]
-    app = FastAPI(title=f"{env_name} env service", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @asynccontextmanager
+    async def reaping(_: FastAPI) -> AsyncIterator[None]:
+        reaper = asyncio.ensure_future(pool.reap_forever())
+        try:
+            yield
+        finally:
+            reaper.cancel()
+
+    app = FastAPI(title=f"{env_name} env service", docs_url=None, redoc_url=None, openapi_url=None, lifespan=reaping)
     app.state.pool = pool
     ok = {"ok": True}
 
@@ -488,10 +634,13 @@ def create_app(
             return engine_call(fn, s, b)  # inline: nothing can interleave, the lock is moot
         async with s.lock:
             if s.closed:
-                raise UnknownSession(f"unknown session {s.sid!r}: it was closed")
-            if offload:
-                return await asyncio.to_thread(engine_call, fn, s, b)
-            return engine_call(fn, s, b)
+                raise pool.unknown(s.sid)
+            try:
+                if offload:
+                    return await asyncio.to_thread(engine_call, fn, s, b)
+                return engine_call(fn, s, b)
+            finally:
+                pool.touch(s)  # a call longer than the lease leaves it a whole lease
 
     async def per_item(fn: Callable[[_Session, dict], dict], shape: _Shape, items: list[Any]) -> dict:
         """A batched verb: `fn` on each item's session, in order; a bad item gets its own
@@ -759,6 +908,25 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_BODY_TIMEOUT_S,
         help="seconds a request's body may take to arrive after its head; slower gets 408",
     )
+    ap.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=DEFAULT_LEASE_S,
+        help="seconds a session holding an engine may go without a request before it is closed "
+        "and its engine goes back to the pool (its later requests get 410)",
+    )
+    ap.add_argument(
+        "--create-timeout",
+        type=float,
+        default=DEFAULT_CREATE_WAIT_S,
+        help="seconds a /create may wait for an engine on an exhausted pool; then 503 + Retry-After",
+    )
+    ap.add_argument(
+        "--max-parked",
+        type=int,
+        default=DEFAULT_MAX_PARKED,
+        help="/create requests that may wait on an exhausted pool at once; more get 503 + Retry-After at once",
+    )
     args = ap.parse_args(argv)
     try:
         params = json.loads(args.params)
@@ -786,7 +954,8 @@ def main(argv: list[str] | None = None) -> int:
         for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
             if not 0 < value < float("inf"):
                 ap.error(f"{flag} must be a positive number of seconds, got {value}")
-        app = create_app(args.env, args.pool_size, params, args.max_body_bytes, args.offload, variant)
+        limits = PoolLimits(args.lease_timeout, args.create_timeout, args.max_parked)
+        app = create_app(args.env, args.pool_size, params, args.max_body_bytes, args.offload, variant, limits)
         serve(
             app,
             args.host,
@@ -831,6 +1000,7 @@ def serve_in_subprocess(
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     variant: dict[str, Any] | None = None,
+    limits: PoolLimits | None = None,
 ) -> Iterator[str]:
     """Run the service CLI in a child process for the `with` block; yields its base URL.
 
@@ -840,8 +1010,10 @@ def serve_in_subprocess(
     `port=None` lets the child pick a free private-band port (with its one clean retry); the
     URL comes from its ready line. `variant` (one client's env variant) travels in a private
     temporary file (a catalog split's product list can outgrow a command-line argument), removed
-    once the child has read it.
+    once the child has read it. `limits`: the pool's lease and parked-/create limits (defaults
+    if None).
     """
+    limits = limits or PoolLimits()
     cmd = [
         sys.executable,
         "-m",
@@ -860,6 +1032,12 @@ def serve_in_subprocess(
         str(header_timeout_s),
         "--body-timeout",
         str(body_timeout_s),
+        "--lease-timeout",
+        str(limits.lease_s),
+        "--create-timeout",
+        str(limits.create_wait_s),
+        "--max-parked",
+        str(limits.max_parked),
     ]
     if port is not None:
         cmd += ["--port", str(port)]

@@ -6,7 +6,9 @@ on one thread, so its OpenMP threads spin instead of sleeping at every barrier."
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -163,3 +165,51 @@ def test_a_lane_s_openmp_threads_keep_spinning_through_a_fit(tmp_path, owner):
     rate = (voluntary_context_switches(service.pid) - before) / (time.monotonic() - t0)
     lane.request("/shutdown", {})
     assert rate < 1000, f"the lane's threads slept {rate:.0f} times a second during a fit"
+
+
+def _fit_body(tmp_path: Path, init_dir: Path, out: str, epochs: int) -> dict:
+    dirs = {"weights_in": {"actor": str(init_dir)}, "weights_out": {"actor": str(tmp_path / "run" / out / "actor")}}
+    return _body(tmp_path, FitCall, dirs, round=1, client_id=0, local_epochs=epochs, seed=0)
+
+
+def _post_and_vanish(sock_path: Path, body: dict, after_s: float) -> None:
+    """What a ClientApp killed mid-request leaves: its /fit sent, its connection closed unread."""
+    data = json.dumps(body).encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(sock_path))
+        s.sendall(
+            b"POST /fit HTTP/1.1\r\nHost: svc\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(data), data)
+        )
+        time.sleep(after_s)
+
+
+def test_a_fit_whose_clientapp_vanished_ends_and_its_redispatched_duplicate_runs_after_it(
+    tmp_path,
+    model_dir,  # noqa: F811
+    owner,
+):
+    """A /fit whose ClientApp died mid-request (its node, the service's owner, alive) is not
+    abandoned: nothing can stop a fit half-way, so it runs to its end (its weights written,
+    counted) and then frees the lane; the re-dispatched duplicate of the same call, sent while
+    it runs, waits for it (one request at a time: one compute thread, `TrainerService.lock`)
+    and then runs: never both at once, and the lane is never held past the first fit's end."""
+    lane = _lane_service(tmp_path, model_dir, owner.pid)
+    lane.ensure_started()
+    init_dir = tmp_path / "run" / "w0" / "actor"
+    lane.request("/init", _body(tmp_path, InitCall, {"weights_out": {"actor": str(init_dir)}}))
+    one_epoch = time.monotonic()
+    lane.request("/fit", _fit_body(tmp_path, init_dir, "warm", 1))
+    one_epoch = time.monotonic() - one_epoch
+    epochs = max(4, int(3.0 / one_epoch) + 1)  # a few seconds of fit
+    _post_and_vanish(lane.socket, _fit_body(tmp_path, init_dir, "orphan", epochs), after_s=min(1.0, one_epoch))
+    sent = time.monotonic()
+    duplicate = lane.request("/fit", _fit_body(tmp_path, init_dir, "redispatched", epochs))
+    answered = time.monotonic()
+    orphan_done = (tmp_path / "run" / "orphan" / "actor" / "manifest.json").stat().st_mtime
+    duplicate_started = time.time() - (time.monotonic() - answered) - duplicate["metrics"]["fit_total_s"]
+    assert duplicate["metrics"]["service_fits"] == 3.0  # warm-up, the orphan (ran to its end), the duplicate
+    assert duplicate_started >= orphan_done - 0.05, "the duplicate ran while the orphaned fit was still running"
+    assert answered - sent < 2 * duplicate["metrics"]["fit_total_s"] + 2 * one_epoch + 10, "the lane was held"
+    assert lane.health() is not None and lane.request("/shutdown", {})["ok"]
+    assert "Traceback" not in lane.log_path.read_text()
