@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from client_app.runtime_dir import NodeOwner, node_owner, open_lock, read_private, write_private
+from client_app.runtime_dir import SERVICE_MODULE, NodeOwner, node_owner, open_lock, read_private, write_private
 
 START_TIMEOUT_S = 1800.0  # first start may build the tiny model (minutes on 2 cores)
 REQUEST_TIMEOUT_S = 24 * 3600.0
@@ -147,7 +147,7 @@ class LaneService:
         cmd = [
             sys.executable,
             "-m",
-            "client_app.service",
+            SERVICE_MODULE,
             "--socket",
             str(self.socket),
             "--run-id",

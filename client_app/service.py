@@ -51,13 +51,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from client_app import memory_debug
-from client_app.runtime_dir import NodeOwner, remove_own_files
+from client_app.runtime_dir import NodeOwner, live_cpu_services, remove_own_files
 from client_app.trainer.base import ClientTasks, Trainer
 from client_app.trainer.device import freeze_survivors, resolve_device
 from client_app.variant_envs import VariantEnvServices
 from envs.registry import make_env
 from fl_app.calls import EvalCall, FitCall, InitCall
 from fl_app.config import Config, load_config, recipe_sha256
+from fl_app.host import CPU_THREADS_VAR, cpu_threads, usable_cores
 from fl_app.paths import PathEscapeError, confine
 from fl_app.weights import Manifest, ShardAlloc, WeightsError, anon_buffer, load_shards, save_shards
 from partitions.pool import TaskPool
@@ -425,12 +426,46 @@ def compute_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="lane-compute")
 
 
-def create_app(svc: TrainerService, stop: threading.Event, compute: ThreadPoolExecutor) -> FastAPI:
-    """The service's HTTP API; requests that touch the trainer run on `compute` (`compute_thread`)."""
+class CoreShare:
+    """Keeps a CPU lane's torch threads at its share of the host's cores (`fl_app.host.cpu_threads`):
+    every CPU SuperNode of a host runs a trainer service of its own, and each would otherwise take
+    every core. Called on the compute thread before each piece of torch work (OpenMP's thread
+    count is per thread), since another node's service may start or stop at any time."""
+
+    def __init__(self, lane: str) -> None:
+        self.cpu = lane == "cpu"
+        self.default = torch.get_num_threads()
+        cpu_threads(1, self.default)  # a malformed override fails the start-up, naming it
+
+    def __call__(self) -> None:
+        if not self.cpu:
+            return
+        peers = live_cpu_services()
+        if (want := cpu_threads(peers, self.default)) != torch.get_num_threads():
+            torch.set_num_threads(want)
+            log.info(
+                "torch threads %d: CPU trainer services on this host %d, usable cores %d (%s overrides)",
+                want,
+                peers,
+                usable_cores(),
+                CPU_THREADS_VAR,
+            )
+
+
+def create_app(
+    svc: TrainerService, stop: threading.Event, compute: ThreadPoolExecutor, share: CoreShare | None = None
+) -> FastAPI:
+    """The service's HTTP API; requests that touch the trainer run on `compute` (`compute_thread`),
+    each after `share` has set the lane's torch threads."""
     app = FastAPI(title="fedagent trainer service")
 
+    def shared(work: Callable[..., T], *args: Any) -> T:
+        if share is not None:
+            share()
+        return work(*args)
+
     async def on_compute(work: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(compute, work, *args)
+        return await asyncio.get_running_loop().run_in_executor(compute, shared, work, *args)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -567,13 +602,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: terminated.set())  # uvicorn's own handler takes over while serving
     sock = Path(args.socket)
     compute = compute_thread()
-    server = uvicorn.Server(uvicorn.Config(create_app(svc, stop, compute), log_level="warning", timeout_keep_alive=600))
+    share = compute.submit(CoreShare, args.lane).result()
+    app = create_app(svc, stop, compute, share)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=600))
     owner = NodeOwner.from_arg(args.owner) if args.owner else None
     threading.Thread(
         target=_watchdog, daemon=True, args=(svc, server, stop, terminated, owner, cfg.run.service_idle_timeout_s, sock)
     ).start()
     try:
         with svc.lock:
+            compute.submit(share).result()
             compute.submit(svc.start).result()
         listener = bind_private_socket(sock)
         log.info("serving run %d lane %s on %s", args.run_id, args.lane, sock)

@@ -34,6 +34,26 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+CPU_THREADS_VAR = "FEDAGENT_CPU_THREADS"
+
+
+def cpu_threads(peers: int, default: int) -> int:
+    """Intra-op threads for one of `peers` CPU trainers that share this host's cores.
+
+    Each trainer's OpenMP pool takes every core by default; two pools on the same cores make
+    libgomp sleep at every barrier, and two CPU SuperNodes on one host ran 7-9x slower per fit.
+    So each takes its share of the usable cores, never more than `default` (torch's own count,
+    which a lone trainer keeps, so its numerics do not change). `$FEDAGENT_CPU_THREADS` sets the
+    count outright (a positive integer), e.g. for a node that shares its host with other work."""
+    if (forced := os.environ.get(CPU_THREADS_VAR, "").strip()) != "":
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"{CPU_THREADS_VAR}={forced!r}: give a positive number of threads, or unset it")
+        return int(forced)
+    if peers <= 1:
+        return default
+    return max(1, min(default, usable_cores() // peers))
+
+
 def cpu_model() -> str:
     """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows. Float kernels
     differ by CPU model, so CPU-built weights record it."""

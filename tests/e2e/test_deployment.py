@@ -77,6 +77,8 @@ def test_two_supernodes_on_one_host_get_one_persistent_service_each(tmp_path):
         logs = d.log("n0") + d.log("n1") + p.stdout + p.stderr
         assert "Traceback" not in logs and "ClientAppException" not in logs, logs[-4000:]
         assert all(proc.poll() is None for name, proc in d.procs.items())  # the nodes outlive the run
+    for node in summary["nodes"].values():  # both CPU trainers share the host's cores
+        assert "CPU trainer services on this host 2" in Path(node["service-log"]).read_text(), node
     rows = RunDir(run_dir).read_metrics()
     assert [r["round"] for r in rows] == [0, 1, 2] and not any("failed" in r for r in rows)
 
