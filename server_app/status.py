@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fl_app.rundir import RunDir, RunDirError
 from fl_app.weights import WeightsError
-from server_app.errors import strip_ansi
+from server_app.errors import printable
 from server_app.liveness import Beat, Liveness, check
 
 COMPLETE, FAILED, UNFINISHED, NOT_A_RUN_DIR, DEAD, CORRUPT = 0, 1, 2, 3, 4, 5
@@ -129,7 +129,7 @@ def _same(a: Beat | None, b: Beat | None) -> bool:
 def run_status(run_dir: Path) -> Status:
     """(exit code, one line for a human, the summary) of the run in `run_dir`."""
     code, line, summary = _status(Path(run_dir))
-    return code, one_line(line), summary
+    return code, printable(line), summary
 
 
 def _status(run_dir: Path) -> Status:
@@ -215,12 +215,6 @@ def _complete(rd: RunDir, summary: Summary) -> tuple[int, str]:
     return COMPLETE, f"{rd.path}: complete, {final} rounds (round {final} verified)"
 
 
-def one_line(text: str) -> str:
-    """`text` as one printable line: ANSI codes, control characters and line breaks become spaces."""
-    text = strip_ansi(text)
-    return " ".join("".join(ch if ch.isprintable() else " " for ch in text).split())
-
-
 def wait_for(run_dir: Path, timeout_s: float, poll_s: float = 2.0) -> Status:
     """run_status once the run has an outcome (complete, failed, dead, corrupt), or at `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -233,7 +227,7 @@ def wait_for(run_dir: Path, timeout_s: float, poll_s: float = 2.0) -> Status:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # argparse's own exit code 2 means "running" here
-        print(one_line(f"{self.prog}: {message} (usage: {self.format_usage().strip()})"))
+        print(printable(f"{self.prog}: {message} (usage: {self.format_usage().strip()})"))
         sys.exit(NOT_A_RUN_DIR)
 
 
