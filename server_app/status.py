@@ -145,7 +145,7 @@ def _status(run_dir: Path) -> Status:
         return CORRUPT, f"{run_dir}: unreadable ({type(e).__name__}: {e})", {}
     raw = raw if isinstance(raw, dict) else {}
     try:
-        life = check(beat) if beat else None
+        life = check(beat) if beat is not None else None
         if life is not None and life.alive:
             return UNFINISHED, f"{run_dir}: running ({life.why}), {_progress(rd, summary)}", raw
         if summary is None:
