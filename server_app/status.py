@@ -137,7 +137,7 @@ def _status(run_dir: Path) -> Status:
         return NOT_A_RUN_DIR, f"{run_dir}: no such run dir", {}
     try:
         raw, summary, beat = _read(RunDir(run_dir))
-        members = summary.members if summary else ("actor",)
+        members = summary.members if summary is not None else ("actor",)
         rd = RunDir(run_dir, members=members)
     except Unreadable as e:
         return CORRUPT, f"unreadable: {e}", {}
