@@ -1,11 +1,8 @@
-"""The Flower ClientApp: forwards each call to its lane's trainer service.
+"""The Flower ClientApp: forwards each call to its lane's trainer service, which outlives it (it may serve one message).
 
-A call (`fl_app.calls`) arrives as one record, naming per member the round's global weights.
-This app gets each member as a local dir (`Channel.get`), forwards the call with those dirs to
-the trainer service of its node and GPU lane (`client_app.lane`), which validates the call
-before any work, and ships back what the service wrote (`Channel.put`). Nothing heavy lives
-here: in deployment this process exists for one message only, while the trainer service lives
-as long as its SuperNode.
+A call (`fl_app.calls`) names per member the round's global weights: this app gets each as a local dir (`Channel.get`),
+has its node and GPU lane's trainer service (`client_app.lane`) serve the call with those dirs (validated before any
+work), ships back what it wrote (`Channel.put`), answers a failed service call in one line (`client_app.failures`).
 """
 
 from __future__ import annotations
@@ -17,7 +14,8 @@ from pathlib import Path
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client_app.lane import LaneService
+from client_app.failures import failure_reply
+from client_app.lane import LaneService, ServiceError
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall, Reply
 from fl_app.channel import arrays_key
 from fl_app.channel.open import node_channel
@@ -35,16 +33,17 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
     channel, work = node_channel(call, cfg.run, node)
     lane = LaneService(context.run_id, run_config, log_dir=work.path / "logs", run_dir=Path(call.run_dir))
-    if isinstance(call, FitCall):
-        base = work.client_dir(call.round, call.client_id)
-    else:
-        base = work.path / "scratch" / f"{path.strip('/')}-{call.round:04d}"
+    scratch = work.path / "scratch" / f"{path.strip('/')}-{call.round:04d}"
+    base = work.client_dir(call.round, call.client_id) if isinstance(call, FitCall) else scratch
     shutil.rmtree(base, ignore_errors=True)  # a dead attempt's leftovers are never reused
     arrays = {m: (msg.content.array_records.get(arrays_key(m)) or ArrayRecord()) for m in call.weights}
     ins = {m: channel.get(r, arrays[m].to_torch_state_dict(), base / f"global-{m}") for m, r in call.weights.items()}
     outs = {m: base / m for m in (() if isinstance(call, EvalCall) else cfg.weight_members())}
     dirs = {"weights_in": {m: str(d) for m, d in ins.items()}, "weights_out": {m: str(d) for m, d in outs.items()}}
-    served = lane.request(path, {"call": call.model_dump(mode="json"), "dirs": dirs})
+    try:
+        served = lane.request(path, {"call": call.model_dump(mode="json"), "dirs": dirs})
+    except ServiceError as e:  # a known failure: one line to the server, not Ray's traceback in the stream
+        return failure_reply(msg, lane, path, e)
     for m, ref in call.weights.items():
         if ref.inline:
             shutil.rmtree(ins[m])

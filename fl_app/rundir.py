@@ -9,6 +9,7 @@
       rounds/round-0003/COMPLETE       written last: {"round", "time", "metrics", "members"}
       metrics.jsonl                    one line per complete round
       summary.json
+      heartbeat.json                   the ServerApp's liveness while it runs (server_app.liveness)
 
 A round is complete only when its COMPLETE marker exists and every required member (`actor`,
 and `critic` for PPO) still holds the exact weights the marker recorded. Resume (invariant 6,
@@ -92,6 +93,10 @@ class RunDir:
     @property
     def summary_path(self) -> Path:
         return self._inside(self.path / "summary.json", "summary file")
+
+    @property
+    def heartbeat_path(self) -> Path:
+        return self._inside(self.path / "heartbeat.json", "heartbeat file")
 
     @property
     def rounds_dir(self) -> Path:
@@ -218,15 +223,32 @@ class RunDir:
         """Rename every round dir without a COMPLETE marker to `round-NNNN.partial-<utc time>`."""
         return [self._move_aside(r, "partial") for r in self.rounds_on_disk() if self._round_state(r)[0] == "partial"]
 
+    def complete_rounds(self) -> list[int]:
+        """Every complete round on disk, ascending; moves nothing. A round whose COMPLETE marker
+        does not match its members (broken) is a RunDirError naming it: its weights cannot be trusted."""
+        complete = []
+        for r in self.rounds_on_disk():
+            state, why = self._round_state(r)
+            if state == "broken":
+                raise RunDirError(
+                    f"round {r} in {self.path} has a COMPLETE marker but {why}; this run requires members "
+                    f"{list(self.members)}. Use a new run dir, or move {self.round_dir(r)} aside if it is damaged"
+                )
+            if state == "complete":
+                complete.append(r)
+        return complete
+
+    @staticmethod
+    def gaps(complete: Sequence[int]) -> list[int]:
+        """The rounds missing or incomplete below the last complete one (rounds complete in order,
+        so a gap means rounds were moved or deleted afterwards)."""
+        return sorted(set(range(max(complete))) - set(complete)) if complete else []
+
     def check_gaps(self, complete: Sequence[int]) -> None:
-        """Refuse missing or incomplete rounds below the last complete one: rounds complete in
-        order, so a gap means rounds were moved or deleted afterwards, and resuming would skip them."""
-        if not complete:
-            return
-        last = max(complete)
-        missing = sorted(set(range(last)) - set(complete))
+        """Refuse a gap below the last complete round: resuming would skip the missing rounds."""
+        missing = self.gaps(complete)
         if missing:
-            first = missing[0]
+            first, last = missing[0], max(complete)
             raise RunDirError(
                 f"{self.path}: round(s) {missing} are missing or incomplete below the last complete round {last}; "
                 "rounds complete in order, so they were moved or deleted afterwards. Refusing to resume (nothing was "
@@ -236,13 +258,18 @@ class RunDir:
                 f"{self.round_dir(last)}.moved`, likewise for each); (3) use a new run dir"
             )
 
+    def verify_round(self, r: int) -> None:
+        """Read every shard of round r's required members against their manifest's digests; moves
+        nothing. WeightsError names the first bad file. Costs a read of the whole checkpoint."""
+        for m in self.members:
+            verify_shards(Manifest.from_dir(self.member_dir(r, m)))
+
     def _verified_resume_round(self, last: int | None) -> int | None:
         """The highest complete round whose every shard matches its digests, from `last` down;
         a round that fails is renamed `round-NNNN.corrupt-<utc time>` (its weights cannot be trusted)."""
         while last is not None:
             try:
-                for m in self.members:
-                    verify_shards(Manifest.from_dir(self.member_dir(last, m)))
+                self.verify_round(last)
                 return last
             except WeightsError as e:
                 moved = self._move_aside(last, "corrupt")
@@ -294,16 +321,7 @@ class RunDir:
         the initial model, when None). `moved_aside` lists what was renamed and why.
         """
         self.check_total()
-        complete = []
-        for r in self.rounds_on_disk():
-            state, why = self._round_state(r)
-            if state == "broken":
-                raise RunDirError(
-                    f"round {r} in {self.path} has a COMPLETE marker but {why}; this run requires members "
-                    f"{list(self.members)}. Use a new run dir, or move {self.round_dir(r)} aside if it is damaged"
-                )
-            if state == "complete":
-                complete.append(r)
+        complete = self.complete_rounds()
         self.check_gaps(complete)
         last = self._verified_resume_round(max(complete) if complete else None)
         self.moved_aside += [(p, "partial round") for p in self.quarantine_partials()]
@@ -370,6 +388,11 @@ class RunDir:
         body = {**summary, "final_round": final_round, "last_complete_round": last, "written_at": _utc_now()}
         _write_atomic(self.summary_path, json.dumps(body, default=_json_default, indent=1) + "\n")
         return self.summary_path
+
+    def write_heartbeat(self, beat: Mapping[str, Any]) -> None:
+        """Replace heartbeat.json atomically: a reader never sees half a beat."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.heartbeat_path, json.dumps(dict(beat)) + "\n")
 
 
 def round_of(weights_dir: Path) -> tuple[RunDir, int, str] | None:

@@ -1,8 +1,9 @@
 """The Flower ServerApp: one federated run from config to checkpoints.
 
 Round loop (read top to bottom to follow one round):
-  1. load + validate the config (before anything starts), open the run dir, find the resume point
-     on disk (the highest complete round); summary.json says `running` from here on;
+  1. load + validate the config (before anything starts), open the run dir (heartbeat.json vouches
+     for this process from here on: server_app.liveness), find the resume point on disk (the
+     highest complete round); summary.json says `running` from here on;
   2. round 0 = the initial model, exported by a trainer lane, written as fp32 shards, validated;
   3. each round r, in Flower's vocabulary: `configure_train` samples logical clients (a pure
      function of (seed, r)) and builds the round's `FitCall` naming the global weights; `train`
@@ -59,6 +60,7 @@ from partitions.report import write_partition_report
 from partitions.uniform import sampling_seed
 from server_app.dispatch import RoundDispatch, request_one
 from server_app.errors import one_line, strip_ansi
+from server_app.liveness import beating
 from server_app.strategy import (
     ClientFailure,
     ClientSampler,
@@ -307,8 +309,14 @@ def main(grid: Grid, context: Context) -> None:
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
     # before the run dir, which may be another checkout's
     code = check_server_code(_app_dir(grid), Path.cwd(), simulation=isinstance(grid, InMemoryGrid))
+    rd = RunDir(cfg.resolved_run_dir(), total_rounds=cfg.federation.rounds, members=cfg.weight_members())
+    with beating(rd, context.run_id, log):  # heartbeat.json: `server_app.status` tells running from dead
+        _serve_run(grid, context, cfg, rd, code)
+
+
+def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str) -> None:
+    """The run from its resume point to its final summary (complete, or failed and re-raised)."""
     fed = cfg.federation
-    rd = RunDir(cfg.resolved_run_dir(), total_rounds=fed.rounds, members=cfg.weight_members())
     start = rd.prepare_resume()  # refuses too many rounds, quarantines partials, checks every member
     partition = write_partition_report(rd.path, cfg, log)  # every client's shard, before any lane starts
     save_config(cfg, rd.path / "config.yaml")

@@ -29,6 +29,11 @@ def strip_ansi(text: str) -> str:
     return _ANSI.sub("", text)
 
 
+def printable(text: str) -> str:
+    """`text` as one printable line: ANSI codes go, control characters and line breaks become spaces."""
+    return " ".join("".join(ch if ch.isprintable() else " " for ch in strip_ansi(text)).split())
+
+
 def one_line(text: str) -> str:
     """The root cause of an error text as one line (<= MAX_CHARS).
 

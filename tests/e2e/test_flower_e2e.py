@@ -60,6 +60,9 @@ def test_flwr_run_completes_rounds_and_writes_the_run_dir(two_rounds, fl):
     summary = json.loads((two_rounds / "summary.json").read_text())
     assert summary["status"] == "complete" and summary["final_round"] == 2
     assert summary["code_sha256"] == code_sha256(code_root())  # the FAB's code: this checkout's, checked
+    beat = json.loads((two_rounds / "heartbeat.json").read_text())  # the server beat while it ran, then stopped
+    assert beat["run_id"] == summary["run_id"] and beat["stopped_at"] == beat["beat_at"] > 0, beat
+    assert "complete, 2 rounds (round 2 verified)" in run_status(two_rounds).stdout
     assert (two_rounds / "validation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (two_rounds / "config.yaml").exists()
     partition = json.loads((two_rounds / "partition.json").read_text())  # written before round 1 (issue 15)

@@ -15,21 +15,13 @@ from collections.abc import Iterator
 import pytest
 from flwr.app import ConfigRecord, Error, Message, RecordDict
 from flwr.common.constant import NOOP_ACCOUNT_NAME, NOOP_FLWR_AID, ErrorCode
-from flwr.proto.task_pb2 import Task
-from flwr.server.superlink.linkstate import LinkStateFactory
-from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
-from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
-from flwr.supercore.object_store import ObjectStoreFactory
-from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
-from flwr.superlink.federation import NoOpFederationManager
-from flwr.superlink.grid import InMemoryGrid
+from grid_support import grid, link_state, task_identity
 
 from fl_app.calls import RECORD, FitCall, Reply
 from server_app.dispatch import RoundDispatch, request_one
 from server_app.strategy import RoundError
 
-RUN_ID, TASK_ID, SUPERLINK = 7, 11, 1
+RUN_ID, TASK_ID = 7, 11
 
 
 def _call(cid: int) -> str:
@@ -47,12 +39,7 @@ class Federation:
     """A SuperLink's state and grid, and nodes that behave as told: ok | error | silent | dead."""
 
     def __init__(self, behaviours: list[str]) -> None:
-        factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
-        self.state = factory.state()
-        run = Run.create_empty(RUN_ID)
-        run.primary_task_id, run.federation_id = TASK_ID, NOOP_FEDERATION_ID
-        self.state.run_ids[RUN_ID] = RunRecord(run=run)
-        self.state.task_store[TASK_ID] = Task(task_id=TASK_ID, run_id=RUN_ID)
+        factory, self.state, run = link_state(RUN_ID, TASK_ID)
         self.behaviour: dict[int, str] = {}
         for b in behaviours:
             beat = 0.3 if b == "dead" else 1e300  # a dead node stops heartbeating at once
@@ -62,8 +49,7 @@ class Federation:
             self.state.acknowledge_node_heartbeat(node_id=node, heartbeat_interval=beat)
             self.behaviour[node] = b
         self.nodes = list(self.behaviour)
-        self.grid = InMemoryGrid(state_factory=factory, pull_interval=0.05)
-        self.grid.set_run(run)
+        self.grid = grid(factory, run)
         self.served: dict[int, list[int]] = {n: [] for n in self.nodes}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -102,19 +88,17 @@ class Federation:
 
 @pytest.fixture
 def federation() -> Iterator[callable]:
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, SUPERLINK, TASK_ID
     made: list[Federation] = []
 
     def make(*behaviours: str) -> Federation:
         made.append(Federation(list(behaviours)))
         return made[-1]
 
-    yield make
-    for f in made:
-        f.stop.set()
-        f.thread.join(5)
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    with task_identity(RUN_ID, TASK_ID):
+        yield make
+        for f in made:
+            f.stop.set()
+            f.thread.join(5)
 
 
 def test_every_client_replies(federation):
