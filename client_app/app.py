@@ -38,7 +38,7 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     if isinstance(call, FitCall):
         base = work.client_dir(call.round, call.client_id)
     else:
-        base = work.path / "scratch" / f"{path.strip('/')}-{call.round:04d}"
+        base = work.scratch_dir(path.strip("/"), call.round)
     shutil.rmtree(base, ignore_errors=True)  # a dead attempt's leftovers are never reused
     arrays = {m: (msg.content.array_records.get(arrays_key(m)) or ArrayRecord()) for m in call.weights}
     ins = {m: channel.get(r, arrays[m].to_torch_state_dict(), base / f"global-{m}") for m, r in call.weights.items()}
