@@ -28,6 +28,7 @@ import binascii
 import hashlib
 import hmac
 import json
+import math
 import secrets
 import time
 from collections.abc import Iterable
@@ -81,8 +82,8 @@ class Issuer:
     """Mints and verifies one run's credentials; the secret stays in this object (the ServerApp's
     process), so only the server can grant anything."""
 
-    def __init__(self, run_id: int, secret: bytes | None = None) -> None:
-        self.run_id = run_id
+    def __init__(self, run_id: int, secret: bytes | None = None, margin_s: float = MARGIN_S) -> None:
+        self.run_id, self.margin_s = run_id, margin_s
         self._secret = secret if secret is not None else secrets.token_bytes(32)
         if len(self._secret) < 32:
             raise WeightsError("a credential secret needs >= 32 random bytes (leave it out: Issuer makes one)")
@@ -110,7 +111,7 @@ class Issuer:
             "node": node,
             "read": sorted({check_key(k) for k in read}),
             "write": sorted({check_key(k) for k in write}),
-            "exp": int(time.time() + ttl_s + MARGIN_S),
+            "exp": math.ceil(time.time() + ttl_s + self.margin_s),  # never shorter than asked
         }
         payload = _b64(json.dumps(body, separators=(",", ":")).encode())
         return f"{PREFIX}.{payload}.{self._sign(payload)}"

@@ -13,8 +13,8 @@ import pytest
 from store_support import CuttingProxy, model, same_bits, write_ca_and_cert
 
 from envs.ports import PRIVATE_BAND, bind_listener, in_ephemeral_range
-from fl_app.channel.http import HttpWeightStore
 from fl_app.channel.credentials import Issuer
+from fl_app.channel.http import HttpWeightStore
 from fl_app.channel.http_server import WeightStoreServer
 from fl_app.channel.remote import WeightStoreRefused, WeightStoreUnreachable
 from fl_app.channel.run_dir import DirStore
