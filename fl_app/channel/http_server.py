@@ -162,27 +162,35 @@ class _Guard:
             raise _Refusal(413, f"a body of {length.decode('latin-1')} bytes; this route takes at most {limit}")
 
     def _route(self, scope: Scope) -> tuple[str, str | None, int]:
-        """(action, key, body limit): the scope a request needs ('read' or 'write' of `key`; no key:
-        any valid credential) and the most body bytes its route takes."""
-        method, parts = scope["method"], scope["path"].strip("/").split("/")
-        if parts[:2] == ["v1", "uploads"] and len(parts) >= 3:
+        """(action, key, body limit) of a route of the wire: the scope it needs ('read', or
+        'write'/'delete' of `key`; no key: any valid credential) and the most body bytes it takes.
+        Anything else is 404 here, so a route added to the app without a scope serves nobody."""
+        method, path = scope["method"], scope["path"]
+        parts = path.strip("/").split("/")
+        if parts[:2] == ["v1", "uploads"] and len(parts) in (3, 4):
             if (up := self.uploads.get(parts[2])) is None:
                 raise _Refusal(404, _no_upload(parts[2]))
             if method == "PUT" and len(parts) == 4:
-                shard = next((s for s in up.manifest.shards if s.file == parts[3]), None)
-                return "write", up.key, shard.bytes if shard else 0
-            return "write", up.key, 0
+                if (shard := next((s for s in up.manifest.shards if s.file == parts[3]), None)) is None:
+                    raise _Refusal(404, f"the upload's manifest lists no shard {parts[3]!r}")
+                return "write", up.key, shard.bytes
+            if (method, parts[3:]) in (("POST", ["commit"]), ("DELETE", [])):
+                return "write", up.key, 0
+            raise _Refusal(404, f"the weight store has no route {method} {scope['path']}")
         keys = [v for k, v in parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True) if k == "key"]
         if len(keys) > 1:
             raise _Refusal(400, "name one key per request (the query has several 'key' parameters)")
         key = keys[0] if keys else None
-        if parts[:2] == ["v1", "uploads"] and method == "POST":
-            return "write", key, self.max_json_bytes
-        if parts[:2] == ["v1", "entry"]:
-            return "delete", key, 0
-        if parts[:2] in (["v1", "manifest"], ["v1", "shard"]):
-            return "read", key, 0
-        return "read", None, 0
+        routes = {
+            ("GET", "v1/ping"): ("read", None, 0),
+            ("GET", "v1/manifest"): ("read", key, 0),
+            ("GET", "v1/shard"): ("read", key, 0),
+            ("DELETE", "v1/entry"): ("delete", key, 0),
+            ("POST", "v1/uploads"): ("write", key, self.max_json_bytes),
+        }
+        if (found := routes.get((method, "/".join(parts)))) is None:
+            raise _Refusal(404, f"the weight store has no route {method} {path}")
+        return found
 
 
 async def _refuse(send: Send, r: _Refusal) -> None:

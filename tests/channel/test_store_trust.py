@@ -106,6 +106,7 @@ def test_a_node_reads_the_global_model_and_its_own_upload_but_not_another_client
         assert h.get("/v1/manifest", params={"key": own(3), "key2": "x"}).status_code == 403
         assert h.get("/v1/manifest", params=[("key", own(4)), ("key", own(3))]).status_code == 400  # one key only
         assert h.get("/v1/manifest", params={"key": "rounds/round-0000/actor"}).status_code == 403  # not its call's
+        assert h.get("/docs").status_code == 404 and h.head("/v1/ping").status_code == 404  # only the wire's routes
 
 
 def test_no_node_leaves_a_future_round_behind_and_abandoned_uploads_do_not_stop_a_resume(served, run_dir, tmp_path):
