@@ -423,7 +423,8 @@ def main() -> None:
         return node_main()
 
     from envs.ports import bind_listener
-    from fl_app.channel.http_server import WeightStoreServer, new_token
+    from fl_app.channel.credentials import Issuer
+    from fl_app.channel.http_server import WeightStoreServer
 
     work = args.workdir
     if work.exists():
@@ -440,8 +441,11 @@ def main() -> None:
             flush=True,
         )
         nodes = [Node(i) for i in range(2)]
-        token = new_token()
-        server = WeightStoreServer(run_dir, token, bind_listener("127.0.0.1", None)).start()
+        issuer = Issuer(run_id=0)
+        server = WeightStoreServer(run_dir, issuer, bind_listener("127.0.0.1", None)).start()
+        uploads = [f"rounds/round-0001/clients/client-{i:04d}/actor" for i in range(2)]
+        # each node's credential, as the ServerApp mints it for a fit: read the global model, write its upload
+        tokens = [issuer.mint(round=1, client=i, node=i, read=[KEY], write=[uploads[i]], ttl_s=3600) for i in range(2)]
         legs: dict[str, Leg] = {}
         try:
             raw = [work / f"raw-node{i}" for i in range(2)]
@@ -450,7 +454,7 @@ def main() -> None:
                 {
                     "op": "fetch",
                     "url": server.url,
-                    "token": token,
+                    "token": tokens[i],
                     "sha": model.sha256,
                     "cache": str(work / f"node{i}-cache"),
                     "parallel": args.parallel,
@@ -466,9 +470,9 @@ def main() -> None:
                 {
                     "op": "publish",
                     "url": server.url,
-                    "token": token,
+                    "token": tokens[i],
                     "dir": str(fetched[i]),
-                    "key": f"rounds/round-0001/clients/client-{i:04d}/actor",
+                    "key": uploads[i],
                     "parallel": args.parallel,
                 }
                 for i in range(2)

@@ -33,7 +33,7 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
     channel, work = node_channel(call, cfg.run, node)
     lane = LaneService(context.run_id, run_config, log_dir=work.path / "logs", run_dir=Path(call.run_dir))
-    scratch = work.path / "scratch" / f"{path.strip('/')}-{call.round:04d}"
+    scratch = work.scratch_dir(path.strip("/"), call.round)
     base = work.client_dir(call.round, call.client_id) if isinstance(call, FitCall) else scratch
     shutil.rmtree(base, ignore_errors=True)  # a dead attempt's leftovers are never reused
     arrays = {m: (msg.content.array_records.get(arrays_key(m)) or ArrayRecord()) for m in call.weights}

@@ -64,11 +64,11 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect, Request
 from starlette.websockets import WebSocket, WebSocketDisconnect
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from envs.base import Env, task_order_fingerprint
 from envs.ports import PortError, bind_listener, check_port_allowed, port_is_free
 from envs.registry import make_env
+from fl_app.http_deadlines import DeadlineProtocol
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -719,85 +719,6 @@ def create_app(
     app.add_route("/info", info, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     return app
-
-
-# -------------------------------------------------------------------------- slow clients
-
-
-class DeadlineProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the two deadlines uvicorn does not have (its issue
-    #157): a request's head must arrive within `header_timeout_s` of the connection opening
-    or of the request's first byte, and its body within `body_timeout_s` of the head.
-
-    Without them a client that trickles bytes (or sends none) holds its socket for as long as
-    it likes: uvicorn's keep-alive timeout covers only the idle time between requests. The
-    deadlines live here, not in the app, because the app first sees a request once its head is
-    complete. On expiry the client gets 408 (unless an answer is already on its way) and the
-    connection is closed; an app still reading that body sees a disconnect.
-    """
-
-    def __init__(self, *args: Any, header_timeout_s: float, body_timeout_s: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
-        self._deadline: asyncio.TimerHandle | None = None
-
-    def _arm(self, seconds: float, what: str) -> None:
-        self._disarm()
-        self._deadline = self.loop.call_later(seconds, self._expire, what, seconds)
-
-    def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-
-    def _expire(self, what: str, seconds: float) -> None:
-        self._deadline = None
-        if self.transport.is_closing():
-            return
-        cycle = self.cycle  # in the head phase: the previous request's (if any)
-        if cycle is not None and (what == "request body" or not cycle.response_complete):
-            if cycle.response_started:  # an answer is on its way: just end the connection
-                self.transport.close()
-                return
-            cycle.disconnected = True  # the app's receive() now reports a disconnect
-            cycle.message_event.set()
-        body = orjson.dumps({"detail": f"the {what} did not arrive within {seconds:g} s"})
-        self.transport.write(
-            b"".join(
-                [
-                    STATUS_LINE[408],
-                    b"content-type: application/json\r\nconnection: close\r\n",
-                    b"content-length: %d\r\n\r\n" % len(body),
-                    body,
-                ]
-            )
-        )
-        self.transport.close()
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm(self.header_timeout_s, "request head")
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        if self._deadline is None:  # the next request on a kept-alive connection
-            self._arm(self.header_timeout_s, "request head")
-
-    def on_headers_complete(self) -> None:
-        self._arm(self.body_timeout_s, "request body")
-        super().on_headers_complete()
-
-    def on_message_complete(self) -> None:
-        self._disarm()
-        super().on_message_complete()
-
-    def handle_websocket_upgrade(self) -> None:
-        self._disarm()  # the connection now belongs to the WebSocket protocol: no HTTP deadline
-        super().handle_websocket_upgrade()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
 
 
 # ---------------------------------------------------------------------------- running it

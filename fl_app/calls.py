@@ -42,7 +42,7 @@ class Call(BaseModel):
     run_dir: str = ""  # the server's run dir
     run_dir_token: str = ""  # the token of its shared-disk probe (fl_app.channel.write_disk_probe)
     weight_store: str = ""  # the store nodes open ('' = the run dir; docs/weight-store.md)
-    weight_store_token: str = ""  # the served store's per-run token
+    weight_store_token: str = ""  # the served store's credential for this call (fl_app/channel/credentials.py)
     weights: dict[str, WeightsRef] = Field(default_factory=dict)  # member -> the round's global weights
 
 

@@ -609,7 +609,7 @@ class RunCfg(_Strict):
     )
     weight_store: str = Field(
         "",
-        description="How weights above `inline_max_mb` travel (docs/weight-store.md): `''` = through the run dir, which every node must see at the same path (simulation, a shared disk); `http` = the built-in store the ServerApp serves over its run dir (no shared disk: nodes fetch and upload shards over HTTP(S) with a per-run token); `file:///abs/path` = a disk every machine mounts; `s3://bucket/prefix` (or another fsspec URL) = your object store, credentials and endpoint from the environment (`AWS_*`), never from the config.",
+        description="How weights above `inline_max_mb` travel (docs/weight-store.md): `''` = through the run dir, which every node must see at the same path (simulation, a shared disk); `http` = the built-in store the ServerApp serves over its run dir (no shared disk: nodes fetch and upload shards over HTTP(S) with a per-call credential); `file:///abs/path` = a disk every machine mounts; `s3://bucket/prefix` (or another fsspec URL) = your object store, credentials and endpoint from the environment (`AWS_*`), never from the config.",
     )
     weight_store_host: str = Field(
         "127.0.0.1",

@@ -125,6 +125,13 @@ class RunDir:
             raise RunDirError(f"bad client id {client_id!r}: use an int or letters, digits, '.', '_', '-'")
         return self._inside(self.round_dir(r) / "clients" / f"client-{cid}", f"round {r} client dir")
 
+    def scratch_dir(self, kind: str, r: int) -> Path:
+        """Scratch space of a call that is not a fit (`init`, `evaluate`) in round r; an init
+        call's export is uploaded from here, so its store key is fixed by this layout too."""
+        if not _CLIENT_ID.match(kind):
+            raise RunDirError(f"bad call kind {kind!r}: use letters, digits, '.', '_', '-'")
+        return self._inside(self.path / "scratch" / f"{kind}-{r:04d}", f"{kind} scratch dir")
+
     def store_key(self, path: Path) -> str:
         """The weight-store key of a path inside this run dir (for a DirStore rooted here)."""
         return path.relative_to(self.path).as_posix()

@@ -47,7 +47,8 @@ from envs.ports import bind_listener
 from fl_app.aggregate import NonFiniteWeightsError
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall
 from fl_app.channel import Channel, WeightsRef, arrays_key, write_disk_probe
-from fl_app.channel.http_server import WeightStoreServer, new_token
+from fl_app.channel.credentials import Issuer
+from fl_app.channel.http_server import WeightStoreServer
 from fl_app.channel.open import open_store
 from fl_app.config import Config, load_config, recipe_sha256, save_config
 from fl_app.host import single_threaded_blas
@@ -63,9 +64,11 @@ from server_app.errors import one_line, strip_ansi
 from server_app.liveness import beating
 from server_app.strategy import (
     ClientFailure,
+    ClientRefused,
     ClientSampler,
     RoundError,
     StreamingAggregator,
+    check_reply_keys,
     inline_state,
     metrics_of,
     reply_of,
@@ -121,9 +124,9 @@ class Weights:
     The server's own copy of every entry is its run dir. `channel.store` is where nodes put and
     get what does not travel inline (`run.weight_store`, docs/weight-store.md): the run dir
     itself on a shared disk (''), the run dir served over HTTP(S) from this process ('http':
-    nodes get its URL and a per-run token in every call), or a disk or object store everybody
-    reaches (file://, s3://: the global model is published there before a call names it).
-    `close()` stops the served store; the run calls it on every path.
+    nodes get its URL, and every message a credential for that call alone: `credential`), or a
+    disk or object store everybody reaches (file://, s3://: the global model is published there
+    before a call names it). `close()` stops the served store; the run calls it on every path.
     """
 
     def __init__(self, rd: RunDir, cfg: Config, run_id: int) -> None:
@@ -134,7 +137,8 @@ class Weights:
         spec = r.weight_store.strip()
         if spec not in ("", "http"):  # entries are immutable: each run its own prefix, or a later run's
             spec = f"{spec.rstrip('/')}/run-{run_id}"  # uploads collide with an earlier one's under the same keys
-        self.node_store: dict[str, str] = {"weight_store": spec, "weight_store_token": ""}
+        self.node_store: dict[str, str] = {"weight_store": spec}
+        self.issuer: Issuer | None = None  # the served store's: its secret never leaves this process
         # a store other than the run dir gets each global model published once before a call names it
         self.remote = spec not in ("", "http")
         self._published: set[str] = set()
@@ -153,18 +157,18 @@ class Weights:
             run_dir=rd.path,
         )
         if spec == "http":
-            token = new_token()
+            self.issuer = Issuer(run_id)
             advertise = urlsplit(r.weight_store_url).hostname if r.weight_store_url else None
             sock = bind_listener(r.weight_store_host, r.weight_store_port or None)
             self.server = WeightStoreServer(
                 rd.path,
-                token,
+                self.issuer,
                 sock,
                 certfile=r.weight_store_certfile or None,
                 keyfile=r.weight_store_keyfile or None,
                 advertise_host=advertise,
             ).start()
-            self.node_store = {"weight_store": self.server.url, "weight_store_token": token}
+            self.node_store = {"weight_store": self.server.url}
             log(f"weight store: serving {rd.path} at {self.server.url} (nodes fetch and upload shards there)")
 
     def payload(self, r: int, members: tuple[str, ...]) -> tuple[dict[str, ArrayRecord], dict[str, WeightsRef]]:
@@ -181,6 +185,34 @@ class Weights:
             refs[m], state = self.channel.put_entry(key)
             arrays[arrays_key(m)] = ArrayRecord(state)
         return arrays, refs
+
+    def upload_keys(self, call: Call) -> dict[str, str]:
+        """member -> the store key a node publishes `call`'s result under (the layout
+        client_app/app.py `_serve` writes in its work dir): a fit's upload of its client and
+        round, the init call's export; an evaluation or the shutdown publish nothing."""
+        if isinstance(call, FitCall):
+            return self.client_keys(call.round, call.client_id)
+        if isinstance(call, InitCall):
+            return self._keys(self.rd.scratch_dir(call.kind, call.round))
+        return {}
+
+    def client_keys(self, r: int, client: int) -> dict[str, str]:
+        """member -> the key client `client` uploads its round-r result under."""
+        return self._keys(self.rd.client_dir(r, client))
+
+    def _keys(self, base: Path) -> dict[str, str]:
+        return {m: self.rd.store_key(base / m) for m in self.rd.members}
+
+    def credential(self, call: Call, node: int, ttl_s: float) -> str:
+        """The served store's credential for `call` sent to `node`, valid `ttl_s` (the call's
+        TTL) plus a margin: it reads the global entries the call names and its own uploads, and
+        writes only those uploads. Empty when the store is not served (no credentials there)."""
+        if self.issuer is None:
+            return ""
+        write = self.upload_keys(call).values()
+        read = [ref.key for ref in call.weights.values() if not ref.inline]
+        client = call.client_id if isinstance(call, FitCall) else None
+        return self.issuer.mint(round=call.round, client=client, node=node, read=read, write=write, ttl_s=ttl_s)
 
     def close(self) -> None:
         if self.server is not None:
@@ -241,9 +273,11 @@ class Run:
         }
 
     def message(self, node: int, mtype: str, call: Call, arrays: dict[str, ArrayRecord] | None = None) -> Message:
-        """`call` as one record, with the inline arrays of its weights beside it."""
-        content = RecordDict({**(arrays or {}), RECORD: ConfigRecord({RECORD: call.model_dump_json()})})
+        """`call` as one record, with the inline arrays of its weights beside it, and the weight
+        store's credential for this call on this node (`Weights.credential`)."""
         ttl = self.cfg.federation.client_timeout_s + 60.0
+        call = call.model_copy(update={"weight_store_token": self.w.credential(call, node, ttl)})
+        content = RecordDict({**(arrays or {}), RECORD: ConfigRecord({RECORD: call.model_dump_json()})})
         return Message(content=content, message_type=mtype, dst_node_id=node, ttl=ttl)
 
     def ask(self, mtype: str, what: str, call: Call, arrays: dict[str, ArrayRecord] | None = None) -> Message:
@@ -264,12 +298,15 @@ class Run:
 def _initial_model(run: Run, members: tuple[str, ...]) -> tuple[int, dict[str, Any]]:
     """Round 0: a lane exports its freshly built members; the server writes them as the checkpoint.
     Returns the bytes written and where the lane's critic came from (PPO; empty otherwise)."""
-    reply = run.ask("query.init", "round 0: initial model", InitCall(**run.header))
+    call = InitCall(**run.header)
+    reply = run.ask("query.init", "round 0: initial model", call)
     done, channel = reply_of(reply), run.w.channel
+    try:
+        check_reply_keys("the init lane", done, run.w.upload_keys(call))
+    except WeightsError as e:
+        raise RoundError(f"round 0: {e}") from None
     nbytes = 0
     for member in members:
-        if member not in done.weights:
-            raise RoundError(f"round 0: the lane exported {sorted(done.weights)}, not the run's {member!r}")
         state = channel.state(done.weights[member], inline_state(reply, member))
         nbytes += save_shards(state, run.rd.member_dir(0, member), channel.shard_bytes).tensor_bytes
     return nbytes, dict(done.critic_start)
@@ -512,20 +549,22 @@ def aggregate_train(
     run: Run, rnd: int, replies: dict[int, Message], failures: list[ClientFailure]
 ) -> tuple[dict[str, Manifest], dict[str, float]]:
     """Average the replies into the round's checkpoint (Flower's `aggregate_train`, streamed
-    from the replies' refs). An upload the aggregator refuses as
-    non-finite is a failed client: dropped (and the average recomputed without it) when the
-    round can afford it, else the round fails closed."""
+    from the replies' refs). A reply the aggregator refuses (one naming a key that is not its
+    client's own upload of this round, an entry that does not resolve, a non-finite upload) is
+    a failed client: dropped (and the average recomputed without it) when the round can afford
+    it, else the round fails closed."""
     out_dirs = {m: run.rd.member_dir(rnd, m) for m in run.rd.members}
     previous = {m: run.rd.member_dir(rnd - 1, m) for m in run.rd.members}
     while True:
         order = sorted(replies)
         try:
-            return run.aggregator.aggregate_train({c: replies[c] for c in order}, run.w.channel, out_dirs, previous)
+            return run.aggregator.aggregate_train(
+                {c: replies[c] for c in order}, run.w.channel, out_dirs, lambda c: run.w.client_keys(rnd, c), previous
+            )
         except WeightsError as e:
-            bad = _bad_input(e)
-            if bad is None:
+            client = _blamed(e, order)
+            if client is None:
                 raise
-            client = order[bad]
             failures.append(ClientFailure(client, int(replies[client].metadata.src_node_id), one_line(str(e))))
             if len(order) - 1 < run.cfg.min_clients():
                 raise RoundError(
@@ -539,10 +578,12 @@ def aggregate_train(
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _bad_input(e: WeightsError) -> int | None:
-    """The index (in aggregation order) of a client input an aggregation error blames (a
-    non-finite upload: the first culprit; the loop drops one at a time); None for any other error."""
-    return e.inputs[0] if isinstance(e, NonFiniteWeightsError) and e.inputs else None
+def _blamed(e: WeightsError, order: list[int]) -> int | None:
+    """The client an aggregation error blames: a refused reply's, or a non-finite upload's (the
+    first culprit; the loop drops one at a time); None for any other error (not a client's)."""
+    if isinstance(e, ClientRefused):
+        return e.client
+    return order[e.inputs[0]] if isinstance(e, NonFiniteWeightsError) and e.inputs else None
 
 
 def _shutdown_lanes(run: Run) -> list[dict[str, Any]]:

@@ -18,12 +18,15 @@ replacing every method Flower calls (as this module once did) only borrowed thei
   invariant 4).
 
 A reply (fl_app.calls.Reply) names each member's weights by a `WeightsRef`, with its inline
-arrays under `fl_app.channel.arrays_key(member)`; the aggregator receives the refs.
+arrays under `fl_app.channel.arrays_key(member)`; the aggregator receives the refs. A reply may
+name only its own client's upload keys of the round (`check_reply_keys`), and each entry it names
+must resolve and load (a DirStore refuses a symlink out of the run dir): anything else is
+`ClientRefused`, which the round loop treats as that client failing, never averaged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ from flwr.app import Message
 from fl_app.aggregate import fedavg_refs
 from fl_app.calls import RECORD, Reply
 from fl_app.channel import Channel, arrays_key
+from fl_app.channel.remote import WeightStoreUnreachable
 from fl_app.outcomes import outcome_key
 from fl_app.weights import Manifest, WeightsError
 from partitions.uniform import sample_clients
@@ -53,6 +57,30 @@ class ClientFailure:
 
     def as_dict(self) -> dict[str, Any]:
         return {"client": self.client, "node": self.node, "reason": self.reason}
+
+
+class ClientRefused(WeightsError):
+    """A reply the server will not use, blamed on its client (`client`): the round drops that
+    client like a failed one, or fails closed when it cannot afford to."""
+
+    def __init__(self, client: int, reason: str) -> None:
+        super().__init__(reason)
+        self.client = client
+
+
+def check_reply_keys(who: str, reply: Reply, own: Mapping[str, str]) -> None:
+    """`reply` names exactly the members of `own` (member -> the one store key its sender may
+    upload that member under), each inline or under that key: another client's upload, a global
+    entry or another round's key is refused (WeightsError naming the key), as the store's
+    credentials would refuse the write itself (a shared disk or object store has none)."""
+    if set(reply.weights) != set(own):
+        raise WeightsError(f"{who}'s reply carries {sorted(reply.weights)}, not the run's {sorted(own)}")
+    for member, ref in sorted(reply.weights.items()):
+        if ref.key != ("" if ref.inline else own[member]):
+            raise WeightsError(
+                f"{who}'s reply names {ref.key!r} for {member!r}; only its own upload {own[member]!r} "
+                "(or inline arrays) is accepted"
+            )
 
 
 class ClientSampler:
@@ -100,18 +128,18 @@ class StreamingAggregator:
         replies: Mapping[int, Message],
         channel: Channel,
         out_dirs: Mapping[str, Path],
+        upload_keys: Callable[[int], Mapping[str, str]],
         previous_dirs: Mapping[str, Path] | None = None,
     ) -> tuple[dict[str, Manifest], dict[str, float]]:
         """Average every member of `replies` (client id -> its successful reply, in client order)
         into its `out_dirs[member]`, all members with the same `num-examples` weights;
-        `previous_dirs` hold the round's global model (read only when server_lr != 1)."""
-        done = {c: reply_of(m) for c, m in replies.items()}
+        `upload_keys(client)` is member -> the key that client may upload under (anything else
+        is `ClientRefused`); `previous_dirs` hold the round's global model (read only when
+        server_lr != 1)."""
+        done = {c: accepted_reply(c, m, channel, upload_keys(c)) for c, m in replies.items()}
         metrics = [metrics_of(m) for m in replies.values()]
         manifests = {}
         for member, out_dir in out_dirs.items():
-            for c, r in done.items():
-                if member not in r.weights:
-                    raise WeightsError(f"client {c}'s reply carries {sorted(r.weights)}, not the run's {member!r}")
             items = [
                 (done[c].weights[member], inline_state(m, member), x["num-examples"])
                 for (c, m), x in zip(replies.items(), metrics)
@@ -125,6 +153,24 @@ class StreamingAggregator:
                 self.server_lr,
             )
         return manifests, weighted_metrics(metrics)
+
+
+def accepted_reply(client: int, msg: Message, channel: Channel, own: Mapping[str, str]) -> Reply:
+    """Client `client`'s reply, once it names only its own upload keys and every entry it names
+    resolves (for a remote store: is fetched and verified into the server's cache, where the
+    average reads it for free); else `ClientRefused` with a one-line reason. A store that does
+    not answer is the server's problem, not the client's: that error passes through."""
+    reply = reply_of(msg)
+    try:
+        check_reply_keys(f"client {client}", reply, own)
+        for ref in reply.weights.values():
+            if not ref.inline:
+                channel.manifest(ref)
+    except WeightStoreUnreachable:
+        raise
+    except WeightsError as e:
+        raise ClientRefused(client, f"client {client}'s reply was refused: {e}") from e
+    return reply
 
 
 def inline_state(msg: Message, member: str) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ message, or a store entry pinned by its manifest digest. The backends:
     run_dir.py       a directory: the run dir (simulation) or a disk every machine mounts
     remote.py        what the remote backends share: a node cache of verified entries, resumable
     http.py          the client of the store a ServerApp serves beside itself (http_server.py)
+    credentials.py   the served store's per-call credentials: who may read and write which keys
     object_store.py  any fsspec URL: S3, MinIO, GCS, ...
     open.py          one config value -> the store it names
     files.py         the file operations every backend writes entries with

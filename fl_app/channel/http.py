@@ -66,7 +66,9 @@ async def _all_or_nothing(jobs: list[Awaitable[None]], limit: int) -> None:
 
 
 class HttpWeightStore(RemoteStore):
-    """`HttpWeightStore("https://10.0.0.1:20456", token, max_shard_bytes=..., ca_file=...)`."""
+    """`HttpWeightStore("https://10.0.0.1:20456", credential, max_shard_bytes=..., ca_file=...)`: the
+    credential is the one the ServerApp minted for the call being served (`Call.weight_store_token`,
+    fl_app/channel/credentials.py); it reads and writes only what that call may."""
 
     def __init__(
         self,
@@ -85,7 +87,9 @@ class HttpWeightStore(RemoteStore):
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
             raise WeightsError(f"weight store URL {url!r} is not http(s)://host:port (as the ServerApp sends it)")
         if not token:
-            raise WeightsError(f"the weight store at {url} needs this run's token (the ServerApp sends it)")
+            raise WeightsError(
+                f"the weight store at {url} needs the call's credential (the ServerApp sends it as weight_store_token)"
+            )
         if ca_file and parts.scheme != "https":
             raise WeightsError(f"a CA file was given for {url}, which is not https: use the https URL")
         self.url = url.rstrip("/")
@@ -134,7 +138,7 @@ class HttpWeightStore(RemoteStore):
             detail = (await resp.text())[:500]
         if resp.status == 401:
             return WeightStoreRefused(
-                f"{self._who()}the weight store at {self.url} refused this node's token "
+                f"{self._who()}the weight store at {self.url} refused this node's credential "
                 f"while {what} (HTTP 401: {detail})"
             )
         return WeightStoreRefused(
@@ -168,7 +172,7 @@ class HttpWeightStore(RemoteStore):
 
     # ---- small calls ----------------------------------------------------------------------
     def ping(self) -> None:
-        """Raise (naming the cause) unless the store answers and accepts this node's token."""
+        """Raise (naming the cause) unless the store answers and accepts this node's credential."""
 
         async def go() -> None:
             async with self._session("checking the store") as s:
@@ -270,7 +274,9 @@ class HttpWeightStore(RemoteStore):
 
         async def go() -> None:
             async with self._session(what) as s:
-                start = await self._json(s, "POST", "/v1/uploads", what, json={"key": key, "manifest": local.to_json()})
+                start = await self._json(
+                    s, "POST", "/v1/uploads", what, params={"key": key}, json={"manifest": local.to_json()}
+                )
                 assert start is not None
                 if start["exists"]:
                     return

@@ -1,57 +1,78 @@
 """The built-in HTTP weight store: serves a run dir's entries to nodes on other machines and
 receives their results, from a uvicorn thread inside the ServerApp's process.
 
-The wire, all under one per-run bearer token (compared in constant time, 401 without it):
-  GET    /v1/ping                          reachability and token check
-  GET    /v1/manifest?key=K                the entry's manifest (404 while it is absent or incomplete)
-  GET    /v1/shard?key=K&file=F            one shard file listed by that manifest; Range requests
-                                           (206) let a node resume a download that was cut off
-  DELETE /v1/entry?key=K                   remove an entry (same rule as DirStore.delete)
-  POST   /v1/uploads {key, manifest}       start an upload into a hidden staging dir beside the key
-  PUT    /v1/uploads/ID/F                  one shard's bytes, streamed; verified against the upload's
-                                           manifest as soon as it is complete (422 and deleted if not)
-  POST   /v1/uploads/ID/commit             publish: manifest written, staging dir renamed onto the key
-  DELETE /v1/uploads/ID                    abandon an upload
-An upload is never visible under its key before every shard is verified and the rename is done.
-Keys pass `check_key` and resolve inside the root (`fl_app.paths.confine`), symlinks included.
+The wire; every request carries `Authorization: Bearer <credential>`, a per-call credential the
+ServerApp minted (fl_app/channel/credentials.py), and is allowed by its scope:
+  GET    /v1/ping                          reachability and credential check     any valid credential
+  GET    /v1/manifest?key=K                the entry's manifest (404 while it is   read K
+                                           absent or incomplete)
+  GET    /v1/shard?key=K&file=F            one shard file listed by that manifest; read K
+                                           Range requests (206) resume a download
+  DELETE /v1/entry?key=K                   remove an entry (DirStore.delete's rule) write K
+  POST   /v1/uploads?key=K {manifest}      start an upload into a hidden staging   write K
+                                           dir beside the key
+  PUT    /v1/uploads/ID/F                  one shard's bytes, streamed; verified    write the upload's K
+                                           as soon as it is complete (422 and deleted if not)
+  POST   /v1/uploads/ID/commit             publish: manifest written, staging dir   write the upload's K
+                                           renamed onto the key
+  DELETE /v1/uploads/ID                    abandon an upload                        write the upload's K
+A node's credential writes only its own uploads of its round: the global entries are written
+and deleted by the ServerApp alone, through its run dir, never over this wire.
+
+`_Guard` (pure ASGI) decides on the request head alone, before any body byte is read: 401 for a
+missing, forged, foreign or expired credential, 403 for a key outside its scope, 411/413 for a
+body without a length or longer than the route takes (a JSON body: `MAX_JSON_BYTES`; a shard:
+its manifest's size). `DeadlineProtocol` closes connections whose head does not arrive within
+`HEAD_TIMEOUT_S` or whose body stops moving for `BODY_IDLE_S` (408). An upload is never visible
+under its key before every shard is verified and the rename is done. Keys pass `check_key` and
+resolve inside the root (`fl_app.paths.confine`), symlinks included.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import functools
 import os
-import secrets
 import shutil
 import socket
 import ssl
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl
 
+import orjson
 import uvicorn
-from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi import FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.responses import FileResponse
 
+from fl_app.channel.credentials import CredentialError, Issuer
 from fl_app.channel.files import check_shard_names, install_entry, sibling_tmp, verify_shard, write_all
-from fl_app.channel.run_dir import DirStore
+from fl_app.channel.run_dir import DirStore, confined_key_path
 from fl_app.channel.store import check_key
+from fl_app.http_deadlines import DeadlineProtocol
 from fl_app.paths import PathEscapeError, confine
 from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError
 
 CHUNK = 4 << 20  # bytes per read/write: large enough that per-chunk Python overhead vanishes
 UPLOAD_IDLE_S = 3600.0  # an upload nobody touched for this long is abandoned
-_MIN_TOKEN_CHARS = 16
+# An upload's manifest (POST /v1/uploads) is the largest JSON body: ~150 bytes per tensor, so
+# 32 MiB holds ~200,000 tensors, far beyond the largest models' few thousand (MoE included).
+MAX_JSON_BYTES = 32 << 20
+HEAD_TIMEOUT_S = 10.0  # a request head must arrive within this (as the env service's)
+# A shard body may take minutes on a slow link; only a sender that stops is cut (DeadlineProtocol).
+BODY_IDLE_S = 60.0
 
-
-def new_token() -> str:
-    """A fresh per-run bearer token (256 random bits)."""
-    return secrets.token_urlsafe(32)
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class _ShardFile(FileResponse):
@@ -59,7 +80,6 @@ class _ShardFile(FileResponse):
 
 
 class _NewUpload(BaseModel):
-    key: str
     manifest: str
 
 
@@ -82,31 +102,125 @@ def _fail(status: int, e: Exception | str) -> HTTPException:
     return HTTPException(status, str(e))
 
 
-def build_app(root: Path, token: str) -> FastAPI:
-    """The store's FastAPI app over the DirStore at `root` (the run dir)."""
-    root = Path(os.path.realpath(root))
-    expected = f"Bearer {token}".encode()
-    uploads: dict[str, _Upload] = {}
+def _no_upload(upload_id: str) -> str:
+    return (
+        f"no upload {upload_id!r} in progress (finished, abandoned after {UPLOAD_IDLE_S:.0f} s "
+        "idle, or the store restarted): start the upload again"
+    )
 
-    def require_token(authorization: str = Header("")) -> None:
-        if not hmac.compare_digest(authorization.encode(), expected):
-            raise HTTPException(
-                401,
-                "missing or wrong bearer token: this weight store belongs to another run "
-                "(use the token the ServerApp sent with this run's messages)",
-                headers={"WWW-Authenticate": "Bearer"},
+
+class _Refusal(Exception):
+    """An answer `_Guard` gives on the request head (the body is never read)."""
+
+    def __init__(self, status: int, detail: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        super().__init__(detail)
+        self.status, self.detail, self.headers = status, detail, headers
+
+
+class _Guard:
+    """Authentication, scope and body size on the request head (pure ASGI), before FastAPI, which
+    would read and parse a JSON body before any dependency ran. A refusal closes the connection
+    (`connection: close`), so an unread body is never drained either."""
+
+    def __init__(self, app: ASGIApp, issuer: Issuer, uploads: dict[str, _Upload], max_json_bytes: int) -> None:
+        self.app, self.issuer, self.uploads, self.max_json_bytes = app, issuer, uploads, max_json_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            try:
+                self._check(scope)
+            except _Refusal as r:
+                await _refuse(send, r)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, scope: Scope) -> None:
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        scheme, _, credential = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        try:
+            grant = self.issuer.verify(credential if scheme == "Bearer" else "")
+        except CredentialError as e:
+            raise _Refusal(401, str(e), ((b"www-authenticate", b"Bearer"),)) from None
+        action, key, limit = self._route(scope)
+        if key is not None:
+            try:
+                check_key(key)
+            except WeightsError as e:
+                raise _Refusal(400, str(e)) from None
+        need, allowed = ("read", grant.may_read) if action == "read" else ("write", grant.may_write)
+        if key is not None and not allowed(key):
+            raise _Refusal(
+                403,
+                f"the credential of {grant.who()} has no '{need}' scope for {key!r}, so it may not {action} it: "
+                "a node reads the global entries its call names and its own uploads, and writes (or deletes) only "
+                "its own uploads of its round; global entries are the ServerApp's alone",
             )
+        length = headers.get(b"content-length")
+        if b"transfer-encoding" in headers or (length is None and limit and scope["method"] == "PUT"):
+            raise _Refusal(411, "send the body with a Content-Length (no chunked transfer)")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            raise _Refusal(413, f"a body of {length.decode('latin-1')} bytes; this route takes at most {limit}")
 
-    app = FastAPI(dependencies=[Depends(require_token)], openapi_url=None, docs_url=None, redoc_url=None)
+    def _route(self, scope: Scope) -> tuple[str, str | None, int]:
+        """(action, key, body limit) of a route of the wire: the scope it needs ('read', or
+        'write'/'delete' of `key`; no key: any valid credential) and the most body bytes it takes.
+        Anything else is 404 here, so a route added to the app without a scope serves nobody."""
+        method, path = scope["method"], scope["path"]
+        parts = path.strip("/").split("/")
+        if parts[:2] == ["v1", "uploads"] and len(parts) in (3, 4):
+            if (up := self.uploads.get(parts[2])) is None:
+                raise _Refusal(404, _no_upload(parts[2]))
+            if method == "PUT" and len(parts) == 4:
+                if (shard := next((s for s in up.manifest.shards if s.file == parts[3]), None)) is None:
+                    raise _Refusal(404, f"the upload's manifest lists no shard {parts[3]!r}")
+                return "write", up.key, shard.bytes
+            if (method, parts[3:]) in (("POST", ["commit"]), ("DELETE", [])):
+                return "write", up.key, 0
+            raise _Refusal(404, f"the weight store has no route {method} {scope['path']}")
+        keys = [v for k, v in parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True) if k == "key"]
+        if len(keys) > 1:
+            raise _Refusal(400, "name one key per request (the query has several 'key' parameters)")
+        key = keys[0] if keys else None
+        routes = {
+            ("GET", "v1/ping"): ("read", None, 0),
+            ("GET", "v1/manifest"): ("read", key, 0),
+            ("GET", "v1/shard"): ("read", key, 0),
+            ("DELETE", "v1/entry"): ("delete", key, 0),
+            ("POST", "v1/uploads"): ("write", key, self.max_json_bytes),
+        }
+        if (found := routes.get((method, "/".join(parts)))) is None:
+            raise _Refusal(404, f"the weight store has no route {method} {path}")
+        return found
+
+
+async def _refuse(send: Send, r: _Refusal) -> None:
+    body = orjson.dumps({"detail": r.detail})
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+        *r.headers,
+    ]
+    await send({"type": "http.response.start", "status": r.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def build_app(root: Path, issuer: Issuer, max_json_bytes: int = MAX_JSON_BYTES) -> FastAPI:
+    """The store's FastAPI app over the DirStore at `root` (the run dir), behind `_Guard`:
+    `app.state.guarded` is what the server runs."""
+    root = Path(os.path.realpath(root))
+    uploads: dict[str, _Upload] = {}
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     app.state.uploads = uploads
+    app.state.guarded = _Guard(app, issuer, uploads, max_json_bytes)
 
     def entry_dir(key: str) -> Path:
         try:
-            return confine(root / check_key(key), root, "weight-store key")
-        except WeightsError as e:
-            raise _fail(400, e) from None
+            return confined_key_path(root, key)
         except PathEscapeError as e:
             raise _fail(403, e) from None
+        except WeightsError as e:
+            raise _fail(400, e) from None
 
     def complete_manifest(key: str) -> Manifest | None:
         path = entry_dir(key)
@@ -114,11 +228,7 @@ def build_app(root: Path, token: str) -> FastAPI:
 
     def upload(upload_id: str) -> _Upload:
         if (up := uploads.get(upload_id)) is None:
-            raise _fail(
-                404,
-                f"no upload {upload_id!r} in progress (finished, abandoned after {UPLOAD_IDLE_S:.0f} s "
-                "idle, or the store restarted): start the upload again",
-            )
+            raise _fail(404, _no_upload(upload_id))
         up.touched = time.monotonic()
         return up
 
@@ -164,26 +274,26 @@ def build_app(root: Path, token: str) -> FastAPI:
     # Routes that touch `uploads` are coroutines: they all run on the event loop's one thread, so
     # the bookkeeping needs no lock; their slow parts (verification, fsync) go to worker threads.
     @app.post("/v1/uploads")
-    async def start_upload(body: _NewUpload) -> dict[str, Any]:
-        dest = entry_dir(body.key)
+    async def start_upload(key: str, body: _NewUpload) -> dict[str, Any]:
+        dest = entry_dir(key)
         try:
             manifest = Manifest.from_json(body.manifest)
             check_shard_names(manifest)
         except (WeightsError, ValueError, KeyError, TypeError) as e:
             raise _fail(400, f"the upload's manifest is not a weights manifest: {e}") from None
-        if (existing := complete_manifest(body.key)) is not None:
+        if (existing := complete_manifest(key)) is not None:
             if existing.sha256 == manifest.sha256:
                 return {"exists": True, "manifest_sha256": existing.sha256}
             raise _fail(
                 409,
-                f"entry {body.key!r} already holds other weights (manifest sha256 "
+                f"entry {key!r} already holds other weights (manifest sha256 "
                 f"{existing.sha256[:12]}...); entries are immutable: publish under a new key",
             )
         if dest.exists():
-            raise _fail(409, f"entry {body.key!r} holds an incomplete write; delete it first")
+            raise _fail(409, f"entry {key!r} holds an incomplete write; delete it first")
         drop_idle()
         uid = uuid.uuid4().hex
-        uploads[uid] = _Upload(body.key, dest, manifest, sibling_tmp(dest, f"upload-{uid[:8]}"))
+        uploads[uid] = _Upload(key, dest, manifest, sibling_tmp(dest, f"upload-{uid[:8]}"))
         return {"exists": False, "upload_id": uid}
 
     @app.put("/v1/uploads/{upload_id}/{file}")
@@ -308,31 +418,35 @@ class WeightStoreServer:
     def __init__(
         self,
         root: Path,
-        token: str,
+        issuer: Issuer,
         sock: socket.socket,
         *,
         certfile: str | None = None,
         keyfile: str | None = None,
         advertise_host: str | None = None,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
+        body_idle_s: float = BODY_IDLE_S,
+        max_json_bytes: int = MAX_JSON_BYTES,
     ):
-        if len(token) < _MIN_TOKEN_CHARS:
-            raise WeightsError(
-                f"the weight store's token must have >= {_MIN_TOKEN_CHARS} characters; "
-                "use fl_app.channel.http_server.new_token()"
-            )
         if not Path(root).is_dir():
             raise WeightsError(f"the weight store's root {root} is not a directory")
-        self.root, self.token, self.sock = Path(root), token, sock
+        for name, value in (("head timeout", head_timeout_s), ("body idle timeout", body_idle_s)):
+            if not 0 < value < float("inf"):
+                raise WeightsError(f"the weight store's {name} must be a positive number of seconds, got {value}")
+        self.root, self.issuer, self.sock = Path(root), issuer, sock
         self.tls = _tls_pair(certfile, keyfile)
         self.advertise_host = advertise_host
-        self.app = build_app(self.root, token)
+        self.app = build_app(self.root, issuer, max_json_bytes)
+        self._protocol = functools.partial(
+            DeadlineProtocol, header_timeout_s=head_timeout_s, body_timeout_s=body_idle_s, body_idle=True
+        )
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     @property
     def url(self) -> str:
-        """The URL nodes open (`HttpWeightStore(url, token)`)."""
+        """The URL nodes open (`HttpWeightStore(url, credential)`)."""
         host, port = self.sock.getsockname()[:2]
         if self.advertise_host:
             host = self.advertise_host
@@ -347,9 +461,9 @@ class WeightStoreServer:
     def start(self, timeout_s: float = 30.0) -> WeightStoreServer:
         cert, key = self.tls or (None, None)
         config = uvicorn.Config(
-            self.app,
+            self.app.state.guarded,
             loop="uvloop",
-            http="httptools",
+            http=self._protocol,  # type: ignore[arg-type]  # uvicorn takes any protocol factory; its stub names classes
             ws="none",
             lifespan="off",
             log_level="warning",

@@ -4,7 +4,7 @@ ServerApp sends its nodes).
   ""                      the run dir (a DirStore): every process sees the same disk (simulation)
   "file:///shared/dir"    a DirStore on a disk every machine mounts: read in place, never copied
   "http(s)://host:port"   the built-in store a ServerApp serves beside itself (http_server.py);
-                          needs the run's token, and for https a CA file unless the system trusts it
+                          needs the call's credential, and for https a CA file unless the system trusts it
   "s3://bucket/prefix"    any other fsspec URL: a user's object store (object_store.py)
 
 "http" (the config value that asks for the built-in store) is not a store a process can open:

@@ -1,7 +1,9 @@
 """The run-dir backend: a directory of weights dirs, key `a/b` in `<root>/a/b/`.
 
 The run dir itself in simulation (every process sees the same disk), or a disk every machine
-mounts (`file:///shared/dir`): read in place, never copied.
+mounts (`file:///shared/dir`): read in place, never copied. Every node writes there too, so every
+key is resolved with its symlinks followed and must stay inside the root (`confined_key_path`):
+a client's upload dir that is a symlink to weights elsewhere is refused, never read or averaged.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ import torch
 
 from fl_app.channel.files import install_entry, is_entry_file, link_or_copy, same_dir, sibling_tmp
 from fl_app.channel.store import WeightStore, check_digest, check_key, check_pinned
+from fl_app.paths import PathEscapeError, confine
 from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError, load_shards, save_shards
+
+
+def confined_key_path(root: Path, key: str) -> Path:
+    """The real path of `key` under `root`: a bad key raises WeightsError (`check_key`), one that
+    resolves out of `root` (a symlink anywhere along it) `PathEscapeError`."""
+    return confine(Path(root) / check_key(key), root, "weight-store key")
 
 
 class DirStore(WeightStore):
@@ -25,7 +34,11 @@ class DirStore(WeightStore):
         self.max_shard_bytes = max_shard_bytes
 
     def path(self, key: str) -> Path:
-        return self.root / check_key(key)
+        """The entry's dir, reading or writing (`confined_key_path`; an escape is a WeightsError)."""
+        try:
+            return confined_key_path(self.root, key)
+        except PathEscapeError as e:
+            raise WeightsError(f"refused: {e}") from None
 
     def put(self, key: str, state: Mapping[str, torch.Tensor]) -> Manifest:
         return save_shards(state, self.path(key), self.max_shard_bytes)

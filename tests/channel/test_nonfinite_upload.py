@@ -15,7 +15,7 @@ from fl_app.calls import RECORD, Reply
 from fl_app.channel import Channel, WeightsRef, arrays_key
 from fl_app.channel.run_dir import DirStore
 from fl_app.weights import WeightsError
-from server_app.app import _bad_input
+from server_app.app import _blamed
 from server_app.strategy import StreamingAggregator
 
 SHARD = 1 << 20
@@ -35,6 +35,10 @@ def _reply(cid: int, state: dict[str, torch.Tensor]) -> Message:
     return Message(content=content, dst_node_id=0, message_type="train")
 
 
+def _own(client: int) -> dict[str, str]:
+    return {"actor": f"rounds/round-0001/clients/client-{client:04d}/actor"}
+
+
 def test_a_nan_upload_is_refused_naming_its_client_and_nothing_is_written(tmp_path):
     good = {"w": torch.ones(4, 3), "b": torch.zeros(3)}
     bad = {"w": torch.ones(4, 3), "b": torch.tensor([0.0, float("nan"), float("inf")])}
@@ -45,9 +49,9 @@ def test_a_nan_upload_is_refused_naming_its_client_and_nothing_is_written(tmp_pa
         DirStore(tmp_path, SHARD), cache_dir=tmp_path / "cache", inline_max_bytes=SHARD, shard_bytes=SHARD
     )
     with pytest.raises(NonFiniteWeightsError, match=r"client 7 \(actor\)") as err:
-        agg.aggregate_train(replies, channel, {"actor": out})
-    assert err.value.inputs == [1] and _bad_input(err.value) == 1  # the round loop drops client 7
+        agg.aggregate_train(replies, channel, {"actor": out}, _own)
+    assert err.value.inputs == [1] and _blamed(err.value, [3, 7, 9]) == 7  # the round loop drops client 7
     assert not (out / "manifest.json").exists() and not any(out.glob("*.safetensors"))
-    manifests, _ = agg.aggregate_train({3: replies[3], 9: replies[9]}, channel, {"actor": out})
+    manifests, _ = agg.aggregate_train({3: replies[3], 9: replies[9]}, channel, {"actor": out}, _own)
     assert manifests["actor"].tensor_bytes == 4 * 15  # the others still average
-    assert _bad_input(WeightsError("a corrupt shard")) is None  # other errors are not a client's
+    assert _blamed(WeightsError("a corrupt shard"), [3, 9]) is None  # other errors are not a client's

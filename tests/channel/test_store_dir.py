@@ -75,7 +75,7 @@ def test_open_store_maps_config_values_to_stores(tmp_path):
         ("http", "built-in store the ServerApp serves"),
         ("runs/x", "neither"),
         ("file://host/x", "file:///absolute"),
-        ("https://10.0.0.1:20456", "needs this run's token"),
+        ("https://10.0.0.1:20456", "needs the call's credential"),
         ("nosuchproto://x", "not a URL fsspec knows"),
     ):
         with pytest.raises(WeightsError, match=why):

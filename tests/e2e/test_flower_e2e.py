@@ -157,7 +157,7 @@ def test_resume_continues_after_the_last_round_on_disk_and_matches_uninterrupted
 def test_the_served_weight_store_gives_the_inline_runs_bits(fl, two_rounds, tmp_path):
     """run.weight_store=http with every weight above the inline limit: the ServerApp serves its
     run dir over HTTP, nodes fetch the global model into their node-local cache and upload their
-    results with the run's token, writing only node-local files; rounds 0 and 1 are the inline
+    results with a credential per call, writing only node-local files; rounds 0 and 1 are the inline
     run's bits (issue 14: weights without a shared disk)."""
     run_dir, cache = tmp_path / "http", tmp_path / "node-cache"
     p = fl.run(run_config(HTTP, run_dir, rounds=1, **{"run.weight_cache_dir": f'"{cache}"'}), timeout_s=900)
