@@ -57,7 +57,7 @@ from client_app.trainer.device import freeze_survivors, resolve_device
 from client_app.variant_envs import VariantEnvServices
 from envs.registry import make_env
 from fl_app.calls import EvalCall, FitCall, InitCall
-from fl_app.config import Config, load_config, recipe_sha256
+from fl_app.config import Config, load_config, recipe_mismatch, recipe_sha256
 from fl_app.paths import PathEscapeError, confine
 from fl_app.weights import Manifest, ShardAlloc, WeightsError, anon_buffer, load_shards, save_shards
 from partitions.pool import TaskPool
@@ -229,8 +229,9 @@ class TrainerService:
             raise Refused(
                 409,
                 f"this lane resolved a different recipe than the server (sha256 {own[:12]}... vs "
-                f"{call.recipe_sha256[:12]}...): server and nodes must run the same app (FAB) and run config; "
-                "check the recipe files and environment on this node",
+                f"{call.recipe_sha256[:12]}...): {recipe_mismatch(self.cfg, call.recipe_leaves)}. Server "
+                "and nodes must run the same app (FAB) and run config; check the recipe files and "
+                "environment on this node",
             )
         assert self.trainer is not None
         ins, outs = set(call.weights), set(dirs.weights_out)
