@@ -1,7 +1,7 @@
 """A one-SuperNode deployment round against the same round in simulation, back to back.
 
     python -m bench.deploy_round                       # tests/fixtures/e2e-recipe.yaml, 3 rounds
-    python -m bench.deploy_round --rounds 4 --recipe configs/tiny-shop-grpo.yaml --json out.json
+    python -m bench.deploy_round --rounds 4 --json out.json --keep /tmp/deploy-round   # keep the run dirs
 
 Runs the recipe twice, one after the other on this machine: `flwr run .` as a simulation with
 one virtual SuperNode, then a real loopback `flower-superlink` and one `flower-supernode`
@@ -52,8 +52,8 @@ def clientapp_imports() -> dict[str, float]:
     cumulative: dict[str, float] = {}
     for line in p.stderr.splitlines():
         m = re.match(r"import time:\s+\d+ \|\s+(\d+) \|( *)(\S+)", line)
-        if m and m.group(3) not in cumulative:
-            cumulative[m.group(3)] = int(m.group(1)) / 1e6
+        if m:  # a module may show twice (nested in its package's import, then on its own): the larger
+            cumulative[m.group(3)] = max(cumulative.get(m.group(3), 0.0), int(m.group(1)) / 1e6)
     app, torch = cumulative.get("client_app.app", 0.0), cumulative.get("torch", 0.0)
     return {
         "process_s": round(total, 2),
@@ -86,10 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep", type=Path, help="run in this (new) dir and keep its run dirs and logs")
     a = ap.parse_args(argv)
-    report = {"clientapp_imports": clientapp_imports()}
-    with tempfile.TemporaryDirectory(prefix="deploy-round-") as work:
-        report.update(run_both(a.recipe.resolve(), a.rounds, Path(work), a.timeout_s))
+    report: dict[str, Any] = {"clientapp_imports": clientapp_imports()}
+    with tempfile.TemporaryDirectory(prefix="deploy-round-") as tmp:
+        work = a.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=False)
+        report.update(run_both(a.recipe.resolve(), a.rounds, work, a.timeout_s))
     report["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return emit(report, a.json)
 
