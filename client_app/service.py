@@ -57,7 +57,7 @@ from client_app.trainer.device import freeze_survivors, resolve_device
 from client_app.variant_envs import VariantEnvServices
 from envs.registry import make_env
 from fl_app.calls import EvalCall, FitCall, InitCall
-from fl_app.config import Config, load_config, recipe_mismatch, recipe_sha256
+from fl_app.config import Config, load_config, recipe_mismatch, recipe_sha256, require_model_here
 from fl_app.paths import PathEscapeError, confine
 from fl_app.weights import Manifest, ShardAlloc, WeightsError, anon_buffer, load_shards, save_shards
 from partitions.pool import TaskPool
@@ -172,6 +172,7 @@ class TrainerService:
         from client_app.trainer import make_trainer
         from envs.service import serve_in_subprocess
 
+        require_model_here(self.cfg.model.path, f"this node ({socket.gethostname()}, lane {self.lane})")
         env = self.cfg.env
         self.env_url = self._stack.enter_context(serve_in_subprocess(env.name, env.pool_size, env.params))
         probe = make_env(env.name, **env.params)

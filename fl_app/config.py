@@ -125,6 +125,18 @@ def model_directory(path: str) -> Path:
     return Path(path).expanduser()
 
 
+def require_model_here(path: str, where: str) -> None:
+    """Fail closed when `model.path` names no directory on this machine (`tiny` is built here):
+    every node builds its lane's model from its own disk, and nothing else tells it why."""
+    if path != "tiny" and not model_directory(path).is_dir():
+        raise ConfigError(
+            f"model.path={path!r}: no model directory at {model_directory(path)} on {where}. Every node needs "
+            "the model locally: a plain directory at the same absolute path on every node, or cache:<name> "
+            "imported into each node's model cache ($FEDAGENT_CACHE_DIR/models; docs/deployment.md, "
+            "'The model on every node')"
+        )
+
+
 class TinyModelCfg(_Strict):
     """The locally built default model (used when `model.path` is `tiny`)."""
 

@@ -19,7 +19,7 @@ from client_app.service import Dirs, Refused, TrainerService
 from fl_app.calls import RECORD, FitCall
 from fl_app.channel import write_disk_probe
 from fl_app.channel.open import node_channel
-from fl_app.config import load_config, node_local_keys, recipe_leaves, recipe_mismatch, recipe_sha256
+from fl_app.config import ConfigError, load_config, node_local_keys, recipe_leaves, recipe_mismatch, recipe_sha256
 from fl_app.provenance import CodeMismatch, code_root, code_sha256
 from fl_app.weights import WeightsError
 
@@ -134,3 +134,14 @@ def test_a_node_without_the_server_s_disk_names_it(tmp_path):
         WeightsError, match="node 42 .* cannot see the run dir at .*do not share a disk.*run.weight_store=http"
     ):
         other.require_store(1 << 30)
+
+
+@pytest.mark.parametrize("path", ["/models/not-on-this-node", "cache:not-imported-here"])
+def test_a_node_without_the_model_says_every_node_needs_it(tmp_path, monkeypatch, path):
+    """Before: `ModelDirError: model directory ... does not exist: set model.path to a local Hugging
+    Face model directory, or to tiny`, after the env service had started, naming neither the node
+    nor that every node needs the model (a `cache:` name at the same place)."""
+    monkeypatch.setenv("FEDAGENT_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = load_config(str(RECIPE), overrides={"run-dir": str(tmp_path / "run"), "model.path": path})
+    with pytest.raises(ConfigError, match="no model directory at .* Every node needs the model locally"):
+        TrainerService(cfg, 3, "cpu").start()
