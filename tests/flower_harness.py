@@ -10,6 +10,7 @@ everything started is stopped by PID on every path.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -152,6 +153,7 @@ def flower(home: Path) -> Iterator[FlowerRun]:
 # ---- deployment: a SuperLink and SuperNodes as real processes ------------------------------------
 
 BIN = Path(sys.executable).parent
+_DEPLOYMENTS = itertools.count()
 FLOWER_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
     "FLWR_DISABLE_UPDATE_CHECK": "1",
@@ -267,6 +269,15 @@ class Network:
         self.gateway = f"{self.prefix}.1"
         self.addr: dict[str, str] = {}
         self.ns: dict[str, str] = {}
+        self.veths: list[str] = []
+        try:
+            self._build(hosts)
+        except BaseException:
+            self.close()  # nothing half-built outlives a failed start
+            raise
+
+    def _build(self, hosts: list[str]) -> None:
+        tag = self.tag
         self._ip("link", "add", self.bridge, "type", "bridge")
         self._ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         self._ip("link", "set", self.bridge, "up")
@@ -275,6 +286,7 @@ class Network:
             self._ip("netns", "add", ns)
             self.ns[host] = ns
             self._ip("link", "add", veth, "type", "veth", "peer", "name", peer)
+            self.veths.append(veth)
             self._ip("link", "set", peer, "netns", ns)
             self._ip("link", "set", veth, "master", self.bridge)
             self._ip("link", "set", veth, "up")
@@ -297,6 +309,10 @@ class Network:
         return out + cmd
 
     def close(self) -> None:
+        # a veth pair goes with its host end at once; left to the namespace's teardown (which
+        # the kernel runs later) its name would still be taken by the next test's network
+        for veth in self.veths:
+            subprocess.run(["ip", "link", "del", veth], capture_output=True)
         for ns in self.ns.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
@@ -323,7 +339,7 @@ class Deployment:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.short = Path(tempfile.mkdtemp(prefix="fd-", dir="/tmp"))
         self.procs: dict[str, subprocess.Popen] = {}
-        self.tag = str(os.getpid() % 10000)
+        self.tag = str((os.getpid() * 10 + next(_DEPLOYMENTS)) % 10000)  # one per deployment
         self.net = Network(self.tag, ["link"] + [f"n{i}" for i in range(nodes + 1)]) if netns else None
         self.no_shared = list(no_shared or [])
         self.host = self.net.addr["link"] if self.net else "127.0.0.1"
