@@ -57,7 +57,7 @@ from client_app.trainer.device import freeze_survivors, resolve_device
 from client_app.variant_envs import VariantEnvServices
 from envs.registry import make_env
 from fl_app.calls import EvalCall, FitCall, InitCall
-from fl_app.config import Config, load_config, recipe_sha256
+from fl_app.config import Config, load_config, recipe_mismatch, recipe_sha256, require_model_here
 from fl_app.host import CPU_THREADS_VAR, cpu_threads, usable_cores
 from fl_app.paths import PathEscapeError, confine
 from fl_app.weights import Manifest, ShardAlloc, WeightsError, anon_buffer, load_shards, save_shards
@@ -173,6 +173,7 @@ class TrainerService:
         from client_app.trainer import make_trainer
         from envs.service import serve_in_subprocess
 
+        require_model_here(self.cfg.model.path, f"this node ({socket.gethostname()}, lane {self.lane})")
         env = self.cfg.env
         self.env_url = self._stack.enter_context(serve_in_subprocess(env.name, env.pool_size, env.params))
         probe = make_env(env.name, **env.params)
@@ -230,8 +231,9 @@ class TrainerService:
             raise Refused(
                 409,
                 f"this lane resolved a different recipe than the server (sha256 {own[:12]}... vs "
-                f"{call.recipe_sha256[:12]}...): server and nodes must run the same app (FAB) and run config; "
-                "check the recipe files and environment on this node",
+                f"{call.recipe_sha256[:12]}...): {recipe_mismatch(self.cfg, call.recipe_leaves)}. Server "
+                "and nodes must run the same app (FAB) and run config; check the recipe files and "
+                "environment on this node",
             )
         assert self.trainer is not None
         ins, outs = set(call.weights), set(dirs.weights_out)

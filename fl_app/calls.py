@@ -38,6 +38,7 @@ class Call(BaseModel):
     run_id: int = 0  # the Flower run (a trainer service serves exactly one)
     round: Count = 0  # the federated round (0: the initial model)
     recipe_sha256: str = ""  # the recipe the server resolved (fl_app.config.recipe_sha256)
+    recipe_leaves: dict[str, str] = Field(default_factory=dict)  # its per-key digests: a mismatch names the keys
     code_sha256: str = ""  # the run's code (fl_app.provenance)
     run_dir: str = ""  # the server's run dir
     run_dir_token: str = ""  # the token of its shared-disk probe (fl_app.channel.write_disk_probe)

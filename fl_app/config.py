@@ -30,6 +30,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_RECIPE = "tiny-shop-grpo"
@@ -101,6 +102,12 @@ _NODE_DEFAULTS: dict[Any, str] = {
 }
 
 
+# Field metadata of a key resolved on each machine (a path there): every node may hold its own
+# value, so the key is left out of the recipe digest (`recipe_sha256`, `recipe_leaves`) and
+# docs/config.md marks it.
+NODE_LOCAL: dict[str, Any] = {"node_local": True}
+
+
 CACHE_PREFIX = "cache:"
 
 
@@ -116,6 +123,18 @@ def model_directory(path: str) -> Path:
             )
         return Path(default_model_cache()).expanduser() / name
     return Path(path).expanduser()
+
+
+def require_model_here(path: str, where: str) -> None:
+    """Fail closed when `model.path` names no directory on this machine (`tiny` is built here):
+    every node builds its lane's model from its own disk, and nothing else tells it why."""
+    if path != "tiny" and not model_directory(path).is_dir():
+        raise ConfigError(
+            f"model.path={path!r}: no model directory at {model_directory(path)} on {where}. Every node needs "
+            "the model locally: a plain directory at the same absolute path on every node, or cache:<name> "
+            "imported into each node's model cache ($FEDAGENT_CACHE_DIR/models; docs/deployment.md, "
+            "'The model on every node')"
+        )
 
 
 class TinyModelCfg(_Strict):
@@ -142,6 +161,7 @@ class TinyModelCfg(_Strict):
     seed: int = Field(0, description="Seed of tokenizer training, init and SFT (the build is a pure function of it).")
     cache_dir: str = Field(
         default_factory=default_model_cache,
+        json_schema_extra=NODE_LOCAL,
         description="Where built tiny models are cached (keyed by a hash of this section and the env); default `$FEDAGENT_CACHE_DIR/models`, else ~/.cache/fedagent-flower/models.",
     )
 
@@ -182,6 +202,7 @@ class WarmStartCfg(_Strict):
     )
     cache_dir: str = Field(
         default_factory=default_model_cache,
+        json_schema_extra=NODE_LOCAL,
         description="Where warmed models are cached, keyed by a hash of the model files, the env, the prompt-shaping rollout keys and this section (not `cache_dir`); default `$FEDAGENT_CACHE_DIR/models`, else ~/.cache/fedagent-flower/models.",
     )
 
@@ -195,12 +216,12 @@ class ModelCfg(_Strict):
         "",
         description="Warm start: a weights dir of an earlier run (e.g. `runs/x/rounds/round-0007/actor`) loaded over `path` before round 0. For ppo its sibling `critic` dir is picked up as the critic (see `algo.critic.path`). It must be readable by the node that builds round 0.",
     )
-    warm_start: WarmStartCfg = WarmStartCfg()
+    warm_start: WarmStartCfg = Field(default_factory=WarmStartCfg)
     reference: Literal["warmed", "backbone"] = Field(
         "warmed",
         description="KL reference under `algo.ref_anchor: base` when `warm_start` is on: `warmed` = the warm-started model round 0 starts from (default: the policy RL starts from, as verl-agent's reference is its initial actor; a zero-shot backbone that never emits a valid action would pull the policy back to invalid actions), `backbone` = `model.path` before the warm start. Without a warm start both are `model.path`.",
     )
-    tiny: TinyModelCfg = TinyModelCfg()
+    tiny: TinyModelCfg = Field(default_factory=TinyModelCfg)
 
 
 class EnvCfg(_Strict):
@@ -402,7 +423,7 @@ class AlgoCfg(_Strict):
         1.0, ge=0, le=1, description="GAE discount (ppo), per generated token; observation tokens are skipped."
     )
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
-    critic: CriticCfg = CriticCfg()
+    critic: CriticCfg = Field(default_factory=CriticCfg)
 
     @property
     def spec(self) -> Algorithm:
@@ -605,7 +626,8 @@ class RunCfg(_Strict):
     )
     weight_cache_dir: str = Field(
         default_factory=default_weight_cache,
-        description="Node-local root for weights a node fetched from or stages for a remote weight store (no shared disk); the trainer service reads and writes weights only inside the run dir and this root. Node-local: resolved on each node (default `$FEDAGENT_CACHE_DIR/weights`, else ~/.cache/fedagent-flower/weights) and not part of the recipe digest.",
+        json_schema_extra=NODE_LOCAL,
+        description="Root for weights a node fetched from or stages for a remote weight store (no shared disk); the trainer service reads and writes weights only inside the run dir and this root. Default `$FEDAGENT_CACHE_DIR/weights`, else ~/.cache/fedagent-flower/weights.",
     )
     weight_store: str = Field(
         "",
@@ -632,7 +654,8 @@ class RunCfg(_Strict):
     weight_store_keyfile: str = Field("", description="`weight_store: http`: the TLS certificate's private key (PEM).")
     weight_store_ca_file: str = Field(
         "",
-        description="The CA file (PEM) nodes verify the store's certificate with, when the system does not trust it. Node-local (not part of the recipe digest).",
+        json_schema_extra=NODE_LOCAL,
+        description="The CA file (PEM) nodes verify the store's certificate with, when the system does not trust it.",
     )
     weight_store_parallel: int = Field(
         4, ge=1, le=64, description="Shards in flight per transfer to or from a remote weight store."
@@ -697,14 +720,14 @@ class Config(_Strict):
         "builtin",
         description="Training engine: `builtin` (torch + transformers, CPU or one GPU) or `verl` (verl 0.9.1's FSDP2 training engine; `pip install -e .[verl]`; docs/verl.md). Both run the same fit loop (client_app/trainer/loop.py) and either can roll out with `rollout.engine`.",
     )
-    model: ModelCfg = ModelCfg()
-    env: EnvCfg = EnvCfg()
-    env_partition: EnvPartitionCfg = EnvPartitionCfg()
-    rollout: RolloutCfg = RolloutCfg()
-    algo: AlgoCfg = AlgoCfg()
-    federation: FederationCfg = FederationCfg()
-    partition: PartitionCfg = PartitionCfg()
-    run: RunCfg = RunCfg()
+    model: ModelCfg = Field(default_factory=ModelCfg)
+    env: EnvCfg = Field(default_factory=EnvCfg)
+    env_partition: EnvPartitionCfg = Field(default_factory=EnvPartitionCfg)
+    rollout: RolloutCfg = Field(default_factory=RolloutCfg)
+    algo: AlgoCfg = Field(default_factory=AlgoCfg)
+    federation: FederationCfg = Field(default_factory=FederationCfg)
+    partition: PartitionCfg = Field(default_factory=PartitionCfg)
+    run: RunCfg = Field(default_factory=RunCfg)
 
     @model_validator(mode="before")
     @classmethod
@@ -885,24 +908,6 @@ class Config(_Strict):
         return f.clients_per_round if f.min_clients_per_round is None else f.min_clients_per_round
 
 
-# Keys resolved on each node (paths on that machine), left out of `recipe_sha256`.
-NODE_LOCAL_KEYS = ("model.tiny.cache_dir", "run.weight_cache_dir", "run.weight_store_ca_file")
-
-
-def recipe_sha256(cfg: Config) -> str:
-    """sha256 of the resolved recipe without its node-local keys: the server sends it with every
-    message and each node checks its own resolution against it, so server and clients provably
-    run the same recipe."""
-    data = cfg.model_dump(mode="json")
-    for key in NODE_LOCAL_KEYS:
-        *parents, leaf = key.split(".")
-        node = data
-        for part in parents:
-            node = node[part]
-        node.pop(leaf, None)
-    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
 # Flat Flower run-config aliases for the common knobs -> recipe paths. Every recipe key is also
 # reachable under its own dotted name (`run_config_keys()`).
 RUN_CONFIG_ALIASES: dict[str, str] = {
@@ -930,21 +935,86 @@ def _scalar_types(annotation: Any) -> set[Any]:
     return {origin or annotation}
 
 
-def _leaves(model: type[BaseModel], prefix: str = "") -> dict[str, Any]:
-    """Dotted recipe key -> annotation, for every leaf (a sub-section recurses, anything else is a leaf)."""
-    out: dict[str, Any] = {}
+def _leaf_fields(model: type[BaseModel], prefix: str = "") -> dict[str, FieldInfo]:
+    """Dotted recipe key -> its field, for every leaf (a sub-section recurses, anything else is a leaf)."""
+    out: dict[str, FieldInfo] = {}
     for name, field in model.model_fields.items():
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out.update(_leaves(ann, f"{prefix}{name}."))
-        elif name != "extends":  # a run config is already one recipe: nothing to extend
-            out[f"{prefix}{name}"] = ann
+            out.update(_leaf_fields(ann, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = field
     return out
 
 
 def run_config_keys() -> dict[str, Any]:
-    """Every dotted recipe key a `--run-config` may set, with its annotation."""
-    return _leaves(Config)
+    """Every dotted recipe key a `--run-config` may set, with its annotation (`extends` is not
+    one: a run config is already one recipe, nothing to extend)."""
+    return {k: f.annotation for k, f in _leaf_fields(Config).items() if k != "extends"}
+
+
+def _is_node_local(field: FieldInfo) -> bool:
+    return isinstance(field.json_schema_extra, dict) and bool(field.json_schema_extra.get("node_local"))
+
+
+def node_local_keys() -> tuple[str, ...]:
+    """The keys declared `NODE_LOCAL`: resolved on each machine, never part of the recipe digest."""
+    return tuple(k for k, f in _leaf_fields(Config).items() if _is_node_local(f))
+
+
+def _recipe_values(cfg: Config) -> dict[str, Any]:
+    """Dotted key -> resolved value of every run-config key that is not node-local."""
+    data, local = cfg.model_dump(mode="json"), set(node_local_keys())
+    out: dict[str, Any] = {}
+    for key in run_config_keys():
+        if key not in local:
+            value = data
+            for part in key.split("."):
+                value = value[part]
+            out[key] = value
+    return out
+
+
+def _sha256_json(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def recipe_sha256(cfg: Config) -> str:
+    """sha256 of the resolved recipe without its node-local keys: the server sends it with every
+    message and each node checks its own resolution against it, so server and clients provably
+    run the same recipe."""
+    return _sha256_json(_recipe_values(cfg))
+
+
+def recipe_leaves(cfg: Config) -> dict[str, str]:
+    """Dotted key -> a 16-hex digest of its resolved value (node-local keys left out): sent with
+    every call beside `recipe_sha256`, so a node that resolves another recipe names the keys."""
+    return {k: _sha256_json(v)[:16] for k, v in _recipe_values(cfg).items()}
+
+
+def recipe_mismatch(cfg: Config, server: dict[str, str]) -> str:
+    """Which keys of this machine's recipe differ from the server's per-key digests, with this
+    machine's value and both digests ('' when none differs)."""
+    if not server:
+        return "the call names no per-key digests (a server of another app version)"
+    values, own = _recipe_values(cfg), recipe_leaves(cfg)
+    keys = sorted(k for k in own.keys() | server.keys() if own.get(k) != server.get(k))
+
+    def here(key: str) -> str:
+        if key not in values:
+            return "absent here"
+        text = json.dumps(values[key])
+        return f"here {text if len(text) <= 80 else text[:77] + '...'} ({own[key]})"
+
+    shown = [f"{k}: {here(k)} vs server {server.get(k, 'absent')}" for k in keys[:8]]
+    more = f"; and {len(keys) - 8} more keys" if len(keys) > 8 else ""
+    hint = (
+        "; model.path: a plain model directory must sit at the same absolute path on every node "
+        "(or use cache:<name>, docs/deployment.md)"
+        if "model.path" in keys
+        else ""
+    )
+    return "; ".join(shown) + more + hint
 
 
 def _run_config_value(key: str, value: Any, annotation: Any) -> Any:
@@ -1093,17 +1163,17 @@ def run_config_toml() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _describe(model: type[BaseModel], prefix: str = "") -> list[str]:
+def _describe(model: type[BaseModel]) -> list[str]:
     rows = []
-    for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows += _describe(ann, f"{prefix}{name}.")
-            continue
+    for key, field in _leaf_fields(model).items():
         default = _NODE_DEFAULTS.get(field.default_factory) or field.get_default(call_default_factory=True)
-        kind = re.sub(r"typing\.|<class '([^']+)'>", r"\1", str(ann)).replace("|", "or")
-        rows.append(f"| `{prefix}{name}` | {kind} | `{default!r}` | {(field.description or '').replace('|', '/')} |")
+        kind = re.sub(r"typing\.|<class '([^']+)'>", r"\1", str(field.annotation)).replace("|", "or")
+        text = (field.description or "") + (_NODE_LOCAL_DOC if _is_node_local(field) else "")
+        rows.append(f"| `{key}` | {kind} | `{default!r}` | {text.replace('|', '/')} |")
     return rows
+
+
+_NODE_LOCAL_DOC = " **Node-local**: resolved on each machine, not part of the recipe digest."
 
 
 def config_doc() -> str:

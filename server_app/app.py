@@ -50,7 +50,7 @@ from fl_app.channel import Channel, WeightsRef, arrays_key, write_disk_probe
 from fl_app.channel.credentials import Issuer
 from fl_app.channel.http_server import WeightStoreServer
 from fl_app.channel.open import open_store
-from fl_app.config import Config, load_config, recipe_sha256, save_config
+from fl_app.config import Config, load_config, recipe_leaves, recipe_sha256, save_config
 from fl_app.host import single_threaded_blas
 from fl_app.outcomes import outcome_shares_of
 from fl_app.plots import plot_validation
@@ -266,6 +266,7 @@ class Run:
         self.header: dict[str, Any] = {
             "run_id": context.run_id,
             "recipe_sha256": recipe_sha256(cfg),
+            "recipe_leaves": recipe_leaves(cfg),
             "code_sha256": code,
             "run_dir": str(rd.path),
             "run_dir_token": self.token,

@@ -10,6 +10,7 @@ everything started is stopped by PID on every path.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -49,6 +50,14 @@ def spawn(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> subproce
     `local_superlink stop` and `Deployment.kill` end whole process groups, never the test's."""
     with open(log, "ab") as fh:
         return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    """`proc`'s command line, '' once it is gone (or a zombie)."""
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
 
 
 def sigkill(proc: psutil.Process, tree: bool = True) -> None:
@@ -144,6 +153,7 @@ def flower(home: Path) -> Iterator[FlowerRun]:
 # ---- deployment: a SuperLink and SuperNodes as real processes ------------------------------------
 
 BIN = Path(sys.executable).parent
+_DEPLOYMENTS = itertools.count()
 FLOWER_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
     "FLWR_DISABLE_UPDATE_CHECK": "1",
@@ -167,7 +177,11 @@ def netns_unavailable() -> str:
 
 
 class Certificates:
-    """A self-signed CA, a SuperLink certificate for `hosts`, and SuperNode auth keys (made here)."""
+    """A self-signed CA, a SuperLink certificate for `hosts`, and SuperNode auth keys (made here).
+
+    The SuperLink's own SuperExec dials its Runtime API at the bound address, and at 127.0.0.1
+    when it binds 0.0.0.0 (Flower's `resolve_bind_address`): the certificate names loopback too,
+    as docs/deployment.md section 5 tells operators."""
 
     def __init__(self, out: Path, hosts: list[str]) -> None:
         import datetime
@@ -237,6 +251,12 @@ class Certificates:
         return private, public
 
 
+def cert_hosts(host: str) -> list[str]:
+    """The SuperLink certificate's names: the address nodes dial, and loopback for its own
+    SuperExec (docs/deployment.md section 5's `subjectAltName`)."""
+    return [host, "127.0.0.1", "localhost"]
+
+
 class Network:
     """A bridge in this namespace and one network namespace per host, on a private /24."""
 
@@ -249,6 +269,15 @@ class Network:
         self.gateway = f"{self.prefix}.1"
         self.addr: dict[str, str] = {}
         self.ns: dict[str, str] = {}
+        self.veths: list[str] = []
+        try:
+            self._build(hosts)
+        except BaseException:
+            self.close()  # nothing half-built outlives a failed start
+            raise
+
+    def _build(self, hosts: list[str]) -> None:
+        tag = self.tag
         self._ip("link", "add", self.bridge, "type", "bridge")
         self._ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         self._ip("link", "set", self.bridge, "up")
@@ -257,6 +286,7 @@ class Network:
             self._ip("netns", "add", ns)
             self.ns[host] = ns
             self._ip("link", "add", veth, "type", "veth", "peer", "name", peer)
+            self.veths.append(veth)
             self._ip("link", "set", peer, "netns", ns)
             self._ip("link", "set", veth, "master", self.bridge)
             self._ip("link", "set", veth, "up")
@@ -279,6 +309,10 @@ class Network:
         return out + cmd
 
     def close(self) -> None:
+        # a veth pair goes with its host end at once; left to the namespace's teardown (which
+        # the kernel runs later) its name would still be taken by the next test's network
+        for veth in self.veths:
+            subprocess.run(["ip", "link", "del", veth], capture_output=True)
         for ns in self.ns.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
@@ -298,18 +332,20 @@ class Deployment:
         tls: bool = False,
         auth: bool = False,
         no_shared: list[Path] | None = None,
+        bind: str | None = None,
     ) -> None:
         self.root = root
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.short = Path(tempfile.mkdtemp(prefix="fd-", dir="/tmp"))
         self.procs: dict[str, subprocess.Popen] = {}
-        self.tag = str(os.getpid() % 10000)
+        self.tag = str((os.getpid() * 10 + next(_DEPLOYMENTS)) % 10000)  # one per deployment
         self.net = Network(self.tag, ["link"] + [f"n{i}" for i in range(nodes + 1)]) if netns else None
         self.no_shared = list(no_shared or [])
         self.host = self.net.addr["link"] if self.net else "127.0.0.1"
+        self.bind = bind or self.host  # the SuperLink's --host (e.g. 0.0.0.0, as the guide says)
         self.port = choose_free_port()
-        self.certs = Certificates(root / "certs", [self.host, "localhost"]) if tls else None
+        self.certs = Certificates(root / "certs", cert_hosts(self.host)) if tls else None
         self.auth = auth
         self.home = root / "flwr-cli"
         self.home.mkdir(exist_ok=True)
@@ -341,6 +377,13 @@ class Deployment:
         self.procs[name] = spawn(cmd, {**self.env, **(env or {})}, self.root, self.logs / f"{name}.log")
         return self.procs[name]
 
+    def start_shell(self, name: str, host: str, script: str, cwd: Path) -> subprocess.Popen:
+        """`script` (bash, e.g. a command copied from docs/deployment.md) run in `cwd` on `host`,
+        without the server's disk on a node host; stopped by its process group like the rest."""
+        private = self.no_shared if host != "link" else []
+        env = {"FLWR_HOME": str(cwd / ".flwr")}  # each machine its own
+        return self._start(name, ["bash", "-c", f"cd '{cwd}' && {script}"], host, private, env)
+
     def start(self) -> Deployment:
         tls = (
             [
@@ -360,7 +403,7 @@ class Deployment:
                 str(BIN / "flower-superlink"),
                 *tls,
                 "--host",
-                self.host,
+                self.bind,
                 "--port",
                 str(self.port),
                 "--disable-runtime-dependency-installation",
@@ -369,10 +412,15 @@ class Deployment:
             "link",
             env={"FLWR_HOME": str(self.root / "flwr-superlink")},
         )
-        self._wait_listening()
+        self.wait_started()
         for i in range(self.nodes):
             self.start_node(i)
         return self
+
+    def wait_started(self) -> None:
+        """The SuperLink listens and its SuperExec runs (else fail now, naming why)."""
+        self._wait_listening()
+        self._require_superexec()
 
     def _wait_listening(self, timeout_s: float = 60.0) -> None:
         import socket
@@ -386,6 +434,19 @@ class Deployment:
                     return
             time.sleep(0.3)
         raise AssertionError("the SuperLink did not start listening: " + self.log("superlink")[-3000:])
+
+    def _require_superexec(self, timeout_s: float = 30.0) -> None:
+        """The SuperLink's own SuperExec (it starts every ServerApp) must be up: when it cannot
+        reach the Runtime API (e.g. a certificate that does not name 127.0.0.1 under `--host
+        0.0.0.0`) it exits at once, the SuperLink runs on, and every run would stay pending."""
+        deadline = time.monotonic() + timeout_s
+        while "Starting Flower SuperExec" not in self.log("superlink") and time.monotonic() < deadline:
+            time.sleep(0.3)
+        time.sleep(2.0)  # a SuperExec that cannot connect has died by now
+        link = psutil.Process(self.procs["superlink"].pid)
+        alive = [p for p in link.children(recursive=True) if "flower-superexec" in _cmdline(p)]
+        if not alive:
+            raise AssertionError("the SuperLink's SuperExec is not running: " + self.log("superlink")[-3000:])
 
     def register(self, name: str) -> Path:
         """A SuperNode key pair; its public key registered with the SuperLink (`flwr supernode register`)."""
@@ -476,9 +537,11 @@ class Deployment:
 
 
 @contextmanager
-def deployment(root: Path, **kw: object) -> Iterator[Deployment]:
+def deployment(root: Path, start: bool = True, **kw: object) -> Iterator[Deployment]:
+    """A started deployment, or with `start=False` only its hosts (a test starts its own
+    commands on them: `Deployment.start_shell`); stopped on every path."""
     d = Deployment(root, **kw)
     try:
-        yield d.start()
+        yield d.start() if start else d
     finally:
         d.stop()

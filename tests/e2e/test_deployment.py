@@ -15,6 +15,7 @@ Tests that need root and `ip netns` skip with the reason when those are missing.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -138,11 +139,14 @@ def test_store_path_through_the_weight_channel_without_a_shared_disk(tmp_path, t
 @pytest.mark.slow
 @needs_netns
 def test_tls_and_supernode_auth_across_hosts(tmp_path):
-    """TLS with a self-signed CA (made here) and --enable-supernode-auth: registered SuperNodes on
-    other hosts train (store path: the hosts share the run dir's disk here); an unregistered one is
-    refused."""
+    """TLS with a self-signed CA (made here) and --enable-supernode-auth, the SuperLink bound to
+    0.0.0.0 as the guide says: registered SuperNodes on other hosts train (store path: the hosts
+    share the run dir's disk here); an unregistered one is refused. Before: the certificate did not
+    name 127.0.0.1, the SuperLink's own SuperExec (it dials 127.0.0.1 under 0.0.0.0) failed TLS
+    verification and exited, and the run stayed pending while `flwr run --stream` waited forever
+    (the harness now fails at start naming it: `Deployment._require_superexec`)."""
     run_dir = tmp_path / "runs" / "r"
-    with deployment(tmp_path, nodes=2, netns=True, tls=True, auth=True) as d:
+    with deployment(tmp_path, nodes=2, netns=True, tls=True, auth=True, bind="0.0.0.0") as d:
         stranger = d.start_node(2, registered=False, extra=["--max-retries", "2", "--max-wait-time", "20"])
         p = d.run(run_config(STORE, run_dir, rounds=2), timeout_s=1800)
         summary = _complete(d, p, run_dir)
@@ -201,3 +205,110 @@ def test_a_supernode_killed_mid_round_is_dropped_when_the_round_can_afford_it(tm
     round2 = next(r for r in rows if r["round"] == 2)
     assert len(round2["dropped"]) == 1 and round2["failed"][0]["client"] == round2["dropped"][0], round2
     assert summary["final_round"] == 3
+
+
+# ---- the guide, verbatim ------------------------------------------------------------------------
+
+GUIDE = ROOT / "docs" / "deployment.md"
+
+
+def guide_commands(section: int, prefix: str) -> list[str]:
+    """The shell commands of docs/deployment.md's section `section` (its indented code blocks,
+    `\\` continuations joined) that start with `prefix`."""
+    text = GUIDE.read_text().split(f"\n## {section}. ", 1)[1].split("\n## ", 1)[0]
+    lines = [line[4:] for line in text.splitlines() if line.startswith("    ") and not line.startswith("    -")]
+    commands: list[str] = []
+    pending = ""
+    for line in lines:
+        pending += line.strip() if pending else line.rstrip()
+        if pending.endswith("\\"):
+            pending = pending[:-1].rstrip() + " "
+            continue
+        commands.append(pending)
+        pending = ""
+    found = [c for c in commands if c.startswith(prefix)]
+    assert found, f"docs/deployment.md section {section} has no command starting with {prefix!r}"
+    return found
+
+
+def guide_toml(section: int) -> str:
+    text = GUIDE.read_text().split(f"\n## {section}. ", 1)[1].split("\n## ", 1)[0]
+    return text.split("```toml\n", 1)[1].split("```", 1)[0]
+
+
+def substitute(command: str, table: dict[str, str]) -> str:
+    """The guide's command with only the documented substitutions (docs/deployment.md section 10)."""
+    for guide, here in table.items():
+        command = command.replace(guide, here)
+    return command
+
+
+def _sh(command: str, cwd: Path, env: dict[str, str]) -> None:
+    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{command}: {done.stdout}{done.stderr}"
+
+
+def _guide_deployment(tmp_path: Path, tls: bool) -> tuple[subprocess.CompletedProcess, Path]:
+    """Sections 1, 2, 3, 5 and 8 of the guide as written, one machine each (network + mount
+    namespaces, no shared disk), two SuperNodes; returns `flwr run`'s result and the run dir."""
+    runs = tmp_path / "runs"
+    run_dir = runs / "webshop-grpo"
+    hosts = {h: tmp_path / "hosts" / h for h in ("link", "n0", "n1", "cli")}
+    for d in hosts.values():
+        d.mkdir(parents=True)
+    with deployment(tmp_path, start=False, nodes=2, netns=True, no_shared=[runs]) as d:
+        d.port = 9093  # the guide's: every host has its own network namespace
+        d.env.pop("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION")  # the guide's flags must do
+        table = {
+            "server:9093": f"{d.host}:9093",
+            "IP:10.0.0.10": f"IP:{d.host}",
+            "/srv/runs/webshop-grpo": str(run_dir),
+            "/etc/fl/ca.pem": str(hosts["cli"] / "ca.pem"),
+            "rounds=70": f'recipe="{INLINE}" rounds=2',
+        }
+        export = guide_commands(1, "export ")[0]
+        if tls:
+            for cmd in guide_commands(5, "openssl "):
+                _sh(substitute(cmd, table), hosts["link"], d.env)
+            for h in ("n0", "n1", "cli"):
+                shutil.copy(hosts["link"] / "ca.pem", hosts[h] / "ca.pem")  # the operator copies the CA
+            link = guide_commands(5, "flower-superlink ")[0]
+        else:
+            link = guide_commands(1, "flower-superlink ")[0]
+        d.start_shell("superlink", "link", f"{export} && {substitute(link, table)}", hosts["link"])
+        d.wait_started()
+        (d.home / "config.toml").write_text(substitute(guide_toml(5 if tls else 3), table))
+        for i in range(2):
+            node = {**table, "partition-id=0": f"partition-id={i}", "node0": f"node{i}"}
+            n = hosts[f"n{i}"]
+            if tls:
+                keygen, register = guide_commands(5, "ssh-keygen ")[0], guide_commands(5, "flwr supernode register ")[0]
+                _sh(substitute(keygen, node), n, d.env)
+                shutil.copy(n / f"node{i}.pub", hosts["cli"])  # the operator registers its public key
+                _sh(substitute(register, node), hosts["cli"], d.env)
+                supernode = guide_commands(5, "flower-supernode ")[0]
+            else:
+                supernode = guide_commands(2, "CUDA_VISIBLE_DEVICES=")[0]
+            d.start_shell(f"n{i}", f"n{i}", substitute(supernode, node), n)
+        submit = substitute(guide_commands(3, "flwr run ")[0], table)
+        p = subprocess.run(["bash", "-c", submit], cwd=ROOT, env=d.env, capture_output=True, text=True, timeout=1800)
+        status = substitute(guide_commands(8, "python -m server_app.status ")[0], table)
+        done = subprocess.run(["bash", "-c", status], cwd=ROOT, env=d.env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, (
+            done.stdout + p.stdout[-3000:] + p.stderr[-2000:] + "\n--- superlink\n" + d.log("superlink")[-3000:]
+        )
+        return p, run_dir
+
+
+@pytest.mark.slow
+@needs_netns
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls+auth"])
+def test_the_guide_verbatim(tmp_path, tls):
+    """docs/deployment.md's commands, copied from its code blocks and run with only the
+    substitutions its section 10 lists (addresses, paths, the run's recipe and length): a
+    SuperLink on 0.0.0.0 and two SuperNodes on hosts of their own without the server's disk,
+    plain and with the guide's OpenSSL certificate + SuperNode authentication; the run completes
+    (`python -m server_app.status` exits 0)."""
+    p, run_dir = _guide_deployment(tmp_path, tls)
+    summary = _summary(run_dir)
+    assert summary["final_round"] == 2 and len(summary["nodes"]) == 2, summary
