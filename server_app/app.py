@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -61,7 +60,7 @@ from partitions.report import write_partition_report
 from partitions.uniform import sampling_seed
 from server_app.dispatch import RoundDispatch, request_one
 from server_app.errors import one_line, strip_ansi
-from server_app.liveness import beating
+from server_app.liveness import beating, every
 from server_app.strategy import (
     ClientFailure,
     ClientRefused,
@@ -90,19 +89,9 @@ def log(msg: str) -> None:
 def _heartbeat(what: str, every_s: float = HEARTBEAT_S) -> Iterator[None]:
     """Log `what` with the elapsed time every `every_s` while the block waits on clients, so a
     streamed run never sits silent through a tiny-model build or a long round."""
-    done, t0 = threading.Event(), time.monotonic()
-
-    def beat() -> None:
-        while not done.wait(every_s):
-            log(f"{what} ({time.monotonic() - t0:.0f} s)")
-
-    thread = threading.Thread(target=beat, name="fedagent-heartbeat", daemon=True)
-    thread.start()
-    try:
+    t0 = time.monotonic()
+    with every(every_s, lambda: log(f"{what} ({time.monotonic() - t0:.0f} s)"), "fedagent-heartbeat"):
         yield
-    finally:
-        done.set()
-        thread.join()
 
 
 def _wait_for_nodes(grid: Grid) -> list[int]:

@@ -81,32 +81,47 @@ def _beat(run_id: int) -> dict[str, object]:
 
 
 @contextmanager
-def beating(rd: RunDir, run_id: int, log: Callable[[str], None], every_s: float = PERIOD_S) -> Iterator[None]:
-    """heartbeat.json while the block runs. The first beat is written before the block starts
-    (a server that cannot vouch for itself does not run); a failed later beat is logged once
-    per distinct error; the last beat (`stopped_at`) is written on every way out."""
-    me = {**_beat(run_id), "host": socket.gethostname(), "period_s": every_s}
-    rd.write_heartbeat({**me, "beat_at": time.time(), "stopped_at": None})
+def every(seconds: float, tick: Callable[[], None], name: str) -> Iterator[None]:
+    """Call `tick` every `seconds` from a daemon thread while the block runs; the thread is
+    stopped and joined on every way out, so no tick runs after the block."""
     done = threading.Event()
 
-    def beat() -> None:
-        failing = ""
-        while not done.wait(every_s):
-            try:
-                rd.write_heartbeat({**me, "beat_at": time.time(), "stopped_at": None})
-                failing = ""
-            except (OSError, PathEscapeError) as e:
-                if str(e) != failing:
-                    log(f"cannot write {rd.heartbeat_path} ({e}); `server_app.status` may call this run dead")
-                failing = str(e)
+    def loop() -> None:
+        while not done.wait(seconds):
+            tick()
 
-    thread = threading.Thread(target=beat, name="fedagent-liveness", daemon=True)
+    thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()
     try:
         yield
     finally:
         done.set()
         thread.join()
+
+
+@contextmanager
+def beating(rd: RunDir, run_id: int, log: Callable[[str], None], every_s: float = PERIOD_S) -> Iterator[None]:
+    """heartbeat.json while the block runs. The first beat is written before the block starts
+    (a server that cannot vouch for itself does not run); a failed later beat is logged once
+    per distinct error; the last beat (`stopped_at`) is written on every way out."""
+    me = {**_beat(run_id), "host": socket.gethostname(), "period_s": every_s}
+    rd.write_heartbeat({**me, "beat_at": time.time(), "stopped_at": None})
+    failing = ""
+
+    def beat() -> None:
+        nonlocal failing
+        try:
+            rd.write_heartbeat({**me, "beat_at": time.time(), "stopped_at": None})
+            failing = ""
+        except (OSError, PathEscapeError) as e:
+            if str(e) != failing:
+                log(f"cannot write {rd.heartbeat_path} ({e}); `server_app.status` may call this run dead")
+            failing = str(e)
+
+    try:
+        with every(every_s, beat, "fedagent-liveness"):
+            yield
+    finally:
         now = time.time()
         try:
             rd.write_heartbeat({**me, "beat_at": now, "stopped_at": now})
