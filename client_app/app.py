@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import time
 from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -32,8 +31,7 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     check_node_code(call.code_sha256, node)
     run_config = dict(context.run_config)
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
-    if isinstance(call, FitCall) and (pause := cfg.faults.straggles(call.client_id, call.round)):
-        time.sleep(pause)  # a straggler on purpose (faults.straggler_*): before the lane, which stays free
+    cfg.faults.straggle(call.client_id if isinstance(call, FitCall) else None, call.round)  # before the lane
     channel, work = node_channel(call, cfg.run, node)
     lane = LaneService(context.run_id, run_config, log_dir=work.path / "logs", run_dir=Path(call.run_dir))
     scratch = work.scratch_dir(path.strip("/"), call.round)

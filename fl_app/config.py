@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+import time
 import types
 import typing
 from collections.abc import Sequence
@@ -756,6 +757,12 @@ class FaultsCfg(_Strict):
         """The seconds client `client`'s fit of `server_round` sleeps (0 = none)."""
         slow = client in self.straggler_clients and (not self.straggler_rounds or server_round in self.straggler_rounds)
         return self.straggler_s if slow else 0.0
+
+    def straggle(self, client: int | None, server_round: int) -> None:
+        """Sleep as long as client `client`'s fit of `server_round` straggles (None: not a fit).
+        The ClientApp calls it before it forwards the call, so the lane stays free for others."""
+        if client is not None:
+            time.sleep(self.straggles(client, server_round))
 
 
 class Config(_Strict):

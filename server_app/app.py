@@ -6,9 +6,10 @@ Round loop (read top to bottom to follow one round):
      highest complete round); summary.json says `running` from here on;
   2. round 0 = the initial model, exported by a trainer lane, written as fp32 shards, validated;
   3. each round r, in Flower's vocabulary: `configure_train` samples logical clients (a pure
-     function of (seed, r)) and builds the round's `FitCall` naming the global weights; `train`
-     sends each client its message and collects the replies (a failed client is dropped or
-     re-dispatched: server_app.dispatch); `aggregate_train` stream-averages their fp32 shards
+     function of (seed, r), over-selected clients last) and builds the round's `FitCall` naming
+     the global weights; `train` sends each client its message and collects the replies until
+     the round closes (a failed client is dropped or re-dispatched, a straggler dropped at the
+     round deadline: server_app.dispatch); `aggregate_train` stream-averages their fp32 shards
      into rounds/round-r; `evaluate_fn` validates on a trainer lane every `eval_every` rounds;
      one line goes to metrics.jsonl and the round is marked complete;
   4. after the last round: summary.json, the plot, and a shutdown message to every node's lane.
