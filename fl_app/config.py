@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+import time
 import types
 import typing
 from collections.abc import Sequence
@@ -495,6 +496,16 @@ class FederationCfg(_Strict):
         gt=0,
         description="A sampled client whose reply has not arrived this long after its message was sent counts as failed (timed out). A lost SuperNode is reported sooner by Flower itself (Node Unavailable, after two missed heartbeats).",
     )
+    over_select: int = Field(
+        0,
+        ge=0,
+        description="Over-selection: each round also sends this many more clients, drawn after the round's `clients_per_round` from a stream of their own (so the first `clients_per_round` are the draw of a run without it). The round aggregates the first `clients_per_round` clients in sample order among those that replied when it closes: it closes as soon as the first `clients_per_round` clients that have not failed all replied, so a run without faults aggregates exactly the clients (and bits) of a run without over-selection, and an over-selected client steps in for a failed one in sample order. Over-selected clients not needed are named `spare` in the metrics row; their replies and uploads are discarded. 0 = off.",
+    )
+    round_deadline_s: float | None = Field(
+        None,
+        gt=0,
+        description="Round deadline: this long after a round's messages were sent, the round closes as soon as at least `min_clients_per_round` clients replied; the clients still pending are dropped as stragglers (metrics row `failed`: client, node, `straggler: no reply at the N s deadline`), never waited for nor re-dispatched, and their late replies and uploads are discarded. Which clients beat the deadline depends on timing: only a round in which every needed client replied before it has the bits of a run without it. Needs a client the round can afford to drop (`min_clients_per_round` below `clients_per_round`, or `over_select` > 0) and must be shorter than `client_timeout_s`. Unset = wait for every client as the failure rules say.",
+    )
 
 
 # Which partition owns which knob (partitions/registry.py implements them; docs/heterogeneity.md).
@@ -711,6 +722,49 @@ class RunCfg(_Strict):
         return value
 
 
+class FaultsCfg(_Strict):
+    """Faults injected on purpose, to show and test the failure rules (docs/reliability.md)."""
+
+    straggler_clients: list[int] = Field(
+        default_factory=list,
+        description="Logical client ids made slow on purpose: their fit call sleeps `straggler_s` in the ClientApp before it reaches the trainer lane (the lane stays free for other clients). Empty = none.",
+    )
+    straggler_rounds: list[int] = Field(
+        default_factory=list,
+        description="The rounds in which `straggler_clients` are slow; empty = every round.",
+    )
+    straggler_s: float = Field(
+        0.0,
+        ge=0,
+        description="How long a straggler's fit sleeps before it starts; must be > 0 with `straggler_clients`.",
+    )
+
+    @model_validator(mode="after")
+    def _armed(self) -> FaultsCfg:
+        """A straggler that would not sleep, or a sleep nobody takes, is a mistake: refuse it."""
+        if bool(self.straggler_clients) != (self.straggler_s > 0):
+            raise ValueError(
+                f"faults.straggler_clients={self.straggler_clients} and faults.straggler_s={self.straggler_s} "
+                "go together: name the slow clients and give them a sleep > 0, or neither"
+            )
+        if self.straggler_rounds and not self.straggler_clients:
+            raise ValueError("faults.straggler_rounds needs faults.straggler_clients (whom to slow down)")
+        if any(r < 1 for r in self.straggler_rounds):
+            raise ValueError(f"faults.straggler_rounds={self.straggler_rounds}: rounds count from 1")
+        return self
+
+    def straggles(self, client: int, server_round: int) -> float:
+        """The seconds client `client`'s fit of `server_round` sleeps (0 = none)."""
+        slow = client in self.straggler_clients and (not self.straggler_rounds or server_round in self.straggler_rounds)
+        return self.straggler_s if slow else 0.0
+
+    def straggle(self, client: int | None, server_round: int) -> None:
+        """Sleep as long as client `client`'s fit of `server_round` straggles (None: not a fit).
+        The ClientApp calls it before it forwards the call, so the lane stays free for others."""
+        if client is not None:
+            time.sleep(self.straggles(client, server_round))
+
+
 class Config(_Strict):
     extends: str = Field(
         "",
@@ -728,6 +782,7 @@ class Config(_Strict):
     federation: FederationCfg = Field(default_factory=FederationCfg)
     partition: PartitionCfg = Field(default_factory=PartitionCfg)
     run: RunCfg = Field(default_factory=RunCfg)
+    faults: FaultsCfg = Field(default_factory=FaultsCfg)
 
     @model_validator(mode="before")
     @classmethod
@@ -753,6 +808,7 @@ class Config(_Strict):
                 f"federation.min_clients_per_round={f.min_clients_per_round} exceeds "
                 f"federation.clients_per_round={f.clients_per_round}; lower it or leave it unset (= all)"
             )
+        self._stragglers()
         if f.only_clients:
             if len(f.only_clients) != f.clients_per_round or len(set(f.only_clients)) != len(f.only_clients):
                 raise ValueError(
@@ -901,6 +957,38 @@ class Config(_Strict):
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run.run_dir or f"runs/{self.run.name}").expanduser().resolve()
+
+    def _stragglers(self) -> None:
+        """Over-selection, the round deadline and injected stragglers that can be armed, or an error."""
+        f, faults = self.federation, self.faults
+        if f.over_select and f.only_clients:
+            raise ValueError(
+                "federation.over_select draws more clients, federation.only_clients fixes them: drop one of the two"
+            )
+        if f.clients_per_round + f.over_select > f.clients:
+            raise ValueError(
+                f"federation.clients_per_round={f.clients_per_round} + federation.over_select={f.over_select} "
+                f"exceeds federation.clients={f.clients}; lower over_select or raise clients"
+            )
+        if f.round_deadline_s is not None:
+            if f.round_deadline_s >= f.client_timeout_s:
+                raise ValueError(
+                    f"federation.round_deadline_s={f.round_deadline_s:g} is not shorter than "
+                    f"federation.client_timeout_s={f.client_timeout_s:g}: every client would time out first; "
+                    "lower the deadline or raise the timeout"
+                )
+            if self.min_clients() >= f.clients_per_round + f.over_select:
+                raise ValueError(
+                    f"federation.round_deadline_s can drop no straggler: all {f.clients_per_round} clients of a "
+                    "round must reply; set federation.min_clients_per_round below federation.clients_per_round, "
+                    "or federation.over_select > 0"
+                )
+        if not all(0 <= c < f.clients for c in faults.straggler_clients):
+            raise ValueError(f"faults.straggler_clients={faults.straggler_clients} holds ids outside [0, {f.clients})")
+        if any(r > f.rounds for r in faults.straggler_rounds):
+            raise ValueError(
+                f"faults.straggler_rounds={faults.straggler_rounds} names a round after federation.rounds={f.rounds}"
+            )
 
     def min_clients(self) -> int:
         """How many of a round's sampled clients must reply (federation.min_clients_per_round)."""

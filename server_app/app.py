@@ -6,9 +6,10 @@ Round loop (read top to bottom to follow one round):
      highest complete round); summary.json says `running` from here on;
   2. round 0 = the initial model, exported by a trainer lane, written as fp32 shards, validated;
   3. each round r, in Flower's vocabulary: `configure_train` samples logical clients (a pure
-     function of (seed, r)) and builds the round's `FitCall` naming the global weights; `train`
-     sends each client its message and collects the replies (a failed client is dropped or
-     re-dispatched: server_app.dispatch); `aggregate_train` stream-averages their fp32 shards
+     function of (seed, r), over-selected clients last) and builds the round's `FitCall` naming
+     the global weights; `train` sends each client its message and collects the replies until
+     the round closes (a failed client is dropped or re-dispatched, a straggler dropped at the
+     round deadline: server_app.dispatch); `aggregate_train` stream-averages their fp32 shards
      into rounds/round-r; `evaluate_fn` validates on a trainer lane every `eval_every` rounds;
      one line goes to metrics.jsonl and the round is marked complete;
   4. after the last round: summary.json, the plot, and a shutdown message to every node's lane.
@@ -58,7 +59,7 @@ from fl_app.rundir import RunDir
 from fl_app.weights import Manifest, WeightsError, save_shards
 from partitions.report import write_partition_report
 from partitions.uniform import sampling_seed
-from server_app.dispatch import RoundDispatch, request_one
+from server_app.dispatch import Abandoned, Close, RoundDispatch, RoundOutcome, request_one
 from server_app.errors import one_line, strip_ansi
 from server_app.liveness import beating, every
 from server_app.strategy import (
@@ -242,8 +243,10 @@ class Run:
                 seed=sampling_seed(cfg.run.seed, cfg.federation.sampling_seed),
                 num_clients=cfg.federation.clients,
                 per_round=cfg.federation.clients_per_round,
+                over_select=cfg.federation.over_select,
                 only_clients=cfg.federation.only_clients,
             )
+            self.abandoned = Abandoned(self._late_upload)
             self.aggregator = StreamingAggregator(
                 cfg.federation.strategy, cfg.federation.proximal_mu, cfg.federation.server_lr
             )
@@ -261,6 +264,12 @@ class Run:
             "run_dir_token": self.token,
             **self.w.node_store,
         }
+
+    def _late_upload(self, rnd: int, client: int) -> None:
+        """Remove what a dropped or spare client of round `rnd` uploaded after its round closed
+        (once the round is complete its scratch is redundant; before, `drop_client_uploads` will)."""
+        if self.rd.is_complete(rnd):
+            shutil.rmtree(self.rd.client_dir(rnd, client), ignore_errors=True)
 
     def message(self, node: int, mtype: str, call: Call, arrays: dict[str, ArrayRecord] | None = None) -> Message:
         """`call` as one record, with the inline arrays of its weights beside it, and the weight
@@ -460,14 +469,17 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         sampled, call, arrays = configure_train(run, rnd)
         row: dict[str, Any] = {"clients": sampled}
         with _heartbeat(f"round {rnd}/{fed.rounds}: clients {sampled} training"):
-            replies, failures = train(run, sampled, call, arrays)
+            outcome = train(run, sampled, call, arrays)
+        replies, failures = outcome.replies, outcome.failures
         row.update(_fit_times(replies))  # before aggregation may refuse a reply
         t_agg = time.perf_counter()
         manifests, train_metrics = aggregate_train(run, rnd, replies, failures)
         row["aggregate_s"] = time.perf_counter() - t_agg
         if failures:
             row["failed"] = [f.as_dict() for f in failures]
-            row["dropped"] = sorted(set(sampled) - set(replies))
+            row["dropped"] = sorted(set(sampled) - set(replies) - set(outcome.spare))
+        if outcome.spare:
+            row["spare"] = outcome.spare
         row.update({k if k.startswith("train_") else f"train_{k}": v for k, v in train_metrics.items()})
         if _due_for_eval(cfg, rnd):
             with _heartbeat(f"round {rnd}/{fed.rounds}: validating"):
@@ -479,6 +491,7 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         log(
             f"round {rnd}/{fed.rounds}: clients {row['clients']}"
             + (f" (dropped {row['dropped']})" if row.get("dropped") else "")
+            + (f" (spare {row['spare']})" if row.get("spare") else "")
             + " | train success "
             f"{row.get('train_success', float('nan')):.3f} reward {row.get('train_reward', float('nan')):.3f} | "
             f"{_validation(row)} | {row['wall_s']:.1f} s | "
@@ -504,21 +517,27 @@ def configure_train(run: Run, rnd: int) -> tuple[list[int], FitCall, dict[str, A
     return run.sampler.sample(rnd), call, arrays
 
 
-def train(
-    run: Run, sampled: list[int], call: FitCall, arrays: dict[str, ArrayRecord]
-) -> tuple[dict[int, Message], list[ClientFailure]]:
-    """Every sampled client's train message, with failed clients dropped or re-dispatched."""
+def train(run: Run, sampled: list[int], call: FitCall, arrays: dict[str, ArrayRecord]) -> RoundOutcome:
+    """Every sampled client's train message, with failed clients dropped or re-dispatched and
+    the round closed by `federation.round_deadline_s` and over-selection (server_app.dispatch)."""
     make: Callable[[int, int], Message] = lambda cid, node: run.message(  # noqa: E731
         node, MessageType.TRAIN, call.model_copy(update={"client_id": cid}), arrays
     )
     nodes = sorted(run.grid.get_node_ids())
     fed = run.cfg.federation
+    close = Close(fed.clients_per_round, run.cfg.min_clients(), fed.round_deadline_s)
     outcome = RoundDispatch(
-        run.grid, make, round_=call.round, min_ok=run.cfg.min_clients(), timeout_s=fed.client_timeout_s, log=log
+        run.grid,
+        make,
+        round_=call.round,
+        close=close,
+        timeout_s=fed.client_timeout_s,
+        log=log,
+        abandoned=run.abandoned,
     ).run(run.sampler.assign(sampled, nodes))
     for reply in outcome.replies.values():
         run.nodes.note(reply)
-    return outcome.replies, outcome.failures
+    return outcome
 
 
 def _fit_times(replies: dict[int, Message]) -> dict[str, float]:

@@ -40,7 +40,7 @@ from fl_app.channel import Channel, arrays_key
 from fl_app.channel.remote import WeightStoreUnreachable
 from fl_app.outcomes import outcome_key
 from fl_app.weights import Manifest, WeightsError
-from partitions.uniform import sample_clients
+from partitions.uniform import over_selected, sample_clients
 
 
 class RoundError(RuntimeError):
@@ -86,15 +86,22 @@ def check_reply_keys(who: str, reply: Reply, own: Mapping[str, str]) -> None:
 class ClientSampler:
     """Which logical clients train in a round, and on which node."""
 
-    def __init__(self, *, seed: int, num_clients: int, per_round: int, only_clients: Sequence[int] = ()) -> None:
+    def __init__(
+        self, *, seed: int, num_clients: int, per_round: int, over_select: int = 0, only_clients: Sequence[int] = ()
+    ) -> None:
         self.seed, self.num_clients, self.per_round = seed, num_clients, per_round
-        self.only_clients = list(only_clients)
+        self.over_select, self.only_clients = over_select, list(only_clients)
 
     def sample(self, server_round: int) -> list[int]:
-        """federation.only_clients when set (the local-only baseline), else a seeded draw."""
+        """federation.only_clients when set (the local-only baseline), else a seeded draw, then
+        `over_select` more (`over_selected`): the round's clients in sample order, its first
+        `per_round` the draw of a run without over-selection."""
         if self.only_clients:
             return list(self.only_clients)
-        return sample_clients(self.seed, server_round, self.num_clients, self.per_round)
+        first = sample_clients(self.seed, server_round, self.num_clients, self.per_round)
+        if not self.over_select:
+            return first
+        return first + over_selected(self.seed, server_round, self.num_clients, first, self.over_select)
 
     @staticmethod
     def assign(clients: Sequence[int], nodes: Sequence[int]) -> dict[int, int]:
