@@ -35,6 +35,7 @@ when it was written) writes nothing.
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ import torch
 from fl_app.aggregate import PIECE_BYTES, PieceBuffers, _check_fp32, _finite, walk_shard
 from fl_app.config import FederationCfg, resolved
 from fl_app.host import one_torch_thread
+from fl_app.rundir import RunDir
 from fl_app.weights import Manifest, ShardWriter, TensorInfo, WeightsError, same_layout
 
 MOMENTS: dict[str, tuple[str, ...]] = {"fedavgm": ("m",), "fedadam": ("m", "v"), "nesterov": ("m",)}
@@ -85,6 +87,19 @@ class ServerOptimizer:
     def state_entries(self, members: Sequence[str]) -> tuple[str, ...]:
         """Every state entry a round r >= 1 holds (what its COMPLETE marker must record)."""
         return tuple(e for member in members for e in self.entries(member))
+
+    def step_round(self, rd: RunDir, r: int) -> dict[str, Manifest]:
+        """Round r's step of every member of `rd`: from round r - 1's global model along the
+        clients' mean the aggregation wrote into `rd.mean_dir(r, member)` (removed once stepped),
+        with round r - 1's moments (zeros when r = 1) into round r's. Returns the new manifests."""
+        out = {}
+        for m in rd.members:
+            state_in = [rd.opt_state_dir(r - 1, e) for e in self.entries(m)] if r > 1 else None
+            state_out = [rd.opt_state_dir(r, e) for e in self.entries(m)]
+            mean = rd.mean_dir(r, m)
+            out[m] = self.step(rd.member_dir(r - 1, m), mean, state_in, rd.member_dir(r, m), state_out, m)
+            shutil.rmtree(mean)
+        return out
 
     def step(
         self,

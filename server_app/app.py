@@ -557,15 +557,8 @@ def aggregate_train(
     previous = {m: rd.member_dir(rnd - 1, m) for m in rd.members}
     if opt is None:
         return _average(run, rnd, replies, failures, out_dirs, previous)
-    means = {m: rd.mean_dir(rnd, m) for m in rd.members}
-    _, train_metrics = _average(run, rnd, replies, failures, means, None)
-    manifests = {}
-    for m in rd.members:
-        state_in = [rd.opt_state_dir(rnd - 1, e) for e in opt.entries(m)] if rnd > 1 else None
-        state_out = [rd.opt_state_dir(rnd, e) for e in opt.entries(m)]
-        manifests[m] = opt.step(previous[m], means[m], state_in, out_dirs[m], state_out, m)
-        shutil.rmtree(means[m])
-    return manifests, train_metrics
+    _, train_metrics = _average(run, rnd, replies, failures, {m: rd.mean_dir(rnd, m) for m in rd.members}, None)
+    return opt.step_round(rd, rnd), train_metrics
 
 
 def _average(
