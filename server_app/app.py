@@ -368,7 +368,8 @@ def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str)
         log(
             f"run {context.run_id}: {fed.clients} clients, {fed.clients_per_round}/round (at least "
             f"{cfg.min_clients()} must reply), {fed.rounds} rounds, {fed.local_epochs} local epochs, strategy "
-            f"{fed.strategy}, {len(nodes)} node(s); run dir {rd.path}"
+            f"{fed.strategy}, server optimizer {fed.server_optimizer} (lr {fed.server_lr}), {len(nodes)} node(s); "
+            f"run dir {rd.path}"
         )
         critic = _rounds(run, start)
     except BaseException as e:
