@@ -11,6 +11,8 @@ they give identical bits:
   pieces are read, before the next shard starts; any failure aborts the writer, which deletes
   what it wrote, so the output never looks complete and a retry finds it empty.
 - `fedavg_states` averages in-memory state dicts (the inline transport path).
+The lock-step walk over shards (`walk_shard`: any number of inputs and outputs, one callback
+per piece) is shared with the server optimizers' step (fl_app.server_opt).
 `fedavg_refs` takes a round's replies as the channel's refs and picks the one that applies.
 
 Per tensor, in client order: acc = x_0 * f_0, then acc += x_i * f_i (one fused multiply-add),
