@@ -49,8 +49,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-server-opt-", dir=a.tmp_dir))
     try:
         ups = [(save_shards(random_model(size, c), tmp / f"client-{c}", shard), 1.0 + c) for c in range(a.clients)]
-        glob = save_shards(random_model(size, 99), tmp / "global", shard).root
-        mean = fedavg_manifests(ups, tmp / "mean", shard).root
+        glob, mean = tmp / "global", tmp / "mean"
+        save_shards(random_model(size, 99), glob, shard)
+        fedavg_manifests(ups, mean, shard)
         moments = {}
         for opt in OPTIMIZERS:  # the moments a later round reads (a first step's)
             moments[opt.name] = [tmp / "state" / opt.name / m for m in opt.moments]

@@ -200,7 +200,8 @@ class RunDir:
         return digests, state
 
     def _round_state(self, r: int) -> tuple[str, str]:
-        """('complete' | 'partial' | 'broken', why). Broken = a marker whose members do not match."""
+        """('complete' | 'partial' | 'broken', why). Broken = a marker whose members or server
+        optimizer state do not match, or whose state is not the run's (`opt_state`)."""
         try:
             found = self._read_marker(r)
         except RunDirError as e:
@@ -218,7 +219,10 @@ class RunDir:
                 "server_optimizer the run was started with, or use a new run dir"
             )
         dirs = [(f"member {m!r}", self.member_dir(r, m), recorded[m]) for m in self.members]
-        dirs += [(f"server optimizer state {e!r}", self.opt_state_dir(r, e), d) for e, d in sorted(state.items())]
+        try:
+            dirs += [(f"server optimizer state {e!r}", self.opt_state_dir(r, e), d) for e, d in sorted(state.items())]
+        except RunDirError as e:
+            return "broken", str(e)
         for what, path, want in dirs:
             try:
                 digest = Manifest.from_dir(path).sha256
@@ -311,8 +315,9 @@ class RunDir:
             )
 
     def verify_round(self, r: int) -> None:
-        """Read every shard of round r's required members against their manifest's digests; moves
-        nothing. WeightsError names the first bad file. Costs a read of the whole checkpoint."""
+        """Read every shard of round r's required members, and of the server optimizer state its
+        marker records, against their manifests' digests; moves nothing. WeightsError names the
+        first bad file. Costs a read of the whole checkpoint."""
         found = self._read_marker(r)
         paths = [self.member_dir(r, m) for m in self.members]
         paths += [self.opt_state_dir(r, e) for e in sorted(found[1] if found else {})]
