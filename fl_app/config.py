@@ -476,7 +476,8 @@ class FederationCfg(_Strict):
         "`nesterov`: DiLoCo's outer step (Douillard et al. 2023, arXiv 2311.08105): SGD with Nesterov momentum "
         "on the outer gradient g = w - avg. The moments are fp32 shards beside each round's global model "
         "(rounds/round-R/server_opt/), zeros before round 1, part of the round: a resumed run steps exactly as "
-        "an uninterrupted one.",
+        "an uninterrupted one. Every transport is supported: the mean is always written as shards (inline "
+        "replies are averaged in memory, then saved), and the step streams from there.",
     )
     server_lr: float | None = Field(
         None,

@@ -90,15 +90,15 @@ class ServerOptimizer:
 
     def step_round(self, rd: RunDir, r: int) -> dict[str, Manifest]:
         """Round r's step of every member of `rd`: from round r - 1's global model along the
-        clients' mean the aggregation wrote into `rd.mean_dir(r, member)` (removed once stepped),
-        with round r - 1's moments (zeros when r = 1) into round r's. Returns the new manifests."""
+        clients' mean the aggregation wrote into `rd.mean_dir(r, member)` (removed once every
+        member is stepped), with round r - 1's moments (zeros when r = 1) into round r's.
+        Returns the new manifests."""
         out = {}
         for m in rd.members:
             state_in = [rd.opt_state_dir(r - 1, e) for e in self.entries(m)] if r > 1 else None
             state_out = [rd.opt_state_dir(r, e) for e in self.entries(m)]
-            mean = rd.mean_dir(r, m)
-            out[m] = self.step(rd.member_dir(r - 1, m), mean, state_in, rd.member_dir(r, m), state_out, m)
-            shutil.rmtree(mean)
+            out[m] = self.step(rd.member_dir(r - 1, m), rd.mean_dir(r, m), state_in, rd.member_dir(r, m), state_out, m)
+        shutil.rmtree(rd.mean_dir(r, rd.members[0]).parent)
         return out
 
     def step(
