@@ -11,6 +11,8 @@ they give identical bits:
   pieces are read, before the next shard starts; any failure aborts the writer, which deletes
   what it wrote, so the output never looks complete and a retry finds it empty.
 - `fedavg_states` averages in-memory state dicts (the inline transport path).
+The lock-step walk over shards (`walk_shard`: any number of inputs and outputs, one callback
+per piece) is shared with the server optimizers' step (fl_app.server_opt).
 `fedavg_refs` takes a round's replies as the channel's refs and picks the one that applies.
 
 Per tensor, in client order: acc = x_0 * f_0, then acc += x_i * f_i (one fused multiply-add),
@@ -36,7 +38,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +50,7 @@ from fl_app.weights import (
     Manifest,
     ShardStream,
     ShardWriter,
+    TensorInfo,
     WeightsError,
     load_shards,
     read_shard,
@@ -304,68 +307,96 @@ class _Readers:
 
 
 @dataclass
-class _Buffers:
+class PieceBuffers:
     """Piece buffers, allocated once per aggregation and reused for every shard (no page faults
-    or allocator churn per shard): `_BUFFERS_PER_INPUT` per live input, `_OUT_BUFFERS` for output."""
+    or allocator churn per shard): `_BUFFERS_PER_INPUT` per live input, `_OUT_BUFFERS` per output."""
 
     inputs: list[list[torch.Tensor]]
-    out: list[torch.Tensor]
+    outs: list[list[torch.Tensor]]
 
     @classmethod
-    def for_model(cls, manifest: Manifest, n_inputs: int) -> _Buffers:
+    def for_model(cls, manifest: Manifest, n_inputs: int, n_outputs: int = 1) -> PieceBuffers:
         size = max([min(PIECE_BYTES, t.nbytes) for t in manifest.tensors] or [0])
         new = lambda: torch.empty(size, dtype=torch.uint8)  # noqa: E731
         return cls(
-            [[new() for _ in range(_BUFFERS_PER_INPUT)] for _ in range(n_inputs)], [new() for _ in range(_OUT_BUFFERS)]
+            [[new() for _ in range(_BUFFERS_PER_INPUT)] for _ in range(n_inputs)],
+            [[new() for _ in range(_OUT_BUFFERS)] for _ in range(n_outputs)],
         )
 
 
-def _fedavg_shard(writer: ShardWriter, live: list[_Input], s: int, verify: bool, buffers: _Buffers) -> None:
-    """Stream shard s of every live input into the writer's next shard; raises _NonFinite."""
+# (the tensor, its input pieces in input order, the output pieces to fill in writer order)
+Combine = Callable[[TensorInfo, list[torch.Tensor], list[torch.Tensor]], None]
+
+
+def walk_shard(
+    writers: Sequence[ShardWriter],
+    inputs: Sequence[Manifest],
+    labels: Sequence[str],
+    s: int,
+    verify: bool,
+    buffers: PieceBuffers,
+    combine: Combine,
+) -> None:
+    """Stream shard s of every input, piece by piece in lock step, into the next shard of every
+    writer, all laid out as the first input's shard: `combine` fills the output pieces from the
+    input pieces (and raises to stop). Every input byte is read and hashed once, every output
+    byte hashed and written once; a shard's digests are compared when all its pieces are read."""
     streams: list[ShardStream] = []
     readers = None
     try:
-        for inp in live:
-            streams.append(ShardStream(inp.manifest, s, verify))
+        for m in inputs:
+            streams.append(ShardStream(m, s, verify))
         slots = streams[0].slots
-        for inp, st in zip(live[1:], streams[1:]):
+        for label, st in zip(labels[1:], streams[1:]):
             if st.slots != slots:
                 raise WeightsError(
                     f"shard {st.path} lays its tensors out differently from {streams[0].path} "
-                    f"(inputs {live[0].index} and {inp.index}); clients must export with the same "
+                    f"({labels[0]} and {label}); clients must export with the same "
                     "version of fedagent-flower"
                 )
-        writer.begin_shard(streams[0].info.tensors, [sl.info for sl in slots])
+        for writer in writers:
+            writer.begin_shard(streams[0].info.tensors, [sl.info for sl in slots])
         work = [(sl, off, n) for sl in slots for off, n in _pieces(sl.info.nbytes, sl.info.itemsize)]
-        if not work:
-            for st in streams:
-                st.finish()
-            writer.end_shard()
-            return
-        readers = _Readers(streams, [n * sl.info.itemsize for sl, _, n in work], buffers.inputs)
-        out_free: queue.Queue = queue.Queue()
-        for b in buffers.out:
-            out_free.put(b)
-        for sl, _, n in work:
-            dtype, nbytes = sl.info.torch_dtype, n * sl.info.itemsize
-            out = out_free.get()
-            acc = out[:nbytes].view(dtype)
-            for k, inp in enumerate(live):
-                buf = readers.get(k)
-                _fold(acc, buf[:nbytes].view(dtype), inp.factor, k == 0, sl.info.name)
-                readers.free[k].put(buf)
-            if not _finite(acc):
-                raise _NonFinite(repr(sl.info.name))
-            done = writer.write(out.numpy().data[:nbytes])
-            done.add_done_callback(functools.partial(_give_back, out_free, out))
+        if work:
+            readers = _Readers(streams, [n * sl.info.itemsize for sl, _, n in work], buffers.inputs)
+            free: list[queue.Queue] = [queue.Queue() for _ in writers]
+            for q, bufs in zip(free, buffers.outs):
+                for b in bufs:
+                    q.put(b)
+            for sl, _, n in work:
+                dtype, nbytes = sl.info.torch_dtype, n * sl.info.itemsize
+                outs = [q.get() for q in free]
+                ins = [readers.get(k) for k in range(len(streams))]
+                combine(sl.info, [b[:nbytes].view(dtype) for b in ins], [o[:nbytes].view(dtype) for o in outs])
+                for k, b in enumerate(ins):
+                    readers.free[k].put(b)
+                for writer, q, out in zip(writers, free, outs):
+                    done = writer.write(out.numpy().data[:nbytes])
+                    done.add_done_callback(functools.partial(_give_back, q, out))
         for st in streams:
             st.finish()  # every byte of the shard was read: compare the digests
-        writer.end_shard()
+        for writer in writers:
+            writer.end_shard()
     finally:
         if readers is not None:
             readers.close()
         for st in streams:
             st.close()
+
+
+def _fedavg_shard(writer: ShardWriter, live: list[_Input], s: int, verify: bool, buffers: PieceBuffers) -> None:
+    """Stream shard s of every live input into the writer's next shard; raises _NonFinite."""
+
+    def fold(info: TensorInfo, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        (acc,) = outs
+        for k, (inp, x) in enumerate(zip(live, ins)):
+            _fold(acc, x, inp.factor, k == 0, info.name)
+        if not _finite(acc):
+            raise _NonFinite(repr(info.name))
+
+    walk_shard(
+        [writer], [inp.manifest for inp in live], [f"input {inp.index}" for inp in live], s, verify, buffers, fold
+    )
 
 
 def _give_back(pool: queue.Queue, buf: torch.Tensor, _written: object) -> None:
@@ -418,7 +449,7 @@ def fedavg_manifests(
         )
     _check_fp32([(t.name, t.torch_dtype) for t in manifests[0].tensors])
     live = [_Input(i, m, f) for i, (m, f) in enumerate(zip(manifests, factors)) if f != 0]
-    buffers = _Buffers.for_model(manifests[0], len(live))
+    buffers = PieceBuffers.for_model(manifests[0], len(live))
     try:
         with ShardWriter(out_dir, max_shard_bytes) as writer, one_torch_thread():
             for s in range(len(manifests[0].shards)):

@@ -24,7 +24,7 @@ import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -59,9 +59,13 @@ class ConfigError(ValueError):
     """A recipe or override is invalid; the message names the key and the fix."""
 
 
-def resolved(value: int | None, key: str) -> int:
-    """A size that validation fills when the recipe leaves it unset (algo.group_size,
-    algo.critic.mini_batch_size / micro_batch_size), for code that runs on a validated config."""
+_T = TypeVar("_T")
+
+
+def resolved(value: _T | None, key: str) -> _T:
+    """A value that validation fills when the recipe leaves it unset (algo.group_size,
+    algo.critic.mini_batch_size / micro_batch_size, federation.server_lr), for code that runs on a
+    validated config."""
     if value is None:
         raise ConfigError(f"{key} is unset: validate the config (fl_app.config.load_config) before using it")
     return value
@@ -462,15 +466,50 @@ class FederationCfg(_Strict):
     proximal_mu: float = Field(
         0.01, ge=0, description="FedProx mu (only used by `fedprox`; applies to the policy only)."
     )
-    server_lr: float = Field(
-        1.0,
+    server_optimizer: Literal["sgd", "fedavgm", "fedadam", "nesterov"] = Field(
+        "sgd",
+        description="The server's step from the round's global model w along the pseudo-gradient Delta = avg - w "
+        "(avg: the strategy's weighted mean of the clients, every member; formulas in fl_app/server_opt.py). "
+        "`sgd`: w + server_lr * Delta, stateless (server_lr 1 = FedAvg bit for bit). `fedavgm`: server momentum, "
+        "m = server_momentum * m + Delta, w + server_lr * m (Hsu et al. 2019, arXiv 1909.06335; FedOpt's FedAvgM). "
+        "`fedadam`: FedOpt's FedAdam (Reddi et al. 2021, arXiv 2003.00295, Algorithm 2, no bias correction), "
+        "m = b1 m + (1 - b1) Delta, v = b2 v + (1 - b2) Delta^2, w + server_lr * m / (sqrt(v) + server_tau). "
+        "`nesterov`: DiLoCo's outer step (Douillard et al. 2023, arXiv 2311.08105): SGD with Nesterov momentum "
+        "on the outer gradient g = w - avg. The moments are fp32 shards beside each round's global model "
+        "(rounds/round-R/server_opt/), zeros before round 1, part of the round: a resumed run steps exactly as "
+        "an uninterrupted one. Every transport is supported: the mean is always written as shards (inline "
+        "replies are averaged in memory, then saved), and the step streams from there.",
+    )
+    server_lr: float | None = Field(
+        None,
         gt=0,
         le=10,
-        description="Server learning rate eta: the new global model is w + eta * (avg - w), w the round's "
-        "global model and avg the strategy's weighted mean of the clients (every member). 1 = the mean itself, "
-        "FedAvg bit for bit; above 1 extrapolates the clients' mean step, as FedAvg with a server step size "
-        "(FedOpt's server SGD, Flower's FedAvgM `server_learning_rate` without momentum). Stateless, so a "
-        "resumed run aggregates exactly as an uninterrupted one.",
+        description="Server learning rate eta of `server_optimizer` (every optimizer's step is scaled by it). "
+        "Unset: 1 for `sgd` and `fedavgm` (FedAvg's step; FedAvgM then moves by about 1 / (1 - momentum) "
+        "times the clients' mean step), 0.7 for `nesterov` (DiLoCo's outer learning rate); `fedadam` needs it "
+        "set, as FedOpt tunes it per task (its step moves every weight by up to about eta per round). With "
+        "`sgd`: the new global model is w + eta * (avg - w); 1 = the mean itself, FedAvg bit for bit; above 1 "
+        "extrapolates the clients' mean step (FedOpt's server SGD, Flower's FedAvgM `server_learning_rate` "
+        "without momentum).",
+    )
+    server_momentum: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="Momentum of `fedavgm` (beta; default 0.9, FedOpt's FedAvgM) and `nesterov` (mu; default "
+        "0.9, DiLoCo's outer momentum). Unset for the other optimizers.",
+    )
+    server_beta1: float | None = Field(
+        None, ge=0, lt=1, description="`fedadam`'s first-moment decay b1 (default 0.9, as FedOpt fixes it)."
+    )
+    server_beta2: float | None = Field(
+        None, ge=0, lt=1, description="`fedadam`'s second-moment decay b2 (default 0.99, as FedOpt fixes it)."
+    )
+    server_tau: float | None = Field(
+        None,
+        gt=0,
+        description="`fedadam`'s degree of adaptivity tau, added to sqrt(v) (default 1e-3, the value FedOpt's "
+        "experiments fix while tuning the learning rates).",
     )
     eval_every: int = Field(
         1,
@@ -507,6 +546,51 @@ class FederationCfg(_Strict):
         description="Round deadline: this long after a round's messages were sent, the round closes as soon as at least `min_clients_per_round` clients replied; the clients still pending are dropped as stragglers (metrics row `failed`: client, node, `straggler: no reply at the N s deadline`), never waited for nor re-dispatched, and their late replies and uploads are discarded. Which clients beat the deadline depends on timing: only a round in which every needed client replied before it has the bits of a run without it. Needs a client the round can afford to drop (`min_clients_per_round` below `clients_per_round`, or `over_select` > 0) and must be shorter than `client_timeout_s`. Unset = wait for every client as the failure rules say.",
     )
 
+    @model_validator(mode="after")
+    def _server_optimizer(self) -> "FederationCfg":
+        """Fill the chosen server optimizer's unset knobs; fail closed on another optimizer's knob
+        and on `fedadam` without a learning rate."""
+        owned = SERVER_OPT_KNOBS[self.server_optimizer]
+        for knob in ("server_momentum", "server_beta1", "server_beta2", "server_tau"):
+            if getattr(self, knob) is not None and knob not in owned:
+                owners = [n for n, ks in SERVER_OPT_KNOBS.items() if knob in ks]
+                raise ValueError(
+                    f"federation.{knob} is a knob of server_optimizer {' / '.join(owners)}, but "
+                    f"federation.server_optimizer={self.server_optimizer!r}; remove it or change the optimizer"
+                )
+        if self.server_optimizer == "fedadam" and self.server_lr is None:
+            raise ValueError(
+                "federation.server_optimizer=fedadam needs federation.server_lr: its step moves every weight by "
+                "up to about server_lr per round, and FedOpt (arXiv 2003.00295) tunes it per task (e.g. 1e-2); "
+                "set it explicitly"
+            )
+        for knob, default in SERVER_OPT_DEFAULTS[self.server_optimizer].items():
+            if getattr(self, knob) is None:
+                setattr(self, knob, default)
+        return self
+
+    def fold_lr(self) -> float:
+        """The eta of the aggregation's own fold: server_lr for the stateless `sgd`; 1 (the clients'
+        mean) when a server optimizer steps from that mean."""
+        if self.server_optimizer != "sgd":
+            return 1.0
+        return resolved(self.server_lr, "federation.server_lr")
+
+
+# The server optimizers' knobs (fl_app/server_opt.py) and their published defaults: FedOpt
+# (Reddi et al. 2021) for fedavgm/fedadam, DiLoCo (Douillard et al. 2023) for nesterov.
+SERVER_OPT_KNOBS: dict[str, tuple[str, ...]] = {
+    "sgd": ("server_lr",),
+    "fedavgm": ("server_lr", "server_momentum"),
+    "fedadam": ("server_lr", "server_beta1", "server_beta2", "server_tau"),
+    "nesterov": ("server_lr", "server_momentum"),
+}
+SERVER_OPT_DEFAULTS: dict[str, dict[str, float]] = {
+    "sgd": {"server_lr": 1.0},
+    "fedavgm": {"server_lr": 1.0, "server_momentum": 0.9},
+    "fedadam": {"server_beta1": 0.9, "server_beta2": 0.99, "server_tau": 1e-3},
+    "nesterov": {"server_lr": 0.7, "server_momentum": 0.9},
+}
 
 # Which partition owns which knob (partitions/registry.py implements them; docs/heterogeneity.md).
 PARTITION_KNOBS: dict[str, tuple[str, ...]] = {

@@ -56,6 +56,7 @@ from fl_app.outcomes import outcome_shares_of
 from fl_app.plots import plot_validation
 from fl_app.provenance import check_server_code
 from fl_app.rundir import RunDir
+from fl_app.server_opt import ServerOptimizer
 from fl_app.weights import Manifest, WeightsError, save_shards
 from partitions.report import write_partition_report
 from partitions.uniform import sampling_seed
@@ -247,8 +248,9 @@ class Run:
                 only_clients=cfg.federation.only_clients,
             )
             self.abandoned = Abandoned(self._late_upload)
+            self.server_opt = ServerOptimizer.from_config(cfg.federation)
             self.aggregator = StreamingAggregator(
-                cfg.federation.strategy, cfg.federation.proximal_mu, cfg.federation.server_lr
+                cfg.federation.strategy, cfg.federation.proximal_mu, cfg.federation.fold_lr()
             )
             self.token = write_disk_probe(rd.path)
         except BaseException:
@@ -345,9 +347,18 @@ def main(grid: Grid, context: Context) -> None:
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
     # before the run dir, which may be another checkout's
     code = check_server_code(_app_dir(grid), Path.cwd(), simulation=isinstance(grid, InMemoryGrid))
-    rd = RunDir(cfg.resolved_run_dir(), total_rounds=cfg.federation.rounds, members=cfg.weight_members())
+    rd = run_dir(cfg)
     with beating(rd, context.run_id, log):  # heartbeat.json: `server_app.status` tells running from dead
         _serve_run(grid, context, cfg, rd, code)
+
+
+def run_dir(cfg: Config) -> RunDir:
+    """The run's directory, told what every complete round must hold: its members and, with a
+    server optimizer, its state entries."""
+    members = cfg.weight_members()
+    opt = ServerOptimizer.from_config(cfg.federation)
+    state = opt.state_entries(members) if opt is not None else ()
+    return RunDir(cfg.resolved_run_dir(), total_rounds=cfg.federation.rounds, members=members, opt_state=state)
 
 
 def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str) -> None:
@@ -366,7 +377,8 @@ def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str)
         log(
             f"run {context.run_id}: {fed.clients} clients, {fed.clients_per_round}/round (at least "
             f"{cfg.min_clients()} must reply), {fed.rounds} rounds, {fed.local_epochs} local epochs, strategy "
-            f"{fed.strategy}, {len(nodes)} node(s); run dir {rd.path}"
+            f"{fed.strategy}, server optimizer {fed.server_optimizer} (lr {fed.server_lr}), {len(nodes)} node(s); "
+            f"run dir {rd.path}"
         )
         critic = _rounds(run, start)
     except BaseException as e:
@@ -558,12 +570,29 @@ def aggregate_train(
     run: Run, rnd: int, replies: dict[int, Message], failures: list[ClientFailure]
 ) -> tuple[dict[str, Manifest], dict[str, float]]:
     """Average the replies into the round's checkpoint (Flower's `aggregate_train`, streamed
-    from the replies' refs). A reply the aggregator refuses (one naming a key that is not its
-    client's own upload of this round, an entry that does not resolve, a non-finite upload) is
-    a failed client: dropped (and the average recomputed without it) when the round can afford
-    it, else the round fails closed."""
-    out_dirs = {m: run.rd.member_dir(rnd, m) for m in run.rd.members}
-    previous = {m: run.rd.member_dir(rnd - 1, m) for m in run.rd.members}
+    from the replies' refs), then, with a server optimizer, step from the round's global model
+    along that mean (fl_app.server_opt) and write the round's moments beside the checkpoint."""
+    rd, opt = run.rd, run.server_opt
+    out_dirs = {m: rd.member_dir(rnd, m) for m in rd.members}
+    previous = {m: rd.member_dir(rnd - 1, m) for m in rd.members}
+    if opt is None:
+        return _average(run, rnd, replies, failures, out_dirs, previous)
+    _, train_metrics = _average(run, rnd, replies, failures, {m: rd.mean_dir(rnd, m) for m in rd.members}, None)
+    return opt.step_round(rd, rnd), train_metrics
+
+
+def _average(
+    run: Run,
+    rnd: int,
+    replies: dict[int, Message],
+    failures: list[ClientFailure],
+    out_dirs: dict[str, Path],
+    previous: dict[str, Path] | None,
+) -> tuple[dict[str, Manifest], dict[str, float]]:
+    """The aggregator's mean of the replies into `out_dirs`. A reply the aggregator refuses (one
+    naming a key that is not its client's own upload of this round, an entry that does not
+    resolve, a non-finite upload) is a failed client: dropped (and the average recomputed
+    without it) when the round can afford it, else the round fails closed."""
     while True:
         order = sorted(replies)
         try:

@@ -135,6 +135,20 @@ def test_filtering_uniform_groups_is_refused_where_there_are_no_groups_to_compar
     assert load_config("tiny-shop-grpo", dotlist=["algo.filter_uniform_groups=true"]).algo.filter_uniform_groups
 
 
+def test_a_server_optimizer_takes_only_its_own_knobs_and_fedadam_needs_a_learning_rate():
+    """Fail closed at recipe load: another optimizer's knob would silently do nothing, and
+    fedadam has no learning rate that suits every task (FedOpt tunes it)."""
+    with pytest.raises(ConfigError, match=r"server_beta2 is a knob of server_optimizer fedadam.*'nesterov'"):
+        load_config("tiny-shop-grpo", dotlist=["federation.server_optimizer=nesterov", "federation.server_beta2=0.9"])
+    with pytest.raises(ConfigError, match=r"server_momentum is a knob of server_optimizer fedavgm / nesterov"):
+        load_config("tiny-shop-grpo", dotlist=["federation.server_momentum=0.5"])
+    with pytest.raises(ConfigError, match=r"fedadam needs federation.server_lr"):
+        load_config("tiny-shop-grpo", dotlist=["federation.server_optimizer=fedadam"])
+    fed = load_config("tiny-shop-grpo", dotlist=["federation.server_optimizer=nesterov"]).federation
+    assert (fed.server_lr, fed.server_momentum, fed.server_beta1) == (0.7, 0.9, None)  # DiLoCo's
+    assert load_config("tiny-shop-grpo").federation.server_lr == 1.0  # sgd: FedAvg
+
+
 def test_a_whole_config_rule_error_does_not_dump_the_config():
     with pytest.raises(ConfigError) as err:
         load_config(overrides={"clients": 2, "clients-per-round": 3})
