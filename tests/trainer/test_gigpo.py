@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from client_app.algos import discounted_step_returns, gigpo_advantage
-from client_app.rollout import Episode, EpisodeSpec, Turn, training_rows
+from client_app.rollout import Episode, EpisodeSpec, TrainRow, Turn, training_rows
 from client_app.trainer.advantages import ADVANTAGES, step_group_stats
 from fl_app.config import ConfigError, load_config
 
@@ -219,3 +219,9 @@ def test_gigpo_keys_are_refused_on_another_algorithm_and_bad_values_at_load() ->
         load_config("tiny-shop-gigpo", dotlist=["algo.gigpo.mode=std"])
     with pytest.raises(ConfigError, match="filter_uniform_groups"):
         load_config("tiny-shop-gigpo", dotlist=["algo.filter_uniform_groups=true"])
+
+
+def test_a_row_without_its_actions_is_an_error_not_a_zero_step_advantage() -> None:
+    rows = [TrainRow([1], [2, 3], [1, 1], 1.0, 0, 0)]  # built without `steps`
+    with pytest.raises(ValueError, match="TrainRow.steps"):
+        ADVANTAGES["step_group_relative"]([], rows, None, _algo())
