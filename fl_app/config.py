@@ -50,6 +50,7 @@ class Algorithm:
 ALGORITHMS: dict[str, Algorithm] = {
     "grpo": Algorithm(members=("actor",), critic=False, default_group_size=8, advantage="group_relative"),
     "ppo": Algorithm(members=("actor", "critic"), critic=True, default_group_size=1, advantage="gae"),
+    "gigpo": Algorithm(members=("actor",), critic=False, default_group_size=8, advantage="step_group_relative"),
 }
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "abs+", "k3+", "low_var_kl+"]
@@ -375,16 +376,36 @@ class CriticCfg(_Strict):
         return resolved(self.micro_batch_size, "algo.critic.micro_batch_size")
 
 
+class GigpoCfg(_Strict):
+    """GiGPO's step-level credit (arXiv 2505.10978; verl-agent `algorithm.gigpo`, docs/trainer.md)."""
+
+    gamma: float = Field(
+        0.95,
+        ge=0,
+        le=1,
+        description="Discount of the step returns that rank the actions taken in one anchor state (per env step; the published runs' `algorithm.gamma`).",
+    )
+    step_weight: float = Field(
+        1.0,
+        ge=0,
+        description="w in A = A_episode + w x A_step (verl-agent `step_advantage_w`; 1 in the published runs, 0 is GRPO with verl-agent's per-step episode statistics).",
+    )
+    mode: Literal["mean_norm", "mean_std_norm"] = Field(
+        "mean_norm",
+        description="Normalisation of both levels' groups: `mean_norm` centres on the group mean (verl-agent's default, its WebShop runs), `mean_std_norm` also divides by the group std (its ALFWorld runs).",
+    )
+
+
 class AlgoCfg(_Strict):
-    name: Literal["grpo", "ppo"] = Field(
+    name: Literal["grpo", "ppo", "gigpo"] = Field(
         "grpo",
-        description="`grpo`: group-relative outcome advantages, no critic. `ppo`: GAE advantages from a critic that is federated beside the policy (see `critic`). What each name implies (members, critic, default group size, advantage) is the `ALGORITHMS` table in fl_app/config.py.",
+        description="`grpo`: group-relative outcome advantages, no critic. `ppo`: GAE advantages from a critic that is federated beside the policy (see `critic`). `gigpo`: GRPO's episode-level group advantage plus a step-level one among the actions a group's trajectories took in identical env states (see `gigpo`), no critic. What each name implies (members, critic, default group size, advantage) is the `ALGORITHMS` table in fl_app/config.py.",
     )
     tasks_per_step: int = Field(8, gt=0, description="Distinct tasks per RL iteration (train_batch_size).")
     group_size: int | None = Field(
         None,
         gt=0,
-        description="Rollouts per task (n). Unset: 8 for grpo (one GRPO group per task), 1 for ppo (ungrouped, as published); PPO with n > 1 multiplies the rollout volume by n.",
+        description="Rollouts per task (n). Unset: 8 for grpo and gigpo (one group per task), 1 for ppo (ungrouped, as published); PPO with n > 1 multiplies the rollout volume by n.",
     )
     lr: float = Field(1e-6, gt=0, description="Actor learning rate (constant, AdamW).")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
@@ -429,6 +450,7 @@ class AlgoCfg(_Strict):
     )
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
     critic: CriticCfg = Field(default_factory=CriticCfg)
+    gigpo: GigpoCfg = Field(default_factory=GigpoCfg, description="gigpo only: its step-level keys.")
 
     @property
     def spec(self) -> Algorithm:
@@ -935,6 +957,11 @@ class Config(_Strict):
             raise ValueError(
                 f"algo.filter_uniform_groups=true needs groups of two or more episodes to compare, and "
                 f"algo.group_size={algo.rollouts_per_task}; raise algo.group_size or remove it"
+            )
+        if algo.name != "gigpo" and algo.gigpo != GigpoCfg():
+            raise ValueError(
+                f"algo.gigpo sets GiGPO's step-level keys, and algo.name={algo.name!r} does not use them; "
+                "remove them or set algo.name=gigpo"
             )
         if algo.spec.advantage != "group_relative" and not algo.grpo_norm_by_std:
             raise ValueError(
