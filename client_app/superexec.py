@@ -45,11 +45,12 @@ from flwr.supercore.superexec.executor import ExecutionSpec, Executor, LaunchRes
 from flwr.supercore.tls import validate_and_resolve_root_certificates
 from flwr.supernode.runtime.run_clientapp import run_clientapp
 
+from fl_app.provenance import CODE_PACKAGES  # the app's own packages: each run's FAB brings them
+
 # The third-party modules our ClientApp imports that cost time (torch alone ~3 s); Flower's
 # runtime is imported above. `FEDAGENT_SUPEREXEC_PRELOAD` (comma-separated) replaces the list.
 PRELOAD = ("torch", "safetensors.torch", "numpy", "pydantic", "psutil", "httpx", "yaml")
 PRELOAD_ENV = "FEDAGENT_SUPEREXEC_PRELOAD"
-APP_PACKAGES = ("client_app", "envs", "fl_app", "partitions", "server_app")  # the FAB's code
 POLL_ENV, POLL_S = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1"  # Flower's default 1 s: ~0.5 s a message
 STOP_GRACE_S = 5.0
 
@@ -70,7 +71,7 @@ def preload(modules: Iterable[str]) -> None:
 def forget_app_modules() -> None:
     """Drop the app's own modules from `sys.modules`, so that the ClientApp Flower loads next
     comes from the run's FAB directory (first on `sys.path`), as in a fresh process."""
-    for name in [m for m in sys.modules if m.split(".")[0] in APP_PACKAGES]:
+    for name in [m for m in sys.modules if m.split(".")[0] in CODE_PACKAGES]:
         del sys.modules[name]
 
 

@@ -12,7 +12,7 @@ import textwrap
 import tomllib
 from pathlib import Path
 
-from client_app.superexec import APP_PACKAGES
+from fl_app.provenance import CODE_PACKAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,10 +28,13 @@ def _python(code: str, env: dict[str, str] | None = None, timeout: float = 120) 
     )
 
 
-def test_app_packages_are_the_distributions_packages():
-    """What a fork forgets is exactly what the FAB ships: the project's packages."""
-    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    assert sorted(p.rstrip("*") for p in include) == sorted(APP_PACKAGES)
+def test_the_packages_a_fork_forgets_are_the_distributions_and_the_apps():
+    """What a fork forgets (the code digest's packages) is exactly what the project installs
+    and what its FAB ships: a package missing here would run the SuperExec's copy."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    installed = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    in_fab = {p.removesuffix("/**") for p in pyproject["tool"]["flwr"]["app"]["fab-include"] if p.endswith("/**")}
+    assert installed == set(CODE_PACKAGES) == in_fab - {"configs"}
 
 
 def test_a_forked_clientapp_loads_the_fabs_code_not_the_superexecs(tmp_path):

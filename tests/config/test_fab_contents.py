@@ -24,10 +24,12 @@ def _fab_names(app: Path) -> list[str]:
 @pytest.mark.parametrize("home", [".flwr-home", "runs-of-mine/flwr", "."])
 def test_a_flwr_home_inside_the_checkout_stays_out_of_the_app(tmp_path, home):
     app = tmp_path / "fedagent-flower"
-    (app / "server_app").mkdir(parents=True)
+    app.mkdir()
     for name in ("pyproject.toml", ".gitignore"):
         shutil.copy(ROOT / name, app / name)
-    (app / "server_app" / "app.py").write_text("app = None\n")
+    for package in ("fl_app", "client_app", "server_app", "envs", "partitions", "configs"):  # what fab-include names
+        (app / package).mkdir()
+        (app / package / ("app.py" if package != "configs" else "r.yaml")).write_text("app = None\n")
     flwr_home = app / home
     shutil.copytree(app, flwr_home / INSTALLED)  # what the previous run installed there
     for leftover in ("runtime-envs/env/lib/site.py", "credentials.yaml", "local-superlink/state.json"):
@@ -35,4 +37,14 @@ def test_a_flwr_home_inside_the_checkout_stays_out_of_the_app(tmp_path, home):
         (flwr_home / leftover).write_text("{}\n")
     names = _fab_names(app)
     assert "server_app/app.py" in names
-    assert [n for n in names if not n.startswith((".info/", "server_app/", "pyproject.toml"))] == []
+    packed = (".info/", "pyproject.toml", "fl_app/", "client_app/", "server_app/", "envs/", "partitions/", "configs/")
+    assert [n for n in names if not n.startswith(packed)] == []
+
+
+def test_the_app_carries_the_packages_and_recipes_and_leaves_docs_tests_and_benches_out():
+    """Every message of a deployment pulls and unpacks the FAB: only what a node runs goes in."""
+    names = _fab_names(ROOT)
+    tops = {n.split("/", 1)[0] for n in names if not n.startswith(".info/")}
+    assert {"fl_app", "client_app", "server_app", "envs", "partitions", "configs", "pyproject.toml"} <= tops
+    assert not tops & {"docs", "tests", "bench", "tools"}, sorted(tops)
+    assert "configs/tiny-shop-grpo.yaml" in names and "client_app/superexec.py" in names
