@@ -1,4 +1,4 @@
-"""A SuperExec that forks each ClientApp from a warm process: `flower-superexec` without the ~7 s
+"""A SuperExec that forks each ClientApp from a warm process: `flower-superexec` without the 4-7 s
 a message.
 
 Flower runs every message of a deployment in a new `flwr-clientapp` process, and each pays its
