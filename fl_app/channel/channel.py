@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from fl_app.channel.remote import prune_cache
+from fl_app.channel.remote import cached, prune_cache
 from fl_app.channel.run_dir import DirStore
 from fl_app.channel.store import WeightStore
 from fl_app.weights import Manifest, WeightsError, check_fp32, load_shards, save_shards, state_nbytes
@@ -128,6 +128,22 @@ class Channel:
         if manifest.root is None or Path(manifest.root).resolve() != Path(local_dir).resolve():
             shutil.rmtree(local_dir)
         return WeightsRef(inline=False, nbytes=manifest.tensor_bytes, key=key, manifest_sha256=manifest.sha256), {}
+
+    def down_bytes(self, ref: WeightsRef) -> int:
+        """The bytes a `get(ref)` about to run moves to this process: the inline arrays the message
+        carries; a store entry's shard files, read from the shared disk (a DirStore) or downloaded
+        (a remote store: 0 when the node's cache holds the entry already)."""
+        if ref.inline:
+            return ref.nbytes
+        if isinstance(self.store, DirStore):
+            return self.manifest(ref).total_bytes
+        return 0 if cached(self.cache_dir, ref.manifest_sha256) else self.store.manifest(ref.key).total_bytes
+
+    def up_bytes(self, local_dir: Path) -> int:
+        """The bytes a `put(local_dir)` about to run moves from this process: the arrays, inline;
+        else the shard files it writes to the shared disk or uploads."""
+        manifest = Manifest.from_dir(local_dir)
+        return manifest.tensor_bytes if manifest.tensor_bytes <= self.inline_max_bytes else manifest.total_bytes
 
     def put_entry(self, key: str) -> tuple[WeightsRef, State]:
         """Ship an entry already in the store (the global model): inline if small, else by ref."""
