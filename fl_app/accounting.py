@@ -61,6 +61,7 @@ def client_entry(metrics: Mapping[str, float]) -> dict[str, Any]:
         "bytes_down": _members(metrics, DOWN),
         "bytes_up": _members(metrics, UP),
         "phases": {p: float(metrics.get(f"{p}_s", 0.0)) for p in CLIENT_PHASES},
+        "lane_s": float(metrics.get("fit_total_s", 0.0)),
         "serve_s": float(metrics.get("serve_s", 0.0)),
     }
 
@@ -76,17 +77,20 @@ def round_accounting(
     building the calls' weight payloads, `aggregation`, `checkpoint`, `validation`) and the
     validation reply's metrics `val` (`val_`-prefixed, as the row holds them).
 
-    Client phases are summed over the clients; when their serve times overlap (several lanes)
-    and add up to more than the server's `train` wall, each is scaled by train / sum(serve), so
-    the phases are shares of the round's wall and never add up to more: `other` (the rest of
-    `wall_s`) is >= 0 whatever the lanes."""
-    served = sum(c["serve_s"] for c in per_client.values())
-    scale = min(1.0, server["train"] / served) if served > 0 else 1.0
+    Client phases are summed over the clients. A client is busy for its transport plus its time
+    in the lane (`lane_s`, the service's whole fit, its unnamed part counted in `other`); when
+    the clients' busy times overlap (several lanes) and add up to more than the server's `train`
+    wall, every client phase is scaled by train / sum(busy), so the phases are shares of the
+    round's wall and never add up to more: `other` (the rest of `wall_s`) is >= 0 whatever the
+    lanes. `dispatch` is the train wall no client was busy in (Flower's messages, the ClientApps'
+    start, a client waiting for its lane while another fits)."""
+    busy = sum(c["lane_s"] + c["phases"]["transport"] for c in per_client.values())
+    scale = min(1.0, server["train"] / busy) if busy > 0 else 1.0
     phases = {p: 0.0 for p in PHASES}
     for c in per_client.values():
         for p in CLIENT_PHASES:
             phases[p] += c["phases"][p] * scale
-    phases["dispatch"] = max(0.0, server["train"] - served)
+    phases["dispatch"] = max(0.0, server["train"] - busy)
     phases["transport"] += server.get("transport", 0.0)
     for p in ("aggregation", "checkpoint", "validation"):
         phases[p] = server.get(p, 0.0)
