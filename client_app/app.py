@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import time
 from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -17,7 +16,7 @@ from flwr.clientapp import ClientApp
 
 from client_app.failures import failure_reply
 from client_app.lane import LaneService, ServiceError
-from fl_app.accounting import client_traffic
+from fl_app.accounting import Meter
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall, Reply
 from fl_app.channel import arrays_key
 from fl_app.channel.open import node_channel
@@ -28,10 +27,8 @@ app = ClientApp()
 
 
 def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
-    """Get the call's weights as local dirs, have the lane serve the call, ship its output; the
-    reply's metrics say what travelled each way per member and how long that took
-    (fl_app.accounting.client_traffic)."""
-    t0 = time.perf_counter()
+    """Get the call's weights as local dirs, have the lane serve the call, ship its output (counted: `Meter`)."""
+    meter = Meter()
     node = f"node {context.node_id} ({socket.gethostname()})"
     check_node_code(call.code_sha256, node)
     run_config = dict(context.run_config)
@@ -43,35 +40,25 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     base = work.client_dir(call.round, call.client_id) if isinstance(call, FitCall) else scratch
     shutil.rmtree(base, ignore_errors=True)  # a dead attempt's leftovers are never reused
     arrays = {m: (msg.content.array_records.get(arrays_key(m)) or ArrayRecord()) for m in call.weights}
-    t_get = time.perf_counter()
-    down = {m: channel.down_bytes(r) for m, r in call.weights.items()}
-    ins = {m: channel.get(r, arrays[m].to_torch_state_dict(), base / f"global-{m}") for m, r in call.weights.items()}
-    transport_s = time.perf_counter() - t_get
+    with meter.transport():
+        ins, meter.down = channel.get_all(call.weights, {m: a.to_torch_state_dict() for m, a in arrays.items()}, base)
     outs = {m: base / m for m in (() if isinstance(call, EvalCall) else cfg.weight_members())}
     dirs = {"weights_in": {m: str(d) for m, d in ins.items()}, "weights_out": {m: str(d) for m, d in outs.items()}}
     try:
         served = lane.request(path, {"call": call.model_dump(mode="json"), "dirs": dirs})
     except ServiceError as e:  # a known failure: one line to the server, not Ray's traceback in the stream
         return failure_reply(msg, lane, path, e)
-    t1 = time.perf_counter()
-    for m, ref in call.weights.items():
-        if ref.inline:
-            shutil.rmtree(ins[m])
-    content, refs, up = RecordDict(), {}, {}
-    for m, out in outs.items():
-        up[m] = channel.up_bytes(out)
-        refs[m], state = channel.put(out, work.store_key(out))
-        content[arrays_key(m)] = ArrayRecord(state)
+    channel.release_all(call.weights, ins)
+    with meter.transport():
+        refs, states, meter.up = channel.put_all(outs, work.store_key)
+    content = RecordDict({arrays_key(m): ArrayRecord(state) for m, state in states.items()})
     if isinstance(call, EvalCall):
         shutil.rmtree(base, ignore_errors=True)
     client = call.client_id if isinstance(call, FitCall) else None
     reply = Reply(weights=refs, client_id=client, critic_start=served.get("critic_start") or {}, **_where(lane))
     content[RECORD] = ConfigRecord({RECORD: reply.model_dump_json()})
-    done = time.perf_counter()
-    metrics = {**served.get("metrics", {}), **client_traffic(down, up, transport_s + done - t1, done - t0)}
-    if "num_examples" in served:
-        metrics["num-examples"] = int(served["num_examples"])
-    content["metrics"] = MetricRecord(metrics)
+    examples = {"num-examples": int(served["num_examples"])} if "num_examples" in served else {}
+    content["metrics"] = MetricRecord({**served.get("metrics", {}), **examples, **meter.metrics()})
     return Message(content=content, reply_to=msg)
 
 

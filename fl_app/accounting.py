@@ -12,7 +12,9 @@ docs/architecture.md ("metrics.jsonl") defines every phase.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 # the round's phases, in the order they happen (and stack in phases.png)
@@ -43,6 +45,28 @@ def client_traffic(
         "transport_s": transport_s,
         "serve_s": serve_s,
     }
+
+
+class Meter:
+    """A ClientApp's count of one call: the bytes per member each way (set by the caller from the
+    channel's counts), the seconds spent in `transport()` blocks, and the call's whole time."""
+
+    def __init__(self) -> None:
+        self.start, self.transport_s = time.perf_counter(), 0.0
+        self.down: dict[str, int] = {}
+        self.up: dict[str, int] = {}
+
+    @contextmanager
+    def transport(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.transport_s += time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        """The reply's accounting metrics (`client_traffic`), the serve time ending now."""
+        return client_traffic(self.down, self.up, self.transport_s, time.perf_counter() - self.start)
 
 
 def is_traffic_key(key: str) -> bool:
