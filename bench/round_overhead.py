@@ -4,7 +4,7 @@
     python -m bench.round_overhead runs/<name> --json /tmp/overhead.json
 
 Reads the run's `metrics.jsonl` (what `flwr run` writes) and splits each round's wall time:
-- *work*: the fits' rollouts and updates (`fits_rollout_update_s`, summed over the round's
+- *work*: the fits' rollouts, scoring and updates (`fits_rollout_update_s`, summed over the round's
   replies) and the validation's episodes (`val_eval_s`);
 - *overhead*: the rest, to keep at <= 5% of the round: loading the global into
   each lane (the fits' `fits_load_s` and the validation's `val_load_s`), exporting each fit's
