@@ -587,8 +587,8 @@ def train(run: Run, sampled: list[int], call: FitCall, arrays: dict[str, ArrayRe
 
 
 def _fit_times(replies: dict[int, Message]) -> dict[str, float]:
-    """The round's fits' phase times, summed over its replies: the fits' own work (rollouts and
-    updates), their loads and exports, and their whole time. On one lane, where fits take turns,
+    """The round's fits' phase times, summed over its replies: the fits' own work (rollouts,
+    scoring and updates), their loads and exports, and their whole time. On one lane, where fits take turns,
     `bench.round_overhead` splits the round's wall time by them; a lost attempt's time is not here."""
     sums = dict.fromkeys(("rollout_update", "load", "export", "total"), 0.0)
     for reply in replies.values():
