@@ -4,7 +4,7 @@
     python -m bench.round_overhead runs/<name> --json /tmp/overhead.json
 
 Reads the run's `metrics.jsonl` (what `flwr run` writes) and splits each round's wall time:
-- *work*: the fits' rollouts and updates (`fits_rollout_update_s`, summed over the round's
+- *work*: the fits' rollouts, scoring and updates (`fits_rollout_update_s`, summed over the round's
   replies) and the validation's episodes (`val_eval_s`);
 - *overhead*: the rest, to keep at <= 5% of the round: loading the global into
   each lane (the fits' `fits_load_s` and the validation's `val_load_s`), exporting each fit's
@@ -25,38 +25,21 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fl_app.accounting import OVERHEAD_NEEDED, mean_rows, overhead_split
 from fl_app.rundir import RunDir
 
-NEEDED = ("wall_s", "aggregate_s", "fits_rollout_update_s", "fits_load_s", "fits_export_s", "fits_total_s")
 COLUMNS = ("wall", "fits_work", "val_work", "load", "export", "in_fits", "aggregate", "other", "overhead")
-
-
-def split(row: dict[str, Any]) -> dict[str, float]:
-    """One round's wall time, split into work and overhead parts (seconds)."""
-    parts = {
-        "wall": row["wall_s"],
-        "fits_work": row["fits_rollout_update_s"],
-        "val_work": row.get("val_eval_s", 0.0),
-        "load": row["fits_load_s"] + row.get("val_load_s", 0.0),
-        "export": row["fits_export_s"],
-        "in_fits": row["fits_total_s"] - row["fits_rollout_update_s"] - row["fits_load_s"] - row["fits_export_s"],
-        "aggregate": row["aggregate_s"],
-    }
-    parts["overhead"] = parts["wall"] - parts["fits_work"] - parts["val_work"]
-    parts["other"] = parts["overhead"] - parts["load"] - parts["export"] - parts["in_fits"] - parts["aggregate"]
-    parts["overhead_frac"] = parts["overhead"] / parts["wall"]
-    return parts
 
 
 def report(run_dir: Path) -> dict[str, Any]:
     rounds = [r for r in RunDir(run_dir).read_metrics() if r["round"] >= 1]
-    old = [r["round"] for r in rounds if any(k not in r for k in NEEDED)]
+    old = [r["round"] for r in rounds if any(k not in r for k in OVERHEAD_NEEDED)]
     if not rounds or old:
         what = "no training round" if not rounds else f"rounds {old} without the fit times"
         raise SystemExit(f"{run_dir}/metrics.jsonl has {what}; run rounds with this version of fedagent-flower first")
-    per_round = {r["round"]: split(r) for r in rounds}
+    per_round = {r["round"]: overhead_split(r) for r in rounds}
     steady = [p for rnd, p in per_round.items() if rnd > rounds[0]["round"]] or list(per_round.values())
-    mean = {k: sum(p[k] for p in steady) / len(steady) for k in steady[0]}
+    mean = mean_rows(steady)
     mean["overhead_frac"] = mean["overhead"] / mean["wall"]
     return {"run_dir": str(run_dir), "rounds": per_round, "mean": mean, "rounds_in_mean": len(steady)}
 

@@ -16,6 +16,7 @@ from flwr.clientapp import ClientApp
 
 from client_app.failures import failure_reply
 from client_app.lane import LaneService, ServiceError
+from fl_app.accounting import Meter
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall, Reply
 from fl_app.channel import arrays_key
 from fl_app.channel.open import node_channel
@@ -26,7 +27,8 @@ app = ClientApp()
 
 
 def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
-    """Get the call's weights as local dirs, have the lane serve the call, ship its output."""
+    """Get the call's weights as local dirs, have the lane serve the call, ship its output (counted: `Meter`)."""
+    meter = Meter()
     node = f"node {context.node_id} ({socket.gethostname()})"
     check_node_code(call.code_sha256, node)
     run_config = dict(context.run_config)
@@ -38,27 +40,25 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     base = work.client_dir(call.round, call.client_id) if isinstance(call, FitCall) else scratch
     shutil.rmtree(base, ignore_errors=True)  # a dead attempt's leftovers are never reused
     arrays = {m: (msg.content.array_records.get(arrays_key(m)) or ArrayRecord()) for m in call.weights}
-    ins = {m: channel.get(r, arrays[m].to_torch_state_dict(), base / f"global-{m}") for m, r in call.weights.items()}
+    with meter.transport():
+        ins, meter.down = channel.get_all(call.weights, {m: a.to_torch_state_dict() for m, a in arrays.items()}, base)
     outs = {m: base / m for m in (() if isinstance(call, EvalCall) else cfg.weight_members())}
     dirs = {"weights_in": {m: str(d) for m, d in ins.items()}, "weights_out": {m: str(d) for m, d in outs.items()}}
     try:
         served = lane.request(path, {"call": call.model_dump(mode="json"), "dirs": dirs})
     except ServiceError as e:  # a known failure: one line to the server, not Ray's traceback in the stream
         return failure_reply(msg, lane, path, e)
-    for m, ref in call.weights.items():
-        if ref.inline:
-            shutil.rmtree(ins[m])
-    content, refs = RecordDict(), {}
-    for m, out in outs.items():
-        refs[m], state = channel.put(out, work.store_key(out))
-        content[arrays_key(m)] = ArrayRecord(state)
+    channel.release_all(call.weights, ins)
+    with meter.transport():
+        refs, states, meter.up = channel.put_all(outs, work.store_key)
+    content = RecordDict({arrays_key(m): ArrayRecord(state) for m, state in states.items()})
     if isinstance(call, EvalCall):
         shutil.rmtree(base, ignore_errors=True)
     client = call.client_id if isinstance(call, FitCall) else None
     reply = Reply(weights=refs, client_id=client, critic_start=served.get("critic_start") or {}, **_where(lane))
     content[RECORD] = ConfigRecord({RECORD: reply.model_dump_json()})
-    if "metrics" in served:
-        content["metrics"] = MetricRecord({**served["metrics"], "num-examples": int(served["num_examples"])})
+    examples = {"num-examples": int(served["num_examples"])} if "num_examples" in served else {}
+    content["metrics"] = MetricRecord({**served.get("metrics", {}), **examples, **meter.metrics()})
     return Message(content=content, reply_to=msg)
 
 

@@ -777,6 +777,10 @@ class RunCfg(_Strict):
     weight_store_parallel: int = Field(
         4, ge=1, le=64, description="Shards in flight per transfer to or from a remote weight store."
     )
+    tensorboard: bool = Field(
+        True,
+        description="Mirror every metrics.jsonl row into TensorBoard event files in `<run dir>/tb/` as it is written (tensorboardX; `tensorboard --logdir runs/`): the row's numbers, `phase_s/<phase>`, `bytes_down/<member>`, `bytes_up/<member>`. About 4 ms a row of 73 numbers (2-core CPU box, loaded).",
+    )
 
     @model_validator(mode="after")
     def _weight_store(self) -> RunCfg:

@@ -14,7 +14,12 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from fl_app.accounting import PHASES, phases_of
 from fl_app.outcomes import outcome_shares_of
+
+
+def _rows(metrics_jsonl: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -34,7 +39,7 @@ def plot_validation(
     when the file has it; below it, when the rows carry outcome shares under `outcome_prefix`
     (fl_app/outcomes.py), how the validation episodes ended, stacked per round. Raises ValueError
     when there is nothing to plot."""
-    rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+    rows = _rows(metrics_jsonl)
     vx, vy = _series(rows, val_key)
     if not vx:
         raise ValueError(f"{metrics_jsonl} has no {val_key!r} values to plot; check the metric name")
@@ -56,6 +61,36 @@ def plot_validation(
         _outcome_bars(axes[1], vx, shares)
     axes[-1].set_xlabel("federated round (0 = initial model)")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    return _save(fig, out_png)
+
+
+def plot_phases(metrics_jsonl: Path, out_png: Path, title: str | None = None) -> Path:
+    """Where each round's wall time went: its phases (`phase_s`, fl_app.accounting) stacked per
+    round in the order they happen, `other` on top; a row from before `phase_s` shows what its
+    fit sums name. Raises ValueError when no round has phases (only round 0)."""
+    timed = [(int(r["round"]), p) for r in _rows(metrics_jsonl) if (p := phases_of(r)) is not None]
+    if not timed:
+        raise ValueError(f"{metrics_jsonl} has no round with phase times (round 0 has none); run a round first")
+    rounds = [rnd for rnd, _ in timed]
+    fig = Figure(figsize=(7, 4.2), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    bottom = [0.0] * len(rounds)
+    for phase in (*PHASES, "other"):
+        height = [max(p.get(phase, 0.0), 0.0) for _, p in timed]
+        if any(height):
+            ax.bar(rounds, height, bottom=bottom, width=0.8, label=phase)
+            bottom = [b + h for b, h in zip(bottom, height)]
+    ax.set_xlabel("federated round")
+    ax.set_ylabel("seconds")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", title="phase")
+    ax.set_title(title or f"Wall time per round by phase: {Path(metrics_jsonl).parent.name}")
+    return _save(fig, out_png)
+
+
+def _save(fig: Figure, out_png: Path) -> Path:
     fig.tight_layout()
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +121,7 @@ def plot_seed_bands(arms: dict[str, list[Path]], out_png: Path, key: str = "val_
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     for label, paths in arms.items():
-        series = [_series([json.loads(x) for x in Path(p).read_text().splitlines() if x.strip()], key) for p in paths]
+        series = [_series(_rows(p), key) for p in paths]
         if not series or any(s[0] != series[0][0] or not s[0] for s in series):
             raise ValueError(f"arm {label!r}: need >= 1 run, all with {key!r} on the same rounds ({paths})")
         ys = [s[1] for s in series]
@@ -99,8 +134,4 @@ def plot_seed_bands(arms: dict[str, list[Path]], out_png: Path, key: str = "val_
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
     ax.set_title(title or f"{key}: mean over seeds, band = seed min..max")
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, format="png")
-    return out_png
+    return _save(fig, out_png)

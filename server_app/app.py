@@ -44,7 +44,9 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 from envs.ports import bind_listener
+from fl_app.accounting import client_entry, is_traffic_key, round0_accounting, round_accounting
 from fl_app.aggregate import NonFiniteWeightsError
+from fl_app.board import Board
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall
 from fl_app.channel import Channel, WeightsRef, arrays_key, write_disk_probe
 from fl_app.channel.credentials import Issuer
@@ -53,7 +55,7 @@ from fl_app.channel.open import open_store
 from fl_app.config import Config, load_config, recipe_leaves, recipe_sha256, save_config
 from fl_app.host import single_threaded_blas
 from fl_app.outcomes import outcome_shares_of
-from fl_app.plots import plot_validation
+from fl_app.plots import plot_phases, plot_validation
 from fl_app.provenance import check_server_code
 from fl_app.rundir import RunDir
 from fl_app.server_opt import ServerOptimizer
@@ -253,6 +255,7 @@ class Run:
                 cfg.federation.strategy, cfg.federation.proximal_mu, cfg.federation.fold_lr()
             )
             self.token = write_disk_probe(rd.path)
+            self.board = Board(rd.path) if cfg.run.tensorboard else None  # TensorBoard mirror of metrics.jsonl
         except BaseException:
             self.w.close()
             raise
@@ -266,6 +269,12 @@ class Run:
             "run_dir_token": self.token,
             **self.w.node_store,
         }
+
+    def close(self) -> None:
+        """Stop the served store and close the TensorBoard writer (every path out of the run)."""
+        self.w.close()
+        if self.board is not None:
+            self.board.close()
 
     def _late_upload(self, rnd: int, client: int) -> None:
         """Remove what a dropped or spare client of round `rnd` uploaded after its round closed
@@ -296,9 +305,10 @@ class Run:
         return reply
 
 
-def _initial_model(run: Run, members: tuple[str, ...]) -> tuple[int, dict[str, Any]]:
+def _initial_model(run: Run, members: tuple[str, ...]) -> tuple[int, dict[str, Any], dict[str, float]]:
     """Round 0: a lane exports its freshly built members; the server writes them as the checkpoint.
-    Returns the bytes written and where the lane's critic came from (PPO; empty otherwise)."""
+    Returns the bytes written, where the lane's critic came from (PPO; empty otherwise) and the
+    reply's metrics (what travelled up from the lane: fl_app.accounting)."""
     call = InitCall(**run.header)
     reply = run.ask("query.init", "round 0: initial model", call)
     done, channel = reply_of(reply), run.w.channel
@@ -310,7 +320,7 @@ def _initial_model(run: Run, members: tuple[str, ...]) -> tuple[int, dict[str, A
     for member in members:
         state = channel.state(done.weights[member], inline_state(reply, member))
         nbytes += save_shards(state, run.rd.member_dir(0, member), channel.shard_bytes).tensor_bytes
-    return nbytes, dict(done.critic_start)
+    return nbytes, dict(done.critic_start), metrics_of(reply)
 
 
 def evaluate_fn(run: Run, rnd: int) -> dict[str, float]:
@@ -383,7 +393,7 @@ def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str)
         critic = _rounds(run, start)
     except BaseException as e:
         if run is not None:
-            run.w.close()
+            run.close()
         # A run that dies mid-loop labels no final round (invariant 6); resume picks up from disk.
         error_log = _write_error_log(rd, e)
         services = _shutdown_lanes(run) if run else []
@@ -399,7 +409,7 @@ def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str)
             }
         )
         raise
-    run.w.close()
+    run.close()
     services = _shutdown_lanes(run)
     rd.write_summary(
         {
@@ -415,7 +425,11 @@ def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str)
         }
     )
     plot_validation(rd.path / "metrics.jsonl", rd.path / "validation.png")
-    log(f"done: {fed.rounds} rounds; checkpoints, metrics.jsonl, summary.json and validation.png in {rd.path}")
+    plot_phases(rd.path / "metrics.jsonl", rd.path / "phases.png")
+    log(
+        f"done: {fed.rounds} rounds; checkpoints, metrics.jsonl, summary.json, validation.png and phases.png "
+        f"in {rd.path}"
+    )
 
 
 def _write_error_log(rd: RunDir, e: BaseException) -> Path:
@@ -461,11 +475,11 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         )
         log("round 0: starting the trainer lane" + (first_start if tiny or cfg.model.warm_start.episodes else ""))
         with _heartbeat("round 0: waiting for the trainer lane to start and export the initial model"):
-            nbytes, lane_critic = _initial_model(run, members)
+            nbytes, lane_critic, init = _initial_model(run, members)
         with _heartbeat("round 0: validating the initial model"):
             val = evaluate_fn(run, 0)
         extra = {"critic_start": lane_critic} if lane_critic else {}
-        rd.complete_round(0, {**val, **extra, "wall_s": time.perf_counter() - t0})
+        _seal(run, 0, {**val, **extra, "wall_s": time.perf_counter() - t0, **round0_accounting(init, val)})
         log(
             f"round 0: initial {'+'.join(members)} ({nbytes / 2**20:.1f} MiB), "
             + _validation(val)
@@ -479,26 +493,39 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
     for rnd in range(start + 1, fed.rounds + 1):
         t0 = time.perf_counter()
         sampled, call, arrays = configure_train(run, rnd)
+        server = {"transport": time.perf_counter() - t0}
         row: dict[str, Any] = {"clients": sampled}
+        t_train = time.perf_counter()
         with _heartbeat(f"round {rnd}/{fed.rounds}: clients {sampled} training"):
             outcome = train(run, sampled, call, arrays)
+        server["train"] = time.perf_counter() - t_train
         replies, failures = outcome.replies, outcome.failures
         row.update(_fit_times(replies))  # before aggregation may refuse a reply
         t_agg = time.perf_counter()
-        manifests, train_metrics = aggregate_train(run, rnd, replies, failures)
+        manifests, train_metrics = aggregate_train(run, rnd, replies, failures, server)
         row["aggregate_s"] = time.perf_counter() - t_agg
+        server["aggregation"] = row["aggregate_s"] - server.get("checkpoint", 0.0)
         if failures:
             row["failed"] = [f.as_dict() for f in failures]
             row["dropped"] = sorted(set(sampled) - set(replies) - set(outcome.spare))
         if outcome.spare:
             row["spare"] = outcome.spare
-        row.update({k if k.startswith("train_") else f"train_{k}": v for k, v in train_metrics.items()})
+        row.update(
+            {
+                k if k.startswith("train_") else f"train_{k}": v
+                for k, v in train_metrics.items()
+                if not is_traffic_key(k)
+            }
+        )
         if _due_for_eval(cfg, rnd):
+            t_val = time.perf_counter()
             with _heartbeat(f"round {rnd}/{fed.rounds}: validating"):
                 row.update(evaluate_fn(run, rnd))
+            server["validation"] = time.perf_counter() - t_val
         row["wall_s"] = time.perf_counter() - t0
-        row["bytes_moved"] = 2 * len(replies) * sum(m.tensor_bytes for m in manifests.values())
-        rd.complete_round(rnd, row)
+        per_client = {c: client_entry(metrics_of(m)) for c, m in replies.items()}
+        row.update(round_accounting(per_client, server, row, row["wall_s"]))
+        _seal(run, rnd, row)
         rd.drop_client_uploads(rnd)
         log(
             f"round {rnd}/{fed.rounds}: clients {row['clients']}"
@@ -510,6 +537,13 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
             f"{row['bytes_moved'] / 2**20:.1f} MiB moved"
         )
     return critic
+
+
+def _seal(run: Run, rnd: int, row: dict[str, Any]) -> None:
+    """Complete round `rnd` with its metrics row, then mirror the row into TensorBoard."""
+    run.rd.complete_round(rnd, row)
+    if run.board is not None:
+        run.board.add_row(rnd, row)
 
 
 def configure_train(run: Run, rnd: int) -> tuple[list[int], FitCall, dict[str, ArrayRecord]]:
@@ -553,13 +587,13 @@ def train(run: Run, sampled: list[int], call: FitCall, arrays: dict[str, ArrayRe
 
 
 def _fit_times(replies: dict[int, Message]) -> dict[str, float]:
-    """The round's fits' phase times, summed over its replies: the fits' own work (rollouts and
-    updates), their loads and exports, and their whole time. On one lane, where fits take turns,
+    """The round's fits' phase times, summed over its replies: the fits' own work (rollouts,
+    scoring and updates), their loads and exports, and their whole time. On one lane, where fits take turns,
     `bench.round_overhead` splits the round's wall time by them; a lost attempt's time is not here."""
     sums = dict.fromkeys(("rollout_update", "load", "export", "total"), 0.0)
     for reply in replies.values():
         m = metrics_of(reply)
-        sums["rollout_update"] += m.get("rollout_s", 0.0) + m.get("update_s", 0.0)
+        sums["rollout_update"] += m.get("rollout_s", 0.0) + m.get("scoring_s", 0.0) + m.get("update_s", 0.0)
         sums["load"] += m.get("load_s", 0.0)
         sums["export"] += m.get("export_s", 0.0)
         sums["total"] += m.get("fit_total_s", 0.0)
@@ -567,18 +601,27 @@ def _fit_times(replies: dict[int, Message]) -> dict[str, float]:
 
 
 def aggregate_train(
-    run: Run, rnd: int, replies: dict[int, Message], failures: list[ClientFailure]
+    run: Run,
+    rnd: int,
+    replies: dict[int, Message],
+    failures: list[ClientFailure],
+    timings: dict[str, float] | None = None,
 ) -> tuple[dict[str, Manifest], dict[str, float]]:
     """Average the replies into the round's checkpoint (Flower's `aggregate_train`, streamed
     from the replies' refs), then, with a server optimizer, step from the round's global model
-    along that mean (fl_app.server_opt) and write the round's moments beside the checkpoint."""
+    along that mean (fl_app.server_opt) and write the round's moments beside the checkpoint
+    (`timings["checkpoint"]`: that step's seconds; a plain average streams into the checkpoint)."""
     rd, opt = run.rd, run.server_opt
     out_dirs = {m: rd.member_dir(rnd, m) for m in rd.members}
     previous = {m: rd.member_dir(rnd - 1, m) for m in rd.members}
     if opt is None:
         return _average(run, rnd, replies, failures, out_dirs, previous)
     _, train_metrics = _average(run, rnd, replies, failures, {m: rd.mean_dir(rnd, m) for m in rd.members}, None)
-    return opt.step_round(rd, rnd), train_metrics
+    t0 = time.perf_counter()
+    manifests = opt.step_round(rd, rnd)
+    if timings is not None:
+        timings["checkpoint"] = time.perf_counter() - t0
+    return manifests, train_metrics
 
 
 def _average(

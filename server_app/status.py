@@ -94,6 +94,14 @@ def _read_json(path: Path) -> Any:
         raise Unreadable(f"{path}: not JSON ({type(e).__name__}: {e})") from None
 
 
+def read_summary(run_dir: Path) -> Summary | None:
+    """The run's summary.json as this check reads it (None before the ServerApp wrote one;
+    Unreadable when it is not what the ServerApp writes): cheap, it reads no checkpoint."""
+    rd = RunDir(run_dir)
+    raw = _read_json(rd.summary_path)
+    return None if raw is None else _parse(Summary, raw, rd.summary_path)
+
+
 def _parse(model: type[BaseModel], raw: Any, path: Path) -> Any:
     try:
         return model.model_validate(raw)

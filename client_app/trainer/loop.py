@@ -260,6 +260,8 @@ class RLTrainer:
         if a.filter_uniform_groups:
             keep = [i for i, rw in enumerate(rows) if rw.group not in uniform]
             rows, advantages = [rows[i] for i in keep], [advantages[i] for i in keep]
+        scoring_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
         # 5. policy update (none when no row is left)
         update = (
             self._policy_pass(rows, advantages, anchor, call.proximal_mu, derive_seed("minibatch", *seed))
@@ -276,6 +278,7 @@ class RLTrainer:
             "rows": float(len(rows)),
             "rollout_s": rollout_s,
             "rollout_sync_s": sync_s,
+            "scoring_s": scoring_s,
             "update_s": update_s,
             **stats.as_metrics("rollout_"),
             **update,

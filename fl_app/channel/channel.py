@@ -19,13 +19,13 @@ from __future__ import annotations
 import secrets
 import shutil
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from fl_app.channel.remote import prune_cache
+from fl_app.channel.remote import cached, prune_cache
 from fl_app.channel.run_dir import DirStore
 from fl_app.channel.store import WeightStore
 from fl_app.weights import Manifest, WeightsError, check_fp32, load_shards, save_shards, state_nbytes
@@ -128,6 +128,46 @@ class Channel:
         if manifest.root is None or Path(manifest.root).resolve() != Path(local_dir).resolve():
             shutil.rmtree(local_dir)
         return WeightsRef(inline=False, nbytes=manifest.tensor_bytes, key=key, manifest_sha256=manifest.sha256), {}
+
+    def down_bytes(self, ref: WeightsRef) -> int:
+        """The bytes a `get(ref)` about to run moves to this process: the inline arrays the message
+        carries; a store entry's shard files, read from the shared disk (a DirStore) or downloaded
+        (a remote store: 0 when the node's cache holds the entry already)."""
+        if ref.inline:
+            return ref.nbytes
+        if isinstance(self.store, DirStore):
+            return self.manifest(ref).total_bytes
+        return 0 if cached(self.cache_dir, ref.manifest_sha256) else self.store.manifest(ref.key).total_bytes
+
+    def up_bytes(self, local_dir: Path) -> int:
+        """The bytes a `put(local_dir)` about to run moves from this process: the arrays, inline;
+        else the shard files it writes to the shared disk or uploads."""
+        manifest = Manifest.from_dir(local_dir)
+        return manifest.tensor_bytes if manifest.tensor_bytes <= self.inline_max_bytes else manifest.total_bytes
+
+    def get_all(
+        self, refs: Mapping[str, WeightsRef], arrays: Mapping[str, Mapping[str, torch.Tensor]], scratch: Path
+    ) -> tuple[dict[str, Path], dict[str, int]]:
+        """`get` of every member (inline ones into `scratch/global-<member>`), and per member the
+        bytes that travelled for it (`down_bytes`)."""
+        down = {m: self.down_bytes(r) for m, r in refs.items()}
+        return {m: self.get(r, arrays[m], scratch / f"global-{m}") for m, r in refs.items()}, down
+
+    @staticmethod
+    def release_all(refs: Mapping[str, WeightsRef], dirs: Mapping[str, Path]) -> None:
+        """Drop the dirs `get_all` wrote for inline members (a store entry's copy stays: the store's)."""
+        for m, ref in refs.items():
+            if ref.inline:
+                shutil.rmtree(dirs[m])
+
+    def put_all(
+        self, outs: Mapping[str, Path], key: Callable[[Path], str]
+    ) -> tuple[dict[str, WeightsRef], dict[str, State], dict[str, int]]:
+        """`put` of every member's dir under `key(dir)`: per member its ref, its inline state (empty
+        unless inline) and the bytes that travelled for it (`up_bytes`)."""
+        up = {m: self.up_bytes(d) for m, d in outs.items()}
+        shipped = {m: self.put(d, key(d)) for m, d in outs.items()}
+        return {m: r for m, (r, _) in shipped.items()}, {m: s for m, (_, s) in shipped.items()}, up
 
     def put_entry(self, key: str) -> tuple[WeightsRef, State]:
         """Ship an entry already in the store (the global model): inline if small, else by ref."""

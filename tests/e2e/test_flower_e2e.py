@@ -64,6 +64,7 @@ def test_flwr_run_completes_rounds_and_writes_the_run_dir(two_rounds, fl):
     assert beat["run_id"] == summary["run_id"] and beat["stopped_at"] == beat["beat_at"] > 0, beat
     assert "complete, 2 rounds (round 2 verified)" in run_status(two_rounds).stdout
     assert (two_rounds / "validation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (two_rounds / "phases.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # beside it (issue 38)
     assert (two_rounds / "config.yaml").exists()
     partition = json.loads((two_rounds / "partition.json").read_text())  # written before round 1 (issue 15)
     assert len(partition["clients"]) == summary["config"]["federation"]["clients"]
@@ -115,6 +116,34 @@ def test_each_round_splits_its_wall_time_into_work_and_named_overhead(two_rounds
     # the lane freezes what outlives each fit: over HTTP too, what it freezes must not pile up
     frozen = [r["train_service_frozen_objects"] for r in rows]
     assert frozen[0] > 100_000 and abs(frozen[1] - frozen[0]) < 500, frozen
+
+
+def test_each_round_accounts_its_bytes_per_client_and_member_and_its_phases(two_rounds, tmp_path):
+    """Inline weights: each client got the global model's arrays and sent back its own, per member;
+    the phases are measured, within the round's wall; TensorBoard holds every row; the report
+    reads the run (issue 38 part 4)."""
+    from tb_support import events
+
+    from server_app.report import main as report
+
+    rd = RunDir(two_rounds, total_rounds=2)
+    rows = rd.read_metrics()
+    for r in rows[1:]:
+        model = Manifest.from_dir(rd.member_dir(r["round"] - 1)).tensor_bytes
+        assert sorted(r["per_client"]) == sorted(str(c) for c in r["clients"])
+        for c in r["per_client"].values():
+            assert c["bytes_down"] == {"actor": model} and c["bytes_up"] == {"actor": model}
+            assert all(c["phases"][p] > 0 for p in ("transport", "load", "rollout", "scoring", "update", "export"))
+            assert sum(c["phases"].values()) < c["serve_s"]
+        val = Manifest.from_dir(rd.member_dir(r["round"])).tensor_bytes
+        assert r["bytes_down"] == {"actor": 2 * model + val} and r["bytes_up"] == {"actor": 2 * model}
+        ph = r["phase_s"]
+        assert all(ph[p] > 0 for p in ("dispatch", "aggregation", "validation", "rollout", "update"))
+        assert ph["other"] >= 0 and sum(ph.values()) == pytest.approx(r["wall_s"])
+    assert rows[0]["bytes_up"] == {"actor": Manifest.from_dir(rd.member_dir(0)).tensor_bytes}
+    board = events(two_rounds / "tb")
+    assert [board[("val_success", r["round"])] for r in rows] == pytest.approx([r["val_success"] for r in rows])
+    assert report([str(two_rounds), "--out", str(tmp_path)]) == 0
 
 
 def test_one_trainer_service_serves_every_fit_and_stops(two_rounds, fl):
@@ -199,6 +228,13 @@ def test_the_served_weight_store_gives_the_inline_runs_bits(fl, two_rounds, tmp_
     assert not list((cache / "work").rglob("*.safetensors")), "published dirs are dropped"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert sum(s["fits"] for s in summary["services"]) == 2
+    # what travelled: shard files, each global model downloaded once per node cache (round 0's by
+    # its validation, before round 1's clients found it cached), each client's upload in full
+    rows, files = RunDir(run_dir).read_metrics(), lambda r: Manifest.from_dir(RunDir(run_dir).member_dir(r)).total_bytes
+    assert rows[0]["bytes_down"] == {"actor": files(0)} and rows[0]["bytes_up"] == {"actor": files(0)}
+    assert [c["bytes_down"] for c in rows[1]["per_client"].values()] == [{"actor": 0}] * 2
+    assert [c["bytes_up"] for c in rows[1]["per_client"].values()] == [{"actor": files(1)}] * 2
+    assert rows[1]["bytes_down"] == {"actor": files(1)}
 
 
 def test_a_server_learning_rate_steps_from_the_round_s_global_model(fl, two_rounds, tmp_path):
