@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +126,22 @@ def _fold(acc: torch.Tensor, x: torch.Tensor, factor: float, first: bool, name: 
         acc.add_(x, alpha=factor)
 
 
+Combine = Callable[[torch.Tensor | None, list[torch.Tensor], str], None]
+"""What a pass does with one tensor-relative piece: (output piece or None for a read-only pass,
+the inputs' pieces in input order, the tensor's name). Raises `NonFinitePiece` on NaN/Inf."""
+
+
+def fold_with(factors: Sequence[float]) -> Combine:
+    """FedAvg's piece arithmetic: the inputs folded with `factors`, in input order (`_fold`)."""
+
+    def combine(acc: torch.Tensor | None, xs: list[torch.Tensor], name: str) -> None:
+        assert acc is not None, "a fold writes an output"
+        for k, (x, f) in enumerate(zip(xs, factors, strict=True)):
+            _fold(acc, x, f, k == 0, name)
+
+    return combine
+
+
 def _finite(acc: torch.Tensor) -> bool:
     """True when every value is finite. The sum is finite exactly then, unless it overflows:
     one reduction, ~15x cheaper than isfinite().all() (measured), with the exact check only
@@ -213,35 +229,49 @@ def fedavg_states(
     states, labels = [s for s, _ in inputs], _labels(names, len(inputs))
     if previous is not None and f_previous:
         states, factors, labels = [*states, previous], [*factors, f_previous], [*labels, PREVIOUS]
-    keys = list(states[0].keys())
-    for s in states[1:]:
+    live = [(i, s) for i, (s, f) in enumerate(zip(states, factors)) if f != 0]
+    out = combine_states(live, labels, fold_with([f for f in factors if f != 0]))
+    assert out is not None
+    return out
+
+
+def combine_states(
+    live: Sequence[tuple[int, Mapping[str, torch.Tensor]]], labels: Sequence[str], combine: Combine, write: bool = True
+) -> dict[str, torch.Tensor] | None:
+    """One pass of `combine` over in-memory state dicts (`live`: (index in `labels`, state)), piece
+    by piece as `stream_manifests` walks shards, so both give the same bits; the output state
+    (None for a read-only pass, `write` False). A non-finite input raises NonFiniteWeightsError."""
+    keys = list(live[0][1].keys())
+    for _, s in live[1:]:
         if list(s.keys()) != keys:
             raise WeightsError(
                 "client state dicts hold different tensor names/orders; clients must export the same model"
             )
-    live = [(i, s, f) for i, (s, f) in enumerate(zip(states, factors)) if f != 0]
-    _check_fp32([(k, s[k].dtype) for _, s, _ in live for k in keys])
+    _check_fp32([(k, s[k].dtype) for _, s in live for k in keys])
     out: dict[str, torch.Tensor] = {}
     with one_torch_thread():  # the pipeline's own threads use the other cores
         for key in keys:
-            xs = [(s[key].detach().cpu().contiguous(), f) for _, s, f in live]
-            x0 = xs[0][0]
-            for x, _ in xs[1:]:
+            xs = [s[key].detach().cpu().contiguous() for _, s in live]
+            x0 = xs[0]
+            for x in xs[1:]:
                 if x.shape != x0.shape or x.dtype != x0.dtype:
                     raise WeightsError(
                         f"{key!r} has shape {list(x.shape)} ({x.dtype}) in one client and "
                         f"{list(x0.shape)} ({x0.dtype}) in another: clients must export the same model"
                     )
-            acc = torch.empty_like(x0)
-            flat = acc.view(-1)
-            for off, n in _pieces(x0.numel() * x0.element_size(), x0.element_size()):
-                for k, (x, f) in enumerate(xs):
-                    _fold(flat[off : off + n], x.view(-1)[off : off + n], f, k == 0, key)
-            if not _finite(acc):
-                culprits = {i: bad for i, s, _ in live if (bad := _bad_tensors(s))}
-                raise _non_finite_error(culprits, labels, repr(key))
-            out[key] = acc
-    return out
+            acc = torch.empty_like(x0) if write else None
+            try:
+                for off, n in _pieces(x0.numel() * x0.element_size(), x0.element_size()):
+                    piece = None if acc is None else acc.view(-1)[off : off + n]
+                    combine(piece, [x.view(-1)[off : off + n] for x in xs], key)
+                if acc is not None and not _finite(acc):
+                    raise NonFinitePiece(repr(key))
+            except NonFinitePiece as e:
+                culprits = {i: bad for i, s in live if (bad := _bad_tensors(s))}
+                raise _non_finite_error(culprits, list(labels), e.where) from None
+            if acc is not None:
+                out[key] = acc
+    return out if write else None
 
 
 # ---- streaming --------------------------------------------------------------------------------
@@ -249,7 +279,6 @@ def fedavg_states(
 class _Input:
     index: int  # in the caller's order
     manifest: Manifest
-    factor: float
 
 
 class _Readers:
@@ -320,8 +349,11 @@ class _Buffers:
         )
 
 
-def _fedavg_shard(writer: ShardWriter, live: list[_Input], s: int, verify: bool, buffers: _Buffers) -> None:
-    """Stream shard s of every live input into the writer's next shard; raises _NonFinite."""
+def _stream_shard(
+    writer: ShardWriter | None, live: list[_Input], s: int, verify: bool, buffers: _Buffers, combine: Combine
+) -> None:
+    """Stream shard s of every live input through `combine` into the writer's next shard (no
+    writer: a read-only pass); raises NonFinitePiece."""
     streams: list[ShardStream] = []
     readers = None
     try:
@@ -335,32 +367,32 @@ def _fedavg_shard(writer: ShardWriter, live: list[_Input], s: int, verify: bool,
                     f"(inputs {live[0].index} and {inp.index}); clients must export with the same "
                     "version of fedagent-flower"
                 )
-        writer.begin_shard(streams[0].info.tensors, [sl.info for sl in slots])
+        if writer is not None:
+            writer.begin_shard(streams[0].info.tensors, [sl.info for sl in slots])
         work = [(sl, off, n) for sl in slots for off, n in _pieces(sl.info.nbytes, sl.info.itemsize)]
-        if not work:
-            for st in streams:
-                st.finish()
-            writer.end_shard()
-            return
-        readers = _Readers(streams, [n * sl.info.itemsize for sl, _, n in work], buffers.inputs)
-        out_free: queue.Queue = queue.Queue()
-        for b in buffers.out:
-            out_free.put(b)
-        for sl, _, n in work:
-            dtype, nbytes = sl.info.torch_dtype, n * sl.info.itemsize
-            out = out_free.get()
-            acc = out[:nbytes].view(dtype)
-            for k, inp in enumerate(live):
-                buf = readers.get(k)
-                _fold(acc, buf[:nbytes].view(dtype), inp.factor, k == 0, sl.info.name)
-                readers.free[k].put(buf)
-            if not _finite(acc):
-                raise _NonFinite(repr(sl.info.name))
-            done = writer.write(out.numpy().data[:nbytes])
-            done.add_done_callback(functools.partial(_give_back, out_free, out))
+        if work:
+            readers = _Readers(streams, [n * sl.info.itemsize for sl, _, n in work], buffers.inputs)
+            out_free: queue.Queue = queue.Queue()
+            for b in buffers.out:
+                out_free.put(b)
+            for sl, _, n in work:
+                dtype, nbytes = sl.info.torch_dtype, n * sl.info.itemsize
+                out = out_free.get() if writer is not None else None
+                acc = None if out is None else out[:nbytes].view(dtype)
+                bufs = [readers.get(k) for k in range(len(live))]
+                combine(acc, [b[:nbytes].view(dtype) for b in bufs], sl.info.name)
+                for k, b in enumerate(bufs):
+                    readers.free[k].put(b)
+                if acc is None or out is None or writer is None:
+                    continue
+                if not _finite(acc):
+                    raise NonFinitePiece(repr(sl.info.name))
+                done = writer.write(out.numpy().data[:nbytes])
+                done.add_done_callback(functools.partial(_give_back, out_free, out))
         for st in streams:
             st.finish()  # every byte of the shard was read: compare the digests
-        writer.end_shard()
+        if writer is not None:
+            writer.end_shard()
     finally:
         if readers is not None:
             readers.close()
@@ -372,9 +404,24 @@ def _give_back(pool: queue.Queue, buf: torch.Tensor, _written: object) -> None:
     pool.put(buf)
 
 
-class _NonFinite(Exception):
+class NonFinitePiece(Exception):
+    """A pass met NaN/Inf in the piece of tensor `where` (the caller then names the culprits)."""
+
     def __init__(self, where: str):
         self.where = where
+
+
+def step_from_manifest(previous: Manifest | Path, clients: Manifest, why: str) -> Manifest:
+    """The round's global model as an input beside the clients' uploads, which it must lay out as
+    they do; `why` says what reads it (the error's fix)."""
+    step_from = previous if isinstance(previous, Manifest) else Manifest.from_dir(previous)
+    if not same_layout([clients, step_from]):
+        raise WeightsError(
+            f"{PREVIOUS} ({step_from.root}) and the clients' uploads lay their tensors or shards out "
+            f"differently (was run.shard_max_mb changed on resume?); {why}, so they must match: keep the "
+            "run's shard size"
+        )
+    return step_from
 
 
 def fedavg_manifests(
@@ -397,15 +444,28 @@ def fedavg_manifests(
     factors, f_previous = server_step_factors([w for _, w in inputs], server_lr, previous is not None)
     labels = _labels(names, len(inputs))
     if previous is not None and f_previous:
-        step_from = previous if isinstance(previous, Manifest) else Manifest.from_dir(previous)
-        if not same_layout([manifests[0], step_from]):
-            raise WeightsError(
-                f"{PREVIOUS} ({step_from.root}) and the clients' uploads lay their tensors or shards out "
-                "differently (was run.shard_max_mb changed on resume?); a server_lr != 1 steps from it, "
-                "so they must match: keep the run's shard size, or use server_lr 1"
-            )
-        manifests.append(step_from)
+        why = "a server_lr != 1 steps from it (or use server_lr 1)"
+        manifests.append(step_from_manifest(previous, manifests[0], why))
         factors, labels = [*factors, f_previous], [*labels, PREVIOUS]
+    live = [(i, m) for i, (m, f) in enumerate(zip(manifests, factors)) if f != 0]
+    out = stream_manifests(live, labels, fold_with([f for f in factors if f != 0]), out_dir, max_shard_bytes, verify)
+    assert out is not None
+    return out
+
+
+def stream_manifests(
+    live: Sequence[tuple[int, Manifest]],
+    labels: Sequence[str],
+    combine: Combine,
+    out_dir: Path | None,
+    max_shard_bytes: int,
+    verify: bool = True,
+) -> Manifest | None:
+    """One streaming pass of `combine` over sharded inputs (`live`: (index in `labels`,
+    manifest)), into `out_dir` (None: a read-only pass, which returns None). Memory stays at a
+    few pieces per input (module doc); a non-finite input raises NonFiniteWeightsError naming
+    every culprit, and on any error nothing stays in `out_dir`."""
+    manifests = [m for _, m in live]
     if not same_layout(manifests):
         raise WeightsError(
             "client manifests disagree on tensors or shard layout; every client must "
@@ -417,22 +477,27 @@ def fedavg_manifests(
             f"aggregate is asked for {max_shard_bytes}: server and clients must share run.shard_max_mb"
         )
     _check_fp32([(t.name, t.torch_dtype) for t in manifests[0].tensors])
-    live = [_Input(i, m, f) for i, (m, f) in enumerate(zip(manifests, factors)) if f != 0]
-    buffers = _Buffers.for_model(manifests[0], len(live))
+    inputs = [_Input(i, m) for i, m in live]
+    buffers = _Buffers.for_model(manifests[0], len(inputs))
     try:
+        if out_dir is None:
+            with one_torch_thread():
+                for s in range(len(manifests[0].shards)):
+                    _stream_shard(None, inputs, s, verify, buffers, combine)
+            return None
         with ShardWriter(out_dir, max_shard_bytes) as writer, one_torch_thread():
             for s in range(len(manifests[0].shards)):
-                _fedavg_shard(writer, live, s, verify, buffers)
+                _stream_shard(writer, inputs, s, verify, buffers, combine)
             return writer.finish()
-    except _NonFinite as e:
+    except NonFinitePiece as e:
         culprits = {}
-        for inp in live:  # the error path: read everything again, verified, to name every culprit
+        for inp in inputs:  # the error path: read everything again, verified, to name every culprit
             bad = [
                 b for s in range(len(inp.manifest.shards)) for b in _bad_tensors(read_shard(inp.manifest, s, verify))
             ]
             if bad:
                 culprits[inp.index] = bad
-        raise _non_finite_error(culprits, labels, e.where) from None
+        raise _non_finite_error(culprits, list(labels), e.where) from None
 
 
 def fedavg_refs(
@@ -451,10 +516,7 @@ def fedavg_refs(
     `server_lr` != 1 the result steps from `previous`, the round's global weights dir.
     """
     step = previous if server_lr != 1.0 else None  # FedAvg itself never reads it
-    if not items:
-        raise WeightsError("no client replies to aggregate")
-    inline = {ref.inline for ref, _, _ in items}
-    if inline == {True}:
+    if replies_inline(items):
         avg = fedavg_states(
             [(channel.state(r, a), w) for r, a, w in items],
             names=names,
@@ -462,16 +524,25 @@ def fedavg_refs(
             server_lr=server_lr,
         )
         return save_shards(avg, out_dir, channel.shard_bytes)
-    if inline == {False}:
-        return fedavg_manifests(
-            [(channel.manifest(r), w) for r, _, w in items],
-            out_dir,
-            channel.shard_bytes,
-            names=names,
-            previous=step,
-            server_lr=server_lr,
-        )
-    raise WeightsError(
-        "some replies are inline and some by reference; clients of one round must share "
-        "run.inline_max_mb (it is part of the run config)"
+    return fedavg_manifests(
+        [(channel.manifest(r), w) for r, _, w in items],
+        out_dir,
+        channel.shard_bytes,
+        names=names,
+        previous=step,
+        server_lr=server_lr,
     )
+
+
+def replies_inline(items: Sequence[tuple[WeightsRef, object, float]]) -> bool:
+    """Whether a round's replies all travel inline (True) or all by reference (False); anything
+    else is an error: one round's replies share one model and one threshold."""
+    if not items:
+        raise WeightsError("no client replies to aggregate")
+    inline = {ref.inline for ref, _, _ in items}
+    if len(inline) > 1:
+        raise WeightsError(
+            "some replies are inline and some by reference; clients of one round must share "
+            "run.inline_max_mb (it is part of the run config)"
+        )
+    return inline == {True}
