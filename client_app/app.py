@@ -2,7 +2,8 @@
 
 A call (`fl_app.calls`) names per member the round's global weights: this app gets each as a local dir (`Channel.get`),
 has its node and GPU lane's trainer service (`client_app.lane`) serve the call with those dirs (validated before any
-work), ships back what it wrote (`Channel.put`), answers a failed service call in one line (`client_app.failures`).
+work), ships back what it wrote (`Channel.put`; a `faults.poison` test fault rewrites it first: `client_app.poison`),
+answers a failed service call in one line (`client_app.failures`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from flwr.clientapp import ClientApp
 
 from client_app.failures import failure_reply
 from client_app.lane import LaneService, ServiceError
+from client_app.poison import poison_export, poisons
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall, Reply
 from fl_app.channel import arrays_key
 from fl_app.channel.open import node_channel
@@ -44,6 +46,9 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
         served = lane.request(path, {"call": call.model_dump(mode="json"), "dirs": dirs})
     except ServiceError as e:  # a known failure: one line to the server, not Ray's traceback in the stream
         return failure_reply(msg, lane, path, e)
+    if isinstance(call, FitCall) and poisons(cfg, call.round, call.client_id):  # faults.poison (testing)
+        for m, out in outs.items():
+            poison_export(cfg, call.round, call.client_id, m, ins[m], out)
     for m, ref in call.weights.items():
         if ref.inline:
             shutil.rmtree(ins[m])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -51,6 +52,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     "ppo": Algorithm(members=("actor", "critic"), critic=True, default_group_size=1, advantage="gae"),
 }
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+Aggregator = Literal["fedavg", "clipped", "trimmed_mean", "median"]  # fl_app.robust
 KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "abs+", "k3+", "low_var_kl+"]
 
 
@@ -471,6 +473,32 @@ class FederationCfg(_Strict):
         "(FedOpt's server SGD, Flower's FedAvgM `server_learning_rate` without momentum). Stateless, so a "
         "resumed run aggregates exactly as an uninterrupted one.",
     )
+    aggregator: Aggregator = Field(
+        "fedavg",
+        description="How a round combines the clients' updates d_i = x_i - w (w the round's global model; fl_app/robust.py, docs/architecture.md \"Robust aggregation\"). `fedavg`: the num-examples-weighted mean, FedAvg bit for bit. `clipped`: FedAvg of the updates, each scaled down to norm at most `clip_multiple` x the round's median update norm (two streaming passes: norms, then the fold). `trimmed_mean`: per coordinate, the clients' values sorted, `trim_fraction` of them dropped from each end, the rest averaged. `median`: per coordinate, the clients' median. The coordinate-wise two are unweighted, as the literature defines them (Yin et al. 2018). All stream shard by shard in fp32 and are deterministic; `server_lr` composes with each (w + eta * (agg - w)). Every aggregator records each client's update norm and cosines in the round's metrics row (`update_scores`, `flagged`).",
+    )
+    trim_fraction: float = Field(
+        0.25,
+        gt=0,
+        lt=0.5,
+        description="`trimmed_mean`: the share of a round's clients dropped from each end of every coordinate, floor(trim_fraction x clients); it must drop at least one even from a round of `min_clients_per_round` (checked at load). 0.25 drops one of 4 per side (the tiny fault recipes' one poisoned client of 4).",
+    )
+    clip_multiple: float = Field(
+        1.0,
+        gt=0,
+        description="`clipped`: the bound C on an update's norm, as a multiple of the round's median update norm. Relative, not absolute, because update norms scale with the model, the learning rate and the local epochs, and a bound must move with them (adaptive clipping: Andrew et al. 2021 clip at the median norm, target quantile 0.5, which 1.0 is).",
+    )
+    flag_norm_ratio: float = Field(
+        3.0,
+        gt=1,
+        description="Anomaly flag: a client whose update norm exceeds this multiple of the round's median norm is flagged (the metrics row's `flagged`; recorded, not dropped). Needs 3 or more clients.",
+    )
+    flag_min_cosine: float = Field(
+        0.05,
+        ge=-1,
+        le=1,
+        description="Anomaly flag: a client whose median cosine to the other clients' updates (`cos_peers`) is below this is flagged (a sign-flipped update points away from its peers, noise is orthogonal to them). Needs 3 or more clients.",
+    )
     eval_every: int = Field(
         1,
         ge=0,
@@ -711,6 +739,24 @@ class RunCfg(_Strict):
         return value
 
 
+class PoisonCfg(_Strict):
+    """A test fault: chosen clients send a poisoned update instead of their own."""
+
+    kind: Literal["none", "scale", "sign_flip", "noise"] = Field(
+        "none",
+        description="Fault injection (testing and the robustness experiments): what a poisoned client sends instead of its update d = x - w (every member). `scale`: w + factor x d; `sign_flip`: w - d; `noise`: w + Gaussian noise with d's norm, seeded by (run.seed, round, client, member). Applied by the ClientApp to the trainer's export, before the upload. `none`: no fault.",
+    )
+    factor: float = Field(100.0, description="`scale`: the multiple of the update a poisoned client sends.")
+    clients: list[int] = Field(
+        default_factory=list,
+        description="Client ids that poison every round they are sampled in; empty = the first sampled client of every round (one poisoned client per round).",
+    )
+
+
+class FaultsCfg(_Strict):
+    poison: PoisonCfg = Field(default_factory=PoisonCfg)
+
+
 class Config(_Strict):
     extends: str = Field(
         "",
@@ -728,6 +774,7 @@ class Config(_Strict):
     federation: FederationCfg = Field(default_factory=FederationCfg)
     partition: PartitionCfg = Field(default_factory=PartitionCfg)
     run: RunCfg = Field(default_factory=RunCfg)
+    faults: FaultsCfg = Field(default_factory=FaultsCfg)
 
     @model_validator(mode="before")
     @classmethod
@@ -761,6 +808,7 @@ class Config(_Strict):
                 )
             if not all(0 <= c < f.clients for c in f.only_clients):
                 raise ValueError(f"federation.only_clients={f.only_clients} holds ids outside [0, {f.clients})")
+        self._check_aggregator()
         self._check_partition()
         tiny = self.model.tiny
         if self.model.path == "tiny" and tiny.sft_shortcut > 0 and self.env.name != "shop":
@@ -802,6 +850,32 @@ class Config(_Strict):
                 "does not use them; remove it"
             )
         return self
+
+    def _check_aggregator(self) -> None:
+        """Fail closed on a robust aggregator the round's clients cannot feed, or a fault that names no client."""
+        f, poison = self.federation, self.faults.poison
+        least = self.min_clients()
+        if f.aggregator == "trimmed_mean" and math.floor(f.trim_fraction * least) < 1:
+            raise ValueError(
+                f"federation.aggregator=trimmed_mean trims floor(trim_fraction x clients) per side, and with "
+                f"federation.trim_fraction={f.trim_fraction} a round of {least} clients (clients_per_round="
+                f"{f.clients_per_round}, min_clients_per_round={f.min_clients_per_round}) trims none: raise "
+                f"trim_fraction to at least {1 / least:.3g} (below 0.5) or clients_per_round"
+            )
+        if f.aggregator == "median" and least < 3:
+            raise ValueError(
+                f"federation.aggregator=median over a round of {least} clients is their mean (clients_per_round="
+                f"{f.clients_per_round}, min_clients_per_round={f.min_clients_per_round}): it needs 3 or more"
+            )
+        if f.aggregator == "clipped" and least < 2:
+            raise ValueError(
+                "federation.aggregator=clipped bounds each update by a multiple of the round's median norm, "
+                "which one client sets alone: it needs clients_per_round (and min_clients_per_round) >= 2"
+            )
+        if poison.kind == "none" and poison.clients:
+            raise ValueError("faults.poison.clients is set but faults.poison.kind=none; set a kind or remove it")
+        if not all(0 <= c < f.clients for c in poison.clients):
+            raise ValueError(f"faults.poison.clients={poison.clients} holds ids outside [0, {f.clients})")
 
     def _check_compute(self) -> None:
         """Fail closed on compute settings the training engine would not honour."""

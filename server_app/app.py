@@ -54,6 +54,7 @@ from fl_app.host import single_threaded_blas
 from fl_app.outcomes import outcome_shares_of
 from fl_app.plots import plot_validation
 from fl_app.provenance import check_server_code
+from fl_app.robust import Rule, flagged_clients
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest, WeightsError, save_shards
 from partitions.report import write_partition_report
@@ -245,7 +246,7 @@ class Run:
                 only_clients=cfg.federation.only_clients,
             )
             self.aggregator = StreamingAggregator(
-                cfg.federation.strategy, cfg.federation.proximal_mu, cfg.federation.server_lr
+                cfg.federation.strategy, cfg.federation.proximal_mu, cfg.federation.server_lr, Rule.of(cfg.federation)
             )
             self.token = write_disk_probe(rd.path)
         except BaseException:
@@ -463,8 +464,9 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
             replies, failures = train(run, sampled, call, arrays)
         row.update(_fit_times(replies))  # before aggregation may refuse a reply
         t_agg = time.perf_counter()
-        manifests, train_metrics = aggregate_train(run, rnd, replies, failures)
+        manifests, train_metrics, scores = aggregate_train(run, rnd, replies, failures)
         row["aggregate_s"] = time.perf_counter() - t_agg
+        row["update_scores"], row["flagged"] = scores, flagged_clients(scores)
         if failures:
             row["failed"] = [f.as_dict() for f in failures]
             row["dropped"] = sorted(set(sampled) - set(replies))
@@ -483,6 +485,7 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
             f"{row.get('train_success', float('nan')):.3f} reward {row.get('train_reward', float('nan')):.3f} | "
             f"{_validation(row)} | {row['wall_s']:.1f} s | "
             f"{row['bytes_moved'] / 2**20:.1f} MiB moved"
+            + (f" | flagged updates: clients {row['flagged']}" if row["flagged"] else "")
         )
     return critic
 
@@ -537,12 +540,13 @@ def _fit_times(replies: dict[int, Message]) -> dict[str, float]:
 
 def aggregate_train(
     run: Run, rnd: int, replies: dict[int, Message], failures: list[ClientFailure]
-) -> tuple[dict[str, Manifest], dict[str, float]]:
-    """Average the replies into the round's checkpoint (Flower's `aggregate_train`, streamed
-    from the replies' refs). A reply the aggregator refuses (one naming a key that is not its
-    client's own upload of this round, an entry that does not resolve, a non-finite upload) is
-    a failed client: dropped (and the average recomputed without it) when the round can afford
-    it, else the round fails closed."""
+) -> tuple[dict[str, Manifest], dict[str, float], dict[str, dict[str, dict[str, Any]]]]:
+    """Aggregate the replies into the round's checkpoint (Flower's `aggregate_train`, streamed
+    from the replies' refs; `federation.aggregator`), with every member's anomaly scores. A
+    reply the aggregator refuses (one naming a key that is not its client's own upload of this
+    round, an entry that does not resolve, a non-finite upload) is a failed client: dropped (and
+    the aggregate recomputed without it) when the round can afford it, else the round fails
+    closed."""
     out_dirs = {m: run.rd.member_dir(rnd, m) for m in run.rd.members}
     previous = {m: run.rd.member_dir(rnd - 1, m) for m in run.rd.members}
     while True:

@@ -74,6 +74,11 @@ def reply(client: int, ref: WeightsRef) -> Message:
     return Message(content=content, dst_node_id=0, message_type="train")
 
 
+def round_1_global(run: Run) -> None:
+    """Round 2 aggregates the updates from round 1's global model (its anomaly scores read it)."""
+    DirStore(run.rd.path, SHARD).put("rounds/round-0001/actor", {"w": torch.zeros(4, 3)})
+
+
 def own(client: int, r: int = 2) -> str:
     return f"rounds/round-{r:04d}/clients/client-{client:04d}/actor"
 
@@ -94,6 +99,7 @@ def test_a_reply_naming_any_key_but_its_own_upload_is_a_failed_client(run):
         7: reply(7, upload(run, own(7, r=1), 50.0)),  # its own upload, of another round
     }
     failures: list[ClientFailure] = []
+    round_1_global(run)
     aggregate_train(run, 2, replies, failures)
     assert averaged(run, 2) == 2.0  # clients 1 and 2 only
     reasons = {f.client: f.reason for f in failures}
@@ -113,6 +119,7 @@ def test_an_upload_dir_symlinked_out_of_the_run_dir_is_refused_not_averaged(run,
     forged = planted.model_copy(update={"key": own(2)})  # its own key, pinning the planted bytes
     replies = {1: reply(1, upload(run, own(1), 1.0)), 2: reply(2, forged)}
     failures: list[ClientFailure] = []
+    round_1_global(run)
     aggregate_train(run, 2, replies, failures)
     assert averaged(run, 2) == 1.0  # not 21.5
     assert [f.client for f in failures] == [2]
@@ -128,6 +135,7 @@ def test_an_upload_dir_symlinked_out_of_the_run_dir_is_refused_not_averaged(run,
 def test_a_round_that_cannot_afford_a_refused_client_fails_closed(tmp_path):
     run = make_run(tmp_path, **{"federation.min_clients_per_round": 2})
     replies = {1: reply(1, upload(run, own(1), 1.0)), 2: reply(2, upload(run, own(3), 3.0))}
+    round_1_global(run)
     with pytest.raises(RoundError, match="client 2's upload was refused.*needs 2 of its clients"):
         aggregate_train(run, 2, replies, [])
     assert not (run.rd.path / "rounds/round-0002/actor/manifest.json").exists()
