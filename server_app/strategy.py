@@ -13,9 +13,10 @@ replacing every method Flower calls (as this module once did) only borrowed thei
   handful of SuperNodes (or one GPU lane) serves the published 100-client protocol;
 - `StreamingAggregator` is FedAvg (the num-examples-weighted mean, fl_app.aggregate) for every
   member the run federates (the actor, and for PPO the critic, with the same weights: invariant
-  7). FedProx is the same average: like Flower's FedProx, the strategy only sets
-  `proximal_mu` in every fit call, and the client applies the term (to the policy only,
-  invariant 4).
+  7), or the robust aggregator `federation.aggregator` names (fl_app.robust), and scores every
+  client's update either way. FedProx is the same average: like Flower's FedProx, the strategy
+  only sets `proximal_mu` in every fit call, and the client applies the term (to the policy
+  only, invariant 4).
 
 A reply (fl_app.calls.Reply) names each member's weights by a `WeightsRef`, with its inline
 arrays under `fl_app.channel.arrays_key(member)`; the aggregator receives the refs. A reply may
