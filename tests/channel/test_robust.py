@@ -18,14 +18,15 @@ import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from client_app.poison import noise_seed, poisoned
+from client_app.poison import noise_seed, poisoned, poisons
 from fl_app.aggregate import NonFiniteWeightsError, fedavg_refs
 from fl_app.calls import RECORD, Reply
 from fl_app.channel import Channel, WeightsRef
 from fl_app.channel.run_dir import DirStore
 from fl_app.config import ConfigError, PoisonCfg, load_config
 from fl_app.robust import Rule, aggregate_refs
-from fl_app.weights import Manifest, load_shards, save_shards
+from fl_app.weights import load_shards, save_shards
+from partitions.uniform import sample_clients, sampling_seed
 from server_app.strategy import StreamingAggregator
 
 SHARD = 20_000  # bytes: many shards per model, tensors spanning shards' pieces
@@ -211,6 +212,17 @@ def test_poisoned_updates_are_what_their_kind_says_and_reproducible():
     assert _bits(noise) != _bits(poisoned(w, x, PoisonCfg(kind="noise"), 8))
 
 
+def test_the_round_s_first_sampled_client_poisons_unless_clients_are_listed():
+    cfg = load_config("tiny-shop-grpo-4clients-poison-scale")
+    seed = sampling_seed(cfg.run.seed, cfg.federation.sampling_seed)
+    for r in (1, 2, 3):
+        first = sample_clients(seed, r, cfg.federation.clients, cfg.federation.clients_per_round)[0]
+        assert [c for c in range(cfg.federation.clients) if poisons(cfg, r, c)] == [first]
+    listed = load_config("tiny-shop-grpo-4clients-poison-scale", overrides={"faults.poison.clients": "[5, 7]"})
+    assert [c for c in range(100) if poisons(listed, 1, c)] == [5, 7]
+    assert not any(poisons(load_config("tiny-shop-grpo-4clients"), 1, c) for c in range(100))
+
+
 @pytest.mark.parametrize("agg", ["fedavg", "trimmed_mean", "median", "clipped"])
 def test_a_non_finite_upload_is_refused_even_where_the_trim_would_drop_it(tmp_path, agg):
     w = _net(0)
@@ -280,37 +292,44 @@ from fl_app.weights import Manifest
 def status_kb(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":"))
 
-ms = [Manifest.from_dir(Path(p)) for p in sys.argv[3:]]
-rnd = _Round([f"input {i}" for i in range(len(ms))], int(sys.argv[2]), manifests=list(enumerate(ms)))
-_aggregate(rnd, [1.0] * (len(ms) - 1), Rule(sys.argv[1]), 1.0, Path(sys.argv[1] + "-warm-up"))
+agg, out, shard = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ms = [Manifest.from_dir(Path(p)) for p in sys.argv[4:]]  # the clients, then w
+rnd = _Round([f"input {i}" for i in range(len(ms))], shard, manifests=list(enumerate(ms)))
+_aggregate(rnd, [1.0] * (len(ms) - 1), Rule(agg), 1.0, Path(out + "-warm-up"))
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
 before = status_kb("VmRSS")
-_aggregate(rnd, [1.0] * (len(ms) - 1), Rule(sys.argv[1]), 1.0, Path(sys.argv[1] + "-out"))
+_aggregate(rnd, [1.0] * (len(ms) - 1), Rule(agg), 1.0, Path(out))
 print(json.dumps({"peak_increase_bytes": (status_kb("VmHWM") - before) * 1024}))
 """
 
 
-def test_streaming_robust_aggregation_holds_pieces_not_models(tmp_path):
-    # 4 clients + w, 32 MiB each, in 1 MiB shards: holding the models would add 160 MiB; the
-    # streaming pass holds a few pieces per input and a k x piece stack (a few MiB).
+def _peak(tmp_path: Path, agg: str, dirs: list[str], shard: int) -> int:
+    res = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, agg, str(tmp_path / agg), str(shard), *dirs[1:], dirs[0]],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    return json.loads(res.stdout.strip().splitlines()[-1])["peak_increase_bytes"]
+
+
+def test_streaming_robust_aggregation_memory_does_not_grow_with_the_model(tmp_path):
+    # 4 clients + w in 1 MiB shards, models of 8 and 32 MiB: holding the models would add 5 x the
+    # size (+120 MiB from one size to the other); the passes hold a few pieces per input and a
+    # k x piece stack, whatever the model's size.
     g = torch.Generator().manual_seed(0)
-    shard, model_bytes = 1 << 20, 32 << 20
-    dirs = []
-    for c in range(5):
-        state = {f"t{i}": torch.randn(1 << 18, generator=g) for i in range(model_bytes // (1 << 20))}
-        dirs.append(str(save_shards(state, tmp_path / f"c{c}", shard).root))
-        del state
+    shard = 1 << 20
+    dirs: dict[int, list[str]] = {}
+    for mib in (8, 32):
+        dirs[mib] = []
+        for c in range(5):
+            state = {f"t{i}": torch.randn(1 << 18, generator=g) for i in range(mib)}
+            dirs[mib].append(str(save_shards(state, tmp_path / f"c{mib}-{c}", shard).root))
+            del state
     for agg in ("median", "clipped"):
-        res = subprocess.run(
-            [sys.executable, "-c", _PEAK_CHILD, str(tmp_path / agg), str(shard), *dirs[1:], dirs[0]],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parents[2],
-        )
-        peak = json.loads(res.stdout.strip().splitlines()[-1])["peak_increase_bytes"]
-        assert peak < model_bytes // 2, f"{agg} raised peak RSS by {peak / 2**20:.1f} MiB"
-        assert Manifest.from_dir(tmp_path / f"{agg}-out").tensor_bytes == model_bytes
+        small, large = (_peak(tmp_path / f"{agg}{mib}", agg, dirs[mib], shard) for mib in (8, 32))
+        assert large - small < 4 << 20, f"{agg}: peak RSS {small / 2**20:.1f} -> {large / 2**20:.1f} MiB"
 
 
 def test_recipe_load_refuses_a_robust_aggregator_the_round_cannot_feed():
