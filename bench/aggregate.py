@@ -167,10 +167,17 @@ def child_aggregators(a: argparse.Namespace) -> dict:
     inputs = [(Manifest.from_dir(Path(a.work) / f"client-{c}"), w) for c, w in enumerate(_weights(a.clients))]
     w = Manifest.from_dir(Path(a.work) / "global-w")
     out = Path(a.work) / "global"
-    runs: dict[str, Callable[[], object]] = {"fedavg_manifests": lambda: fedavg_manifests(inputs, out, shard)}
-    for agg in ("fedavg", "clipped", "trimmed_mean", "median"):
-        rule = Rule(agg, trim_fraction=1 / a.clients if agg == "trimmed_mean" else 0.25)  # type: ignore[arg-type]
-        runs[agg] = lambda rule=rule: aggregate_manifests(inputs, w, out, shard, rule)
+
+    def robust(rule: Rule) -> Callable[[], object]:
+        return lambda: aggregate_manifests(inputs, w, out, shard, rule)
+
+    runs: dict[str, Callable[[], object]] = {
+        "fedavg_manifests": lambda: fedavg_manifests(inputs, out, shard),
+        "fedavg": robust(Rule("fedavg")),
+        "clipped": robust(Rule("clipped")),
+        "trimmed_mean": robust(Rule("trimmed_mean", trim_fraction=1 / a.clients)),  # one per side
+        "median": robust(Rule("median")),
+    }
     best: dict[str, dict[str, float]] = {}
     for _ in range(a.repeat):  # interleaved, so slow drifts of the machine's load hit every method alike
         for name, fn in runs.items():

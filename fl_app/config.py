@@ -493,11 +493,10 @@ class FederationCfg(_Strict):
         gt=1,
         description="Anomaly flag: a client whose update norm exceeds this multiple of the round's median norm is flagged (the metrics row's `flagged`; recorded, not dropped). Needs 3 or more clients.",
     )
-    flag_min_cosine: float = Field(
-        0.05,
-        ge=-1,
-        le=1,
-        description="Anomaly flag: a client whose median cosine to the other clients' updates (`cos_peers`) is below this is flagged (a sign-flipped update points away from its peers, noise is orthogonal to them). Needs 3 or more clients.",
+    flag_cosine_z: float = Field(
+        4.0,
+        gt=0,
+        description="Anomaly flag: a client whose median cosine to the other clients' updates (`cos_peers`) is below flag_cosine_z / sqrt(parameters) is flagged: a random direction's cosine to an update is ~N(0, 1/parameters), so such an update is no more aligned with its peers than noise (noise of any norm is flagged, a sign-flipped update points away from its peers). Relative to the model's size because clean updates of a larger model are closer to orthogonal: the tiny default's clean clients measured cos_peers 0.012-0.020, 9-15 / sqrt(parameters) (docs/architecture.md, \"Robust aggregation and anomaly scores\"). Needs 3 or more clients.",
     )
     eval_every: int = Field(
         1,

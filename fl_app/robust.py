@@ -20,7 +20,10 @@ pieces in float64; scores only, the weights never leave fp32). From it, with no 
 the update norm ||d_i|| = sqrt(G_ii), the cosine to the round's (num-examples weighted) mean
 update, and the median of the cosines to the other clients (`cos_peers`). A client is flagged
 when its norm exceeds `flag_norm_ratio` x the median norm, or its `cos_peers` is below
-`flag_min_cosine`; flags need 3 or more clients (with 2, a disagreement names nobody). The
+`flag_cosine_z` / sqrt(n), n the member's parameters: the cosine a random direction reaches by
+chance is ~N(0, 1/n), so a flagged update is no more aligned with its peers than noise would
+be (a sign-flipped one points away from them). Flags need 3 or more clients (with 2, a
+disagreement names nobody). The
 cosine to the mean is recorded, not used to flag: a x100 update is most of the mean itself.
 `cos_peers` is robust to one bad client of 3 or more: a clean client's median runs over at
 least two values, most of them clean. The Gram's diagonal is also the non-finite check: a
@@ -71,12 +74,12 @@ class Rule:
     trim_fraction: float = 0.25
     clip_multiple: float = 1.0
     flag_norm_ratio: float = 3.0
-    flag_min_cosine: float = 0.05
+    flag_cosine_z: float = 4.0
 
     @classmethod
     def of(cls, f: FederationCfg) -> Rule:
         """The recipe's rule (its federation section)."""
-        return cls(f.aggregator, f.trim_fraction, f.clip_multiple, f.flag_norm_ratio, f.flag_min_cosine)
+        return cls(f.aggregator, f.trim_fraction, f.clip_multiple, f.flag_norm_ratio, f.flag_cosine_z)
 
     def trim(self, k: int) -> int:
         """Values dropped from each side of a coordinate's k sorted values."""
@@ -115,8 +118,8 @@ def _cos(dot: float, a: float, b: float) -> float:
     return dot / (a * b) if a > 0 and b > 0 else 0.0
 
 
-def scores_from_gram(gram: np.ndarray, factors: Sequence[float], rule: Rule) -> Scores:
-    """Norms, cosines and flags from the updates' Gram matrix (module doc)."""
+def scores_from_gram(gram: np.ndarray, factors: Sequence[float], rule: Rule, numel: int) -> Scores:
+    """Norms, cosines and flags from the updates' Gram matrix over `numel` coordinates (module doc)."""
     k = len(factors)
     norm = [math.sqrt(max(float(gram[i, i]), 0.0)) for i in range(k)]
     f = np.asarray(factors, dtype=np.float64)
@@ -127,9 +130,9 @@ def scores_from_gram(gram: np.ndarray, factors: Sequence[float], rule: Rule) -> 
         statistics.median(_cos(float(gram[i, j]), norm[i], norm[j]) for j in range(k) if j != i) if k > 1 else None
         for i in range(k)
     ]
-    median_norm = statistics.median(norm)
+    median_norm, chance = statistics.median(norm), rule.flag_cosine_z / math.sqrt(max(numel, 1))
     flagged = [
-        k >= 3 and (n > rule.flag_norm_ratio * median_norm or (p is not None and p < rule.flag_min_cosine))
+        k >= 3 and (n > rule.flag_norm_ratio * median_norm or (p is not None and p < chance))
         for n, p in zip(norm, cos_peers)
     ]
     return Scores(norm, cos_mean, cos_peers, flagged)
@@ -142,6 +145,7 @@ class _Pass:
     def __init__(self, k: int, gram: bool, rule_fn: RuleFn | None) -> None:
         self.k, self.rule_fn = k, rule_fn
         self.gram = np.zeros((k, k), dtype=np.float64) if gram else None
+        self.numel = 0  # floating coordinates seen
         self.scratch = torch.empty(0)
 
     def stack(self, n: int) -> torch.Tensor:
@@ -165,6 +169,7 @@ class _Pass:
             if not bool(torch.isfinite(g).all()):
                 raise NonFinitePiece(repr(name))
             self.gram += g.numpy()
+            self.numel += w.numel()
         if acc is not None and self.rule_fn is not None:
             self.rule_fn(self, acc, clients, w, name)
 
@@ -187,32 +192,69 @@ class _Fold:
         self.fold(acc, [*clients, *([w] if self.with_w else [])], name)
 
 
+NETWORK_MAX = 16  # up to this many clients a sorting network beats torch.sort (x10 at k = 4, measured)
+
+
+def sorting_network(k: int) -> list[tuple[int, int]]:
+    """Batcher's odd-even merge sort for k values: compare-exchange pairs (i < j), in order.
+    Built for the next power of two and cut to k (the missing values are +inf: their comparators
+    are no-ops)."""
+    out, size, p = [], 1 << max(k - 1, 0).bit_length(), 1
+    while p < size:
+        step = p
+        while step >= 1:
+            for j in range(step % p, size - step, 2 * step):
+                for i in range(min(step, size - j - step)):
+                    a, b = i + j, i + j + step
+                    if a // (2 * p) == b // (2 * p) and b < k:
+                        out.append((a, b))
+            step //= 2
+        p *= 2
+    return out
+
+
 class _Trimmed:
-    """Coordinate-wise trimmed mean (b per side) of the clients' values, then the server step."""
+    """Coordinate-wise trimmed mean (b per side) of the clients' values, then the server step.
+    The k values of each coordinate are sorted by a sorting network (two elementwise passes per
+    comparator, no index tensor) up to `NETWORK_MAX` clients, by torch.sort beyond."""
 
     def __init__(self, k: int, b: int, server_lr: float) -> None:
         self.k, self.b, self.server_lr = k, b, server_lr
-        self.sorted = torch.empty(0)
+        self.network = sorting_network(k) if k <= NETWORK_MAX else None
+        self.spare = torch.empty(0)
         self.order = torch.empty(0, dtype=torch.int64)
 
     def __call__(self, p: _Pass, acc: torch.Tensor, clients: list[torch.Tensor], w: torch.Tensor, name: str) -> None:
         n = w.numel()
-        if self.sorted.numel() < self.k * n:
-            size = self.k * max(n, PIECE_BYTES // 4)
-            self.sorted, self.order = torch.empty(size), torch.empty(size, dtype=torch.int64)
         stack = p.stack(n)  # the Gram is done with it
         for i, x in enumerate(clients):
             stack[i].copy_(x)
-        values = self.sorted[: self.k * n].view(self.k, n)
-        torch.sort(stack, dim=0, out=(values, self.order[: self.k * n].view(self.k, n)))
-        keep = range(self.b, self.k - self.b)
-        acc.copy_(values[keep[0]])
-        for j in keep[1:]:
-            acc.add_(values[j])
+        rows = self._sorted(stack, n)
+        keep = rows[self.b : self.k - self.b]
+        acc.copy_(keep[0])
+        for row in keep[1:]:
+            acc.add_(row)
         if len(keep) > 1:
             acc.div_(len(keep))
         if self.server_lr != 1.0:
             acc.mul_(self.server_lr).add_(w, alpha=1.0 - self.server_lr)
+
+    def _sorted(self, stack: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """The rows of `stack` sorted per coordinate, lowest first (rows may be spare buffers)."""
+        if self.network is None:
+            if self.order.numel() < self.k * n:
+                self.order = torch.empty(self.k * max(n, PIECE_BYTES // 4), dtype=torch.int64)
+            values = torch.empty_like(stack)
+            torch.sort(stack, dim=0, out=(values, self.order[: self.k * n].view(self.k, n)))
+            return list(values)
+        if self.spare.numel() < n:
+            self.spare = torch.empty(max(n, PIECE_BYTES // 4))
+        rows, spare = list(stack), self.spare[:n]
+        for a, b in self.network:
+            torch.minimum(rows[a], rows[b], out=spare)
+            torch.maximum(rows[a], rows[b], out=rows[b])
+            rows[a], spare = spare, rows[a]
+        return rows
 
 
 @dataclass
@@ -247,18 +289,32 @@ def aggregate_refs(
     dir) with server learning rate `server_lr`, and the live clients' scores (zero-weight
     clients are skipped: neither read nor scored). NaN/Inf uploads raise NonFiniteWeightsError
     naming them; nothing is written."""
-    inline = replies_inline(items)
-    labels = [*_labels(names, len(items)), PREVIOUS]
     weights = [w for _, _, w in items]
+    if not replies_inline(items):
+        ms = [(channel.manifest(r), w) for (r, _, _), w in zip(items, weights)]
+        return aggregate_manifests(ms, previous, out_dir, channel.shard_bytes, rule, server_lr, names)
     live = [i for i, f in enumerate(weight_factors(weights)) if f != 0]
-    rnd = _Round(labels, channel.shard_bytes)
-    if inline:
-        states = [channel.state(r, a) for r, a, _ in items]
-        rnd.states = [*((i, states[i]) for i in live), (len(items), load_shards(previous))]
-    else:
-        ms = [channel.manifest(r) for r, _, _ in items]
-        w = step_from_manifest(previous, ms[live[0]], "the aggregator and the anomaly scores read it")
-        rnd.manifests = [*((i, ms[i]) for i in live), (len(items), w)]
+    states = [channel.state(r, a) for r, a, _ in items]
+    rnd = _Round([*_labels(names, len(items)), PREVIOUS], channel.shard_bytes)
+    rnd.states = [*((i, states[i]) for i in live), (len(items), load_shards(previous))]
+    return _aggregate(rnd, [weights[i] for i in live], rule, server_lr, out_dir)
+
+
+def aggregate_manifests(
+    inputs: Sequence[tuple[Manifest, float]],
+    previous: Manifest | Path,
+    out_dir: Path,
+    shard_bytes: int,
+    rule: Rule,
+    server_lr: float = 1.0,
+    names: Sequence[str] | None = None,
+) -> tuple[Manifest, Scores]:
+    """`aggregate_refs` over sharded uploads (manifest, num-examples), streamed from disk."""
+    weights = [w for _, w in inputs]
+    live = [i for i, f in enumerate(weight_factors(weights)) if f != 0]
+    w = step_from_manifest(previous, inputs[live[0]][0], "the aggregator and the anomaly scores read it")
+    rnd = _Round([*_labels(names, len(inputs)), PREVIOUS], shard_bytes)
+    rnd.manifests = [*((i, inputs[i][0]) for i in live), (len(inputs), w)]
     return _aggregate(rnd, [weights[i] for i in live], rule, server_lr, out_dir)
 
 
@@ -269,7 +325,7 @@ def _aggregate(rnd: _Round, weights: list[float], rule: Rule, eta: float, out_di
         first = _Pass(k, gram=True, rule_fn=None)
         rnd.run(first, None)
         assert first.gram is not None
-        scores = scores_from_gram(first.gram, factors, rule)
+        scores = scores_from_gram(first.gram, factors, rule, first.numel)
         bound = rule.clip_multiple * statistics.median(scores.norm)
         kept = [min(1.0, bound / n) if n > 0 else 1.0 for n in scores.norm]
         w_factor = eta * sum(f * (1.0 - s) for f, s in zip(factors, kept)) + (1.0 - eta)
@@ -286,7 +342,7 @@ def _aggregate(rnd: _Round, weights: list[float], rule: Rule, eta: float, out_di
     one = _Pass(k, gram=True, rule_fn=rule_fn)
     out = rnd.run(one, out_dir)
     assert out is not None and one.gram is not None
-    return out, scores_from_gram(one.gram, factors, rule)
+    return out, scores_from_gram(one.gram, factors, rule, one.numel)
 
 
 def flagged_clients(scores: Mapping[str, Mapping[str, Mapping[str, object]]]) -> list[int]:

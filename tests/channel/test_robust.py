@@ -6,6 +6,7 @@ clients), and PPO's critic aggregated beside the actor."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -24,7 +25,7 @@ from fl_app.calls import RECORD, Reply
 from fl_app.channel import Channel, WeightsRef
 from fl_app.channel.run_dir import DirStore
 from fl_app.config import ConfigError, PoisonCfg, load_config
-from fl_app.robust import Rule, aggregate_refs
+from fl_app.robust import NETWORK_MAX, Rule, aggregate_refs, sorting_network
 from fl_app.weights import load_shards, save_shards
 from partitions.uniform import sample_clients, sampling_seed
 from server_app.strategy import StreamingAggregator
@@ -141,6 +142,33 @@ def test_each_aggregator_matches_its_definition_inline_and_streamed_bit_for_bit(
     if agg == "clipped":  # the large update was clipped: the result differs from FedAvg's
         fedavg = _reference("fedavg", w, states, weights, rule, 1.0)
         assert not torch.allclose(outs[True]["0.weight"].double(), fedavg["0.weight"], atol=1e-6)
+
+
+def test_the_sorting_network_sorts_every_input_of_up_to_12_values():
+    for k in range(1, 13):  # the 0-1 principle: a network that sorts every 0/1 input sorts every input
+        net = sorting_network(k)
+        for bits in itertools.product((0, 1), repeat=k):
+            v = list(bits)
+            for a, b in net:
+                v[a], v[b] = min(v[a], v[b]), max(v[a], v[b])
+            assert v == sorted(v), (k, bits)
+    assert len(sorting_network(4)) == 5  # the optimal network for 4
+
+
+@pytest.mark.parametrize("k", [3, 4, 6, NETWORK_MAX + 1])
+@pytest.mark.parametrize("agg", ["trimmed_mean", "median"])
+def test_coordinate_wise_aggregators_match_torch_for_any_number_of_clients(tmp_path, k, agg):
+    g = torch.Generator().manual_seed(k)
+    w = {"a": torch.randn(3000, generator=g), "b": torch.randn(7, 5, generator=g)}
+    states = [{n: t + torch.randn(t.shape, generator=g) * 0.1 for n, t in w.items()} for _ in range(k)]
+    states[0]["a"][:10] = states[1]["a"][:10]  # ties
+    prev = save_shards(w, tmp_path / "global", SHARD).root
+    rule = Rule(agg, trim_fraction=0.34 if k < 6 else 0.2)
+    ch = _channel(tmp_path, inline=True)
+    m, _ = aggregate_refs(_items(tmp_path, ch, states, [1.0] * k), ch, tmp_path / "out", prev, rule)
+    got, want = load_shards(m.root), _reference(agg, w, states, [1.0] * k, rule, 1.0)
+    for n in w:
+        torch.testing.assert_close(got[n].double(), want[n], rtol=1e-6, atol=1e-6)
 
 
 def test_fedavg_through_the_scoring_pass_gives_fedavg_s_bits(tmp_path):
