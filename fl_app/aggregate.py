@@ -1,7 +1,8 @@
 """FedAvg in fp32: the example-count-weighted mean of client models (invariant 2).
 
 Two entry points with one arithmetic (`_fold`, applied to the same tensor-relative pieces), so
-they give identical bits:
+they give identical bits; both are a FedAvg `Combine` run by one of two piece walkers,
+`stream_manifests` and `combine_states`, which fl_app.robust runs its aggregators and scores on:
 - `fedavg_manifests` streams shard files. For each shard it opens that shard of every client,
   and walks the tensors piece by piece (`PIECE_BYTES`): reader threads read each client's next
   piece while hashing it, the main thread folds the pieces into one output piece, checks it is

@@ -11,7 +11,8 @@ their updates d_i = x_i - w (at round 1, w is the initial export). Per member:
 - `trimmed_mean` / `median`: coordinate-wise over the clients' values x_i, unweighted as the
   literature defines them (Yin et al. 2018): sort each coordinate's k values, drop the b lowest
   and b highest, average the rest in sorted order; the median is the trim b = (k - 1) // 2 (for
-  an even k the mean of the two middle values). A piece's k values are stacked: O(piece x k).
+  an even k the mean of the two middle values). A piece's k values are stacked and sorted by a
+  sorting network (torch.sort beyond 16 clients): O(piece x k) memory.
 
 A server learning rate eta composes with each: w + eta * (agg - w), as for FedAvg.
 
@@ -23,8 +24,8 @@ when its norm exceeds `flag_norm_ratio` x the median norm, or its `cos_peers` is
 `flag_cosine_z` / sqrt(n), n the member's parameters: the cosine a random direction reaches by
 chance is ~N(0, 1/n), so a flagged update is no more aligned with its peers than noise would
 be (a sign-flipped one points away from them). Flags need 3 or more clients (with 2, a
-disagreement names nobody). The
-cosine to the mean is recorded, not used to flag: a x100 update is most of the mean itself.
+disagreement names nobody). The cosine to the mean is recorded, not used to flag: a x100 update
+is most of the mean itself.
 `cos_peers` is robust to one bad client of 3 or more: a clean client's median runs over at
 least two values, most of them clean. The Gram's diagonal is also the non-finite check: a
 NaN/Inf update makes it non-finite before any output is written, also where a trim would drop
