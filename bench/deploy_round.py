@@ -3,12 +3,14 @@
     python -m bench.deploy_round                       # tests/fixtures/e2e-recipe.yaml, 3 rounds
     python -m bench.deploy_round --rounds 4 --json out.json --keep /tmp/deploy-round   # keep the run dirs
 
-Runs the recipe twice, one after the other on this machine: `flwr run .` as a simulation with
-one virtual SuperNode, then a real loopback `flower-superlink` and one `flower-supernode`
-(`tests/flower_harness.py`, where every message starts a `flwr-clientapp` process). Compares the
-mean `wall_s` of the rounds after the first (round 1 pays the lane's start) and splits what one
-`flwr-clientapp` process pays before it can serve a message (`python -X importtime`): the
-interpreter, Flower's own modules, torch, and the rest of ours.
+Runs the recipe three times, one after the other on this machine: `flwr run .` as a simulation
+with one virtual SuperNode, then a real loopback `flower-superlink` and one `flower-supernode`
+(`tests/flower_harness.py`) twice: in Flower's default subprocess isolation (every message
+starts a `flwr-clientapp` process) and in process isolation with `client_app.superexec` (every
+message a fork of a warm process). Compares the mean `wall_s` of the rounds after the first
+(round 1 pays the lane's start) and splits what one `flwr-clientapp` process pays before it can
+serve a message (`python -X importtime`): the interpreter, Flower's own modules, torch, and the
+rest of ours.
 """
 
 from __future__ import annotations
@@ -63,20 +65,26 @@ def clientapp_imports() -> dict[str, float]:
     }
 
 
-def run_both(recipe: Path, rounds: int, work: Path, timeout_s: float) -> dict[str, Any]:
+ARMS = {"simulation": None, "deployment": "subprocess", "deployment-fork": "process"}
+
+
+def run_arms(recipe: Path, rounds: int, work: Path, timeout_s: float, arms: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"recipe": str(recipe), "rounds": rounds}
-    sim_dir, dep_dir = work / "runs" / "sim", work / "runs" / "deploy"
-    with flower(work / "flwr-sim") as fr:
-        p = fr.run(run_config(recipe, sim_dir, rounds=rounds), timeout_s, federation_config="num-supernodes=1")
-        assert p.returncode == 0 and round_walls(sim_dir), p.stdout[-3000:] + p.stderr[-3000:]
-    with deployment(work / "deploy", nodes=1) as d:
-        p = d.run(run_config(recipe, dep_dir, rounds=rounds), timeout_s)
-        assert p.returncode == 0 and round_walls(dep_dir), p.stdout[-3000:] + p.stderr[-3000:]
-    for name, run_dir in (("simulation", sim_dir), ("deployment", dep_dir)):
+    for arm in arms:
+        run_dir = work / "runs" / arm
+        if ARMS[arm] is None:
+            with flower(work / "flwr-sim") as fr:
+                p = fr.run(run_config(recipe, run_dir, rounds=rounds), timeout_s, federation_config="num-supernodes=1")
+        else:
+            with deployment(work / arm, nodes=1, isolation=ARMS[arm]) as d:
+                p = d.run(run_config(recipe, run_dir, rounds=rounds), timeout_s)
+        assert p.returncode == 0 and round_walls(run_dir), p.stdout[-3000:] + p.stderr[-3000:]
         walls = round_walls(run_dir)
         rounded = {r: round(w, 2) for r, w in walls.items()}
-        out[name] = {"round_s": rounded, "steady_mean_s": round(steady_mean(walls), 2)}
-    out["ratio"] = round(out["deployment"]["steady_mean_s"] / out["simulation"]["steady_mean_s"], 3)
+        out[arm] = {"round_s": rounded, "steady_mean_s": round(steady_mean(walls), 2)}
+    if "simulation" in out:
+        base = out["simulation"]["steady_mean_s"]
+        out["ratio_to_simulation"] = {a: round(out[a]["steady_mean_s"] / base, 3) for a in arms if a != "simulation"}
     return out
 
 
@@ -87,12 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", type=Path, help="run in this (new) dir and keep its run dirs and logs")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
     a = ap.parse_args(argv)
     report: dict[str, Any] = {"clientapp_imports": clientapp_imports()}
     with tempfile.TemporaryDirectory(prefix="deploy-round-") as tmp:
         work = a.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=False)
-        report.update(run_both(a.recipe.resolve(), a.rounds, work, a.timeout_s))
+        report.update(run_arms(a.recipe.resolve(), a.rounds, work, a.timeout_s, a.arms.split(",")))
     report["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return emit(report, a.json)
 

@@ -33,6 +33,7 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     check_node_code(call.code_sha256, node)
     run_config = dict(context.run_config)
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
+    cfg.faults.straggle(call.client_id if isinstance(call, FitCall) else None, call.round)  # before the lane
     channel, work = node_channel(call, cfg.run, node)
     lane = LaneService(context.run_id, run_config, log_dir=work.path / "logs", run_dir=Path(call.run_dir))
     scratch = work.scratch_dir(path.strip("/"), call.round)

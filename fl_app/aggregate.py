@@ -1,8 +1,9 @@
 """FedAvg in fp32: the example-count-weighted mean of client models (invariant 2).
 
-Two entry points with one arithmetic (`_fold`, applied to the same tensor-relative pieces), so
-they give identical bits; both are a FedAvg `Combine` run by one of two piece walkers,
-`stream_manifests` and `combine_states`, which fl_app.robust runs its aggregators and scores on:
+Two entry points with one arithmetic (`fold_with`, applied to the same tensor-relative pieces),
+so they give identical bits; each runs that `Combine` through one of two piece walkers,
+`stream_manifests` (shards on disk) and `combine_states` (state dicts in memory), which the robust
+aggregators (fl_app.robust) and the server optimizers (fl_app.server_opt) run their own pieces on:
 - `fedavg_manifests` streams shard files. For each shard it opens that shard of every client,
   and walks the tensors piece by piece (`PIECE_BYTES`): reader threads read each client's next
   piece while hashing it, the main thread folds the pieces into one output piece, checks it is
@@ -12,6 +13,8 @@ they give identical bits; both are a FedAvg `Combine` run by one of two piece wa
   pieces are read, before the next shard starts; any failure aborts the writer, which deletes
   what it wrote, so the output never looks complete and a retry finds it empty.
 - `fedavg_states` averages in-memory state dicts (the inline transport path).
+Both walkers take any number of inputs and outputs (none: a read-only pass, e.g. for scores) and
+call the `Combine` once per piece with the inputs' pieces in lock step.
 `fedavg_refs` takes a round's replies as the channel's refs and picks the one that applies.
 
 Per tensor, in client order: acc = x_0 * f_0, then acc += x_i * f_i (one fused multiply-add),
@@ -34,6 +37,7 @@ the culprits in a `NonFiniteWeightsError`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
@@ -49,7 +53,9 @@ from fl_app.weights import (
     Manifest,
     ShardStream,
     ShardWriter,
+    TensorInfo,
     WeightsError,
+    dtype_name,
     load_shards,
     read_shard,
     same_layout,
@@ -127,18 +133,28 @@ def _fold(acc: torch.Tensor, x: torch.Tensor, factor: float, first: bool, name: 
         acc.add_(x, alpha=factor)
 
 
-Combine = Callable[[torch.Tensor | None, list[torch.Tensor], str], None]
-"""What a pass does with one tensor-relative piece: (output piece or None for a read-only pass,
-the inputs' pieces in input order, the tensor's name). Raises `NonFinitePiece` on NaN/Inf."""
+# (the tensor, its input pieces in input order, the output pieces to fill in output order); raises
+# `NonFinitePiece` on NaN/Inf, or any error to stop the walk
+Combine = Callable[[TensorInfo, list[torch.Tensor], list[torch.Tensor]], None]
+
+
+class NonFinitePiece(Exception):
+    """A pass met NaN/Inf in the piece of tensor `where` (the walker then names the culprits)."""
+
+    def __init__(self, where: str):
+        self.where = where
 
 
 def fold_with(factors: Sequence[float]) -> Combine:
-    """FedAvg's piece arithmetic: the inputs folded with `factors`, in input order (`_fold`)."""
+    """FedAvg's piece arithmetic: the inputs folded with `factors` in input order into the one
+    output (`_fold`), which must be finite."""
 
-    def combine(acc: torch.Tensor | None, xs: list[torch.Tensor], name: str) -> None:
-        assert acc is not None, "a fold writes an output"
-        for k, (x, f) in enumerate(zip(xs, factors, strict=True)):
-            _fold(acc, x, f, k == 0, name)
+    def combine(info: TensorInfo, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        (acc,) = outs
+        for k, (x, f) in enumerate(zip(ins, factors, strict=True)):
+            _fold(acc, x, f, k == 0, info.name)
+        if not _finite(acc):
+            raise NonFinitePiece(repr(info.name))
 
     return combine
 
@@ -231,17 +247,19 @@ def fedavg_states(
     if previous is not None and f_previous:
         states, factors, labels = [*states, previous], [*factors, f_previous], [*labels, PREVIOUS]
     live = [(i, s) for i, (s, f) in enumerate(zip(states, factors)) if f != 0]
-    out = combine_states(live, labels, fold_with([f for f in factors if f != 0]))
-    assert out is not None
+    (out,) = combine_states(live, labels, fold_with([f for f in factors if f != 0]))
     return out
 
 
 def combine_states(
-    live: Sequence[tuple[int, Mapping[str, torch.Tensor]]], labels: Sequence[str], combine: Combine, write: bool = True
-) -> dict[str, torch.Tensor] | None:
+    live: Sequence[tuple[int, Mapping[str, torch.Tensor]]],
+    labels: Sequence[str],
+    combine: Combine,
+    n_outputs: int = 1,
+) -> list[dict[str, torch.Tensor]]:
     """One pass of `combine` over in-memory state dicts (`live`: (index in `labels`, state)), piece
-    by piece as `stream_manifests` walks shards, so both give the same bits; the output state
-    (None for a read-only pass, `write` False). A non-finite input raises NonFiniteWeightsError."""
+    by piece as `stream_manifests` walks shards, so both give the same bits; returns the
+    `n_outputs` output states (none: a read-only pass). NaN/Inf raise NonFiniteWeightsError."""
     keys = list(live[0][1].keys())
     for _, s in live[1:]:
         if list(s.keys()) != keys:
@@ -249,7 +267,7 @@ def combine_states(
                 "client state dicts hold different tensor names/orders; clients must export the same model"
             )
     _check_fp32([(k, s[k].dtype) for _, s in live for k in keys])
-    out: dict[str, torch.Tensor] = {}
+    outs: list[dict[str, torch.Tensor]] = [{} for _ in range(n_outputs)]
     with one_torch_thread():  # the pipeline's own threads use the other cores
         for key in keys:
             xs = [s[key].detach().cpu().contiguous() for _, s in live]
@@ -260,28 +278,20 @@ def combine_states(
                         f"{key!r} has shape {list(x.shape)} ({x.dtype}) in one client and "
                         f"{list(x0.shape)} ({x0.dtype}) in another: clients must export the same model"
                     )
-            acc = torch.empty_like(x0) if write else None
+            info = TensorInfo(key, tuple(x0.shape), dtype_name(x0.dtype))
+            accs = [torch.empty_like(x0) for _ in outs]
             try:
                 for off, n in _pieces(x0.numel() * x0.element_size(), x0.element_size()):
-                    piece = None if acc is None else acc.view(-1)[off : off + n]
-                    combine(piece, [x.view(-1)[off : off + n] for x in xs], key)
-                if acc is not None and not _finite(acc):
-                    raise NonFinitePiece(repr(key))
+                    combine(info, [x.view(-1)[off : off + n] for x in xs], [a.view(-1)[off : off + n] for a in accs])
             except NonFinitePiece as e:
                 culprits = {i: bad for i, s in live if (bad := _bad_tensors(s))}
                 raise _non_finite_error(culprits, list(labels), e.where) from None
-            if acc is not None:
+            for out, acc in zip(outs, accs):
                 out[key] = acc
-    return out if write else None
+    return outs
 
 
 # ---- streaming --------------------------------------------------------------------------------
-@dataclass
-class _Input:
-    index: int  # in the caller's order
-    manifest: Manifest
-
-
 class _Readers:
     """Reader threads that fill each input's buffers with its next pieces, in order, hashing as
     they read (each input's stream is read by one thread, so its hash sees bytes in order)."""
@@ -334,65 +344,71 @@ class _Readers:
 
 
 @dataclass
-class _Buffers:
+class PieceBuffers:
     """Piece buffers, allocated once per aggregation and reused for every shard (no page faults
-    or allocator churn per shard): `_BUFFERS_PER_INPUT` per live input, `_OUT_BUFFERS` for output."""
+    or allocator churn per shard): `_BUFFERS_PER_INPUT` per live input, `_OUT_BUFFERS` per output."""
 
     inputs: list[list[torch.Tensor]]
-    out: list[torch.Tensor]
+    outs: list[list[torch.Tensor]]
 
     @classmethod
-    def for_model(cls, manifest: Manifest, n_inputs: int) -> _Buffers:
+    def for_model(cls, manifest: Manifest, n_inputs: int, n_outputs: int = 1) -> PieceBuffers:
         size = max([min(PIECE_BYTES, t.nbytes) for t in manifest.tensors] or [0])
         new = lambda: torch.empty(size, dtype=torch.uint8)  # noqa: E731
         return cls(
-            [[new() for _ in range(_BUFFERS_PER_INPUT)] for _ in range(n_inputs)], [new() for _ in range(_OUT_BUFFERS)]
+            [[new() for _ in range(_BUFFERS_PER_INPUT)] for _ in range(n_inputs)],
+            [[new() for _ in range(_OUT_BUFFERS)] for _ in range(n_outputs)],
         )
 
 
-def _stream_shard(
-    writer: ShardWriter | None, live: list[_Input], s: int, verify: bool, buffers: _Buffers, combine: Combine
+def walk_shard(
+    writers: Sequence[ShardWriter],
+    inputs: Sequence[Manifest],
+    labels: Sequence[str],
+    s: int,
+    verify: bool,
+    buffers: PieceBuffers,
+    combine: Combine,
 ) -> None:
-    """Stream shard s of every live input through `combine` into the writer's next shard (no
-    writer: a read-only pass); raises NonFinitePiece."""
+    """Stream shard s of every input, piece by piece in lock step, into the next shard of every
+    writer, all laid out as the first input's shard: `combine` fills the output pieces from the
+    input pieces (and raises to stop). Every input byte is read and hashed once, every output
+    byte hashed and written once; a shard's digests are compared when all its pieces are read."""
     streams: list[ShardStream] = []
     readers = None
     try:
-        for inp in live:
-            streams.append(ShardStream(inp.manifest, s, verify))
+        for m in inputs:
+            streams.append(ShardStream(m, s, verify))
         slots = streams[0].slots
-        for inp, st in zip(live[1:], streams[1:]):
+        for label, st in zip(labels[1:], streams[1:]):
             if st.slots != slots:
                 raise WeightsError(
                     f"shard {st.path} lays its tensors out differently from {streams[0].path} "
-                    f"(inputs {live[0].index} and {inp.index}); clients must export with the same "
+                    f"({labels[0]} and {label}); clients must export with the same "
                     "version of fedagent-flower"
                 )
-        if writer is not None:
+        for writer in writers:
             writer.begin_shard(streams[0].info.tensors, [sl.info for sl in slots])
         work = [(sl, off, n) for sl in slots for off, n in _pieces(sl.info.nbytes, sl.info.itemsize)]
         if work:
             readers = _Readers(streams, [n * sl.info.itemsize for sl, _, n in work], buffers.inputs)
-            out_free: queue.Queue = queue.Queue()
-            for b in buffers.out:
-                out_free.put(b)
+            free: list[queue.Queue] = [queue.Queue() for _ in writers]
+            for q, bufs in zip(free, buffers.outs):
+                for b in bufs:
+                    q.put(b)
             for sl, _, n in work:
                 dtype, nbytes = sl.info.torch_dtype, n * sl.info.itemsize
-                out = out_free.get() if writer is not None else None
-                acc = None if out is None else out[:nbytes].view(dtype)
-                bufs = [readers.get(k) for k in range(len(live))]
-                combine(acc, [b[:nbytes].view(dtype) for b in bufs], sl.info.name)
-                for k, b in enumerate(bufs):
+                outs = [q.get() for q in free]
+                ins = [readers.get(k) for k in range(len(streams))]
+                combine(sl.info, [b[:nbytes].view(dtype) for b in ins], [o[:nbytes].view(dtype) for o in outs])
+                for k, b in enumerate(ins):
                     readers.free[k].put(b)
-                if acc is None or out is None or writer is None:
-                    continue
-                if not _finite(acc):
-                    raise NonFinitePiece(repr(sl.info.name))
-                done = writer.write(out.numpy().data[:nbytes])
-                done.add_done_callback(functools.partial(_give_back, out_free, out))
+                for writer, q, out in zip(writers, free, outs):
+                    done = writer.write(out.numpy().data[:nbytes])
+                    done.add_done_callback(functools.partial(_give_back, q, out))
         for st in streams:
             st.finish()  # every byte of the shard was read: compare the digests
-        if writer is not None:
+        for writer in writers:
             writer.end_shard()
     finally:
         if readers is not None:
@@ -403,26 +419,6 @@ def _stream_shard(
 
 def _give_back(pool: queue.Queue, buf: torch.Tensor, _written: object) -> None:
     pool.put(buf)
-
-
-class NonFinitePiece(Exception):
-    """A pass met NaN/Inf in the piece of tensor `where` (the caller then names the culprits)."""
-
-    def __init__(self, where: str):
-        self.where = where
-
-
-def step_from_manifest(previous: Manifest | Path, clients: Manifest, why: str) -> Manifest:
-    """The round's global model as an input beside the clients' uploads, which it must lay out as
-    they do; `why` says what reads it (the error's fix)."""
-    step_from = previous if isinstance(previous, Manifest) else Manifest.from_dir(previous)
-    if not same_layout([clients, step_from]):
-        raise WeightsError(
-            f"{PREVIOUS} ({step_from.root}) and the clients' uploads lay their tensors or shards out "
-            f"differently (was run.shard_max_mb changed on resume?); {why}, so they must match: keep the "
-            "run's shard size"
-        )
-    return step_from
 
 
 def fedavg_manifests(
@@ -449,23 +445,37 @@ def fedavg_manifests(
         manifests.append(step_from_manifest(previous, manifests[0], why))
         factors, labels = [*factors, f_previous], [*labels, PREVIOUS]
     live = [(i, m) for i, (m, f) in enumerate(zip(manifests, factors)) if f != 0]
-    out = stream_manifests(live, labels, fold_with([f for f in factors if f != 0]), out_dir, max_shard_bytes, verify)
-    assert out is not None
+    fold = fold_with([f for f in factors if f != 0])
+    (out,) = stream_manifests(live, labels, fold, [out_dir], max_shard_bytes, verify)
     return out
+
+
+def step_from_manifest(previous: Manifest | Path, clients: Manifest, why: str) -> Manifest:
+    """The round's global model as an input beside the clients' uploads, which it must lay out as
+    they do; `why` says what reads it (the error's fix)."""
+    step_from = previous if isinstance(previous, Manifest) else Manifest.from_dir(previous)
+    if not same_layout([clients, step_from]):
+        raise WeightsError(
+            f"{PREVIOUS} ({step_from.root}) and the clients' uploads lay their tensors or shards out "
+            f"differently (was run.shard_max_mb changed on resume?); {why}, so they must match: keep the "
+            "run's shard size"
+        )
+    return step_from
 
 
 def stream_manifests(
     live: Sequence[tuple[int, Manifest]],
     labels: Sequence[str],
     combine: Combine,
-    out_dir: Path | None,
+    out_dirs: Sequence[Path],
     max_shard_bytes: int,
     verify: bool = True,
-) -> Manifest | None:
+) -> list[Manifest]:
     """One streaming pass of `combine` over sharded inputs (`live`: (index in `labels`,
-    manifest)), into `out_dir` (None: a read-only pass, which returns None). Memory stays at a
-    few pieces per input (module doc); a non-finite input raises NonFiniteWeightsError naming
-    every culprit, and on any error nothing stays in `out_dir`."""
+    manifest)) into the fresh weights dirs `out_dirs` (none: a read-only pass), returning their
+    manifests. Memory stays at a few pieces per input and output (module doc); a non-finite
+    input raises NonFiniteWeightsError naming every culprit, and on any error nothing stays in
+    the outputs (every manifest is written last)."""
     manifests = [m for _, m in live]
     if not same_layout(manifests):
         raise WeightsError(
@@ -478,26 +488,20 @@ def stream_manifests(
             f"aggregate is asked for {max_shard_bytes}: server and clients must share run.shard_max_mb"
         )
     _check_fp32([(t.name, t.torch_dtype) for t in manifests[0].tensors])
-    inputs = [_Input(i, m) for i, m in live]
-    buffers = _Buffers.for_model(manifests[0], len(inputs))
+    buffers = PieceBuffers.for_model(manifests[0], len(manifests), len(out_dirs))
+    input_labels = [labels[i] for i, _ in live]
     try:
-        if out_dir is None:
-            with one_torch_thread():
-                for s in range(len(manifests[0].shards)):
-                    _stream_shard(None, inputs, s, verify, buffers, combine)
-            return None
-        with ShardWriter(out_dir, max_shard_bytes) as writer, one_torch_thread():
+        with contextlib.ExitStack() as stack, one_torch_thread():
+            writers = [stack.enter_context(ShardWriter(d, max_shard_bytes)) for d in out_dirs]
             for s in range(len(manifests[0].shards)):
-                _stream_shard(writer, inputs, s, verify, buffers, combine)
-            return writer.finish()
+                walk_shard(writers, manifests, input_labels, s, verify, buffers, combine)
+            return [writer.finish() for writer in reversed(writers)][::-1]  # the first output's manifest last
     except NonFinitePiece as e:
         culprits = {}
-        for inp in inputs:  # the error path: read everything again, verified, to name every culprit
-            bad = [
-                b for s in range(len(inp.manifest.shards)) for b in _bad_tensors(read_shard(inp.manifest, s, verify))
-            ]
+        for i, m in live:  # the error path: read everything again, verified, to name every culprit
+            bad = [b for s in range(len(m.shards)) for b in _bad_tensors(read_shard(m, s, verify))]
             if bad:
-                culprits[inp.index] = bad
+                culprits[i] = bad
         raise _non_finite_error(culprits, list(labels), e.where) from None
 
 

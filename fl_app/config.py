@@ -19,12 +19,13 @@ import math
 import os
 import re
 import sys
+import time
 import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -50,6 +51,7 @@ class Algorithm:
 ALGORITHMS: dict[str, Algorithm] = {
     "grpo": Algorithm(members=("actor",), critic=False, default_group_size=8, advantage="group_relative"),
     "ppo": Algorithm(members=("actor", "critic"), critic=True, default_group_size=1, advantage="gae"),
+    "gigpo": Algorithm(members=("actor",), critic=False, default_group_size=8, advantage="step_group_relative"),
 }
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Aggregator = Literal["fedavg", "clipped", "trimmed_mean", "median"]  # fl_app.robust
@@ -60,9 +62,13 @@ class ConfigError(ValueError):
     """A recipe or override is invalid; the message names the key and the fix."""
 
 
-def resolved(value: int | None, key: str) -> int:
-    """A size that validation fills when the recipe leaves it unset (algo.group_size,
-    algo.critic.mini_batch_size / micro_batch_size), for code that runs on a validated config."""
+_T = TypeVar("_T")
+
+
+def resolved(value: _T | None, key: str) -> _T:
+    """A value that validation fills when the recipe leaves it unset (algo.group_size,
+    algo.critic.mini_batch_size / micro_batch_size, federation.server_lr), for code that runs on a
+    validated config."""
     if value is None:
         raise ConfigError(f"{key} is unset: validate the config (fl_app.config.load_config) before using it")
     return value
@@ -372,16 +378,36 @@ class CriticCfg(_Strict):
         return resolved(self.micro_batch_size, "algo.critic.micro_batch_size")
 
 
+class GigpoCfg(_Strict):
+    """GiGPO's step-level credit (arXiv 2505.10978; verl-agent `algorithm.gigpo`, docs/trainer.md)."""
+
+    gamma: float = Field(
+        0.95,
+        ge=0,
+        le=1,
+        description="Discount of the step returns that rank the actions taken in one anchor state (per env step; the published runs' `algorithm.gamma`).",
+    )
+    step_weight: float = Field(
+        1.0,
+        ge=0,
+        description="w in A = A_episode + w x A_step (verl-agent `step_advantage_w`; 1 in the published runs, 0 is GRPO with verl-agent's per-step episode statistics).",
+    )
+    mode: Literal["mean_norm", "mean_std_norm"] = Field(
+        "mean_norm",
+        description="Normalisation of both levels' groups: `mean_norm` centres on the group mean (verl-agent's default, its WebShop runs), `mean_std_norm` also divides by the group std (its ALFWorld runs).",
+    )
+
+
 class AlgoCfg(_Strict):
-    name: Literal["grpo", "ppo"] = Field(
+    name: Literal["grpo", "ppo", "gigpo"] = Field(
         "grpo",
-        description="`grpo`: group-relative outcome advantages, no critic. `ppo`: GAE advantages from a critic that is federated beside the policy (see `critic`). What each name implies (members, critic, default group size, advantage) is the `ALGORITHMS` table in fl_app/config.py.",
+        description="`grpo`: group-relative outcome advantages, no critic. `ppo`: GAE advantages from a critic that is federated beside the policy (see `critic`). `gigpo`: GRPO's episode-level group advantage plus a step-level one among the actions a group's trajectories took in identical env states (see `gigpo`), no critic. What each name implies (members, critic, default group size, advantage) is the `ALGORITHMS` table in fl_app/config.py.",
     )
     tasks_per_step: int = Field(8, gt=0, description="Distinct tasks per RL iteration (train_batch_size).")
     group_size: int | None = Field(
         None,
         gt=0,
-        description="Rollouts per task (n). Unset: 8 for grpo (one GRPO group per task), 1 for ppo (ungrouped, as published); PPO with n > 1 multiplies the rollout volume by n.",
+        description="Rollouts per task (n). Unset: 8 for grpo and gigpo (one group per task), 1 for ppo (ungrouped, as published); PPO with n > 1 multiplies the rollout volume by n.",
     )
     lr: float = Field(1e-6, gt=0, description="Actor learning rate (constant, AdamW).")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
@@ -426,6 +452,7 @@ class AlgoCfg(_Strict):
     )
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
     critic: CriticCfg = Field(default_factory=CriticCfg)
+    gigpo: GigpoCfg = Field(default_factory=GigpoCfg, description="gigpo only: its step-level keys.")
 
     @property
     def spec(self) -> Algorithm:
@@ -463,19 +490,54 @@ class FederationCfg(_Strict):
     proximal_mu: float = Field(
         0.01, ge=0, description="FedProx mu (only used by `fedprox`; applies to the policy only)."
     )
-    server_lr: float = Field(
-        1.0,
+    server_optimizer: Literal["sgd", "fedavgm", "fedadam", "nesterov"] = Field(
+        "sgd",
+        description="The server's step from the round's global model w along the pseudo-gradient Delta = avg - w "
+        "(avg: the strategy's weighted mean of the clients, every member; formulas in fl_app/server_opt.py). "
+        "`sgd`: w + server_lr * Delta, stateless (server_lr 1 = FedAvg bit for bit). `fedavgm`: server momentum, "
+        "m = server_momentum * m + Delta, w + server_lr * m (Hsu et al. 2019, arXiv 1909.06335; FedOpt's FedAvgM). "
+        "`fedadam`: FedOpt's FedAdam (Reddi et al. 2021, arXiv 2003.00295, Algorithm 2, no bias correction), "
+        "m = b1 m + (1 - b1) Delta, v = b2 v + (1 - b2) Delta^2, w + server_lr * m / (sqrt(v) + server_tau). "
+        "`nesterov`: DiLoCo's outer step (Douillard et al. 2023, arXiv 2311.08105): SGD with Nesterov momentum "
+        "on the outer gradient g = w - avg. The moments are fp32 shards beside each round's global model "
+        "(rounds/round-R/server_opt/), zeros before round 1, part of the round: a resumed run steps exactly as "
+        "an uninterrupted one. Every transport is supported: the mean is always written as shards (inline "
+        "replies are averaged in memory, then saved), and the step streams from there.",
+    )
+    server_lr: float | None = Field(
+        None,
         gt=0,
         le=10,
-        description="Server learning rate eta: the new global model is w + eta * (avg - w), w the round's "
-        "global model and avg the strategy's weighted mean of the clients (every member). 1 = the mean itself, "
-        "FedAvg bit for bit; above 1 extrapolates the clients' mean step, as FedAvg with a server step size "
-        "(FedOpt's server SGD, Flower's FedAvgM `server_learning_rate` without momentum). Stateless, so a "
-        "resumed run aggregates exactly as an uninterrupted one.",
+        description="Server learning rate eta of `server_optimizer` (every optimizer's step is scaled by it). "
+        "Unset: 1 for `sgd` and `fedavgm` (FedAvg's step; FedAvgM then moves by about 1 / (1 - momentum) "
+        "times the clients' mean step), 0.7 for `nesterov` (DiLoCo's outer learning rate); `fedadam` needs it "
+        "set, as FedOpt tunes it per task (its step moves every weight by up to about eta per round). With "
+        "`sgd`: the new global model is w + eta * (avg - w); 1 = the mean itself, FedAvg bit for bit; above 1 "
+        "extrapolates the clients' mean step (FedOpt's server SGD, Flower's FedAvgM `server_learning_rate` "
+        "without momentum).",
+    )
+    server_momentum: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="Momentum of `fedavgm` (beta; default 0.9, FedOpt's FedAvgM) and `nesterov` (mu; default "
+        "0.9, DiLoCo's outer momentum). Unset for the other optimizers.",
+    )
+    server_beta1: float | None = Field(
+        None, ge=0, lt=1, description="`fedadam`'s first-moment decay b1 (default 0.9, as FedOpt fixes it)."
+    )
+    server_beta2: float | None = Field(
+        None, ge=0, lt=1, description="`fedadam`'s second-moment decay b2 (default 0.99, as FedOpt fixes it)."
+    )
+    server_tau: float | None = Field(
+        None,
+        gt=0,
+        description="`fedadam`'s degree of adaptivity tau, added to sqrt(v) (default 1e-3, the value FedOpt's "
+        "experiments fix while tuning the learning rates).",
     )
     aggregator: Aggregator = Field(
         "fedavg",
-        description="How a round combines the clients' updates d_i = x_i - w (w the round's global model; fl_app/robust.py, docs/architecture.md \"Robust aggregation\"). `fedavg`: the num-examples-weighted mean, FedAvg bit for bit. `clipped`: FedAvg of the updates, each scaled down to norm at most `clip_multiple` x the round's median update norm (two streaming passes: norms, then the fold). `trimmed_mean`: per coordinate, the clients' values sorted, `trim_fraction` of them dropped from each end, the rest averaged. `median`: per coordinate, the clients' median. The coordinate-wise two are unweighted, as the literature defines them (Yin et al. 2018). All stream shard by shard in fp32 and are deterministic; `server_lr` composes with each (w + eta * (agg - w)). Every aggregator records each client's update norm and cosines in the round's metrics row (`update_scores`, `flagged`).",
+        description="How a round combines the clients' updates d_i = x_i - w (w the round's global model; fl_app/robust.py, docs/architecture.md \"Robust aggregation\"). `fedavg`: the num-examples-weighted mean, FedAvg bit for bit. `clipped`: FedAvg of the updates, each scaled down to norm at most `clip_multiple` x the round's median update norm (two streaming passes: norms, then the fold). `trimmed_mean`: per coordinate, the clients' values sorted, `trim_fraction` of them dropped from each end, the rest averaged. `median`: per coordinate, the clients' median. The coordinate-wise two are unweighted, as the literature defines them (Yin et al. 2018). All stream shard by shard in fp32 and are deterministic; `server_lr` composes with each (w + eta * (agg - w)), and so does a `server_optimizer`: it steps from w along the aggregate. Every aggregator records each client's update norm and cosines in the round's metrics row (`update_scores`, `flagged`).",
     )
     trim_fraction: float = Field(
         0.25,
@@ -522,7 +584,62 @@ class FederationCfg(_Strict):
         gt=0,
         description="A sampled client whose reply has not arrived this long after its message was sent counts as failed (timed out). A lost SuperNode is reported sooner by Flower itself (Node Unavailable, after two missed heartbeats).",
     )
+    over_select: int = Field(
+        0,
+        ge=0,
+        description="Over-selection: each round also sends this many more clients, drawn after the round's `clients_per_round` from a stream of their own (so the first `clients_per_round` are the draw of a run without it). The round aggregates the first `clients_per_round` clients in sample order among those that replied when it closes: it closes as soon as the first `clients_per_round` clients that have not failed all replied, so a run without faults aggregates exactly the clients (and bits) of a run without over-selection, and an over-selected client steps in for a failed one in sample order. Over-selected clients not needed are named `spare` in the metrics row; their replies and uploads are discarded. 0 = off.",
+    )
+    round_deadline_s: float | None = Field(
+        None,
+        gt=0,
+        description="Round deadline: this long after a round's messages were sent, the round closes as soon as at least `min_clients_per_round` clients replied; the clients still pending are dropped as stragglers (metrics row `failed`: client, node, `straggler: no reply at the N s deadline`), never waited for nor re-dispatched, and their late replies and uploads are discarded. Which clients beat the deadline depends on timing: only a round in which every needed client replied before it has the bits of a run without it. Needs a client the round can afford to drop (`min_clients_per_round` below `clients_per_round`, or `over_select` > 0) and must be shorter than `client_timeout_s`. Unset = wait for every client as the failure rules say.",
+    )
 
+    @model_validator(mode="after")
+    def _server_optimizer(self) -> "FederationCfg":
+        """Fill the chosen server optimizer's unset knobs; fail closed on another optimizer's knob
+        and on `fedadam` without a learning rate."""
+        owned = SERVER_OPT_KNOBS[self.server_optimizer]
+        for knob in ("server_momentum", "server_beta1", "server_beta2", "server_tau"):
+            if getattr(self, knob) is not None and knob not in owned:
+                owners = [n for n, ks in SERVER_OPT_KNOBS.items() if knob in ks]
+                raise ValueError(
+                    f"federation.{knob} is a knob of server_optimizer {' / '.join(owners)}, but "
+                    f"federation.server_optimizer={self.server_optimizer!r}; remove it or change the optimizer"
+                )
+        if self.server_optimizer == "fedadam" and self.server_lr is None:
+            raise ValueError(
+                "federation.server_optimizer=fedadam needs federation.server_lr: its step moves every weight by "
+                "up to about server_lr per round, and FedOpt (arXiv 2003.00295) tunes it per task (e.g. 1e-2); "
+                "set it explicitly"
+            )
+        for knob, default in SERVER_OPT_DEFAULTS[self.server_optimizer].items():
+            if getattr(self, knob) is None:
+                setattr(self, knob, default)
+        return self
+
+    def fold_lr(self) -> float:
+        """The eta of the aggregation's own fold: server_lr for the stateless `sgd`; 1 (the clients'
+        mean) when a server optimizer steps from that mean."""
+        if self.server_optimizer != "sgd":
+            return 1.0
+        return resolved(self.server_lr, "federation.server_lr")
+
+
+# The server optimizers' knobs (fl_app/server_opt.py) and their published defaults: FedOpt
+# (Reddi et al. 2021) for fedavgm/fedadam, DiLoCo (Douillard et al. 2023) for nesterov.
+SERVER_OPT_KNOBS: dict[str, tuple[str, ...]] = {
+    "sgd": ("server_lr",),
+    "fedavgm": ("server_lr", "server_momentum"),
+    "fedadam": ("server_lr", "server_beta1", "server_beta2", "server_tau"),
+    "nesterov": ("server_lr", "server_momentum"),
+}
+SERVER_OPT_DEFAULTS: dict[str, dict[str, float]] = {
+    "sgd": {"server_lr": 1.0},
+    "fedavgm": {"server_lr": 1.0, "server_momentum": 0.9},
+    "fedadam": {"server_beta1": 0.9, "server_beta2": 0.99, "server_tau": 1e-3},
+    "nesterov": {"server_lr": 0.7, "server_momentum": 0.9},
+}
 
 # Which partition owns which knob (partitions/registry.py implements them; docs/heterogeneity.md).
 PARTITION_KNOBS: dict[str, tuple[str, ...]] = {
@@ -751,9 +868,56 @@ class PoisonCfg(_Strict):
         description="Client ids that poison every round they are sampled in; empty = the first sampled client of every round (one poisoned client per round).",
     )
 
+    @model_validator(mode="after")
+    def _armed(self) -> PoisonCfg:
+        """Poisoned clients without a poison are a mistake: refuse them."""
+        if self.kind == "none" and self.clients:
+            raise ValueError("faults.poison.clients is set but faults.poison.kind=none; set a kind or remove it")
+        return self
+
 
 class FaultsCfg(_Strict):
+    """Faults injected on purpose, to show and test the failure rules (docs/reliability.md)."""
+
+    straggler_clients: list[int] = Field(
+        default_factory=list,
+        description="Logical client ids made slow on purpose: their fit call sleeps `straggler_s` in the ClientApp before it reaches the trainer lane (the lane stays free for other clients). Empty = none.",
+    )
+    straggler_rounds: list[int] = Field(
+        default_factory=list,
+        description="The rounds in which `straggler_clients` are slow; empty = every round.",
+    )
+    straggler_s: float = Field(
+        0.0,
+        ge=0,
+        description="How long a straggler's fit sleeps before it starts; must be > 0 with `straggler_clients`.",
+    )
     poison: PoisonCfg = Field(default_factory=PoisonCfg)
+
+    @model_validator(mode="after")
+    def _armed(self) -> FaultsCfg:
+        """A straggler that would not sleep, or a sleep nobody takes, is a mistake: refuse it."""
+        if bool(self.straggler_clients) != (self.straggler_s > 0):
+            raise ValueError(
+                f"faults.straggler_clients={self.straggler_clients} and faults.straggler_s={self.straggler_s} "
+                "go together: name the slow clients and give them a sleep > 0, or neither"
+            )
+        if self.straggler_rounds and not self.straggler_clients:
+            raise ValueError("faults.straggler_rounds needs faults.straggler_clients (whom to slow down)")
+        if any(r < 1 for r in self.straggler_rounds):
+            raise ValueError(f"faults.straggler_rounds={self.straggler_rounds}: rounds count from 1")
+        return self
+
+    def straggles(self, client: int, server_round: int) -> float:
+        """The seconds client `client`'s fit of `server_round` sleeps (0 = none)."""
+        slow = client in self.straggler_clients and (not self.straggler_rounds or server_round in self.straggler_rounds)
+        return self.straggler_s if slow else 0.0
+
+    def straggle(self, client: int | None, server_round: int) -> None:
+        """Sleep as long as client `client`'s fit of `server_round` straggles (None: not a fit).
+        The ClientApp calls it before it forwards the call, so the lane stays free for others."""
+        if client is not None:
+            time.sleep(self.straggles(client, server_round))
 
 
 class Config(_Strict):
@@ -799,6 +963,7 @@ class Config(_Strict):
                 f"federation.min_clients_per_round={f.min_clients_per_round} exceeds "
                 f"federation.clients_per_round={f.clients_per_round}; lower it or leave it unset (= all)"
             )
+        self._check_dispatch()
         if f.only_clients:
             if len(f.only_clients) != f.clients_per_round or len(set(f.only_clients)) != len(f.only_clients):
                 raise ValueError(
@@ -843,6 +1008,11 @@ class Config(_Strict):
                 f"algo.filter_uniform_groups=true needs groups of two or more episodes to compare, and "
                 f"algo.group_size={algo.rollouts_per_task}; raise algo.group_size or remove it"
             )
+        if algo.name != "gigpo" and algo.gigpo != GigpoCfg():
+            raise ValueError(
+                f"algo.gigpo sets GiGPO's step-level keys, and algo.name={algo.name!r} does not use them; "
+                "remove them or set algo.name=gigpo"
+            )
         if algo.spec.advantage != "group_relative" and not algo.grpo_norm_by_std:
             raise ValueError(
                 f"algo.grpo_norm_by_std=false changes GRPO's advantages, and algo.name={algo.name!r} "
@@ -851,8 +1021,8 @@ class Config(_Strict):
         return self
 
     def _check_aggregator(self) -> None:
-        """Fail closed on a robust aggregator the round's clients cannot feed, or a fault that names no client."""
-        f, poison = self.federation, self.faults.poison
+        """Fail closed on a robust aggregator the round's clients cannot feed."""
+        f = self.federation
         least = self.min_clients()
         if f.aggregator == "trimmed_mean" and math.floor(f.trim_fraction * least) < 1:
             raise ValueError(
@@ -871,10 +1041,6 @@ class Config(_Strict):
                 "federation.aggregator=clipped bounds each update by a multiple of the round's median norm, "
                 "which one client sets alone: it needs clients_per_round (and min_clients_per_round) >= 2"
             )
-        if poison.kind == "none" and poison.clients:
-            raise ValueError("faults.poison.clients is set but faults.poison.kind=none; set a kind or remove it")
-        if not all(0 <= c < f.clients for c in poison.clients):
-            raise ValueError(f"faults.poison.clients={poison.clients} holds ids outside [0, {f.clients})")
 
     def _check_compute(self) -> None:
         """Fail closed on compute settings the training engine would not honour."""
@@ -974,6 +1140,40 @@ class Config(_Strict):
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run.run_dir or f"runs/{self.run.name}").expanduser().resolve()
+
+    def _check_dispatch(self) -> None:
+        """Over-selection, the round deadline and injected faults (stragglers, poison) that can be
+        armed, or an error."""
+        f, faults = self.federation, self.faults
+        if f.over_select and f.only_clients:
+            raise ValueError(
+                "federation.over_select draws more clients, federation.only_clients fixes them: drop one of the two"
+            )
+        if f.clients_per_round + f.over_select > f.clients:
+            raise ValueError(
+                f"federation.clients_per_round={f.clients_per_round} + federation.over_select={f.over_select} "
+                f"exceeds federation.clients={f.clients}; lower over_select or raise clients"
+            )
+        if f.round_deadline_s is not None:
+            if f.round_deadline_s >= f.client_timeout_s:
+                raise ValueError(
+                    f"federation.round_deadline_s={f.round_deadline_s:g} is not shorter than "
+                    f"federation.client_timeout_s={f.client_timeout_s:g}: every client would time out first; "
+                    "lower the deadline or raise the timeout"
+                )
+            if self.min_clients() >= f.clients_per_round + f.over_select:
+                raise ValueError(
+                    f"federation.round_deadline_s can drop no straggler: all {f.clients_per_round} clients of a "
+                    "round must reply; set federation.min_clients_per_round below federation.clients_per_round, "
+                    "or federation.over_select > 0"
+                )
+        for key, ids in (("straggler_clients", faults.straggler_clients), ("poison.clients", faults.poison.clients)):
+            if not all(0 <= c < f.clients for c in ids):
+                raise ValueError(f"faults.{key}={ids} holds ids outside [0, {f.clients})")
+        if any(r > f.rounds for r in faults.straggler_rounds):
+            raise ValueError(
+                f"faults.straggler_rounds={faults.straggler_rounds} names a round after federation.rounds={f.rounds}"
+            )
 
     def min_clients(self) -> int:
         """How many of a round's sampled clients must reply (federation.min_clients_per_round)."""

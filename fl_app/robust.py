@@ -52,6 +52,7 @@ from fl_app.aggregate import (
     PREVIOUS,
     Combine,
     NonFinitePiece,
+    _finite,
     _fold,
     _labels,
     combine_states,
@@ -64,7 +65,7 @@ from fl_app.aggregate import (
 )
 from fl_app.channel import Channel, WeightsRef
 from fl_app.config import Aggregator, FederationCfg
-from fl_app.weights import Manifest, WeightsError, load_shards, save_shards
+from fl_app.weights import Manifest, TensorInfo, WeightsError, load_shards, save_shards
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,9 @@ class Scores:
         }
 
 
+RoundScores = dict[str, dict[str, dict[str, float | bool | None]]]  # member -> client id -> `Scores.row`
+
+
 def _cos(dot: float, a: float, b: float) -> float:
     return dot / (a * b) if a > 0 and b > 0 else 0.0
 
@@ -155,10 +159,11 @@ class _Pass:
             self.scratch = torch.empty(self.k * max(n, PIECE_BYTES // 4))
         return self.scratch[: self.k * n].view(self.k, n)
 
-    def __call__(self, acc: torch.Tensor | None, xs: list[torch.Tensor], name: str) -> None:
-        *clients, w = xs
+    def __call__(self, info: TensorInfo, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        *clients, w = ins
+        name = info.name
         if not w.is_floating_point():  # carried, not averaged: every client holds the same values
-            if acc is not None:
+            for acc in outs:
                 for i, x in enumerate(clients):
                     _fold(acc, x, 1.0, i == 0, name)
             return
@@ -171,14 +176,18 @@ class _Pass:
                 raise NonFinitePiece(repr(name))
             self.gram += g.numpy()
             self.numel += w.numel()
-        if acc is not None and self.rule_fn is not None:
-            self.rule_fn(self, acc, clients, w, name)
+        if outs and self.rule_fn is not None:
+            (acc,) = outs
+            self.rule_fn(self, acc, clients, w, info)
 
 
 class RuleFn(Protocol):
-    """Writes one output piece from the clients' pieces and w's (the pass lends its scratch)."""
+    """Writes one output piece from the clients' pieces and w's (the pass lends its scratch);
+    raises NonFinitePiece when the piece is not finite."""
 
-    def __call__(self, p: _Pass, acc: torch.Tensor, clients: list[torch.Tensor], w: torch.Tensor, name: str) -> None:
+    def __call__(
+        self, p: _Pass, acc: torch.Tensor, clients: list[torch.Tensor], w: torch.Tensor, info: TensorInfo
+    ) -> None:
         """Write `acc`."""
 
 
@@ -189,8 +198,10 @@ class _Fold:
         self.with_w = w_factor != 0
         self.fold = fold_with([*client_factors, *([w_factor] if self.with_w else [])])
 
-    def __call__(self, p: _Pass, acc: torch.Tensor, clients: list[torch.Tensor], w: torch.Tensor, name: str) -> None:
-        self.fold(acc, [*clients, *([w] if self.with_w else [])], name)
+    def __call__(
+        self, p: _Pass, acc: torch.Tensor, clients: list[torch.Tensor], w: torch.Tensor, info: TensorInfo
+    ) -> None:
+        self.fold(info, [*clients, *([w] if self.with_w else [])], [acc])
 
 
 NETWORK_MAX = 16  # up to this many clients a sorting network beats torch.sort (x10 at k = 4, measured)
@@ -225,7 +236,9 @@ class _Trimmed:
         self.spare = torch.empty(0)
         self.order = torch.empty(0, dtype=torch.int64)
 
-    def __call__(self, p: _Pass, acc: torch.Tensor, clients: list[torch.Tensor], w: torch.Tensor, name: str) -> None:
+    def __call__(
+        self, p: _Pass, acc: torch.Tensor, clients: list[torch.Tensor], w: torch.Tensor, info: TensorInfo
+    ) -> None:
         n = w.numel()
         stack = p.stack(n)  # the Gram is done with it
         for i, x in enumerate(clients):
@@ -239,6 +252,8 @@ class _Trimmed:
             acc.div_(len(keep))
         if self.server_lr != 1.0:
             acc.mul_(self.server_lr).add_(w, alpha=1.0 - self.server_lr)
+        if not _finite(acc):
+            raise NonFinitePiece(repr(info.name))
 
     def _sorted(self, stack: torch.Tensor, n: int) -> list[torch.Tensor]:
         """The rows of `stack` sorted per coordinate, lowest first (rows may be spare buffers)."""
@@ -269,11 +284,14 @@ class _Round:
 
     def run(self, combine: Combine, out_dir: Path | None) -> Manifest | None:
         """One pass of `combine`; writes `out_dir` unless it is None."""
+        out_dirs = [] if out_dir is None else [out_dir]
         if self.states is not None:
-            out = combine_states(self.states, self.labels, combine, write=out_dir is not None)
-            return None if out is None or out_dir is None else save_shards(out, out_dir, self.shard_bytes)
-        assert self.manifests is not None
-        return stream_manifests(self.manifests, self.labels, combine, out_dir, self.shard_bytes)
+            states = combine_states(self.states, self.labels, combine, len(out_dirs))
+            outs = [save_shards(o, d, self.shard_bytes) for o, d in zip(states, out_dirs)]
+        else:
+            assert self.manifests is not None
+            outs = stream_manifests(self.manifests, self.labels, combine, out_dirs, self.shard_bytes)
+        return outs[0] if outs else None
 
 
 def aggregate_refs(
@@ -346,6 +364,6 @@ def _aggregate(rnd: _Round, weights: list[float], rule: Rule, eta: float, out_di
     return out, scores_from_gram(one.gram, factors, rule, one.numel)
 
 
-def flagged_clients(scores: Mapping[str, Mapping[str, Mapping[str, object]]]) -> list[int]:
+def flagged_clients(scores: RoundScores) -> list[int]:
     """The clients any member's scores flag (member -> client id -> scores, as `Scores.row`)."""
     return sorted({int(c) for rows in scores.values() for c, row in rows.items() if row["flagged"]})

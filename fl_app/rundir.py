@@ -5,6 +5,9 @@
       rounds/round-0000/actor/         round 0 = the initial model (fp32 shards + manifest)
       rounds/round-0003/actor/         the global model after round 3 = the checkpoint
       rounds/round-0003/critic/        PPO: the aggregated critic beside it (invariant 7)
+      rounds/round-0003/server_opt/fedadam/actor/m/   a server optimizer's moments after round 3
+                                       (fl_app.server_opt; none for sgd, none in round 0)
+      rounds/round-0003/mean/actor/    the clients' mean before the server optimizer's step (scratch)
       rounds/round-0003/clients/client-0007/actor/   client uploads of round 3 (scratch)
       rounds/round-0003/COMPLETE       written last: {"round", "time", "metrics", "members"}
       metrics.jsonl                    one line per complete round
@@ -12,7 +15,10 @@
       heartbeat.json                   the ServerApp's liveness while it runs (server_app.liveness)
 
 A round is complete only when its COMPLETE marker exists and every required member (`actor`,
-and `critic` for PPO) still holds the exact weights the marker recorded. Resume (invariant 6,
+and `critic` for PPO) still holds the exact weights the marker recorded; so does every server
+optimizer state entry the marker records (`"server_opt"`), and a RunDir told the run's entries
+(`opt_state`) requires exactly those in every round after 0: state is part of the round, so a
+resume continues from the resumed round's moments, and a round without them is refused. Resume (invariant 6,
 field-log "find_resume_round", "fabricated round T", "RESUME could FedAvg a dead attempt's
 checkpoint") scans the round dirs on disk instead of counting up to the configured total,
 refuses a dir that holds rounds beyond that total or a gap below its last complete round,
@@ -73,12 +79,21 @@ class RunDir:
     """One run's directory. `total_rounds` is the configured T (needed to resume); `members`
     are the weights every complete round must hold."""
 
-    def __init__(self, path: Path, total_rounds: int | None = None, members: Sequence[str] = ("actor",)):
+    def __init__(
+        self,
+        path: Path,
+        total_rounds: int | None = None,
+        members: Sequence[str] = ("actor",),
+        opt_state: Sequence[str] | None = None,
+    ):
         if not members:
             raise RunDirError("a round needs at least one required member, e.g. ('actor',)")
         self.path = Path(path)
         self.total_rounds = total_rounds
         self.members = tuple(members)
+        # the server optimizer's state entries every round after 0 holds (None: not known here, so
+        # whatever a marker records is checked, and nothing more is required)
+        self.opt_state = None if opt_state is None else tuple(opt_state)
         self.moved_aside: list[tuple[Path, str]] = []  # (where, why) for rounds prepare_resume set aside
 
     # ---- layout -------------------------------------------------------------------------
@@ -118,6 +133,19 @@ class RunDir:
             raise RunDirError(f"bad member name {member!r}: use letters, digits, '.', '_', '-'")
         return self._inside(self.round_dir(r) / member, f"round {r} {member} dir")
 
+    def opt_state_dir(self, r: int, entry: str) -> Path:
+        """Where server optimizer state `entry` (`<optimizer>/<member>/<moment>`) of round r lives."""
+        parts = entry.split("/")
+        if len(parts) != 3 or not all(_CLIENT_ID.match(p) for p in parts):
+            raise RunDirError(f"bad server optimizer state entry {entry!r}: use <optimizer>/<member>/<moment>")
+        return self._inside(self.round_dir(r) / "server_opt" / entry, f"round {r} server optimizer state")
+
+    def mean_dir(self, r: int, member: str) -> Path:
+        """Scratch for the clients' mean of `member` in round r, before the server optimizer's step."""
+        if not _CLIENT_ID.match(member):
+            raise RunDirError(f"bad member name {member!r}: use letters, digits, '.', '_', '-'")
+        return self._inside(self.round_dir(r) / "mean" / member, f"round {r} {member} mean dir")
+
     def client_dir(self, r: int, client_id: int | str) -> Path:
         """Scratch space for one client's uploads in round r (members go in subdirs)."""
         cid = f"{client_id:04d}" if isinstance(client_id, int) else str(client_id)
@@ -148,6 +176,12 @@ class RunDir:
     def marker(self, r: int) -> dict[str, str] | None:
         """member -> manifest sha256 as round r's COMPLETE marker records them (None: no marker).
         A marker that cannot be read or has the wrong shape is a RunDirError naming it."""
+        found = self._read_marker(r)
+        return None if found is None else found[0]
+
+    def _read_marker(self, r: int) -> tuple[dict[str, str], dict[str, str]] | None:
+        """(member -> manifest sha256, server optimizer state entry -> manifest sha256) as round
+        r's COMPLETE marker records them; None: no marker."""
         path = self.round_dir(r) / MARKER
         if not path.is_file():
             return None
@@ -156,31 +190,46 @@ class RunDir:
             f"(e.g. `mv {self.round_dir(r)} {self.round_dir(r)}.damaged`) to redo that round, or use a new run dir"
         )
         try:
-            members = json.loads(path.read_text())["members"]
-            digests = {m: d["manifest_sha256"] for m, d in members.items()}
+            body = json.loads(path.read_text())
+            digests = {m: d["manifest_sha256"] for m, d in body["members"].items()}
+            state = {e: d["manifest_sha256"] for e, d in body.get("server_opt", {}).items()}
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise RunDirError(f"{path} is not a valid {MARKER} marker ({type(e).__name__}: {e}); {fix}") from None
-        if not all(isinstance(m, str) and isinstance(d, str) for m, d in digests.items()):
+        if not all(isinstance(m, str) and isinstance(d, str) for m, d in [*digests.items(), *state.items()]):
             raise RunDirError(f"{path}: members must map names to {{'manifest_sha256': <hex>}}; {fix}")
-        return digests
+        return digests, state
 
     def _round_state(self, r: int) -> tuple[str, str]:
-        """('complete' | 'partial' | 'broken', why). Broken = a marker whose members do not match."""
+        """('complete' | 'partial' | 'broken', why). Broken = a marker whose members or server
+        optimizer state do not match, or whose state is not the run's (`opt_state`)."""
         try:
-            recorded = self.marker(r)
+            found = self._read_marker(r)
         except RunDirError as e:
             return "broken", str(e)
-        if recorded is None:
+        if found is None:
             return "partial", "no COMPLETE marker"
+        recorded, state = found
         for m in self.members:
             if m not in recorded:
                 return "broken", f"completed without required member {m!r} (has {sorted(recorded)})"
+        if self.opt_state is not None and r > 0 and set(state) != set(self.opt_state):
+            return "broken", (
+                f"holds server optimizer state {sorted(state) or 'none (server_optimizer sgd)'}, and this run's "
+                f"federation.server_optimizer needs {list(self.opt_state) or 'none (sgd)'}: resume with the "
+                "server_optimizer the run was started with, or use a new run dir"
+            )
+        dirs = [(f"member {m!r}", self.member_dir(r, m), recorded[m]) for m in self.members]
+        try:
+            dirs += [(f"server optimizer state {e!r}", self.opt_state_dir(r, e), d) for e, d in sorted(state.items())]
+        except RunDirError as e:
+            return "broken", str(e)
+        for what, path, want in dirs:
             try:
-                digest = Manifest.from_dir(self.member_dir(r, m)).sha256
-            except WeightsError as e:
-                return "broken", str(e)
-            if digest != recorded[m]:
-                return "broken", f"member {m!r} was replaced after the round completed"
+                digest = Manifest.from_dir(path).sha256
+            except (WeightsError, RunDirError) as e:
+                return "broken", f"{what}: {e}"
+            if digest != want:
+                return "broken", f"{what} was replaced after the round completed"
         return "complete", ""
 
     def recorded_members(self, r: int) -> list[str] | None:
@@ -266,10 +315,14 @@ class RunDir:
             )
 
     def verify_round(self, r: int) -> None:
-        """Read every shard of round r's required members against their manifest's digests; moves
-        nothing. WeightsError names the first bad file. Costs a read of the whole checkpoint."""
-        for m in self.members:
-            verify_shards(Manifest.from_dir(self.member_dir(r, m)))
+        """Read every shard of round r's required members, and of the server optimizer state its
+        marker records, against their manifests' digests; moves nothing. WeightsError names the
+        first bad file. Costs a read of the whole checkpoint."""
+        found = self._read_marker(r)
+        paths = [self.member_dir(r, m) for m in self.members]
+        paths += [self.opt_state_dir(r, e) for e in sorted(found[1] if found else {})]
+        for path in paths:
+            verify_shards(Manifest.from_dir(path))
 
     def _verified_resume_round(self, last: int | None) -> int | None:
         """The highest complete round whose every shard matches its digests, from `last` down;
@@ -349,13 +402,9 @@ class RunDir:
                 f"cannot complete round {r}: the last complete round on disk is {last}, so the "
                 f"next one is {expected}; call prepare_resume() before the round loop"
             )
-        members = {}
-        for m in self.members:
-            try:
-                man = Manifest.from_dir(self.member_dir(r, m))
-            except WeightsError as e:
-                raise RunDirError(f"cannot complete round {r}: member {m!r} has no complete weights ({e})") from None
-            members[m] = {"manifest_sha256": man.sha256, "total_bytes": man.total_bytes}
+        members = {m: self._sealed(r, f"member {m!r}", self.member_dir(r, m)) for m in self.members}
+        entries = self.opt_state if self.opt_state and r > 0 else ()
+        state = {e: self._sealed(r, f"server optimizer state {e!r}", self.opt_state_dir(r, e)) for e in entries}
         line = json.dumps({"round": r, **metrics}, default=_json_default)
         with open(self.metrics_path, "a") as f:
             f.write(line + "\n")
@@ -364,12 +413,27 @@ class RunDir:
         _write_atomic(
             self.round_dir(r) / MARKER,
             json.dumps(
-                {"round": r, "time": _utc_now(), "metrics": dict(metrics), "members": members},
+                {
+                    "round": r,
+                    "time": _utc_now(),
+                    "metrics": dict(metrics),
+                    "members": members,
+                    **({"server_opt": state} if state else {}),
+                },
                 default=_json_default,
                 indent=1,
             )
             + "\n",
         )
+
+    @staticmethod
+    def _sealed(r: int, what: str, path: Path) -> dict[str, Any]:
+        """What a COMPLETE marker records of one weights dir of round r (it must be complete)."""
+        try:
+            man = Manifest.from_dir(path)
+        except WeightsError as e:
+            raise RunDirError(f"cannot complete round {r}: {what} has no complete weights ({e})") from None
+        return {"manifest_sha256": man.sha256, "total_bytes": man.total_bytes}
 
     def drop_client_uploads(self, r: int) -> None:
         """Delete round r's client scratch (only once the round is complete: it is then redundant)."""

@@ -53,3 +53,15 @@ def sample_clients(seed: int, server_round: int, num_clients: int, per_round: in
     if per_round > num_clients:
         raise ValueError(f"cannot sample {per_round} of {num_clients} clients")
     return random.Random(seed + server_round - 1).sample(range(num_clients), per_round)
+
+
+def over_selected(seed: int, server_round: int, num_clients: int, sampled: Sequence[int], extra: int) -> list[int]:
+    """`extra` more clients for a round that already sampled `sampled` (federation.over_select):
+    a pure function of (seed, round) drawn from a stream of its own among the clients not
+    sampled, so the round's first draw, and with it a run without over-selection, is unchanged
+    (`random.sample` switches algorithm with the sample size: a longer draw need not start with
+    the shorter one)."""
+    rest = sorted(set(range(num_clients)) - set(sampled))
+    if extra > len(rest):
+        raise ValueError(f"cannot over-select {extra} of the {len(rest)} clients not sampled")
+    return random.Random(f"over-select:{seed}:{server_round}").sample(rest, extra)

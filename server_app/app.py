@@ -6,9 +6,10 @@ Round loop (read top to bottom to follow one round):
      highest complete round); summary.json says `running` from here on;
   2. round 0 = the initial model, exported by a trainer lane, written as fp32 shards, validated;
   3. each round r, in Flower's vocabulary: `configure_train` samples logical clients (a pure
-     function of (seed, r)) and builds the round's `FitCall` naming the global weights; `train`
-     sends each client its message and collects the replies (a failed client is dropped or
-     re-dispatched: server_app.dispatch); `aggregate_train` stream-averages their fp32 shards
+     function of (seed, r), over-selected clients last) and builds the round's `FitCall` naming
+     the global weights; `train` sends each client its message and collects the replies until
+     the round closes (a failed client is dropped or re-dispatched, a straggler dropped at the
+     round deadline: server_app.dispatch); `aggregate_train` stream-averages their fp32 shards
      into rounds/round-r; `evaluate_fn` validates on a trainer lane every `eval_every` rounds;
      one line goes to metrics.jsonl and the round is marked complete;
   4. after the last round: summary.json, the plot, and a shutdown message to every node's lane.
@@ -54,12 +55,13 @@ from fl_app.host import single_threaded_blas
 from fl_app.outcomes import outcome_shares_of
 from fl_app.plots import plot_validation
 from fl_app.provenance import check_server_code
-from fl_app.robust import Rule, flagged_clients
+from fl_app.robust import RoundScores, Rule, flagged_clients
 from fl_app.rundir import RunDir
+from fl_app.server_opt import ServerOptimizer
 from fl_app.weights import Manifest, WeightsError, save_shards
 from partitions.report import write_partition_report
 from partitions.uniform import sampling_seed
-from server_app.dispatch import RoundDispatch, request_one
+from server_app.dispatch import Abandoned, Close, RoundDispatch, RoundOutcome, request_one
 from server_app.errors import one_line, strip_ansi
 from server_app.liveness import beating, every
 from server_app.strategy import (
@@ -243,10 +245,16 @@ class Run:
                 seed=sampling_seed(cfg.run.seed, cfg.federation.sampling_seed),
                 num_clients=cfg.federation.clients,
                 per_round=cfg.federation.clients_per_round,
+                over_select=cfg.federation.over_select,
                 only_clients=cfg.federation.only_clients,
             )
+            self.abandoned = Abandoned(self._late_upload)
+            self.server_opt = ServerOptimizer.from_config(cfg.federation)
             self.aggregator = StreamingAggregator(
-                cfg.federation.strategy, cfg.federation.proximal_mu, cfg.federation.server_lr, Rule.of(cfg.federation)
+                cfg.federation.strategy,
+                cfg.federation.proximal_mu,
+                cfg.federation.fold_lr(),
+                Rule.of(cfg.federation),
             )
             self.token = write_disk_probe(rd.path)
         except BaseException:
@@ -262,6 +270,12 @@ class Run:
             "run_dir_token": self.token,
             **self.w.node_store,
         }
+
+    def _late_upload(self, rnd: int, client: int) -> None:
+        """Remove what a dropped or spare client of round `rnd` uploaded after its round closed
+        (once the round is complete its scratch is redundant; before, `drop_client_uploads` will)."""
+        if self.rd.is_complete(rnd):
+            shutil.rmtree(self.rd.client_dir(rnd, client), ignore_errors=True)
 
     def message(self, node: int, mtype: str, call: Call, arrays: dict[str, ArrayRecord] | None = None) -> Message:
         """`call` as one record, with the inline arrays of its weights beside it, and the weight
@@ -337,9 +351,18 @@ def main(grid: Grid, context: Context) -> None:
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
     # before the run dir, which may be another checkout's
     code = check_server_code(_app_dir(grid), Path.cwd(), simulation=isinstance(grid, InMemoryGrid))
-    rd = RunDir(cfg.resolved_run_dir(), total_rounds=cfg.federation.rounds, members=cfg.weight_members())
+    rd = run_dir(cfg)
     with beating(rd, context.run_id, log):  # heartbeat.json: `server_app.status` tells running from dead
         _serve_run(grid, context, cfg, rd, code)
+
+
+def run_dir(cfg: Config) -> RunDir:
+    """The run's directory, told what every complete round must hold: its members and, with a
+    server optimizer, its state entries."""
+    members = cfg.weight_members()
+    opt = ServerOptimizer.from_config(cfg.federation)
+    state = opt.state_entries(members) if opt is not None else ()
+    return RunDir(cfg.resolved_run_dir(), total_rounds=cfg.federation.rounds, members=members, opt_state=state)
 
 
 def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str) -> None:
@@ -358,7 +381,8 @@ def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str)
         log(
             f"run {context.run_id}: {fed.clients} clients, {fed.clients_per_round}/round (at least "
             f"{cfg.min_clients()} must reply), {fed.rounds} rounds, {fed.local_epochs} local epochs, strategy "
-            f"{fed.strategy}, {len(nodes)} node(s); run dir {rd.path}"
+            f"{fed.strategy}, server optimizer {fed.server_optimizer} (lr {fed.server_lr}), {len(nodes)} node(s); "
+            f"run dir {rd.path}"
         )
         critic = _rounds(run, start)
     except BaseException as e:
@@ -461,7 +485,8 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         sampled, call, arrays = configure_train(run, rnd)
         row: dict[str, Any] = {"clients": sampled}
         with _heartbeat(f"round {rnd}/{fed.rounds}: clients {sampled} training"):
-            replies, failures = train(run, sampled, call, arrays)
+            outcome = train(run, sampled, call, arrays)
+        replies, failures = outcome.replies, outcome.failures
         row.update(_fit_times(replies))  # before aggregation may refuse a reply
         t_agg = time.perf_counter()
         manifests, train_metrics, scores = aggregate_train(run, rnd, replies, failures)
@@ -469,7 +494,9 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         row["update_scores"], row["flagged"] = scores, flagged_clients(scores)
         if failures:
             row["failed"] = [f.as_dict() for f in failures]
-            row["dropped"] = sorted(set(sampled) - set(replies))
+            row["dropped"] = sorted(set(sampled) - set(replies) - set(outcome.spare))
+        if outcome.spare:
+            row["spare"] = outcome.spare
         row.update({k if k.startswith("train_") else f"train_{k}": v for k, v in train_metrics.items()})
         if _due_for_eval(cfg, rnd):
             with _heartbeat(f"round {rnd}/{fed.rounds}: validating"):
@@ -481,6 +508,7 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         log(
             f"round {rnd}/{fed.rounds}: clients {row['clients']}"
             + (f" (dropped {row['dropped']})" if row.get("dropped") else "")
+            + (f" (spare {row['spare']})" if row.get("spare") else "")
             + " | train success "
             f"{row.get('train_success', float('nan')):.3f} reward {row.get('train_reward', float('nan')):.3f} | "
             f"{_validation(row)} | {row['wall_s']:.1f} s | "
@@ -507,21 +535,27 @@ def configure_train(run: Run, rnd: int) -> tuple[list[int], FitCall, dict[str, A
     return run.sampler.sample(rnd), call, arrays
 
 
-def train(
-    run: Run, sampled: list[int], call: FitCall, arrays: dict[str, ArrayRecord]
-) -> tuple[dict[int, Message], list[ClientFailure]]:
-    """Every sampled client's train message, with failed clients dropped or re-dispatched."""
+def train(run: Run, sampled: list[int], call: FitCall, arrays: dict[str, ArrayRecord]) -> RoundOutcome:
+    """Every sampled client's train message, with failed clients dropped or re-dispatched and
+    the round closed by `federation.round_deadline_s` and over-selection (server_app.dispatch)."""
     make: Callable[[int, int], Message] = lambda cid, node: run.message(  # noqa: E731
         node, MessageType.TRAIN, call.model_copy(update={"client_id": cid}), arrays
     )
     nodes = sorted(run.grid.get_node_ids())
     fed = run.cfg.federation
+    close = Close(fed.clients_per_round, run.cfg.min_clients(), fed.round_deadline_s)
     outcome = RoundDispatch(
-        run.grid, make, round_=call.round, min_ok=run.cfg.min_clients(), timeout_s=fed.client_timeout_s, log=log
+        run.grid,
+        make,
+        round_=call.round,
+        close=close,
+        timeout_s=fed.client_timeout_s,
+        log=log,
+        abandoned=run.abandoned,
     ).run(run.sampler.assign(sampled, nodes))
     for reply in outcome.replies.values():
         run.nodes.note(reply)
-    return outcome.replies, outcome.failures
+    return outcome
 
 
 def _fit_times(replies: dict[int, Message]) -> dict[str, float]:
@@ -540,15 +574,35 @@ def _fit_times(replies: dict[int, Message]) -> dict[str, float]:
 
 def aggregate_train(
     run: Run, rnd: int, replies: dict[int, Message], failures: list[ClientFailure]
-) -> tuple[dict[str, Manifest], dict[str, float], dict[str, dict[str, dict[str, Any]]]]:
+) -> tuple[dict[str, Manifest], dict[str, float], RoundScores]:
     """Aggregate the replies into the round's checkpoint (Flower's `aggregate_train`, streamed
-    from the replies' refs; `federation.aggregator`), with every member's anomaly scores. A
-    reply the aggregator refuses (one naming a key that is not its client's own upload of this
-    round, an entry that does not resolve, a non-finite upload) is a failed client: dropped (and
-    the aggregate recomputed without it) when the round can afford it, else the round fails
-    closed."""
-    out_dirs = {m: run.rd.member_dir(rnd, m) for m in run.rd.members}
-    previous = {m: run.rd.member_dir(rnd - 1, m) for m in run.rd.members}
+    from the replies' refs; `federation.aggregator`), with every member's anomaly scores; with a
+    server optimizer, the aggregate goes to the round's mean dirs instead (at server_lr 1) and the
+    optimizer steps from the round's global model along it (fl_app.server_opt), writing the
+    round's moments beside the checkpoint."""
+    rd, opt = run.rd, run.server_opt
+    out_dirs = {m: rd.member_dir(rnd, m) for m in rd.members}
+    previous = {m: rd.member_dir(rnd - 1, m) for m in rd.members}
+    if opt is None:
+        return _average(run, rnd, replies, failures, out_dirs, previous)
+    mean_dirs = {m: rd.mean_dir(rnd, m) for m in rd.members}
+    _, train_metrics, scores = _average(run, rnd, replies, failures, mean_dirs, previous)
+    return opt.step_round(rd, rnd), train_metrics, scores
+
+
+def _average(
+    run: Run,
+    rnd: int,
+    replies: dict[int, Message],
+    failures: list[ClientFailure],
+    out_dirs: dict[str, Path],
+    previous: dict[str, Path],
+) -> tuple[dict[str, Manifest], dict[str, float], RoundScores]:
+    """The aggregator's combination of the replies into `out_dirs`, and the updates' scores
+    against `previous` (the round's global model). A reply the aggregator refuses (one naming a
+    key that is not its client's own upload of this round, an entry that does not resolve, a
+    non-finite upload) is a failed client: dropped (and the aggregate recomputed without it)
+    when the round can afford it, else the round fails closed."""
     while True:
         order = sorted(replies)
         try:

@@ -8,7 +8,8 @@ Exit codes (one line of output each, never a traceback):
 
     0  complete: summary.json says so, its final round is the highest complete round on disk,
        no round below it is missing or incomplete, and every shard of the final round's members
-       matches its manifest's digest (read in full: the one expensive check, done only here)
+       and server optimizer state matches its manifest's digest (read in full: the one expensive
+       check, done only here)
     1  failed: the one-line error and where the full log is
     2  running (its ServerApp is alive: server_app.liveness), or not started (no summary.json
        and no heartbeat.json yet)

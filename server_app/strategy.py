@@ -39,9 +39,9 @@ from fl_app.calls import RECORD, Reply
 from fl_app.channel import Channel, arrays_key
 from fl_app.channel.remote import WeightStoreUnreachable
 from fl_app.outcomes import outcome_key
-from fl_app.robust import FEDAVG, Rule, aggregate_refs
+from fl_app.robust import FEDAVG, RoundScores, Rule, aggregate_refs
 from fl_app.weights import Manifest, WeightsError
-from partitions.uniform import sample_clients
+from partitions.uniform import over_selected, sample_clients
 
 
 class RoundError(RuntimeError):
@@ -87,15 +87,22 @@ def check_reply_keys(who: str, reply: Reply, own: Mapping[str, str]) -> None:
 class ClientSampler:
     """Which logical clients train in a round, and on which node."""
 
-    def __init__(self, *, seed: int, num_clients: int, per_round: int, only_clients: Sequence[int] = ()) -> None:
+    def __init__(
+        self, *, seed: int, num_clients: int, per_round: int, over_select: int = 0, only_clients: Sequence[int] = ()
+    ) -> None:
         self.seed, self.num_clients, self.per_round = seed, num_clients, per_round
-        self.only_clients = list(only_clients)
+        self.over_select, self.only_clients = over_select, list(only_clients)
 
     def sample(self, server_round: int) -> list[int]:
-        """federation.only_clients when set (the local-only baseline), else a seeded draw."""
+        """federation.only_clients when set (the local-only baseline), else a seeded draw, then
+        `over_select` more (`over_selected`): the round's clients in sample order, its first
+        `per_round` the draw of a run without over-selection."""
         if self.only_clients:
             return list(self.only_clients)
-        return sample_clients(self.seed, server_round, self.num_clients, self.per_round)
+        first = sample_clients(self.seed, server_round, self.num_clients, self.per_round)
+        if not self.over_select:
+            return first
+        return first + over_selected(self.seed, server_round, self.num_clients, first, self.over_select)
 
     @staticmethod
     def assign(clients: Sequence[int], nodes: Sequence[int]) -> dict[int, int]:
@@ -133,7 +140,7 @@ class StreamingAggregator:
         out_dirs: Mapping[str, Path],
         upload_keys: Callable[[int], Mapping[str, str]],
         previous_dirs: Mapping[str, Path],
-    ) -> tuple[dict[str, Manifest], dict[str, float], dict[str, dict[str, dict[str, Any]]]]:
+    ) -> tuple[dict[str, Manifest], dict[str, float], RoundScores]:
         """Aggregate every member of `replies` (client id -> its successful reply, in client order)
         into its `out_dirs[member]`, all members with the same `num-examples` weights;
         `upload_keys(client)` is member -> the key that client may upload under (anything else
@@ -142,7 +149,8 @@ class StreamingAggregator:
         scores (member -> client id -> `fl_app.robust.Scores.row`)."""
         done = {c: accepted_reply(c, m, channel, upload_keys(c)) for c, m in replies.items()}
         metrics = [metrics_of(m) for m in replies.values()]
-        manifests, scores = {}, {}
+        manifests: dict[str, Manifest] = {}
+        scores: RoundScores = {}
         for member, out_dir in out_dirs.items():
             items = [
                 (done[c].weights[member], inline_state(m, member), x["num-examples"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -333,8 +334,12 @@ class Deployment:
         auth: bool = False,
         no_shared: list[Path] | None = None,
         bind: str | None = None,
+        isolation: str = "process",
     ) -> None:
         self.root = root
+        # "process" (docs/deployment.md section 2): each node's ClientApps forked by
+        # client_app.superexec; "subprocess": Flower's default, a flwr-clientapp process a message
+        self.isolation = isolation
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.short = Path(tempfile.mkdtemp(prefix="fd-", dir="/tmp"))
@@ -470,17 +475,24 @@ class Deployment:
         if self.auth:
             key = key or (self.register(name) if registered else self.certs.node_key(name)[0])
             tls += ["--auth-supernode-private-key", str(key)]
+        runtime_port = choose_free_port()
         cmd = [
             str(BIN / "flower-supernode"),
             *tls,
             "--superlink",
             f"{self.host}:{self.port}",
             "--port",
-            str(choose_free_port()),
+            str(runtime_port),
             "--node-config",
             f"partition-id={i} num-partitions={self.nodes}",
             *extra,
         ]
+        if self.isolation == "process":  # the node and its SuperExec, one process group (one host)
+            superexec = [sys.executable, "-m", "client_app.superexec", "--insecure"]
+            superexec += ["--runtime-api-address", f"127.0.0.1:{runtime_port}"]
+            node = shlex.join([*cmd, "--isolation", "process"])
+            script = f"{node} & node=$!; {shlex.join(superexec)} --parent-pid $node & wait"
+            cmd = ["bash", "-c", script]
         return self._start(name, cmd, name, self.no_shared, env={"FLWR_HOME": str(self.root / f"flwr-{name}")})
 
     def command(self, run_config: str) -> list[str]:

@@ -14,7 +14,12 @@ A GRPO update step, in order:
   3. FedProx (if mu > 0): `anchor.add_grad_(actor.named_parameters(), mu)`; then clip, step.
 """
 
-from client_app.algos.advantages import gae_advantage_return, grpo_outcome_advantage
+from client_app.algos.advantages import (
+    discounted_step_returns,
+    gae_advantage_return,
+    gigpo_advantage,
+    grpo_outcome_advantage,
+)
 from client_app.algos.fedprox import FedProxAnchor, fedprox_term
 from client_app.algos.logits import entropy_from_logits, token_log_probs
 from client_app.algos.losses import (
@@ -49,7 +54,9 @@ __all__ = [
     "clipped_value_loss",
     "entropy_from_logits",
     "fedprox_term",
+    "discounted_step_returns",
     "gae_advantage_return",
+    "gigpo_advantage",
     "grpo_outcome_advantage",
     "kl_penalty",
     "masked_mean",

@@ -1,7 +1,23 @@
 """Advantage estimators on padded [B, T] response batches.
 
 Semantics match `verl.trainer.ppo.core_algos` 0.9.1 (`compute_grpo_outcome_advantage`,
-`compute_gae_advantage_return`); tests/trainer/test_algos_parity.py holds them to 1e-6.
+`compute_gae_advantage_return`; tests/trainer/test_algos_parity.py holds them to 1e-6) and
+verl-agent's `gigpo/core_gigpo.py` at d0b9724 (`compute_gigpo_outcome_advantage`,
+`compute_step_discounted_returns`; tests/trainer/test_gigpo.py holds them to 1e-6 against golden
+outputs of verl-agent's own functions).
+
+GiGPO (Feng et al., "Group-in-Group Policy Optimization for LLM Agent Training", arXiv
+2505.10978; reference implementation verl-agent, langfengQ/verl-agent @ d0b9724) keeps GRPO's
+episode-level group (the n trajectories of one task, scored by their final outcome) and adds a
+step-level group inside it: every step of the group's trajectories taken in the same anchor
+state (identical environment observation, without the history the prompt adds) is compared with
+the others on its discounted return from that step on, G_t = sum_k gamma^k r_{t+k}. The step's
+advantage is A_E(trajectory) + w x A_S(step), each level normalised in its group by its mean
+(`mean_norm`) or its mean and std (`mean_std_norm`). Two details of the reference are kept: the
+episode-level mean and std run over the group's step rows (a trajectory weighs its number of
+steps), and a step group of one gets step advantage 0 (its own mean), while an episode group of
+one keeps its raw score (mean 0, std 1), as in GRPO.
+
 Advantages are targets, not functions of the parameters being trained: no autograd graph.
 """
 
@@ -21,6 +37,35 @@ def _group_codes(group_index: Sequence[Hashable], batch: int, device: torch.devi
     codes: dict[Hashable, int] = {}
     inverse = [codes.setdefault(g, len(codes)) for g in group_index]
     return torch.tensor(inverse, dtype=torch.long, device=device), len(codes)
+
+
+def _relative(
+    scores: torch.Tensor, codes: torch.Tensor, n_groups: int, eps: float, norm_by_std: bool, singleton_mean: bool
+) -> torch.Tensor:
+    """Each score relative to its group: (score - mean) / (std + eps), std unbiased (or only
+    centred when not `norm_by_std`). A group of one has std 1 and mean 0 (GRPO, as in verl) or,
+    with `singleton_mean`, its own score (GiGPO's step groups: advantage 0). A group of equal
+    scores gets exactly 0 (the rounded float mean leaves ~1e-8, which the division by a std as
+    small makes ~0.05: 8 x 0.7 -> 0.056)."""
+    zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
+    count = zeros.index_add(0, codes, torch.ones_like(scores))
+    mean = zeros.index_add(0, codes, scores) / count
+    centered = scores - mean[codes]
+    std = (zeros.index_add(0, codes, centered * centered) / (count - 1).clamp(min=1)).sqrt()
+    singleton = count == 1
+    if not singleton_mean:
+        mean = torch.where(singleton, torch.zeros_like(mean), mean)
+    std = torch.where(singleton, torch.ones_like(std), std)
+    centered = scores - mean[codes]
+    hi = zeros.scatter_reduce(0, codes, scores, "amax", include_self=False)
+    lo = zeros.scatter_reduce(0, codes, scores, "amin", include_self=False)
+    centered = torch.where(((hi == lo) & ~singleton)[codes], torch.zeros_like(centered), centered)
+    return centered / (std[codes] + eps) if norm_by_std else centered
+
+
+def _on_mask(row_adv: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """One value per row, on every token of its mask (0 elsewhere)."""
+    return torch.where(response_mask.bool(), row_adv.unsqueeze(-1), row_adv.new_zeros(()))
 
 
 @torch.no_grad()
@@ -51,23 +96,68 @@ def grpo_outcome_advantage(
     """
     scores = token_level_rewards.sum(dim=-1)
     codes, n_groups = _group_codes(group_index, scores.shape[0], scores.device)
-    zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
-    count = zeros.index_add(0, codes, torch.ones_like(scores))
-    mean = zeros.index_add(0, codes, scores) / count
-    centered = scores - mean[codes]
-    std = (zeros.index_add(0, codes, centered * centered) / (count - 1).clamp(min=1)).sqrt()
-    singleton = count == 1
-    mean = torch.where(singleton, torch.zeros_like(mean), mean)
-    std = torch.where(singleton, torch.ones_like(std), std)
-    centered = scores - mean[codes]
-    # A group whose scores are all equal carries no signal: exactly 0. The rounded float mean
-    # leaves ~1e-8, which the division by a std as small makes ~0.05 (8 x 0.7 -> 0.056).
-    hi = zeros.scatter_reduce(0, codes, scores, "amax", include_self=False)
-    lo = zeros.scatter_reduce(0, codes, scores, "amin", include_self=False)
-    centered = torch.where(((hi == lo) & ~singleton)[codes], torch.zeros_like(centered), centered)
-    row_adv = centered / (std[codes] + eps) if norm_by_std else centered
-    advantages = torch.where(response_mask.bool(), row_adv.unsqueeze(-1), scores.new_zeros(()))
+    advantages = _on_mask(_relative(scores, codes, n_groups, eps, norm_by_std, singleton_mean=False), response_mask)
     return advantages, advantages.clone()
+
+
+@torch.no_grad()
+def gigpo_advantage(
+    token_level_rewards: torch.Tensor,
+    step_returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    anchors: Sequence[Hashable],
+    group_index: Sequence[Hashable],
+    step_weight: float = 1.0,
+    norm_by_std: bool = False,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GiGPO (arXiv 2505.10978, Eq. 8): the episode-level group advantage plus `step_weight` x the
+    step-level one, every row being one step (one action) of a trajectory.
+
+    Args:
+        token_level_rewards: [B, T]; a row's sum is its trajectory's score (the same on every step).
+        step_returns: [B], the discounted return from the row's step on
+            (`discounted_step_returns`).
+        response_mask: [B, T] 0/1.
+        anchors: [B] hashable anchor states: the env observation the step's action was taken in.
+        group_index: [B] episode-group ids (the n trajectories of one task).
+        norm_by_std: divide by the group std (verl-agent's `mean_std_norm`) or only centre
+            (`mean_norm`), at both levels.
+
+    Returns:
+        (advantages, returns), [B, T] and equal, zero on masked tokens. Episode level: GRPO over
+        the group's rows (a trajectory counts once per step, as verl-agent computes its mean and
+        std across steps). Step level: rows of one episode group whose anchors are identical form a
+        step group, scored by their step returns; a step group of one has advantage 0.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    batch = scores.shape[0]
+    if len(anchors) != batch or step_returns.shape != (batch,):
+        raise ValueError(
+            f"gigpo needs one anchor and one step return per row: got {len(anchors)} anchors and "
+            f"step returns of shape {tuple(step_returns.shape)} for {batch} rows"
+        )
+    # fp64 statistics: a group here is every step row of n trajectories (dozens to hundreds of
+    # values), where fp32 sums drift by several ulps; the result is rounded once, to the input dtype
+    codes, n_groups = _group_codes(group_index, batch, scores.device)
+    episode = _relative(scores.double(), codes, n_groups, eps, norm_by_std, singleton_mean=False)
+    step_codes, n_steps = _group_codes(list(zip(group_index, anchors)), batch, scores.device)
+    step = _relative(step_returns.double(), step_codes, n_steps, eps, norm_by_std, singleton_mean=True)
+    advantages = _on_mask((episode + step_weight * step).to(scores.dtype), response_mask)
+    return advantages, advantages.clone()
+
+
+def discounted_step_returns(rewards: torch.Tensor, traj_index: Sequence[Hashable], gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} within each trajectory (GiGPO Eq. 5): `rewards` [B] holds one
+    step reward per row, rows of a trajectory (same `traj_index`) in step order, trajectories
+    possibly interleaved."""
+    codes, n_traj = _group_codes(traj_index, rewards.shape[0], rewards.device)
+    running = torch.zeros(n_traj, dtype=rewards.dtype, device=rewards.device)
+    out = torch.empty_like(rewards)
+    for i, c in reversed(list(enumerate(codes.tolist()))):
+        running[c] = rewards[i] + gamma * running[c]
+        out[i] = running[c]
+    return out
 
 
 @torch.no_grad()

@@ -46,7 +46,7 @@ from client_app.rollout import (
     outcome_shares,
     training_rows,
 )
-from client_app.trainer.advantages import ADVANTAGES, token_mean, uniform_groups
+from client_app.trainer.advantages import ADVANTAGES, step_group_stats, token_mean, uniform_groups
 from client_app.trainer.base import ClientTasks, EvalResult, FitResult
 from client_app.trainer.device import release_memory
 from client_app.trainer.engine import Engine, PolicyBatch, StepResult, TrainingEngine, ValueBatch
@@ -252,6 +252,7 @@ class RLTrainer:
         # 3. rows
         rows = training_rows(episodes, r.invalid_action_penalty)
         uniform, n_groups = uniform_groups(rows)
+        step_stats = step_group_stats(rows, a) if self.algorithm.advantage == "step_group_relative" else {}
         train_score = sum(rw.score for rw in rows) / max(len(rows), 1)
         t0 = time.perf_counter()
         # 4. advantages (+ the critic's pass), then the rows of all-equal groups out if asked
@@ -279,6 +280,7 @@ class RLTrainer:
             **stats.as_metrics("rollout_"),
             **update,
             **critic_metrics,
+            **step_stats,
         }
         return metrics, len(episodes)
 

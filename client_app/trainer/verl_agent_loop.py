@@ -24,6 +24,7 @@ n rollouts of a task no field that tells them apart, so sampling uses the replic
 (the first prompt; every reply, with the observation glue between them masked 0) scored with
 the training score (env return minus the invalid-action penalty). A windowed episode is several
 sequences, which one `AgentLoopOutput` cannot carry: `rollout.mode: windowed` is refused.
+A gigpo recipe is refused: verl's trainer has no step-level estimator to hand the anchors to.
 verl gives `run` no sign of a validation pass, so its validation scores carry the penalty too;
 the unpenalised return and the outcome are in `extra_fields` (`env_reward`, `won`, `outcome`).
 """
@@ -114,6 +115,13 @@ class FedAgentEnvLoop(AgentLoopBase):
                 "config, e.g. recipe: tiny-shop-grpo with overrides: [rollout.mode=concat]"
             )
         cfg = _recipe(str(recipe), tuple(str(o) for o in overrides))
+        if cfg.algo.spec.advantage == "step_group_relative":
+            raise ValueError(
+                f"recipe {recipe!r} has algo.name={cfg.algo.name!r}: step-level advantages need each "
+                "action's anchor state and reward, and verl's own trainer scores one sequence per "
+                "episode with its own estimator (verl 0.9.1 has no GiGPO); train gigpo with this "
+                "project's fit loop (backend: builtin or verl)"
+            )
         if cfg.rollout.mode != "concat":
             raise ValueError(
                 f"recipe {recipe!r} has rollout.mode={cfg.rollout.mode!r}; verl's AgentLoopOutput carries "

@@ -41,7 +41,7 @@ from fl_app.calls import RECORD, FitCall, InitCall
 from fl_app.channel import arrays_key, write_disk_probe
 from fl_app.config import load_config, recipe_sha256, save_config
 from fl_app.provenance import code_root, code_sha256
-from server_app.dispatch import RoundDispatch, request_one
+from server_app.dispatch import Close, RoundDispatch, request_one
 from server_app.strategy import reply_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,7 +169,8 @@ def test_a_service_killed_mid_fit_is_one_line_and_the_client_is_re_dispatched(se
                 call = FitCall(**header, round=1, client_id=cid, local_epochs=epochs, seed=0, weights={"actor": ref})
                 return _message(n, MessageType.TRAIN, call, {arrays_key("actor"): arrays})
 
-            outcome = RoundDispatch(g, fit, round_=1, min_ok=1, timeout_s=600.0, log=log.append).run({0: nodes[0]})
+            close = Close(per_round=1, min_ok=1)
+            outcome = RoundDispatch(g, fit, round_=1, close=close, timeout_s=600.0, log=log.append).run({0: nodes[0]})
             killer.join(10)
     finally:
         stop.set()

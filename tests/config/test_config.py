@@ -135,6 +135,20 @@ def test_filtering_uniform_groups_is_refused_where_there_are_no_groups_to_compar
     assert load_config("tiny-shop-grpo", dotlist=["algo.filter_uniform_groups=true"]).algo.filter_uniform_groups
 
 
+def test_a_server_optimizer_takes_only_its_own_knobs_and_fedadam_needs_a_learning_rate():
+    """Fail closed at recipe load: another optimizer's knob would silently do nothing, and
+    fedadam has no learning rate that suits every task (FedOpt tunes it)."""
+    with pytest.raises(ConfigError, match=r"server_beta2 is a knob of server_optimizer fedadam.*'nesterov'"):
+        load_config("tiny-shop-grpo", dotlist=["federation.server_optimizer=nesterov", "federation.server_beta2=0.9"])
+    with pytest.raises(ConfigError, match=r"server_momentum is a knob of server_optimizer fedavgm / nesterov"):
+        load_config("tiny-shop-grpo", dotlist=["federation.server_momentum=0.5"])
+    with pytest.raises(ConfigError, match=r"fedadam needs federation.server_lr"):
+        load_config("tiny-shop-grpo", dotlist=["federation.server_optimizer=fedadam"])
+    fed = load_config("tiny-shop-grpo", dotlist=["federation.server_optimizer=nesterov"]).federation
+    assert (fed.server_lr, fed.server_momentum, fed.server_beta1) == (0.7, 0.9, None)  # DiLoCo's
+    assert load_config("tiny-shop-grpo").federation.server_lr == 1.0  # sgd: FedAvg
+
+
 def test_a_whole_config_rule_error_does_not_dump_the_config():
     with pytest.raises(ConfigError) as err:
         load_config(overrides={"clients": 2, "clients-per-round": 3})
@@ -215,3 +229,38 @@ def test_the_weight_store_ca_file_is_node_local():
     a = load_config(overrides={"run.weight_store": "http", "run.weight_store_ca_file": "/a/ca.pem"})
     b = load_config(overrides={"run.weight_store": "http", "run.weight_store_ca_file": "/b/ca.pem"})
     assert recipe_sha256(a) == recipe_sha256(b) != recipe_sha256(load_config())
+
+
+SLOW_1 = ["faults.straggler_clients=[1]", "faults.straggler_s=5"]
+
+
+@pytest.mark.parametrize(
+    "dotlist,match",
+    [
+        (["federation.over_select=-1"], "over_select"),
+        (["federation.clients=4", "federation.clients_per_round=2", "federation.over_select=3"], "exceeds federation"),
+        (["federation.clients_per_round=1", "federation.only_clients=[3]", "federation.over_select=1"], "drop one"),
+        (["federation.round_deadline_s=0"], "round_deadline_s"),
+        (["federation.round_deadline_s=600", "federation.client_timeout_s=600"], "not shorter than"),
+        (["federation.round_deadline_s=30"], "can drop no straggler"),
+        (["faults.straggler_clients=[1]"], "go together"),
+        (["faults.straggler_s=5"], "go together"),
+        (["faults.straggler_rounds=[1]"], "needs faults.straggler_clients"),
+        ([*SLOW_1, "faults.straggler_rounds=[0]"], "count from 1"),
+        (["federation.clients=4", "faults.straggler_clients=[4]", "faults.straggler_s=5"], r"outside \[0, 4\)"),
+        (["federation.rounds=2", *SLOW_1, "faults.straggler_rounds=[3]"], "after federation.rounds=2"),
+    ],
+)
+def test_over_selection_deadlines_and_stragglers_that_cannot_be_armed_are_refused(dotlist, match):
+    """Issue 39: a deadline that can drop nobody or never fires, more clients than exist, a
+    straggler without a sleep: each is a config error naming the keys, before anything starts."""
+    with pytest.raises(ConfigError, match=match):
+        load_config("tiny-shop-grpo", dotlist=dotlist)
+
+
+def test_a_deadline_armed_by_over_selection_or_a_tolerance_loads():
+    for extra in ("federation.over_select=1", "federation.min_clients_per_round=1"):
+        cfg = load_config("tiny-shop-grpo", dotlist=["federation.round_deadline_s=30", extra])
+        assert cfg.federation.round_deadline_s == 30
+    cfg = load_config("tiny-shop-grpo", dotlist=[*SLOW_1, "faults.straggler_rounds=[2]"])
+    assert [cfg.faults.straggles(c, r) for c, r in ((1, 2), (1, 1), (0, 2))] == [5.0, 0.0, 0.0]

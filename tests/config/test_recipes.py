@@ -19,9 +19,12 @@ from server_app.strategy import ClientSampler
 
 RECIPES = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
 PAPER = [f"{env}-{algo}-qwen2.5-1.5b" for env in ("webshop", "alfworld") for algo in ("grpo", "ppo")]
-PAPER_FILES = [f"{r}{s}.yaml" for r in PAPER for s in ("", "-centralized", "-local")] + [
-    "base/fedagent-qwen2.5-1.5b.yaml"
-]
+GIGPO_ARMS = [f"{env}-gigpo-qwen2.5-1.5b" for env in ("webshop", "alfworld")]
+PAPER_FILES = (
+    [f"{r}{s}.yaml" for r in PAPER for s in ("", "-centralized", "-local")]
+    + [f"{r}.yaml" for r in GIGPO_ARMS]
+    + ["base/fedagent-qwen2.5-1.5b.yaml"]
+)
 
 
 def _check_output(capsys, *argv: str) -> str:
@@ -57,7 +60,7 @@ def test_every_shipped_recipe_validates_with_params_its_engine_takes(recipe):
         assert cfg.algo.group_size == 1, f"{recipe}: PPO recipes are ungrouped (a group of 8 is 8x the volume)"
 
 
-@pytest.mark.parametrize("recipe", PAPER)
+@pytest.mark.parametrize("recipe", PAPER + GIGPO_ARMS)
 def test_paper_recipes_carry_the_published_protocol(recipe):
     cfg = load_config(recipe)
     f, a, r = cfg.federation, cfg.algo, cfg.rollout
@@ -77,13 +80,20 @@ def test_paper_recipes_carry_the_published_protocol(recipe):
     assert (cfg.env.name, cfg.env.max_turns, r.max_prompt_tokens) == (
         ("shop", 15, 4096) if webshop else ("alfworld", 50, 2048)
     )
-    if a.name == "grpo":
-        assert (a.tasks_per_step, a.group_size, a.micro_batch_size) == (8, 8, 8 if webshop else 16)
-    else:
+    if a.name == "ppo":
         c = a.critic
         assert (a.tasks_per_step, a.group_size, a.gamma, a.lam) == (64, 1, 1.0, 1.0)
         assert (c.lr, c.value_clip, c.mini_batch_size, c.micro_batch_size) == (1e-5, 0.5, 64, 2 if webshop else 4)
         assert cfg.weight_members() == ("actor", "critic")
+    else:
+        assert (a.tasks_per_step, a.group_size, a.micro_batch_size) == (8, 8, 8 if webshop else 16)
+    if a.name == "gigpo":  # GiGPO's published keys (verl-agent examples/gigpo_trainer/run_*.sh @ d0b9724)
+        g = a.gigpo
+        assert (g.gamma, g.step_weight, g.mode) == (0.95, 1.0, "mean_norm" if webshop else "mean_std_norm")
+        grpo = load_config(recipe.replace("gigpo", "grpo"))
+        differ = {k for k, v in cfg.algo.model_dump().items() if v != grpo.algo.model_dump()[k]}
+        assert "name" in differ <= {"name", "gigpo"}, "a GiGPO arm differs from its GRPO arm in the algorithm only"
+        assert cfg.model_dump(exclude={"algo", "run", "extends"}) == grpo.model_dump(exclude={"algo", "run", "extends"})
 
 
 @pytest.mark.parametrize("name", PAPER_FILES)
@@ -95,7 +105,7 @@ def test_every_number_in_a_paper_recipe_names_its_source(name):
         m = re.match(r"^\s*[\w.]+:\s*(\S.*)$", body)
         if m is None or m.group(1).strip() == "" or body.strip().startswith(("extends:", "name:")):
             continue
-        if not re.search(r"#\s*\[(cfg|script|verl|code|doc|ours)\]", line):
+        if not re.search(r"#\s*\[(cfg|script|verl|code|doc|ours|gigpo)\]", line):
             missing.append(f"{k}: {line.strip()}")
     assert not missing, "lines without a source tag:\n" + "\n".join(missing)
 

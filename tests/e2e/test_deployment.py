@@ -77,6 +77,8 @@ def test_two_supernodes_on_one_host_get_one_persistent_service_each(tmp_path):
         _one_service_per_node(d, summary, rounds=2)
         logs = d.log("n0") + d.log("n1") + p.stdout + p.stderr
         assert "Traceback" not in logs and "ClientAppException" not in logs, logs[-4000:]
+        # every message was served by a fork of the node's warm SuperExec, none by a new process
+        assert logs.count("forked as pid") >= 2 * 2 + 3 and "Start `flwr-clientapp` process" not in logs
         assert all(proc.poll() is None for name, proc in d.procs.items())  # the nodes outlive the run
     for node in summary["nodes"].values():  # both CPU trainers share the host's cores
         assert "CPU trainer services on this host 2" in Path(node["service-log"]).read_text(), node
@@ -212,6 +214,9 @@ def test_a_supernode_killed_mid_round_is_dropped_when_the_round_can_afford_it(tm
 GUIDE = ROOT / "docs" / "deployment.md"
 
 
+SUPEREXEC = "python -m client_app.superexec "  # the guide's SuperExec beside each SuperNode
+
+
 def guide_commands(section: int, prefix: str) -> list[str]:
     """The shell commands of docs/deployment.md's section `section` (its indented code blocks,
     `\\` continuations joined) that start with `prefix`."""
@@ -286,10 +291,10 @@ def _guide_deployment(tmp_path: Path, tls: bool) -> tuple[subprocess.CompletedPr
                 _sh(substitute(keygen, node), n, d.env)
                 shutil.copy(n / f"node{i}.pub", hosts["cli"])  # the operator registers its public key
                 _sh(substitute(register, node), hosts["cli"], d.env)
-                supernode = guide_commands(5, "flower-supernode ")[0]
+                node_cmds = [guide_commands(5, c)[0] for c in ("flower-supernode ", SUPEREXEC)]
             else:
-                supernode = guide_commands(2, "CUDA_VISIBLE_DEVICES=")[0]
-            d.start_shell(f"n{i}", f"n{i}", substitute(supernode, node), n)
+                node_cmds = [guide_commands(2, c)[0] for c in ("export ", "flower-supernode ", SUPEREXEC)]
+            d.start_shell(f"n{i}", f"n{i}", "\n".join(substitute(c, node) for c in node_cmds), n)
         submit = substitute(guide_commands(3, "flwr run ")[0], table)
         p = subprocess.run(["bash", "-c", submit], cwd=ROOT, env=d.env, capture_output=True, text=True, timeout=1800)
         status = substitute(guide_commands(8, "python -m server_app.status ")[0], table)

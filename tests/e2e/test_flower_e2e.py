@@ -154,6 +154,30 @@ def test_resume_continues_after_the_last_round_on_disk_and_matches_uninterrupted
     assert [s.digest for s in resumed.shards] == [s.digest for s in uninterrupted.shards]
 
 
+@pytest.mark.slow
+def test_a_fedadam_run_stopped_after_round_1_resumes_to_the_uninterrupted_bits(fl, tmp_path):
+    """The server optimizer's moments are part of the round (fl_app.server_opt): rounds=1 then
+    rounds=3 on the same dir == an uninterrupted rounds=3 run, every shard of the global model
+    and of both moments, every round."""
+    adam = {"federation.server_optimizer": '"fedadam"', "server-lr": 0.01}
+    stopped, fresh = tmp_path / "stopped", tmp_path / "fresh"
+    out = []
+    for run_dir, rounds in ((stopped, 1), (stopped, 3), (fresh, 3)):
+        p = fl.run(_rc(run_dir, rounds=rounds, **adam), timeout_s=1500)
+        assert run_status(run_dir).returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+        out.append(p.stdout)
+    assert "resuming after round 1" in out[1], out[1][-4000:]
+    entries = ("fedadam/actor/m", "fedadam/actor/v")
+    for r in (1, 2, 3):
+        got, want = RunDir(stopped), RunDir(fresh)
+        dirs = [(got.member_dir(r), want.member_dir(r))]
+        dirs += [(got.opt_state_dir(r, e), want.opt_state_dir(r, e)) for e in entries]
+        for a, b in dirs:
+            assert [s.digest for s in Manifest.from_dir(a).shards] == [s.digest for s in Manifest.from_dir(b).shards]
+    marker = json.loads((stopped / "rounds" / "round-0003" / "COMPLETE").read_text())
+    assert sorted(marker["server_opt"]) == list(entries)
+
+
 def test_the_served_weight_store_gives_the_inline_runs_bits(fl, two_rounds, tmp_path):
     """run.weight_store=http with every weight above the inline limit: the ServerApp serves its
     run dir over HTTP, nodes fetch the global model into their node-local cache and upload their

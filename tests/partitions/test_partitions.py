@@ -6,6 +6,7 @@ import random
 
 from fl_app.config import load_config
 from partitions.uniform import client_shard, sample_clients, sampling_seed
+from server_app.strategy import ClientSampler
 
 
 def test_client_sampling_is_pure_function_of_seed_and_round():
@@ -56,3 +57,17 @@ def test_shards_cover_the_pool_evenly_and_stay_inside_it():
     assert all(len(s) == 100 and len(set(s)) == 100 and set(s) <= set(pool) for s in shards)
     assert set().union(*map(set, shards)) == set(pool)
     assert shards[0] != shards[1]
+
+
+def test_over_selection_keeps_the_draw_of_a_run_without_it():
+    """federation.over_select appends clients from a stream of their own: the first
+    clients_per_round are the draw without it (so a run without faults keeps its bits), the extra
+    ones are distinct, not sampled, and a pure function of (seed, round)."""
+    for per_round, extra in ((2, 1), (5, 3), (10, 20), (1, 99)):
+        for r in range(1, 40):
+            plain = ClientSampler(seed=42, num_clients=100, per_round=per_round).sample(r)
+            over = ClientSampler(seed=42, num_clients=100, per_round=per_round, over_select=extra).sample(r)
+            assert over[:per_round] == plain == sample_clients(42, r, 100, per_round)
+            assert len(set(over)) == per_round + extra
+            random.seed(r)
+            assert ClientSampler(seed=42, num_clients=100, per_round=per_round, over_select=extra).sample(r) == over

@@ -188,3 +188,20 @@ def test_an_init_reply_must_name_the_init_export_key(run):
     inline_with_key = Reply(weights={"actor": WeightsRef(inline=True, nbytes=4, key=keys["actor"])})
     with pytest.raises(WeightsError, match="or inline arrays"):
         check_reply_keys("the init lane", inline_with_key, keys)
+
+
+def test_a_late_upload_of_a_dropped_client_is_removed_once_its_round_is_complete(run):
+    """A straggler's upload that lands after its round closed is removed when its late answer is
+    discarded (`Run._late_upload`), but not while its round is still open (a re-dispatched attempt
+    of the same client may be writing there; the round's `drop_client_uploads` removes it)."""
+    late = upload(run, own(7), 7.0)
+    assert late.key == own(7)
+    run._late_upload(2, 7)
+    assert (run.rd.path / own(7)).is_dir()  # round 2 is not complete yet
+    for r in range(3):
+        save_shards({"w": torch.ones(2)}, run.rd.member_dir(r), SHARD)
+        run.rd.complete_round(r, {})
+    run.rd.drop_client_uploads(2)
+    upload(run, own(7), 7.0)  # the straggler writes after the round completed
+    run._late_upload(2, 7)
+    assert not (run.rd.path / own(7)).exists() and run.rd.is_complete(2)

@@ -11,6 +11,7 @@ properties, and the two engines held to each other:
   * micro-batching changes memory, never the gradient or the loss (field log 2026-07-22);
   * a row scored in a right-padded batch scores as if alone;
   * validation is never penalised, in both rollout modes (invariant 10);
+  * a GiGPO fit gets step-level advantages from the rows' actions, in both rollout modes;
   * host memory is flat across fits (invariant 24);
   * builtin and verl score rows, take policy and critic steps and start critics alike (1e-5),
     for every loss aggregation mode and KL estimator the recipe can select.
@@ -494,6 +495,40 @@ def test_a_concat_grpo_fit_trains_one_row_per_episode(kind, env_url, model_dir):
         res = t.fit(FitCall(round=1, client_id=2, local_epochs=2, seed=0), ClientTasks(TRAIN_TASKS))
         assert res.metrics["rows"] == res.num_examples == 2 * 2 * 2  # E x tasks x group
         assert res.metrics["optimizer_steps"] >= 2 and _changed(before, t.export_weights())
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("mode", ["windowed", "concat"])
+def test_a_gigpo_fit_trains_on_step_level_advantages(kind, env_url, model_dir, mode):  # noqa: F811
+    """algo.name=gigpo through the fit loop on every engine, in both rollout modes: the rows carry
+    their actions (one per windowed row, every reply of a concat row, spans on generated tokens
+    only), the episodes of a group share their first page at least, so actions are grouped by
+    anchor state, and the policy steps. (A random policy acts invalidly everywhere, so its step
+    returns tie: tests/trainer/test_gigpo.py and the tiny-shop-gigpo run show non-zero ones.)"""
+    t = build(
+        kind,
+        model_dir,
+        env_url,
+        rollout={"mode": mode, "max_prompt_tokens": 1024},
+        env={"max_turns": 3},
+        algo={"name": "gigpo", "gigpo": {"mode": "mean_std_norm"}},
+    )
+    try:
+        episodes, rows = play(t, TRAIN_TASKS[:2], 2, seed=1)
+        turns = [(k, j) for k, ep in enumerate(episodes) for j in range(len(ep.turns))]
+        steps = [(rw.episode, st) for rw in rows for st in rw.steps]
+        assert [k for k, _ in steps] == [k for k, _ in turns]  # every action once, in order
+        for (k, j), (_, st) in zip(turns, steps):
+            assert st.anchor == episodes[k].turns[j].observation
+        for rw in rows:
+            assert sum(st.end - st.start for st in rw.steps) == sum(rw.mask)
+            assert all(rw.mask[i] for st in rw.steps for i in range(st.start, st.end))
+        before = t.export_weights()
+        res = t.fit(FitCall(round=1, client_id=4, local_epochs=1, seed=0), ClientTasks(TRAIN_TASKS))
+        m = res.metrics
+        assert m["step_grouped_share"] > 0 and m["step_advantage_abs"] >= 0, m
+        assert m["optimizer_steps"] > 0 and _changed(before, t.export_weights())
     finally:
         t.close()
 

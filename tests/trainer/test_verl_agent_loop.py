@@ -122,6 +122,8 @@ def test_windowed_recipe_and_missing_env_are_refused(model_dir, tmp_path, monkey
     server = StandInServer(model_dir)
     save_config(small_config(model_dir), tmp_path / "windowed.yaml")
     save_config(small_config(model_dir, rollout={"mode": "concat"}), tmp_path / "concat.yaml")
+    gigpo = small_config(model_dir, rollout={"mode": "concat"}, algo={"name": "gigpo"})
+    save_config(gigpo, tmp_path / "gigpo.yaml")
 
     async def build(recipe, **keys):
         return _loop(server, model_dir, recipe, **keys)
@@ -129,6 +131,7 @@ def test_windowed_recipe_and_missing_env_are_refused(model_dir, tmp_path, monkey
     for recipe, keys, message in (
         (tmp_path / "windowed.yaml", {"env_url": "http://127.0.0.1:1"}, "concat mode"),
         (tmp_path / "concat.yaml", {}, "env_url"),
+        (tmp_path / "gigpo.yaml", {"env_url": "http://127.0.0.1:1"}, "no GiGPO"),
         ("", {}, "needs `recipe`"),
     ):
         with pytest.raises(InstantiationException, match=message) as err:  # hydra wraps the constructor's error
