@@ -2,8 +2,7 @@
 
 A call (`fl_app.calls`) names per member the round's global weights: this app gets each as a local dir (`Channel.get`),
 has its node and GPU lane's trainer service (`client_app.lane`) serve the call with those dirs (validated before any
-work), ships back what it wrote (`Channel.put`; a `faults.poison` test fault rewrites it first: `client_app.poison`),
-answers a failed service call in one line (`client_app.failures`).
+work), ships back what it wrote (`Channel.put`), answers a failed service call in one line (`client_app.failures`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from flwr.clientapp import ClientApp
 
 from client_app.failures import failure_reply
 from client_app.lane import LaneService, ServiceError
-from client_app.poison import poison_export, poisons
+from client_app.poison import poison_fit
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall, Reply
 from fl_app.channel import arrays_key
 from fl_app.channel.open import node_channel
@@ -47,9 +46,7 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
         served = lane.request(path, {"call": call.model_dump(mode="json"), "dirs": dirs})
     except ServiceError as e:  # a known failure: one line to the server, not Ray's traceback in the stream
         return failure_reply(msg, lane, path, e)
-    if isinstance(call, FitCall) and poisons(cfg, call.round, call.client_id):  # faults.poison (testing)
-        for m, out in outs.items():
-            poison_export(cfg, call.round, call.client_id, m, ins[m], out)
+    poison_fit(cfg, call, ins, outs)  # faults.poison (testing): a poisoned fit's exports rewritten before the upload
     for m, ref in call.weights.items():
         if ref.inline:
             shutil.rmtree(ins[m])
@@ -60,16 +57,11 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     if isinstance(call, EvalCall):
         shutil.rmtree(base, ignore_errors=True)
     client = call.client_id if isinstance(call, FitCall) else None
-    reply = Reply(weights=refs, client_id=client, critic_start=served.get("critic_start") or {}, **_where(lane))
+    reply = Reply(weights=refs, client_id=client, critic_start=served.get("critic_start") or {}, **lane.where())
     content[RECORD] = ConfigRecord({RECORD: reply.model_dump_json()})
     if "metrics" in served:
         content["metrics"] = MetricRecord({**served["metrics"], "num-examples": int(served["num_examples"])})
     return Message(content=content, reply_to=msg)
-
-
-def _where(lane: LaneService) -> dict[str, str]:
-    """Where this node's trainer service runs and logs (the server lists it in summary.json)."""
-    return {"node_host": socket.gethostname(), "lane": lane.lane, "service_log": str(lane.log_path)}
 
 
 def _call(msg: Message, kind: type[Call]) -> Call:
@@ -101,5 +93,5 @@ def shutdown(msg: Message, context: Context) -> Message:
     h = lane.shutdown() or {}  # empty: another node of this lane stopped it (simulation)
     served = {"stopped": int(bool(h)), "fits": int(h.get("fits", 0)), "evals": int(h.get("evals", 0))}
     content = RecordDict({"metrics": MetricRecord({**served, "rss_mb": float(h.get("rss_mb", 0.0))})})
-    content[RECORD] = ConfigRecord({RECORD: Reply(**_where(lane)).model_dump_json()})
+    content[RECORD] = ConfigRecord({RECORD: Reply(**lane.where()).model_dump_json()})
     return Message(content=content, reply_to=msg)

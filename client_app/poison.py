@@ -8,10 +8,12 @@ from __future__ import annotations
 import hashlib
 import math
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from fl_app.calls import Call, FitCall
 from fl_app.config import Config, PoisonCfg
 from fl_app.weights import load_shards, save_shards
 from partitions.uniform import sampling_seed
@@ -65,9 +67,13 @@ def _norm(state: dict[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float((t.double() ** 2).sum()) for t in state.values()))
 
 
-def poison_export(cfg: Config, round_: int, client: int, member: str, global_dir: Path, out_dir: Path) -> None:
-    """Rewrite the export in `out_dir` as the poisoned update from `global_dir` (same shard size)."""
-    w, x = load_shards(global_dir), load_shards(out_dir)
-    bad = poisoned(w, x, cfg.faults.poison, noise_seed(cfg.run.seed, round_, client, member))
-    shutil.rmtree(out_dir)
-    save_shards(bad, out_dir, int(cfg.run.shard_max_mb * 2**20))
+def poison_fit(cfg: Config, call: Call, ins: Mapping[str, Path], outs: Mapping[str, Path]) -> None:
+    """Rewrite a poisoned fit's exports (`outs`, member -> dir) as the poisoned updates from the
+    round's global model (`ins`); nothing for a clean fit, an evaluation or `faults.poison.kind: none`."""
+    if not isinstance(call, FitCall) or not poisons(cfg, call.round, call.client_id):
+        return
+    for member, out_dir in outs.items():
+        w, x = load_shards(ins[member]), load_shards(out_dir)
+        bad = poisoned(w, x, cfg.faults.poison, noise_seed(cfg.run.seed, call.round, call.client_id, member))
+        shutil.rmtree(out_dir)
+        save_shards(bad, out_dir, int(cfg.run.shard_max_mb * 2**20))
