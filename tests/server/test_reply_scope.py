@@ -205,3 +205,26 @@ def test_a_late_upload_of_a_dropped_client_is_removed_once_its_round_is_complete
     upload(run, own(7), 7.0)  # the straggler writes after the round completed
     run._late_upload(2, 7)
     assert not (run.rd.path / own(7)).exists() and run.rd.is_complete(2)
+
+
+def test_a_robust_aggregate_is_what_the_server_optimizer_steps_along_and_it_is_still_scored(tmp_path):
+    """With `server_optimizer` other than sgd, the aggregator (here the median) writes its
+    aggregate at server_lr 1 into the round's mean dir, the optimizer steps from the global model
+    along it, and the updates are scored as always. Clients of 1, 2, 3 and 100 (all-equal
+    tensors) from a global of 0: the median 2.5, FedAvgM's first step at lr 2 is 2 x 2.5 (the mean
+    would give 2 x 26.5); client 4's x40 update is flagged (the cosine bound is lowered below 1:
+    the four updates of a 12-parameter model point the same way)."""
+    cfg = {"federation.aggregator": "median", "federation.min_clients_per_round": 3, "federation.flag_cosine_z": 0.5}
+    run = make_run(tmp_path, **cfg, **{"federation.server_optimizer": "fedavgm", "federation.server_lr": 2.0})
+    try:
+        DirStore(run.rd.path, SHARD).put("rounds/round-0000/actor", {"w": torch.zeros(4, 3)})
+        replies = {c: reply(c, upload(run, own(c, r=1), v)) for c, v in {1: 1.0, 2: 2.0, 3: 3.0, 4: 100.0}.items()}
+        manifests, _, scores = aggregate_train(run, 1, replies, [])
+        assert float(load_shards(manifests["actor"].root)["w"][0, 0]) == averaged(run, 1) == 5.0
+        moment = load_shards(run.rd.opt_state_dir(1, "fedavgm/actor/m"))["w"]
+        assert torch.equal(moment, torch.full((4, 3), 2.5))
+        assert not run.rd.mean_dir(1, "actor").exists()  # scratch, gone once stepped
+        assert sorted(scores["actor"]) == ["1", "2", "3", "4"]
+        assert [c for c, s in scores["actor"].items() if s["flagged"]] == ["4"]
+    finally:
+        run.w.close()
