@@ -16,6 +16,10 @@ to a temp dir, then measures, each in a fresh child process so peak RSS is its o
   baseline  (--baseline-src DIR: a checkout whose fl_app is the code to compare against) its
             save_shards + fedavg_manifests on its own copy of the inputs, one run per child
             process alternating with one of ours (the ours/baseline ratio)
+  --aggregators  instead of the rows above: every `federation.aggregator` (fl_app.robust) on
+            the same inputs and the same global model w, runs interleaved in one process,
+            as ratios to plain FedAvg (fedavg_manifests, which never reads w): `fedavg` there
+            is FedAvg plus the anomaly scores (w read, the updates' Gram accumulated)
 GB/s = input bytes (N x model size) / seconds, best of --repeat runs (the least disturbed run
 on a shared machine). Peak RSS = high-water RSS above the RSS at the start of the measured phase
 (Linux: /proc/self/clear_refs resets the mark). The integrity floor is the time to hash every
@@ -156,6 +160,33 @@ def child_ours(a: argparse.Namespace) -> dict:
     return {"name": label, "bytes": sum(m.tensor_bytes for m, _ in inputs), **m}
 
 
+def child_aggregators(a: argparse.Namespace) -> dict:
+    from fl_app.robust import Rule, aggregate_manifests
+
+    shard = int(a.shard_mb * 2**20)
+    inputs = [(Manifest.from_dir(Path(a.work) / f"client-{c}"), w) for c, w in enumerate(_weights(a.clients))]
+    w = Manifest.from_dir(Path(a.work) / "global-w")
+    out = Path(a.work) / "global"
+
+    def robust(rule: Rule) -> Callable[[], object]:
+        return lambda: aggregate_manifests(inputs, w, out, shard, rule)
+
+    runs: dict[str, Callable[[], object]] = {
+        "fedavg_manifests": lambda: fedavg_manifests(inputs, out, shard),
+        "fedavg": robust(Rule("fedavg")),
+        "clipped": robust(Rule("clipped")),
+        "trimmed_mean": robust(Rule("trimmed_mean", trim_fraction=1 / a.clients)),  # one per side
+        "median": robust(Rule("median")),
+    }
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(a.repeat):  # interleaved, so slow drifts of the machine's load hit every method alike
+        for name, fn in runs.items():
+            got = best_of(1, fn, lambda: shutil.rmtree(out, ignore_errors=True))
+            old = best.setdefault(name, got)
+            best[name] = {k: (max if k == "peak_bytes" else min)(old[k], v) for k, v in got.items()}
+    return {"name": "aggregators", "bytes": sum(m.tensor_bytes for m, _ in inputs), "rows": best}
+
+
 def child_limits(a: argparse.Namespace) -> dict:
     import blake3
 
@@ -240,7 +271,20 @@ def child_flower(a: argparse.Namespace) -> dict:
     return row
 
 
-CHILDREN = {"write": child_write, "ours": child_ours, "limits": child_limits, "flower": child_flower}
+def child_write_w(a: argparse.Namespace) -> dict:
+    """The round's global model w the aggregators step from (one more random model)."""
+    save_shards(random_model(int(a.size_gb * 1e9), seed=10_000), Path(a.work) / "global-w", int(a.shard_mb * 2**20))
+    return {}
+
+
+CHILDREN = {
+    "write": child_write,
+    "ours": child_ours,
+    "limits": child_limits,
+    "flower": child_flower,
+    "write_w": child_write_w,
+    "aggregators": child_aggregators,
+}
 
 
 # ---- driver --------------------------------------------------------------------------------
@@ -279,6 +323,10 @@ def bench_n(a: argparse.Namespace) -> dict:
     a.flower_size_gb = min(a.size_gb, a.flower_max_gb / (a.clients + 2))
     a.work = tempfile.mkdtemp(prefix="bench-aggregate-", dir=a.tmp_dir)
     try:
+        if a.aggregators:
+            run_child(a, "write")
+            run_child(a, "write_w")
+            return run_child(a, "aggregators")
         rows = {
             "write": run_child(a, "write"),
             "limits": run_child(a, "limits"),
@@ -304,6 +352,20 @@ def bench_n(a: argparse.Namespace) -> dict:
     finally:
         shutil.rmtree(a.work, ignore_errors=True)
     return rows
+
+
+def report_aggregators(a: argparse.Namespace, n: int, got: dict) -> None:
+    rows, base = got["rows"], got["rows"]["fedavg_manifests"]["seconds"]
+    print(f"\n## N = {n} clients x {a.size_gb} GB (+ the global model w)")
+    print(f"{'aggregator':40s} {'s':>7s} {'GB/s':>6s} {'x FedAvg':>9s} {'CPU s':>7s} {'peak RSS':>9s}")
+    for name, r in rows.items():
+        label = {"fedavg_manifests": "FedAvg (fedavg_manifests, w not read)", "fedavg": "fedavg + scores"}.get(
+            name, name
+        )
+        print(
+            f"{label:40s} {r['seconds']:7.2f} {got['bytes'] / r['seconds'] / 1e9:6.2f} {r['seconds'] / base:9.2f} "
+            f"{r['cpu_seconds']:7.2f} {r['peak_bytes'] / 2**20:7.0f}Mi"
+        )
 
 
 def report(a: argparse.Namespace, n: int, rows: dict) -> dict:
@@ -379,6 +441,11 @@ def main() -> None:
         default=None,
         help="a source tree whose fl_app to bench side by side (e.g. `git worktree add /tmp/v1 <commit>`)",
     )
+    ap.add_argument(
+        "--aggregators",
+        action="store_true",
+        help="bench every federation.aggregator against FedAvg on the same inputs (fl_app.robust)",
+    )
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--flower-size-gb", type=float, help=argparse.SUPPRESS)
@@ -395,12 +462,20 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     print(
         f"# python bench/aggregate.py --clients {a.clients} --size-gb {a.size_gb} --shard-mb {a.shard_mb} "
-        f"--repeat {a.repeat}" + (f" --baseline-src {a.baseline_src}" if a.baseline_src else "")
+        f"--repeat {a.repeat}"
+        + (f" --baseline-src {a.baseline_src}" if a.baseline_src else "")
+        + (" --aggregators" if a.aggregators else "")
     )
     print(
         f"# shards <= {a.shard_mb} MiB, torch {torch.__version__}, {os.cpu_count()} CPUs, best of {a.repeat} runs "
         "per row (save_shards: one run); other work on the machine slows every row alike"
     )
+    if a.aggregators:
+        for n in counts:
+            a.clients = n
+            report_aggregators(a, n, bench_n(a))
+        print(f"\n(load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; best of {a.repeat} interleaved runs)")
+        return
     summary = []
     for n in counts:
         a.clients = n

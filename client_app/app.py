@@ -16,6 +16,7 @@ from flwr.clientapp import ClientApp
 
 from client_app.failures import failure_reply
 from client_app.lane import LaneService, ServiceError
+from client_app.poison import poison_fit
 from fl_app.accounting import Meter
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall, Reply
 from fl_app.channel import arrays_key
@@ -48,6 +49,7 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
         served = lane.request(path, {"call": call.model_dump(mode="json"), "dirs": dirs})
     except ServiceError as e:  # a known failure: one line to the server, not Ray's traceback in the stream
         return failure_reply(msg, lane, path, e)
+    poison_fit(cfg, call, ins, outs)  # faults.poison (testing): a poisoned fit's exports rewritten before the upload
     channel.release_all(call.weights, ins)
     with meter.transport():
         refs, states, meter.up = channel.put_all(outs, work.store_key)
@@ -55,16 +57,11 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     if isinstance(call, EvalCall):
         shutil.rmtree(base, ignore_errors=True)
     client = call.client_id if isinstance(call, FitCall) else None
-    reply = Reply(weights=refs, client_id=client, critic_start=served.get("critic_start") or {}, **_where(lane))
+    reply = Reply(weights=refs, client_id=client, critic_start=served.get("critic_start") or {}, **lane.where())
     content[RECORD] = ConfigRecord({RECORD: reply.model_dump_json()})
     examples = {"num-examples": int(served["num_examples"])} if "num_examples" in served else {}
     content["metrics"] = MetricRecord({**served.get("metrics", {}), **examples, **meter.metrics()})
     return Message(content=content, reply_to=msg)
-
-
-def _where(lane: LaneService) -> dict[str, str]:
-    """Where this node's trainer service runs and logs (the server lists it in summary.json)."""
-    return {"node_host": socket.gethostname(), "lane": lane.lane, "service_log": str(lane.log_path)}
 
 
 def _call(msg: Message, kind: type[Call]) -> Call:
@@ -96,5 +93,5 @@ def shutdown(msg: Message, context: Context) -> Message:
     h = lane.shutdown() or {}  # empty: another node of this lane stopped it (simulation)
     served = {"stopped": int(bool(h)), "fits": int(h.get("fits", 0)), "evals": int(h.get("evals", 0))}
     content = RecordDict({"metrics": MetricRecord({**served, "rss_mb": float(h.get("rss_mb", 0.0))})})
-    content[RECORD] = ConfigRecord({RECORD: Reply(**_where(lane)).model_dump_json()})
+    content[RECORD] = ConfigRecord({RECORD: Reply(**lane.where()).model_dump_json()})
     return Message(content=content, reply_to=msg)

@@ -99,6 +99,10 @@ class LaneService:
         node = f"{socket.gethostname()}-{self.owner.scope}-" if self.owner.scope else ""
         self.log_path = log_dir / f"service-{node}{self.lane}.log"
 
+    def where(self) -> dict[str, str]:
+        """Where this node's trainer service runs and logs (the server lists it in summary.json)."""
+        return {"node_host": socket.gethostname(), "lane": self.lane, "service_log": str(self.log_path)}
+
     def _client(self, timeout: float) -> httpx.Client:
         return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://svc", timeout=timeout)
 

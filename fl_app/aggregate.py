@@ -1,7 +1,9 @@
 """FedAvg in fp32: the example-count-weighted mean of client models (invariant 2).
 
-Two entry points with one arithmetic (`_fold`, applied to the same tensor-relative pieces), so
-they give identical bits:
+Two entry points with one arithmetic (`fold_with`, applied to the same tensor-relative pieces),
+so they give identical bits; each runs that `Combine` through one of two piece walkers,
+`stream_manifests` (shards on disk) and `combine_states` (state dicts in memory), which the robust
+aggregators (fl_app.robust) and the server optimizers (fl_app.server_opt) run their own pieces on:
 - `fedavg_manifests` streams shard files. For each shard it opens that shard of every client,
   and walks the tensors piece by piece (`PIECE_BYTES`): reader threads read each client's next
   piece while hashing it, the main thread folds the pieces into one output piece, checks it is
@@ -11,8 +13,8 @@ they give identical bits:
   pieces are read, before the next shard starts; any failure aborts the writer, which deletes
   what it wrote, so the output never looks complete and a retry finds it empty.
 - `fedavg_states` averages in-memory state dicts (the inline transport path).
-The lock-step walk over shards (`walk_shard`: any number of inputs and outputs, one callback
-per piece) is shared with the server optimizers' step (fl_app.server_opt).
+Both walkers take any number of inputs and outputs (none: a read-only pass, e.g. for scores) and
+call the `Combine` once per piece with the inputs' pieces in lock step.
 `fedavg_refs` takes a round's replies as the channel's refs and picks the one that applies.
 
 Per tensor, in client order: acc = x_0 * f_0, then acc += x_i * f_i (one fused multiply-add),
@@ -35,6 +37,7 @@ the culprits in a `NonFiniteWeightsError`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
@@ -52,6 +55,7 @@ from fl_app.weights import (
     ShardWriter,
     TensorInfo,
     WeightsError,
+    dtype_name,
     load_shards,
     read_shard,
     same_layout,
@@ -127,6 +131,32 @@ def _fold(acc: torch.Tensor, x: torch.Tensor, factor: float, first: bool, name: 
             torch.mul(x, factor, out=acc)
     else:
         acc.add_(x, alpha=factor)
+
+
+# (the tensor, its input pieces in input order, the output pieces to fill in output order); raises
+# `NonFinitePiece` on NaN/Inf, or any error to stop the walk
+Combine = Callable[[TensorInfo, list[torch.Tensor], list[torch.Tensor]], None]
+
+
+class NonFinitePiece(Exception):
+    """A pass met NaN/Inf in the piece of tensor `where` (the walker then names the culprits)."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+
+def fold_with(factors: Sequence[float]) -> Combine:
+    """FedAvg's piece arithmetic: the inputs folded with `factors` in input order into the one
+    output (`_fold`), which must be finite."""
+
+    def combine(info: TensorInfo, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        (acc,) = outs
+        for k, (x, f) in enumerate(zip(ins, factors, strict=True)):
+            _fold(acc, x, f, k == 0, info.name)
+        if not _finite(acc):
+            raise NonFinitePiece(repr(info.name))
+
+    return combine
 
 
 def _finite(acc: torch.Tensor) -> bool:
@@ -216,45 +246,52 @@ def fedavg_states(
     states, labels = [s for s, _ in inputs], _labels(names, len(inputs))
     if previous is not None and f_previous:
         states, factors, labels = [*states, previous], [*factors, f_previous], [*labels, PREVIOUS]
-    keys = list(states[0].keys())
-    for s in states[1:]:
+    live = [(i, s) for i, (s, f) in enumerate(zip(states, factors)) if f != 0]
+    (out,) = combine_states(live, labels, fold_with([f for f in factors if f != 0]))
+    return out
+
+
+def combine_states(
+    live: Sequence[tuple[int, Mapping[str, torch.Tensor]]],
+    labels: Sequence[str],
+    combine: Combine,
+    n_outputs: int = 1,
+) -> list[dict[str, torch.Tensor]]:
+    """One pass of `combine` over in-memory state dicts (`live`: (index in `labels`, state)), piece
+    by piece as `stream_manifests` walks shards, so both give the same bits; returns the
+    `n_outputs` output states (none: a read-only pass). NaN/Inf raise NonFiniteWeightsError."""
+    keys = list(live[0][1].keys())
+    for _, s in live[1:]:
         if list(s.keys()) != keys:
             raise WeightsError(
                 "client state dicts hold different tensor names/orders; clients must export the same model"
             )
-    live = [(i, s, f) for i, (s, f) in enumerate(zip(states, factors)) if f != 0]
-    _check_fp32([(k, s[k].dtype) for _, s, _ in live for k in keys])
-    out: dict[str, torch.Tensor] = {}
+    _check_fp32([(k, s[k].dtype) for _, s in live for k in keys])
+    outs: list[dict[str, torch.Tensor]] = [{} for _ in range(n_outputs)]
     with one_torch_thread():  # the pipeline's own threads use the other cores
         for key in keys:
-            xs = [(s[key].detach().cpu().contiguous(), f) for _, s, f in live]
-            x0 = xs[0][0]
-            for x, _ in xs[1:]:
+            xs = [s[key].detach().cpu().contiguous() for _, s in live]
+            x0 = xs[0]
+            for x in xs[1:]:
                 if x.shape != x0.shape or x.dtype != x0.dtype:
                     raise WeightsError(
                         f"{key!r} has shape {list(x.shape)} ({x.dtype}) in one client and "
                         f"{list(x0.shape)} ({x0.dtype}) in another: clients must export the same model"
                     )
-            acc = torch.empty_like(x0)
-            flat = acc.view(-1)
-            for off, n in _pieces(x0.numel() * x0.element_size(), x0.element_size()):
-                for k, (x, f) in enumerate(xs):
-                    _fold(flat[off : off + n], x.view(-1)[off : off + n], f, k == 0, key)
-            if not _finite(acc):
-                culprits = {i: bad for i, s, _ in live if (bad := _bad_tensors(s))}
-                raise _non_finite_error(culprits, labels, repr(key))
-            out[key] = acc
-    return out
+            info = TensorInfo(key, tuple(x0.shape), dtype_name(x0.dtype))
+            accs = [torch.empty_like(x0) for _ in outs]
+            try:
+                for off, n in _pieces(x0.numel() * x0.element_size(), x0.element_size()):
+                    combine(info, [x.view(-1)[off : off + n] for x in xs], [a.view(-1)[off : off + n] for a in accs])
+            except NonFinitePiece as e:
+                culprits = {i: bad for i, s in live if (bad := _bad_tensors(s))}
+                raise _non_finite_error(culprits, list(labels), e.where) from None
+            for out, acc in zip(outs, accs):
+                out[key] = acc
+    return outs
 
 
 # ---- streaming --------------------------------------------------------------------------------
-@dataclass
-class _Input:
-    index: int  # in the caller's order
-    manifest: Manifest
-    factor: float
-
-
 class _Readers:
     """Reader threads that fill each input's buffers with its next pieces, in order, hashing as
     they read (each input's stream is read by one thread, so its hash sees bytes in order)."""
@@ -324,10 +361,6 @@ class PieceBuffers:
         )
 
 
-# (the tensor, its input pieces in input order, the output pieces to fill in writer order)
-Combine = Callable[[TensorInfo, list[torch.Tensor], list[torch.Tensor]], None]
-
-
 def walk_shard(
     writers: Sequence[ShardWriter],
     inputs: Sequence[Manifest],
@@ -384,28 +417,8 @@ def walk_shard(
             st.close()
 
 
-def _fedavg_shard(writer: ShardWriter, live: list[_Input], s: int, verify: bool, buffers: PieceBuffers) -> None:
-    """Stream shard s of every live input into the writer's next shard; raises _NonFinite."""
-
-    def fold(info: TensorInfo, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-        (acc,) = outs
-        for k, (inp, x) in enumerate(zip(live, ins)):
-            _fold(acc, x, inp.factor, k == 0, info.name)
-        if not _finite(acc):
-            raise _NonFinite(repr(info.name))
-
-    walk_shard(
-        [writer], [inp.manifest for inp in live], [f"input {inp.index}" for inp in live], s, verify, buffers, fold
-    )
-
-
 def _give_back(pool: queue.Queue, buf: torch.Tensor, _written: object) -> None:
     pool.put(buf)
-
-
-class _NonFinite(Exception):
-    def __init__(self, where: str):
-        self.where = where
 
 
 def fedavg_manifests(
@@ -428,15 +441,42 @@ def fedavg_manifests(
     factors, f_previous = server_step_factors([w for _, w in inputs], server_lr, previous is not None)
     labels = _labels(names, len(inputs))
     if previous is not None and f_previous:
-        step_from = previous if isinstance(previous, Manifest) else Manifest.from_dir(previous)
-        if not same_layout([manifests[0], step_from]):
-            raise WeightsError(
-                f"{PREVIOUS} ({step_from.root}) and the clients' uploads lay their tensors or shards out "
-                "differently (was run.shard_max_mb changed on resume?); a server_lr != 1 steps from it, "
-                "so they must match: keep the run's shard size, or use server_lr 1"
-            )
-        manifests.append(step_from)
+        why = "a server_lr != 1 steps from it (or use server_lr 1)"
+        manifests.append(step_from_manifest(previous, manifests[0], why))
         factors, labels = [*factors, f_previous], [*labels, PREVIOUS]
+    live = [(i, m) for i, (m, f) in enumerate(zip(manifests, factors)) if f != 0]
+    fold = fold_with([f for f in factors if f != 0])
+    (out,) = stream_manifests(live, labels, fold, [out_dir], max_shard_bytes, verify)
+    return out
+
+
+def step_from_manifest(previous: Manifest | Path, clients: Manifest, why: str) -> Manifest:
+    """The round's global model as an input beside the clients' uploads, which it must lay out as
+    they do; `why` says what reads it (the error's fix)."""
+    step_from = previous if isinstance(previous, Manifest) else Manifest.from_dir(previous)
+    if not same_layout([clients, step_from]):
+        raise WeightsError(
+            f"{PREVIOUS} ({step_from.root}) and the clients' uploads lay their tensors or shards out "
+            f"differently (was run.shard_max_mb changed on resume?); {why}, so they must match: keep the "
+            "run's shard size"
+        )
+    return step_from
+
+
+def stream_manifests(
+    live: Sequence[tuple[int, Manifest]],
+    labels: Sequence[str],
+    combine: Combine,
+    out_dirs: Sequence[Path],
+    max_shard_bytes: int,
+    verify: bool = True,
+) -> list[Manifest]:
+    """One streaming pass of `combine` over sharded inputs (`live`: (index in `labels`,
+    manifest)) into the fresh weights dirs `out_dirs` (none: a read-only pass), returning their
+    manifests. Memory stays at a few pieces per input and output (module doc); a non-finite
+    input raises NonFiniteWeightsError naming every culprit, and on any error nothing stays in
+    the outputs (every manifest is written last)."""
+    manifests = [m for _, m in live]
     if not same_layout(manifests):
         raise WeightsError(
             "client manifests disagree on tensors or shard layout; every client must "
@@ -448,22 +488,21 @@ def fedavg_manifests(
             f"aggregate is asked for {max_shard_bytes}: server and clients must share run.shard_max_mb"
         )
     _check_fp32([(t.name, t.torch_dtype) for t in manifests[0].tensors])
-    live = [_Input(i, m, f) for i, (m, f) in enumerate(zip(manifests, factors)) if f != 0]
-    buffers = PieceBuffers.for_model(manifests[0], len(live))
+    buffers = PieceBuffers.for_model(manifests[0], len(manifests), len(out_dirs))
+    input_labels = [labels[i] for i, _ in live]
     try:
-        with ShardWriter(out_dir, max_shard_bytes) as writer, one_torch_thread():
+        with contextlib.ExitStack() as stack, one_torch_thread():
+            writers = [stack.enter_context(ShardWriter(d, max_shard_bytes)) for d in out_dirs]
             for s in range(len(manifests[0].shards)):
-                _fedavg_shard(writer, live, s, verify, buffers)
-            return writer.finish()
-    except _NonFinite as e:
+                walk_shard(writers, manifests, input_labels, s, verify, buffers, combine)
+            return [writer.finish() for writer in reversed(writers)][::-1]  # the first output's manifest last
+    except NonFinitePiece as e:
         culprits = {}
-        for inp in live:  # the error path: read everything again, verified, to name every culprit
-            bad = [
-                b for s in range(len(inp.manifest.shards)) for b in _bad_tensors(read_shard(inp.manifest, s, verify))
-            ]
+        for i, m in live:  # the error path: read everything again, verified, to name every culprit
+            bad = [b for s in range(len(m.shards)) for b in _bad_tensors(read_shard(m, s, verify))]
             if bad:
-                culprits[inp.index] = bad
-        raise _non_finite_error(culprits, labels, e.where) from None
+                culprits[i] = bad
+        raise _non_finite_error(culprits, list(labels), e.where) from None
 
 
 def fedavg_refs(
@@ -482,10 +521,7 @@ def fedavg_refs(
     `server_lr` != 1 the result steps from `previous`, the round's global weights dir.
     """
     step = previous if server_lr != 1.0 else None  # FedAvg itself never reads it
-    if not items:
-        raise WeightsError("no client replies to aggregate")
-    inline = {ref.inline for ref, _, _ in items}
-    if inline == {True}:
+    if replies_inline(items):
         avg = fedavg_states(
             [(channel.state(r, a), w) for r, a, w in items],
             names=names,
@@ -493,16 +529,25 @@ def fedavg_refs(
             server_lr=server_lr,
         )
         return save_shards(avg, out_dir, channel.shard_bytes)
-    if inline == {False}:
-        return fedavg_manifests(
-            [(channel.manifest(r), w) for r, _, w in items],
-            out_dir,
-            channel.shard_bytes,
-            names=names,
-            previous=step,
-            server_lr=server_lr,
-        )
-    raise WeightsError(
-        "some replies are inline and some by reference; clients of one round must share "
-        "run.inline_max_mb (it is part of the run config)"
+    return fedavg_manifests(
+        [(channel.manifest(r), w) for r, _, w in items],
+        out_dir,
+        channel.shard_bytes,
+        names=names,
+        previous=step,
+        server_lr=server_lr,
     )
+
+
+def replies_inline(items: Sequence[tuple[WeightsRef, object, float]]) -> bool:
+    """Whether a round's replies all travel inline (True) or all by reference (False); anything
+    else is an error: one round's replies share one model and one threshold."""
+    if not items:
+        raise WeightsError("no client replies to aggregate")
+    inline = {ref.inline for ref, _, _ in items}
+    if len(inline) > 1:
+        raise WeightsError(
+            "some replies are inline and some by reference; clients of one round must share "
+            "run.inline_max_mb (it is part of the run config)"
+        )
+    return inline == {True}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -53,6 +54,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     "gigpo": Algorithm(members=("actor",), critic=False, default_group_size=8, advantage="step_group_relative"),
 }
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+Aggregator = Literal["fedavg", "clipped", "trimmed_mean", "median"]  # fl_app.robust
 KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "abs+", "k3+", "low_var_kl+"]
 
 
@@ -533,6 +535,31 @@ class FederationCfg(_Strict):
         description="`fedadam`'s degree of adaptivity tau, added to sqrt(v) (default 1e-3, the value FedOpt's "
         "experiments fix while tuning the learning rates).",
     )
+    aggregator: Aggregator = Field(
+        "fedavg",
+        description="How a round combines the clients' updates d_i = x_i - w (w the round's global model; fl_app/robust.py, docs/architecture.md \"Robust aggregation\"). `fedavg`: the num-examples-weighted mean, FedAvg bit for bit. `clipped`: FedAvg of the updates, each scaled down to norm at most `clip_multiple` x the round's median update norm (two streaming passes: norms, then the fold). `trimmed_mean`: per coordinate, the clients' values sorted, `trim_fraction` of them dropped from each end, the rest averaged. `median`: per coordinate, the clients' median. The coordinate-wise two are unweighted, as the literature defines them (Yin et al. 2018). All stream shard by shard in fp32 and are deterministic; `server_lr` composes with each (w + eta * (agg - w)), and so does a `server_optimizer`: it steps from w along the aggregate. Every aggregator records each client's update norm and cosines in the round's metrics row (`update_scores`, `flagged`).",
+    )
+    trim_fraction: float = Field(
+        0.25,
+        gt=0,
+        lt=0.5,
+        description="`trimmed_mean`: the share of a round's clients dropped from each end of every coordinate, floor(trim_fraction x clients); it must drop at least one even from a round of `min_clients_per_round` (checked at load). 0.25 drops one of 4 per side (the tiny fault recipes' one poisoned client of 4).",
+    )
+    clip_multiple: float = Field(
+        1.0,
+        gt=0,
+        description="`clipped`: the bound C on an update's norm, as a multiple of the round's median update norm. Relative, not absolute, because update norms scale with the model, the learning rate and the local epochs, and a bound must move with them (adaptive clipping: Andrew et al. 2021 clip at the median norm, target quantile 0.5, which 1.0 is).",
+    )
+    flag_norm_ratio: float = Field(
+        3.0,
+        gt=1,
+        description="Anomaly flag: a client whose update norm exceeds this multiple of the round's median norm is flagged (the metrics row's `flagged`; recorded, not dropped). Needs 3 or more clients.",
+    )
+    flag_cosine_z: float = Field(
+        4.0,
+        gt=0,
+        description="Anomaly flag: a client whose median cosine to the other clients' updates (`cos_peers`) is below flag_cosine_z / sqrt(parameters) is flagged: a random direction's cosine to an update is ~N(0, 1/parameters), so such an update is no more aligned with its peers than noise (noise of any norm is flagged, a sign-flipped update points away from its peers). Relative to the model's size because clean updates of a larger model are closer to orthogonal: the tiny default's clean clients measured cos_peers 0.012-0.020, 9-15 / sqrt(parameters) (docs/architecture.md, \"Robust aggregation and anomaly scores\"). Needs 3 or more clients.",
+    )
     eval_every: int = Field(
         1,
         ge=0,
@@ -832,6 +859,27 @@ class RunCfg(_Strict):
         return value
 
 
+class PoisonCfg(_Strict):
+    """A test fault: chosen clients send a poisoned update instead of their own."""
+
+    kind: Literal["none", "scale", "sign_flip", "noise"] = Field(
+        "none",
+        description="Fault injection (testing and the robustness experiments): what a poisoned client sends instead of its update d = x - w (every member). `scale`: w + factor x d; `sign_flip`: w - d; `noise`: w + Gaussian noise with d's norm, seeded by (run.seed, round, client, member). Applied by the ClientApp to the trainer's export, before the upload. `none`: no fault.",
+    )
+    factor: float = Field(100.0, description="`scale`: the multiple of the update a poisoned client sends.")
+    clients: list[int] = Field(
+        default_factory=list,
+        description="Client ids that poison every round they are sampled in; empty = the first sampled client of every round (one poisoned client per round).",
+    )
+
+    @model_validator(mode="after")
+    def _armed(self) -> PoisonCfg:
+        """Poisoned clients without a poison are a mistake: refuse them."""
+        if self.kind == "none" and self.clients:
+            raise ValueError("faults.poison.clients is set but faults.poison.kind=none; set a kind or remove it")
+        return self
+
+
 class FaultsCfg(_Strict):
     """Faults injected on purpose, to show and test the failure rules (docs/reliability.md)."""
 
@@ -848,6 +896,7 @@ class FaultsCfg(_Strict):
         ge=0,
         description="How long a straggler's fit sleeps before it starts; must be > 0 with `straggler_clients`.",
     )
+    poison: PoisonCfg = Field(default_factory=PoisonCfg)
 
     @model_validator(mode="after")
     def _armed(self) -> FaultsCfg:
@@ -918,7 +967,7 @@ class Config(_Strict):
                 f"federation.min_clients_per_round={f.min_clients_per_round} exceeds "
                 f"federation.clients_per_round={f.clients_per_round}; lower it or leave it unset (= all)"
             )
-        self._stragglers()
+        self._check_dispatch()
         if f.only_clients:
             if len(f.only_clients) != f.clients_per_round or len(set(f.only_clients)) != len(f.only_clients):
                 raise ValueError(
@@ -927,6 +976,7 @@ class Config(_Strict):
                 )
             if not all(0 <= c < f.clients for c in f.only_clients):
                 raise ValueError(f"federation.only_clients={f.only_clients} holds ids outside [0, {f.clients})")
+        self._check_aggregator()
         self._check_partition()
         tiny = self.model.tiny
         if self.model.path == "tiny" and tiny.sft_shortcut > 0 and self.env.name != "shop":
@@ -973,6 +1023,28 @@ class Config(_Strict):
                 "does not use them; remove it"
             )
         return self
+
+    def _check_aggregator(self) -> None:
+        """Fail closed on a robust aggregator the round's clients cannot feed."""
+        f = self.federation
+        least = self.min_clients()
+        if f.aggregator == "trimmed_mean" and math.floor(f.trim_fraction * least) < 1:
+            raise ValueError(
+                f"federation.aggregator=trimmed_mean trims floor(trim_fraction x clients) per side, and with "
+                f"federation.trim_fraction={f.trim_fraction} a round of {least} clients (clients_per_round="
+                f"{f.clients_per_round}, min_clients_per_round={f.min_clients_per_round}) trims none: raise "
+                f"trim_fraction to at least {1 / least:.3g} (below 0.5) or clients_per_round"
+            )
+        if f.aggregator == "median" and least < 3:
+            raise ValueError(
+                f"federation.aggregator=median over a round of {least} clients is their mean (clients_per_round="
+                f"{f.clients_per_round}, min_clients_per_round={f.min_clients_per_round}): it needs 3 or more"
+            )
+        if f.aggregator == "clipped" and least < 2:
+            raise ValueError(
+                "federation.aggregator=clipped bounds each update by a multiple of the round's median norm, "
+                "which one client sets alone: it needs clients_per_round (and min_clients_per_round) >= 2"
+            )
 
     def _check_compute(self) -> None:
         """Fail closed on compute settings the training engine would not honour."""
@@ -1073,8 +1145,9 @@ class Config(_Strict):
     def resolved_run_dir(self) -> Path:
         return Path(self.run.run_dir or f"runs/{self.run.name}").expanduser().resolve()
 
-    def _stragglers(self) -> None:
-        """Over-selection, the round deadline and injected stragglers that can be armed, or an error."""
+    def _check_dispatch(self) -> None:
+        """Over-selection, the round deadline and injected faults (stragglers, poison) that can be
+        armed, or an error."""
         f, faults = self.federation, self.faults
         if f.over_select and f.only_clients:
             raise ValueError(
@@ -1098,8 +1171,9 @@ class Config(_Strict):
                     "round must reply; set federation.min_clients_per_round below federation.clients_per_round, "
                     "or federation.over_select > 0"
                 )
-        if not all(0 <= c < f.clients for c in faults.straggler_clients):
-            raise ValueError(f"faults.straggler_clients={faults.straggler_clients} holds ids outside [0, {f.clients})")
+        for key, ids in (("straggler_clients", faults.straggler_clients), ("poison.clients", faults.poison.clients)):
+            if not all(0 <= c < f.clients for c in ids):
+                raise ValueError(f"faults.{key}={ids} holds ids outside [0, {f.clients})")
         if any(r > f.rounds for r in faults.straggler_rounds):
             raise ValueError(
                 f"faults.straggler_rounds={faults.straggler_rounds} names a round after federation.rounds={f.rounds}"

@@ -34,7 +34,6 @@ when it was written) writes nothing.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,11 +41,10 @@ from pathlib import Path
 
 import torch
 
-from fl_app.aggregate import PIECE_BYTES, PieceBuffers, _check_fp32, _finite, walk_shard
+from fl_app.aggregate import PIECE_BYTES, PREVIOUS, _finite, stream_manifests
 from fl_app.config import FederationCfg, resolved
-from fl_app.host import one_torch_thread
 from fl_app.rundir import RunDir
-from fl_app.weights import Manifest, ShardWriter, TensorInfo, WeightsError, same_layout
+from fl_app.weights import Manifest, TensorInfo, WeightsError, same_layout
 
 MOMENTS: dict[str, tuple[str, ...]] = {"fedavgm": ("m",), "fedadam": ("m", "v"), "nesterov": ("m",)}
 
@@ -120,7 +118,6 @@ class ServerOptimizer:
         moments = [Manifest.from_dir(p) for p in state_in] if state_in is not None else []
         _check_inputs(w, avg, moments, member)
         inputs, labels = [w, avg, *moments], [PREVIOUS, MEAN, *(f"moment {m}" for m in self.moments)]
-        buffers = PieceBuffers.for_model(w, len(inputs), 1 + len(state_out))
         size = max([min(PIECE_BYTES, t.nbytes) for t in w.tensors] or [0]) // 4
         scratch = [torch.empty(size, dtype=torch.float32) for _ in range(2)]
         zeros = torch.zeros(size, dtype=torch.float32)
@@ -142,13 +139,8 @@ class ServerOptimizer:
                     "moved so far (a diverged training)"
                 )
 
-        with contextlib.ExitStack() as stack, one_torch_thread():
-            writers = [stack.enter_context(ShardWriter(d, w.max_shard_bytes)) for d in [out_dir, *state_out]]
-            for s in range(len(w.shards)):
-                walk_shard(writers, inputs, labels, s, True, buffers, combine)
-            for writer in writers[1:]:
-                writer.finish()
-            return writers[0].finish()
+        outs = stream_manifests(list(enumerate(inputs)), labels, combine, [out_dir, *state_out], w.max_shard_bytes)
+        return outs[0]
 
     def apply(
         self,
@@ -189,11 +181,12 @@ class ServerOptimizer:
             raise WeightsError(f"unknown server optimizer {self.name!r}; use one of {sorted(MOMENTS)}")
 
 
-PREVIOUS, MEAN = "the round's global model", "the clients' mean"
+MEAN = "the clients' mean"  # the step's second input's label in errors (the first is PREVIOUS)
 
 
 def _check_inputs(w: Manifest, avg: Manifest, moments: Sequence[Manifest], member: str) -> None:
-    """The step walks its inputs in lock step: the same tensors in the same shards, fp32."""
+    """The step walks its inputs in lock step: the same tensors in the same shards (the walker
+    checks they are fp32)."""
     if not same_layout([w, avg]) or w.max_shard_bytes != avg.max_shard_bytes:
         raise WeightsError(
             f"{PREVIOUS} ({w.root}) and {MEAN} ({avg.root}) of {member} lay their tensors or shards out "
@@ -207,4 +200,3 @@ def _check_inputs(w: Manifest, avg: Manifest, moments: Sequence[Manifest], membe
                 f"{member}; it belongs to another model or shard size: resume with the run's own model and "
                 "run.shard_max_mb, or use a new run dir"
             )
-    _check_fp32([(t.name, t.torch_dtype) for t in w.tensors])

@@ -57,6 +57,7 @@ from fl_app.host import single_threaded_blas
 from fl_app.outcomes import outcome_shares_of
 from fl_app.plots import plot_phases, plot_validation
 from fl_app.provenance import check_server_code
+from fl_app.robust import RoundScores, Rule, flagged_clients
 from fl_app.rundir import RunDir
 from fl_app.server_opt import ServerOptimizer
 from fl_app.weights import Manifest, WeightsError, save_shards
@@ -252,7 +253,10 @@ class Run:
             self.abandoned = Abandoned(self._late_upload)
             self.server_opt = ServerOptimizer.from_config(cfg.federation)
             self.aggregator = StreamingAggregator(
-                cfg.federation.strategy, cfg.federation.proximal_mu, cfg.federation.fold_lr()
+                cfg.federation.strategy,
+                cfg.federation.proximal_mu,
+                cfg.federation.fold_lr(),
+                Rule.of(cfg.federation),
             )
             self.token = write_disk_probe(rd.path)
             self.board = Board(rd.path) if cfg.run.tensorboard else None  # TensorBoard mirror of metrics.jsonl
@@ -502,9 +506,10 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         replies, failures = outcome.replies, outcome.failures
         row.update(_fit_times(replies))  # before aggregation may refuse a reply
         t_agg = time.perf_counter()
-        manifests, train_metrics = aggregate_train(run, rnd, replies, failures, server)
+        manifests, train_metrics, scores = aggregate_train(run, rnd, replies, failures, server)
         row["aggregate_s"] = time.perf_counter() - t_agg
         server["aggregation"] = row["aggregate_s"] - server.get("checkpoint", 0.0)
+        row["update_scores"], row["flagged"] = scores, flagged_clients(scores)
         if failures:
             row["failed"] = [f.as_dict() for f in failures]
             row["dropped"] = sorted(set(sampled) - set(replies) - set(outcome.spare))
@@ -535,6 +540,7 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
             f"{row.get('train_success', float('nan')):.3f} reward {row.get('train_reward', float('nan')):.3f} | "
             f"{_validation(row)} | {row['wall_s']:.1f} s | "
             f"{row['bytes_moved'] / 2**20:.1f} MiB moved"
+            + (f" | flagged updates: clients {row['flagged']}" if row["flagged"] else "")
         )
     return critic
 
@@ -606,22 +612,24 @@ def aggregate_train(
     replies: dict[int, Message],
     failures: list[ClientFailure],
     timings: dict[str, float] | None = None,
-) -> tuple[dict[str, Manifest], dict[str, float]]:
-    """Average the replies into the round's checkpoint (Flower's `aggregate_train`, streamed
-    from the replies' refs), then, with a server optimizer, step from the round's global model
-    along that mean (fl_app.server_opt) and write the round's moments beside the checkpoint
-    (`timings["checkpoint"]`: that step's seconds; a plain average streams into the checkpoint)."""
+) -> tuple[dict[str, Manifest], dict[str, float], RoundScores]:
+    """Aggregate the replies into the round's checkpoint (Flower's `aggregate_train`, streamed
+    from the replies' refs; `federation.aggregator`), with every member's anomaly scores; with a
+    server optimizer, the aggregate goes to the round's mean dirs instead (at server_lr 1) and the
+    optimizer steps from the round's global model along it (fl_app.server_opt), writing the
+    round's moments beside the checkpoint (`timings["checkpoint"]`: that step's seconds)."""
     rd, opt = run.rd, run.server_opt
     out_dirs = {m: rd.member_dir(rnd, m) for m in rd.members}
     previous = {m: rd.member_dir(rnd - 1, m) for m in rd.members}
     if opt is None:
         return _average(run, rnd, replies, failures, out_dirs, previous)
-    _, train_metrics = _average(run, rnd, replies, failures, {m: rd.mean_dir(rnd, m) for m in rd.members}, None)
+    mean_dirs = {m: rd.mean_dir(rnd, m) for m in rd.members}
+    _, train_metrics, scores = _average(run, rnd, replies, failures, mean_dirs, previous)
     t0 = time.perf_counter()
     manifests = opt.step_round(rd, rnd)
     if timings is not None:
         timings["checkpoint"] = time.perf_counter() - t0
-    return manifests, train_metrics
+    return manifests, train_metrics, scores
 
 
 def _average(
@@ -630,12 +638,13 @@ def _average(
     replies: dict[int, Message],
     failures: list[ClientFailure],
     out_dirs: dict[str, Path],
-    previous: dict[str, Path] | None,
-) -> tuple[dict[str, Manifest], dict[str, float]]:
-    """The aggregator's mean of the replies into `out_dirs`. A reply the aggregator refuses (one
-    naming a key that is not its client's own upload of this round, an entry that does not
-    resolve, a non-finite upload) is a failed client: dropped (and the average recomputed
-    without it) when the round can afford it, else the round fails closed."""
+    previous: dict[str, Path],
+) -> tuple[dict[str, Manifest], dict[str, float], RoundScores]:
+    """The aggregator's combination of the replies into `out_dirs`, and the updates' scores
+    against `previous` (the round's global model). A reply the aggregator refuses (one naming a
+    key that is not its client's own upload of this round, an entry that does not resolve, a
+    non-finite upload) is a failed client: dropped (and the aggregate recomputed without it)
+    when the round can afford it, else the round fails closed."""
     while True:
         order = sorted(replies)
         try:

@@ -13,9 +13,10 @@ replacing every method Flower calls (as this module once did) only borrowed thei
   handful of SuperNodes (or one GPU lane) serves the published 100-client protocol;
 - `StreamingAggregator` is FedAvg (the num-examples-weighted mean, fl_app.aggregate) for every
   member the run federates (the actor, and for PPO the critic, with the same weights: invariant
-  7). FedProx is the same average: like Flower's FedProx, the strategy only sets
-  `proximal_mu` in every fit call, and the client applies the term (to the policy only,
-  invariant 4).
+  7), or the robust aggregator `federation.aggregator` names (fl_app.robust), and scores every
+  client's update either way. FedProx is the same average: like Flower's FedProx, the strategy
+  only sets `proximal_mu` in every fit call, and the client applies the term (to the policy
+  only, invariant 4).
 
 A reply (fl_app.calls.Reply) names each member's weights by a `WeightsRef`, with its inline
 arrays under `fl_app.channel.arrays_key(member)`; the aggregator receives the refs. A reply may
@@ -34,11 +35,11 @@ from typing import Any
 import torch
 from flwr.app import Message
 
-from fl_app.aggregate import fedavg_refs
 from fl_app.calls import RECORD, Reply
 from fl_app.channel import Channel, arrays_key
 from fl_app.channel.remote import WeightStoreUnreachable
 from fl_app.outcomes import outcome_key
+from fl_app.robust import FEDAVG, RoundScores, Rule, aggregate_refs
 from fl_app.weights import Manifest, WeightsError
 from partitions.uniform import over_selected, sample_clients
 
@@ -117,13 +118,15 @@ class ClientSampler:
 class StreamingAggregator:
     """FedAvg (or FedProx: the same average, plus `proximal_mu` in every fit call) of every
     member, streamed shard by shard into the round's checkpoint; with a server learning rate
-    eta != 1, the step w + eta * (avg - w) from the round's global model w instead."""
+    eta != 1, the step w + eta * (avg - w) from the round's global model w instead. `rule`
+    picks a robust aggregator in place of the mean and the flag thresholds (fl_app.robust);
+    every member's updates are scored whatever the aggregator."""
 
-    def __init__(self, name: str, proximal_mu: float, server_lr: float = 1.0) -> None:
+    def __init__(self, name: str, proximal_mu: float, server_lr: float = 1.0, rule: Rule = FEDAVG) -> None:
         if name not in ("fedavg", "fedprox"):
             raise ValueError(f"unknown strategy {name!r}; use fedavg or fedprox")
         self.name, self.proximal_mu = name, proximal_mu
-        self.server_lr = server_lr
+        self.server_lr, self.rule = server_lr, rule
 
     @property
     def fit_mu(self) -> float:
@@ -136,30 +139,30 @@ class StreamingAggregator:
         channel: Channel,
         out_dirs: Mapping[str, Path],
         upload_keys: Callable[[int], Mapping[str, str]],
-        previous_dirs: Mapping[str, Path] | None = None,
-    ) -> tuple[dict[str, Manifest], dict[str, float]]:
-        """Average every member of `replies` (client id -> its successful reply, in client order)
+        previous_dirs: Mapping[str, Path],
+    ) -> tuple[dict[str, Manifest], dict[str, float], RoundScores]:
+        """Aggregate every member of `replies` (client id -> its successful reply, in client order)
         into its `out_dirs[member]`, all members with the same `num-examples` weights;
         `upload_keys(client)` is member -> the key that client may upload under (anything else
-        is `ClientRefused`); `previous_dirs` hold the round's global model (read only when
-        server_lr != 1)."""
+        is `ClientRefused`); `previous_dirs` hold the round's global model (the updates' origin).
+        Returns the manifests, the weighted train metrics and per member the clients' anomaly
+        scores (member -> client id -> `fl_app.robust.Scores.row`)."""
         done = {c: accepted_reply(c, m, channel, upload_keys(c)) for c, m in replies.items()}
         metrics = [metrics_of(m) for m in replies.values()]
-        manifests = {}
+        manifests: dict[str, Manifest] = {}
+        scores: RoundScores = {}
         for member, out_dir in out_dirs.items():
             items = [
                 (done[c].weights[member], inline_state(m, member), x["num-examples"])
                 for (c, m), x in zip(replies.items(), metrics)
             ]
-            manifests[member] = fedavg_refs(
-                items,
-                channel,
-                out_dir,
-                [f"client {c} ({member})" for c in replies],
-                previous_dirs[member] if previous_dirs else None,
-                self.server_lr,
+            names = [f"client {c} ({member})" for c in replies]
+            manifests[member], got = aggregate_refs(
+                items, channel, out_dir, previous_dirs[member], self.rule, names, self.server_lr
             )
-        return manifests, weighted_metrics(metrics)
+            scored = [c for (c, _), (_, _, w) in zip(replies.items(), items) if w > 0]  # zero-weight: not read
+            scores[member] = got.row(scored)
+        return manifests, weighted_metrics(metrics), scores
 
 
 def accepted_reply(client: int, msg: Message, channel: Channel, own: Mapping[str, str]) -> Reply:

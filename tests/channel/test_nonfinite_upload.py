@@ -14,7 +14,7 @@ from fl_app.aggregate import NonFiniteWeightsError
 from fl_app.calls import RECORD, Reply
 from fl_app.channel import Channel, WeightsRef, arrays_key
 from fl_app.channel.run_dir import DirStore
-from fl_app.weights import WeightsError
+from fl_app.weights import WeightsError, save_shards
 from server_app.app import _blamed
 from server_app.strategy import StreamingAggregator
 
@@ -44,14 +44,16 @@ def test_a_nan_upload_is_refused_naming_its_client_and_nothing_is_written(tmp_pa
     bad = {"w": torch.ones(4, 3), "b": torch.tensor([0.0, float("nan"), float("inf")])}
     replies = {3: _reply(3, good), 7: _reply(7, bad), 9: _reply(9, good)}
     out = tmp_path / "rounds" / "round-0001" / "actor"
+    previous = {"actor": save_shards(good, tmp_path / "rounds" / "round-0000" / "actor", SHARD).root}
     agg = StreamingAggregator("fedavg", 0.0)
     channel = Channel(
         DirStore(tmp_path, SHARD), cache_dir=tmp_path / "cache", inline_max_bytes=SHARD, shard_bytes=SHARD
     )
     with pytest.raises(NonFiniteWeightsError, match=r"client 7 \(actor\)") as err:
-        agg.aggregate_train(replies, channel, {"actor": out}, _own)
+        agg.aggregate_train(replies, channel, {"actor": out}, _own, previous)
     assert err.value.inputs == [1] and _blamed(err.value, [3, 7, 9]) == 7  # the round loop drops client 7
     assert not (out / "manifest.json").exists() and not any(out.glob("*.safetensors"))
-    manifests, _ = agg.aggregate_train({3: replies[3], 9: replies[9]}, channel, {"actor": out}, _own)
+    manifests, _, scores = agg.aggregate_train({3: replies[3], 9: replies[9]}, channel, {"actor": out}, _own, previous)
     assert manifests["actor"].tensor_bytes == 4 * 15  # the others still average
+    assert sorted(scores["actor"]) == ["3", "9"]  # every member's updates are scored
     assert _blamed(WeightsError("a corrupt shard"), [3, 9]) is None  # other errors are not a client's

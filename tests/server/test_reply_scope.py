@@ -74,6 +74,11 @@ def reply(client: int, ref: WeightsRef) -> Message:
     return Message(content=content, dst_node_id=0, message_type="train")
 
 
+def round_1_global(run: Run) -> None:
+    """Round 2 aggregates the updates from round 1's global model (its anomaly scores read it)."""
+    DirStore(run.rd.path, SHARD).put("rounds/round-0001/actor", {"w": torch.zeros(4, 3)})
+
+
 def own(client: int, r: int = 2) -> str:
     return f"rounds/round-{r:04d}/clients/client-{client:04d}/actor"
 
@@ -94,6 +99,7 @@ def test_a_reply_naming_any_key_but_its_own_upload_is_a_failed_client(run):
         7: reply(7, upload(run, own(7, r=1), 50.0)),  # its own upload, of another round
     }
     failures: list[ClientFailure] = []
+    round_1_global(run)
     aggregate_train(run, 2, replies, failures)
     assert averaged(run, 2) == 2.0  # clients 1 and 2 only
     reasons = {f.client: f.reason for f in failures}
@@ -113,6 +119,7 @@ def test_an_upload_dir_symlinked_out_of_the_run_dir_is_refused_not_averaged(run,
     forged = planted.model_copy(update={"key": own(2)})  # its own key, pinning the planted bytes
     replies = {1: reply(1, upload(run, own(1), 1.0)), 2: reply(2, forged)}
     failures: list[ClientFailure] = []
+    round_1_global(run)
     aggregate_train(run, 2, replies, failures)
     assert averaged(run, 2) == 1.0  # not 21.5
     assert [f.client for f in failures] == [2]
@@ -128,6 +135,7 @@ def test_an_upload_dir_symlinked_out_of_the_run_dir_is_refused_not_averaged(run,
 def test_a_round_that_cannot_afford_a_refused_client_fails_closed(tmp_path):
     run = make_run(tmp_path, **{"federation.min_clients_per_round": 2})
     replies = {1: reply(1, upload(run, own(1), 1.0)), 2: reply(2, upload(run, own(3), 3.0))}
+    round_1_global(run)
     with pytest.raises(RoundError, match="client 2's upload was refused.*needs 2 of its clients"):
         aggregate_train(run, 2, replies, [])
     assert not (run.rd.path / "rounds/round-0002/actor/manifest.json").exists()
@@ -197,3 +205,26 @@ def test_a_late_upload_of_a_dropped_client_is_removed_once_its_round_is_complete
     upload(run, own(7), 7.0)  # the straggler writes after the round completed
     run._late_upload(2, 7)
     assert not (run.rd.path / own(7)).exists() and run.rd.is_complete(2)
+
+
+def test_a_robust_aggregate_is_what_the_server_optimizer_steps_along_and_it_is_still_scored(tmp_path):
+    """With `server_optimizer` other than sgd, the aggregator (here the median) writes its
+    aggregate at server_lr 1 into the round's mean dir, the optimizer steps from the global model
+    along it, and the updates are scored as always. Clients of 1, 2, 3 and 100 (all-equal
+    tensors) from a global of 0: the median 2.5, FedAvgM's first step at lr 2 is 2 x 2.5 (the mean
+    would give 2 x 26.5); client 4's x40 update is flagged (the cosine bound is lowered below 1:
+    the four updates of a 12-parameter model point the same way)."""
+    cfg = {"federation.aggregator": "median", "federation.min_clients_per_round": 3, "federation.flag_cosine_z": 0.5}
+    run = make_run(tmp_path, **cfg, **{"federation.server_optimizer": "fedavgm", "federation.server_lr": 2.0})
+    try:
+        DirStore(run.rd.path, SHARD).put("rounds/round-0000/actor", {"w": torch.zeros(4, 3)})
+        replies = {c: reply(c, upload(run, own(c, r=1), v)) for c, v in {1: 1.0, 2: 2.0, 3: 3.0, 4: 100.0}.items()}
+        manifests, _, scores = aggregate_train(run, 1, replies, [])
+        assert float(load_shards(manifests["actor"].root)["w"][0, 0]) == averaged(run, 1) == 5.0
+        moment = load_shards(run.rd.opt_state_dir(1, "fedavgm/actor/m"))["w"]
+        assert torch.equal(moment, torch.full((4, 3), 2.5))
+        assert not run.rd.mean_dir(1, "actor").exists()  # scratch, gone once stepped
+        assert sorted(scores["actor"]) == ["1", "2", "3", "4"]
+        assert [c for c, s in scores["actor"].items() if s["flagged"]] == ["4"]
+    finally:
+        run.w.close()

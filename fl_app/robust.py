@@ -1,0 +1,369 @@
+"""Robust aggregation and per-client anomaly scores (issue #39), streamed as FedAvg is.
+
+Every aggregator reads the round's global model w beside the clients' uploads x_i and sees
+their updates d_i = x_i - w (at round 1, w is the initial export). Per member:
+
+- `fedavg`: FedAvg itself (`fl_app.aggregate.fold_with`, the same factors in the same order),
+  so its bits are FedAvg's; w only adds the scores.
+- `clipped`: w + sum_i f_i * min(1, C / ||d_i||) * d_i with C = clip_multiple x the round's
+  median update norm. The norms come from a first, read-only pass; the second pass is FedAvg's
+  fold with those factors (w's factor is what the clipped clients give up).
+- `trimmed_mean` / `median`: coordinate-wise over the clients' values x_i, unweighted as the
+  literature defines them (Yin et al. 2018): sort each coordinate's k values, drop the b lowest
+  and b highest, average the rest in sorted order; the median is the trim b = (k - 1) // 2 (for
+  an even k the mean of the two middle values). A piece's k values are stacked and sorted by a
+  sorting network (torch.sort beyond 16 clients): O(piece x k) memory.
+
+A server learning rate eta composes with each: w + eta * (agg - w), as for FedAvg.
+
+Scores: per piece, the deltas' Gram matrix G_ij += d_i . d_j (fp32 per piece, summed over
+pieces in float64; scores only, the weights never leave fp32). From it, with no second pass:
+the update norm ||d_i|| = sqrt(G_ii), the cosine to the round's (num-examples weighted) mean
+update, and the median of the cosines to the other clients (`cos_peers`). A client is flagged
+when its norm exceeds `flag_norm_ratio` x the median norm, or its `cos_peers` is below
+`flag_cosine_z` / sqrt(n), n the member's parameters: the cosine a random direction reaches by
+chance is ~N(0, 1/n), so a flagged update is no more aligned with its peers than noise would
+be (a sign-flipped one points away from them). Flags need 3 or more clients (with 2, a
+disagreement names nobody). The cosine to the mean is recorded, not used to flag: a x100 update
+is most of the mean itself.
+`cos_peers` is robust to one bad client of 3 or more: a clean client's median runs over at
+least two values, most of them clean. The Gram's diagonal is also the non-finite check: a
+NaN/Inf update makes it non-finite before any output is written, also where a trim would drop
+the bad value.
+
+All arithmetic is deterministic: the same inputs give the same bits (one torch thread, fixed
+piece order, fixed sorted-order sums).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from fl_app.aggregate import (
+    PIECE_BYTES,
+    PREVIOUS,
+    Combine,
+    NonFinitePiece,
+    _finite,
+    _fold,
+    _labels,
+    combine_states,
+    fold_with,
+    replies_inline,
+    server_step_factors,
+    step_from_manifest,
+    stream_manifests,
+    weight_factors,
+)
+from fl_app.channel import Channel, WeightsRef
+from fl_app.config import Aggregator, FederationCfg
+from fl_app.weights import Manifest, TensorInfo, WeightsError, load_shards, save_shards
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a round aggregates and flags (the federation section's keys, fl_app.config)."""
+
+    aggregator: Aggregator = "fedavg"
+    trim_fraction: float = 0.25
+    clip_multiple: float = 1.0
+    flag_norm_ratio: float = 3.0
+    flag_cosine_z: float = 4.0
+
+    @classmethod
+    def of(cls, f: FederationCfg) -> Rule:
+        """The recipe's rule (its federation section)."""
+        return cls(f.aggregator, f.trim_fraction, f.clip_multiple, f.flag_norm_ratio, f.flag_cosine_z)
+
+    def trim(self, k: int) -> int:
+        """Values dropped from each side of a coordinate's k sorted values."""
+        if self.aggregator == "median":
+            return (k - 1) // 2
+        b = math.floor(self.trim_fraction * k)
+        if b < 1 or k - 2 * b < 1:
+            raise WeightsError(
+                f"trimmed_mean over {k} clients with federation.trim_fraction={self.trim_fraction} trims "
+                f"{b} per side; it needs 1 <= trim_fraction x clients < clients / 2"
+            )
+        return b
+
+
+FEDAVG = Rule()  # the default: FedAvg, scored
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One member's anomaly scores, per live client in input order."""
+
+    norm: list[float]
+    cos_mean: list[float]
+    cos_peers: list[float | None]
+    flagged: list[bool]
+
+    def row(self, ids: Sequence[int]) -> dict[str, dict[str, float | bool | None]]:
+        """client id -> its scores, as the round's metrics row holds them."""
+        return {
+            str(c): {"norm": n, "cos_mean": m, "cos_peers": p, "flagged": f}
+            for c, n, m, p, f in zip(ids, self.norm, self.cos_mean, self.cos_peers, self.flagged, strict=True)
+        }
+
+
+RoundScores = dict[str, dict[str, dict[str, float | bool | None]]]  # member -> client id -> `Scores.row`
+
+
+def _cos(dot: float, a: float, b: float) -> float:
+    return dot / (a * b) if a > 0 and b > 0 else 0.0
+
+
+def scores_from_gram(gram: np.ndarray, factors: Sequence[float], rule: Rule, numel: int) -> Scores:
+    """Norms, cosines and flags from the updates' Gram matrix over `numel` coordinates (module doc)."""
+    k = len(factors)
+    norm = [math.sqrt(max(float(gram[i, i]), 0.0)) for i in range(k)]
+    f = np.asarray(factors, dtype=np.float64)
+    to_mean = gram @ f
+    mean_norm = math.sqrt(max(float(f @ to_mean), 0.0))
+    cos_mean = [_cos(float(to_mean[i]), norm[i], mean_norm) for i in range(k)]
+    cos_peers: list[float | None] = [
+        statistics.median(_cos(float(gram[i, j]), norm[i], norm[j]) for j in range(k) if j != i) if k > 1 else None
+        for i in range(k)
+    ]
+    median_norm, chance = statistics.median(norm), rule.flag_cosine_z / math.sqrt(max(numel, 1))
+    flagged = [
+        k >= 3 and (n > rule.flag_norm_ratio * median_norm or (p is not None and p < chance))
+        for n, p in zip(norm, cos_peers)
+    ]
+    return Scores(norm, cos_mean, cos_peers, flagged)
+
+
+class _Pass:
+    """The combine of one pass over (live clients..., w): the Gram of the updates (`gram`), and
+    the output piece from `rule_fn` when the pass writes."""
+
+    def __init__(self, k: int, gram: bool, rule_fn: RuleFn | None) -> None:
+        self.k, self.rule_fn = k, rule_fn
+        self.gram = np.zeros((k, k), dtype=np.float64) if gram else None
+        self.numel = 0  # floating coordinates seen
+        self.scratch = torch.empty(0)
+
+    def stack(self, n: int) -> torch.Tensor:
+        """A k x n fp32 scratch matrix, reused across pieces (O(piece x clients))."""
+        if self.scratch.numel() < self.k * n:
+            self.scratch = torch.empty(self.k * max(n, PIECE_BYTES // 4))
+        return self.scratch[: self.k * n].view(self.k, n)
+
+    def __call__(self, info: TensorInfo, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        *clients, w = ins
+        name = info.name
+        if not w.is_floating_point():  # carried, not averaged: every client holds the same values
+            for acc in outs:
+                for i, x in enumerate(clients):
+                    _fold(acc, x, 1.0, i == 0, name)
+            return
+        if self.gram is not None:
+            d = self.stack(w.numel())
+            for i, x in enumerate(clients):
+                torch.sub(x, w, out=d[i])
+            g = torch.mm(d, d.t())
+            if not bool(torch.isfinite(g).all()):
+                raise NonFinitePiece(repr(name))
+            self.gram += g.numpy()
+            self.numel += w.numel()
+        if outs and self.rule_fn is not None:
+            (acc,) = outs
+            self.rule_fn(self, acc, clients, w, info)
+
+
+class RuleFn(Protocol):
+    """Writes one output piece from the clients' pieces and w's (the pass lends its scratch);
+    raises NonFinitePiece when the piece is not finite."""
+
+    def __call__(
+        self, p: _Pass, acc: torch.Tensor, clients: list[torch.Tensor], w: torch.Tensor, info: TensorInfo
+    ) -> None:
+        """Write `acc`."""
+
+
+class _Fold:
+    """FedAvg's fold over the clients (and w, when its factor is not 0)."""
+
+    def __init__(self, client_factors: Sequence[float], w_factor: float) -> None:
+        self.with_w = w_factor != 0
+        self.fold = fold_with([*client_factors, *([w_factor] if self.with_w else [])])
+
+    def __call__(
+        self, p: _Pass, acc: torch.Tensor, clients: list[torch.Tensor], w: torch.Tensor, info: TensorInfo
+    ) -> None:
+        self.fold(info, [*clients, *([w] if self.with_w else [])], [acc])
+
+
+NETWORK_MAX = 16  # up to this many clients a sorting network beats torch.sort (x10 at k = 4, measured)
+
+
+def sorting_network(k: int) -> list[tuple[int, int]]:
+    """Batcher's odd-even merge sort for k values: compare-exchange pairs (i < j), in order.
+    Built for the next power of two and cut to k (the missing values are +inf: their comparators
+    are no-ops)."""
+    out, size, p = [], 1 << max(k - 1, 0).bit_length(), 1
+    while p < size:
+        step = p
+        while step >= 1:
+            for j in range(step % p, size - step, 2 * step):
+                for i in range(min(step, size - j - step)):
+                    a, b = i + j, i + j + step
+                    if a // (2 * p) == b // (2 * p) and b < k:
+                        out.append((a, b))
+            step //= 2
+        p *= 2
+    return out
+
+
+class _Trimmed:
+    """Coordinate-wise trimmed mean (b per side) of the clients' values, then the server step.
+    The k values of each coordinate are sorted by a sorting network (two elementwise passes per
+    comparator, no index tensor) up to `NETWORK_MAX` clients, by torch.sort beyond."""
+
+    def __init__(self, k: int, b: int, server_lr: float) -> None:
+        self.k, self.b, self.server_lr = k, b, server_lr
+        self.network = sorting_network(k) if k <= NETWORK_MAX else None
+        self.spare = torch.empty(0)
+        self.order = torch.empty(0, dtype=torch.int64)
+
+    def __call__(
+        self, p: _Pass, acc: torch.Tensor, clients: list[torch.Tensor], w: torch.Tensor, info: TensorInfo
+    ) -> None:
+        n = w.numel()
+        stack = p.stack(n)  # the Gram is done with it
+        for i, x in enumerate(clients):
+            stack[i].copy_(x)
+        rows = self._sorted(stack, n)
+        keep = rows[self.b : self.k - self.b]
+        acc.copy_(keep[0])
+        for row in keep[1:]:
+            acc.add_(row)
+        if len(keep) > 1:
+            acc.div_(len(keep))
+        if self.server_lr != 1.0:
+            acc.mul_(self.server_lr).add_(w, alpha=1.0 - self.server_lr)
+        if not _finite(acc):
+            raise NonFinitePiece(repr(info.name))
+
+    def _sorted(self, stack: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """The rows of `stack` sorted per coordinate, lowest first (rows may be spare buffers)."""
+        if self.network is None:
+            if self.order.numel() < self.k * n:
+                self.order = torch.empty(self.k * max(n, PIECE_BYTES // 4), dtype=torch.int64)
+            values = torch.empty_like(stack)
+            torch.sort(stack, dim=0, out=(values, self.order[: self.k * n].view(self.k, n)))
+            return list(values)
+        if self.spare.numel() < n:
+            self.spare = torch.empty(max(n, PIECE_BYTES // 4))
+        rows, spare = list(stack), self.spare[:n]
+        for a, b in self.network:
+            torch.minimum(rows[a], rows[b], out=spare)
+            torch.maximum(rows[a], rows[b], out=rows[b])
+            rows[a], spare = spare, rows[a]
+        return rows
+
+
+@dataclass
+class _Round:
+    """One member's live clients and the round's global model (last), in memory or as manifests."""
+
+    labels: list[str]
+    shard_bytes: int
+    states: list[tuple[int, Mapping[str, torch.Tensor]]] | None = None
+    manifests: list[tuple[int, Manifest]] | None = None
+
+    def run(self, combine: Combine, out_dir: Path | None) -> Manifest | None:
+        """One pass of `combine`; writes `out_dir` unless it is None."""
+        out_dirs = [] if out_dir is None else [out_dir]
+        if self.states is not None:
+            states = combine_states(self.states, self.labels, combine, len(out_dirs))
+            outs = [save_shards(o, d, self.shard_bytes) for o, d in zip(states, out_dirs)]
+        else:
+            assert self.manifests is not None
+            outs = stream_manifests(self.manifests, self.labels, combine, out_dirs, self.shard_bytes)
+        return outs[0] if outs else None
+
+
+def aggregate_refs(
+    items: Sequence[tuple[WeightsRef, Mapping[str, torch.Tensor], float]],
+    channel: Channel,
+    out_dir: Path,
+    previous: Path,
+    rule: Rule,
+    names: Sequence[str] | None = None,
+    server_lr: float = 1.0,
+) -> tuple[Manifest, Scores]:
+    """One member of a round's replies (ref, inline state, num-examples) aggregated by `rule`
+    into the fresh weights dir `out_dir`, stepping from `previous` (the round's global weights
+    dir) with server learning rate `server_lr`, and the live clients' scores (zero-weight
+    clients are skipped: neither read nor scored). NaN/Inf uploads raise NonFiniteWeightsError
+    naming them; nothing is written."""
+    weights = [w for _, _, w in items]
+    if not replies_inline(items):
+        ms = [(channel.manifest(r), w) for (r, _, _), w in zip(items, weights)]
+        return aggregate_manifests(ms, previous, out_dir, channel.shard_bytes, rule, server_lr, names)
+    live = [i for i, f in enumerate(weight_factors(weights)) if f != 0]
+    states = [channel.state(r, a) for r, a, _ in items]
+    rnd = _Round([*_labels(names, len(items)), PREVIOUS], channel.shard_bytes)
+    rnd.states = [*((i, states[i]) for i in live), (len(items), load_shards(previous))]
+    return _aggregate(rnd, [weights[i] for i in live], rule, server_lr, out_dir)
+
+
+def aggregate_manifests(
+    inputs: Sequence[tuple[Manifest, float]],
+    previous: Manifest | Path,
+    out_dir: Path,
+    shard_bytes: int,
+    rule: Rule,
+    server_lr: float = 1.0,
+    names: Sequence[str] | None = None,
+) -> tuple[Manifest, Scores]:
+    """`aggregate_refs` over sharded uploads (manifest, num-examples), streamed from disk."""
+    weights = [w for _, w in inputs]
+    live = [i for i, f in enumerate(weight_factors(weights)) if f != 0]
+    w = step_from_manifest(previous, inputs[live[0]][0], "the aggregator and the anomaly scores read it")
+    rnd = _Round([*_labels(names, len(inputs)), PREVIOUS], shard_bytes)
+    rnd.manifests = [*((i, inputs[i][0]) for i in live), (len(inputs), w)]
+    return _aggregate(rnd, [weights[i] for i in live], rule, server_lr, out_dir)
+
+
+def _aggregate(rnd: _Round, weights: list[float], rule: Rule, eta: float, out_dir: Path) -> tuple[Manifest, Scores]:
+    """The rule's pass(es) over one member's live clients (their num-examples `weights`)."""
+    k, factors = len(weights), weight_factors(weights)
+    if rule.aggregator == "clipped":
+        first = _Pass(k, gram=True, rule_fn=None)
+        rnd.run(first, None)
+        assert first.gram is not None
+        scores = scores_from_gram(first.gram, factors, rule, first.numel)
+        bound = rule.clip_multiple * statistics.median(scores.norm)
+        kept = [min(1.0, bound / n) if n > 0 else 1.0 for n in scores.norm]
+        w_factor = eta * sum(f * (1.0 - s) for f, s in zip(factors, kept)) + (1.0 - eta)
+        out = rnd.run(
+            _Pass(k, gram=False, rule_fn=_Fold([eta * f * s for f, s in zip(factors, kept)], w_factor)), out_dir
+        )
+        assert out is not None
+        return out, scores
+    rule_fn: RuleFn
+    if rule.aggregator == "fedavg":
+        rule_fn = _Fold(*server_step_factors(weights, eta, has_previous=True))
+    else:
+        rule_fn = _Trimmed(k, rule.trim(k), eta)
+    one = _Pass(k, gram=True, rule_fn=rule_fn)
+    out = rnd.run(one, out_dir)
+    assert out is not None and one.gram is not None
+    return out, scores_from_gram(one.gram, factors, rule, one.numel)
+
+
+def flagged_clients(scores: RoundScores) -> list[int]:
+    """The clients any member's scores flag (member -> client id -> scores, as `Scores.row`)."""
+    return sorted({int(c) for rows in scores.values() for c, row in rows.items() if row["flagged"]})

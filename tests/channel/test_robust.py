@@ -1,0 +1,381 @@
+"""Robust aggregation and anomaly scores (fl_app.robust, issue #39): every aggregator against a
+plain torch reference on multi-shard models, inline == streamed bit for bit, deterministic,
+FedAvg's bits unchanged, scores against a reference, poisoned updates flagged and clean ones
+not, non-finite uploads refused even where a trim would drop them, peak memory O(piece x
+clients), and PPO's critic aggregated beside the actor."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from client_app.poison import noise_seed, poisoned, poisons
+from fl_app.aggregate import NonFiniteWeightsError, fedavg_refs
+from fl_app.calls import RECORD, Reply
+from fl_app.channel import Channel, WeightsRef
+from fl_app.channel.run_dir import DirStore
+from fl_app.config import ConfigError, PoisonCfg, load_config
+from fl_app.robust import NETWORK_MAX, Rule, aggregate_refs, sorting_network
+from fl_app.weights import load_shards, save_shards
+from partitions.uniform import sample_clients, sampling_seed
+from server_app.strategy import StreamingAggregator
+
+SHARD = 20_000  # bytes: many shards per model, tensors spanning shards' pieces
+AGGREGATORS = ("fedavg", "clipped", "trimmed_mean", "median")
+
+
+def _net(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+    return {k: v.detach().clone() for k, v in net.state_dict().items()} | {"ids": torch.arange(6)}
+
+
+def _trained(w: dict[str, torch.Tensor], seed: int, steps: int = 4) -> dict[str, torch.Tensor]:
+    """A client's real local training from `w`: a few Adam steps on its own samples of one shared
+    regression task (as clients of one federation train on their own shards of one env)."""
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+    net.load_state_dict({k: v for k, v in w.items() if k != "ids"})
+    task = torch.Generator().manual_seed(1234)
+    target = torch.randn(64, 64, generator=task) / 8
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    for _ in range(steps):
+        x = torch.randn(128, 64, generator=g)
+        loss = ((net(x) - x @ target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()} | {"ids": w["ids"].clone()}
+
+
+def _channel(root: Path, inline: bool) -> Channel:
+    return Channel(
+        DirStore(root, SHARD), cache_dir=root / "cache", inline_max_bytes=1 << 30 if inline else 0, shard_bytes=SHARD
+    )
+
+
+def _items(root: Path, channel: Channel, states: list[dict[str, torch.Tensor]], weights: list[float]) -> list:
+    """The round's replies as the server receives them: (ref, inline arrays, num-examples)."""
+    out = []
+    for c, (s, n) in enumerate(zip(states, weights)):
+        key = f"uploads/{root.name}/client-{c}"
+        assert isinstance(channel.store, DirStore)
+        ref, arrays = channel.put(save_shards(s, channel.store.path(key), SHARD).root, key)
+        out.append((ref, arrays, n))
+    return out
+
+
+def _bits(state: dict[str, torch.Tensor]) -> bytes:
+    return b"".join(t.contiguous().numpy().tobytes() for t in state.values())
+
+
+def _reference(
+    agg: str,
+    w: dict[str, torch.Tensor],
+    xs: list[dict[str, torch.Tensor]],
+    weights: list[float],
+    rule: Rule,
+    eta: float,
+) -> dict[str, torch.Tensor]:
+    """The aggregators' definitions in float64 torch, whole tensors at once."""
+    f = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+    floats = [k for k in w if w[k].is_floating_point()]
+    d = {k: torch.stack([x[k].double() - w[k].double() for x in xs]) for k in floats}
+    norms = torch.sqrt(sum((d[k].flatten(1) ** 2).sum(1) for k in floats))
+    out = {}
+    for k in floats:
+        xk = torch.stack([x[k].double() for x in xs])
+        shape = (-1,) + (1,) * (xk.dim() - 1)
+        if agg == "fedavg":
+            a = (xk * f.view(shape)).sum(0)
+        elif agg == "clipped":
+            c = (
+                rule.clip_multiple * norms.median()
+                if len(xs) % 2
+                else rule.clip_multiple * norms.sort().values[1:3].mean()
+            )
+            scale = torch.clamp(c / norms, max=1.0)
+            a = w[k].double() + (d[k] * (f * scale).view(shape)).sum(0)
+        elif agg == "median":
+            a = torch.quantile(xk, 0.5, dim=0)
+        else:
+            b = math.floor(rule.trim_fraction * len(xs))
+            a = xk.sort(0).values[b : len(xs) - b].mean(0)
+        out[k] = w[k].double() + eta * (a - w[k].double())
+    return out
+
+
+@pytest.mark.parametrize("agg", AGGREGATORS)
+def test_each_aggregator_matches_its_definition_inline_and_streamed_bit_for_bit(tmp_path, agg):
+    w = _net(0)
+    states = [_trained(w, s) for s in range(4)] + [_trained(w, 9, steps=40)]  # one large update to clip
+    weights = [3.0, 5.0, 1.0, 9.0, 4.0]
+    prev = save_shards(w, tmp_path / "global", SHARD).root
+    rule = Rule(agg, trim_fraction=0.2, clip_multiple=1.5)
+    for eta in (1.0, 1.5):
+        outs = {}
+        for inline in (True, False):
+            ch = _channel(tmp_path / f"{inline}-{eta}", inline)
+            items = _items(tmp_path / f"{inline}-{eta}", ch, states, weights)
+            m, scores = aggregate_refs(items, ch, tmp_path / f"out-{inline}-{eta}", prev, rule, server_lr=eta)
+            outs[inline] = load_shards(m.root)
+            again, _ = aggregate_refs(items, ch, tmp_path / f"again-{inline}-{eta}", prev, rule, server_lr=eta)
+            assert again.sha256 == m.sha256  # deterministic: the same inputs, the same bits
+        assert _bits(outs[True]) == _bits(outs[False])  # inline == streamed
+        want = _reference(agg, w, states, weights, rule, eta)
+        for k, t in outs[True].items():
+            assert t.dtype == w[k].dtype
+            if k in want:
+                torch.testing.assert_close(t.double(), want[k], rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(t, w[k])  # carried, not averaged
+    if agg == "clipped":  # the large update was clipped: the result differs from FedAvg's
+        fedavg = _reference("fedavg", w, states, weights, rule, 1.0)
+        assert not torch.allclose(outs[True]["0.weight"].double(), fedavg["0.weight"], atol=1e-6)
+
+
+def test_the_sorting_network_sorts_every_input_of_up_to_12_values():
+    for k in range(1, 13):  # the 0-1 principle: a network that sorts every 0/1 input sorts every input
+        net = sorting_network(k)
+        for bits in itertools.product((0, 1), repeat=k):
+            v = list(bits)
+            for a, b in net:
+                v[a], v[b] = min(v[a], v[b]), max(v[a], v[b])
+            assert v == sorted(v), (k, bits)
+    assert len(sorting_network(4)) == 5  # the optimal network for 4
+
+
+@pytest.mark.parametrize("k", [3, 4, 6, NETWORK_MAX + 1])
+@pytest.mark.parametrize("agg", ["trimmed_mean", "median"])
+def test_coordinate_wise_aggregators_match_torch_for_any_number_of_clients(tmp_path, k, agg):
+    g = torch.Generator().manual_seed(k)
+    w = {"a": torch.randn(3000, generator=g), "b": torch.randn(7, 5, generator=g)}
+    states = [{n: t + torch.randn(t.shape, generator=g) * 0.1 for n, t in w.items()} for _ in range(k)]
+    states[0]["a"][:10] = states[1]["a"][:10]  # ties
+    prev = save_shards(w, tmp_path / "global", SHARD).root
+    rule = Rule(agg, trim_fraction=0.34 if k < 6 else 0.2)
+    ch = _channel(tmp_path, inline=True)
+    m, _ = aggregate_refs(_items(tmp_path, ch, states, [1.0] * k), ch, tmp_path / "out", prev, rule)
+    got, want = load_shards(m.root), _reference(agg, w, states, [1.0] * k, rule, 1.0)
+    for n in w:
+        torch.testing.assert_close(got[n].double(), want[n], rtol=1e-6, atol=1e-6)
+
+
+def test_fedavg_through_the_scoring_pass_gives_fedavg_s_bits(tmp_path):
+    w = _net(0)
+    states, weights = [_trained(w, s) for s in range(3)], [12.0, 30.0, 7.0]
+    prev = save_shards(w, tmp_path / "global", SHARD).root
+    for inline in (True, False):
+        for eta in (1.0, 0.7):
+            ch = _channel(tmp_path / f"{inline}{eta}", inline)
+            items = _items(tmp_path / f"{inline}{eta}", ch, states, weights)
+            ours, _ = aggregate_refs(items, ch, tmp_path / f"r{inline}{eta}", prev, Rule(), server_lr=eta)
+            theirs = fedavg_refs(items, ch, tmp_path / f"f{inline}{eta}", previous=prev, server_lr=eta)
+            assert ours.sha256 == theirs.sha256
+
+
+def test_scores_match_a_torch_reference_and_zero_weight_clients_are_not_scored(tmp_path):
+    w = _net(0)
+    states, weights = [_trained(w, s) for s in range(4)], [2.0, 0.0, 3.0, 5.0]
+    prev = save_shards(w, tmp_path / "global", SHARD).root
+    ch = _channel(tmp_path, inline=False)
+    _, scores = aggregate_refs(_items(tmp_path, ch, states, weights), ch, tmp_path / "out", prev, Rule())
+    live = [0, 2, 3]
+    d = [torch.cat([(states[i][k].double() - w[k].double()).flatten() for k in w if k != "ids"]) for i in live]
+    f = torch.tensor([weights[i] for i in live], dtype=torch.float64)
+    mean = sum(fi * di for fi, di in zip(f / f.sum(), d))
+    cos = torch.nn.functional.cosine_similarity
+    assert len(scores.norm) == 3
+    for j, dj in enumerate(d):
+        assert scores.norm[j] == pytest.approx(float(dj.norm()), rel=1e-5)
+        assert scores.cos_mean[j] == pytest.approx(float(cos(dj, mean, dim=0)), abs=1e-5)
+        peers = statistics.median(float(cos(dj, dk, dim=0)) for k, dk in enumerate(d) if k != j)
+        assert scores.cos_peers[j] == pytest.approx(peers, abs=1e-5)
+    assert not any(scores.flagged)
+
+
+@pytest.mark.parametrize("kind", ["scale", "sign_flip", "noise"])
+@pytest.mark.parametrize("agg", ["fedavg", "median"])
+def test_a_poisoned_update_is_flagged_and_no_clean_one(tmp_path, kind, agg):
+    w = _net(0)
+    prev = save_shards(w, tmp_path / "global", SHARD).root
+    poison = PoisonCfg(kind=kind)
+    for victim in range(4):
+        states = [_trained(w, 10 * victim + s) for s in range(4)]
+        states[victim] = poisoned(w, states[victim], poison, noise_seed(0, 1, victim, "actor"))
+        ch = _channel(tmp_path / str(victim), inline=True)
+        items = _items(tmp_path / str(victim), ch, states, [8.0] * 4)
+        _, scores = aggregate_refs(items, ch, tmp_path / f"out{victim}", prev, Rule(agg))
+        assert scores.flagged == [i == victim for i in range(4)], (kind, victim, scores)
+    clean = [_trained(w, 100 + s) for s in range(4)]
+    ch = _channel(tmp_path / "clean", inline=True)
+    _, scores = aggregate_refs(_items(tmp_path / "clean", ch, clean, [8.0] * 4), ch, tmp_path / "c", prev, Rule(agg))
+    assert not any(scores.flagged), scores
+
+
+def test_poisoned_updates_are_what_their_kind_says_and_reproducible():
+    w = _net(0)
+    x = _trained(w, 1)
+    d = {k: x[k] - w[k] for k in w if k != "ids"}
+    scaled = poisoned(w, x, PoisonCfg(kind="scale", factor=100.0), 0)
+    flipped = poisoned(w, x, PoisonCfg(kind="sign_flip"), 0)
+    noise = poisoned(w, x, PoisonCfg(kind="noise"), 7)
+    for k in d:
+        torch.testing.assert_close(scaled[k] - w[k], 100 * d[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(flipped[k] - w[k], -d[k], rtol=1e-4, atol=1e-7)
+    assert torch.equal(scaled["ids"], x["ids"])
+    norm = lambda s: math.sqrt(sum(float(((s[k] - w[k]).double() ** 2).sum()) for k in d))  # noqa: E731
+    assert norm(noise) == pytest.approx(norm(x), rel=1e-3)
+    assert _bits(noise) == _bits(poisoned(w, x, PoisonCfg(kind="noise"), 7))  # seeded
+    assert _bits(noise) != _bits(poisoned(w, x, PoisonCfg(kind="noise"), 8))
+
+
+def test_the_round_s_first_sampled_client_poisons_unless_clients_are_listed():
+    cfg = load_config("tiny-shop-grpo-4clients-poison-scale")
+    seed = sampling_seed(cfg.run.seed, cfg.federation.sampling_seed)
+    for r in (1, 2, 3):
+        first = sample_clients(seed, r, cfg.federation.clients, cfg.federation.clients_per_round)[0]
+        assert [c for c in range(cfg.federation.clients) if poisons(cfg, r, c)] == [first]
+    listed = load_config("tiny-shop-grpo-4clients-poison-scale", overrides={"faults.poison.clients": "[5, 7]"})
+    assert [c for c in range(100) if poisons(listed, 1, c)] == [5, 7]
+    assert not any(poisons(load_config("tiny-shop-grpo-4clients"), 1, c) for c in range(100))
+
+
+@pytest.mark.parametrize("agg", ["fedavg", "trimmed_mean", "median", "clipped"])
+def test_a_non_finite_upload_is_refused_even_where_the_trim_would_drop_it(tmp_path, agg):
+    w = _net(0)
+    states = [_trained(w, s) for s in range(4)]
+    states[2]["2.bias"][5] = float("nan")
+    prev = save_shards(w, tmp_path / "global", SHARD).root
+    for inline in (True, False):
+        ch = _channel(tmp_path / str(inline), inline)
+        out = tmp_path / f"out{inline}"
+        with pytest.raises(NonFiniteWeightsError, match="client 2") as err:
+            aggregate_refs(
+                _items(tmp_path / str(inline), ch, states, [1.0] * 4),
+                ch,
+                out,
+                prev,
+                Rule(agg),
+                names=[f"client {c}" for c in range(4)],
+            )
+        assert err.value.inputs == [2]
+        assert not (out / "manifest.json").exists()
+
+
+def _member_reply(cid: int, refs: dict[str, WeightsRef]) -> Message:
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    reply = Reply(weights=refs, client_id=cid)
+    content = RecordDict(
+        {RECORD: ConfigRecord({RECORD: reply.model_dump_json()}), "metrics": MetricRecord({"num-examples": 8})}
+    )
+    return Message(content=content, dst_node_id=0, message_type="train")
+
+
+def test_ppo_s_critic_is_aggregated_and_scored_beside_the_actor(tmp_path):
+    members = {"actor": _net(0), "critic": _net(1)}
+    store = DirStore(tmp_path, SHARD)
+    ch = Channel(store, cache_dir=tmp_path / "cache", inline_max_bytes=0, shard_bytes=SHARD)
+    own = lambda c: {m: f"rounds/round-0001/clients/client-{c:04d}/{m}" for m in members}  # noqa: E731
+    previous = {m: save_shards(w, tmp_path / "rounds/round-0000" / m, SHARD).root for m, w in members.items()}
+    sent: dict[str, list[dict[str, torch.Tensor]]] = {m: [] for m in members}
+    replies = {}
+    for c in range(4):
+        refs = {}
+        for m, w in members.items():
+            x = _trained(w, 10 * c + len(m))
+            if c == 3:
+                x = poisoned(w, x, PoisonCfg(kind="sign_flip"), 0)
+            sent[m].append(x)
+            mf = store.put(own(c)[m], x)
+            refs[m] = WeightsRef(inline=False, nbytes=mf.tensor_bytes, key=own(c)[m], manifest_sha256=mf.sha256)
+        replies[c] = _member_reply(c, refs)
+    agg = StreamingAggregator("fedavg", 0.0, rule=Rule("median"))
+    out_dirs = {m: tmp_path / "rounds/round-0001" / m for m in members}
+    manifests, _, scores = agg.aggregate_train(replies, ch, out_dirs, own, previous)
+    for m, w in members.items():
+        want = _reference("median", w, sent[m], [8.0] * 4, Rule("median"), 1.0)
+        got = load_shards(manifests[m].root)
+        for k in want:
+            torch.testing.assert_close(got[k].double(), want[k], rtol=1e-5, atol=1e-6)
+        assert [c for c, s in scores[m].items() if s["flagged"]] == ["3"], scores[m]
+
+
+_PEAK_CHILD = """
+import json, sys
+from pathlib import Path
+from fl_app.robust import Rule, _aggregate, _Round
+from fl_app.weights import Manifest
+
+def status_kb(field):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":"))
+
+agg, out, shard = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ms = [Manifest.from_dir(Path(p)) for p in sys.argv[4:]]  # the clients, then w
+rnd = _Round([f"input {i}" for i in range(len(ms))], shard, manifests=list(enumerate(ms)))
+_aggregate(rnd, [1.0] * (len(ms) - 1), Rule(agg), 1.0, Path(out + "-warm-up"))
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
+before = status_kb("VmRSS")
+_aggregate(rnd, [1.0] * (len(ms) - 1), Rule(agg), 1.0, Path(out))
+print(json.dumps({"peak_increase_bytes": (status_kb("VmHWM") - before) * 1024}))
+"""
+
+
+def _peak(tmp_path: Path, agg: str, dirs: list[str], shard: int) -> int:
+    res = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, agg, str(tmp_path / agg), str(shard), *dirs[1:], dirs[0]],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    return json.loads(res.stdout.strip().splitlines()[-1])["peak_increase_bytes"]
+
+
+def test_streaming_robust_aggregation_memory_does_not_grow_with_the_model(tmp_path):
+    # 4 clients + w in 1 MiB shards, models of 8 and 32 MiB: holding the models would add 5 x the
+    # size (+120 MiB from one size to the other); the passes hold a few pieces per input and a
+    # k x piece stack, whatever the model's size.
+    g = torch.Generator().manual_seed(0)
+    shard = 1 << 20
+    dirs: dict[int, list[str]] = {}
+    for mib in (8, 32):
+        dirs[mib] = []
+        for c in range(5):
+            state = {f"t{i}": torch.randn(1 << 18, generator=g) for i in range(mib)}
+            dirs[mib].append(str(save_shards(state, tmp_path / f"c{mib}-{c}", shard).root))
+            del state
+    for agg in ("median", "clipped"):
+        small, large = (_peak(tmp_path / f"{agg}{mib}", agg, dirs[mib], shard) for mib in (8, 32))
+        assert large - small < 4 << 20, f"{agg}: peak RSS {small / 2**20:.1f} -> {large / 2**20:.1f} MiB"
+
+
+def test_recipe_load_refuses_a_robust_aggregator_the_round_cannot_feed():
+    base = {"federation.clients_per_round": 4}
+    load_config("tiny-shop-grpo", overrides={**base, "federation.aggregator": "trimmed_mean"})  # 0.25 x 4 = 1
+    with pytest.raises(ConfigError, match=r"trim_fraction=0.2 .*round of 4 clients.*trims none.*at least 0.25"):
+        load_config(
+            "tiny-shop-grpo",
+            overrides={**base, "federation.aggregator": "trimmed_mean", "federation.trim_fraction": 0.2},
+        )
+    with pytest.raises(ConfigError, match="trims none"):  # the tolerated round is the one that counts
+        load_config(
+            "tiny-shop-grpo",
+            overrides={**base, "federation.aggregator": "trimmed_mean", "federation.min_clients_per_round": 3},
+        )
+    with pytest.raises(ConfigError, match="median over a round of 2 clients is their mean"):
+        load_config("tiny-shop-grpo", overrides={"federation.aggregator": "median"})
+    with pytest.raises(ConfigError, match="trim_fraction"):
+        load_config("tiny-shop-grpo", overrides={"federation.trim_fraction": 0.5})
+    with pytest.raises(ConfigError, match="faults.poison.clients is set but faults.poison.kind=none"):
+        load_config("tiny-shop-grpo", overrides={"faults.poison.clients": "[3]"})
