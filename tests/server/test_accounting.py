@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+from metrics_support import old_row
 from tb_support import events as _events
 
 from fl_app.accounting import CLIENT_PHASES, PHASES, client_entry, client_traffic, phases_of, round_accounting
@@ -64,27 +65,12 @@ def test_bytes_per_client_and_member_add_up_to_the_round_s_totals():
     assert set(acc["per_client"]["4"]["phases"]) == set(CLIENT_PHASES)
 
 
-def _old_row(rnd: int) -> dict:
-    """A round row as fedagent-flower wrote it before the accounting keys."""
-    return {
-        "round": rnd,
-        "wall_s": 10.0,
-        "aggregate_s": 1.0,
-        "fits_rollout_update_s": 6.0,
-        "fits_load_s": 0.5,
-        "fits_export_s": 0.5,
-        "fits_total_s": 7.5,
-        "val_success": 0.25,
-        "bytes_moved": 4000,
-    }
-
-
 def test_a_row_from_before_the_accounting_keys_still_has_phases_and_plots(tmp_path):
-    ph = phases_of(_old_row(1))
+    ph = phases_of(old_row(1))
     assert ph is not None and ph["rollout"] == 6.0 and ph["other"] == pytest.approx(2.0)
     assert phases_of({"round": 0, "wall_s": 3.0, "val_success": 0.1}) is None
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("\n".join(json.dumps(r) for r in ({"round": 0, "val_success": 0.1}, _old_row(1))) + "\n")
+    metrics.write_text("\n".join(json.dumps(r) for r in ({"round": 0, "val_success": 0.1}, old_row(1))) + "\n")
     assert plot_phases(metrics, tmp_path / "phases.png").read_bytes()[:8] == PNG
     metrics.write_text(json.dumps({"round": 0, "val_success": 0.1}) + "\n")
     with pytest.raises(ValueError, match="no round with phase times"):
@@ -92,7 +78,7 @@ def test_a_row_from_before_the_accounting_keys_still_has_phases_and_plots(tmp_pa
 
 
 def test_tensorboard_holds_every_row_as_it_is_written_and_a_resume_appends(tmp_path):
-    row = {**_old_row(1), **_round(20.0, 8.0), "clients": [4, 9]}
+    row = {**old_row(1), **_round(20.0, 8.0), "clients": [4, 9]}
     board = Board(tmp_path)
     t0 = time.perf_counter()
     board.add_row(1, row)

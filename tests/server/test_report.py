@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from metrics_support import old_row
 
 from fl_app.accounting import client_entry, client_traffic, round_accounting
 from server_app.report import main, report
@@ -84,17 +85,7 @@ def test_several_runs_form_arms_by_config_with_a_table_and_a_band_plot(tmp_path,
 def test_rows_from_before_the_accounting_keys_still_report(tmp_path):
     """A run dir written before per_client, bytes_down/up and phase_s: its fit sums and
     bytes_moved still give phases and bytes."""
-    old = {
-        "round": 1,
-        "val_success": 0.5,
-        "wall_s": 10.0,
-        "aggregate_s": 1.0,
-        "fits_rollout_update_s": 6.0,
-        "fits_load_s": 0.5,
-        "fits_export_s": 0.5,
-        "fits_total_s": 7.5,
-        "bytes_moved": 4000,
-    }
+    old = old_row(1, val_success=0.5)
     d = _run(tmp_path, "old", 0, [], rows=[{"round": 0, "val_success": 0.1, "wall_s": 1.0}, old])
     s = report([d], None)["run"]
     assert s["phase_s_per_round"]["rollout"] == 6.0 and s["phase_s_per_round"]["other"] == pytest.approx(2.0)
