@@ -513,6 +513,15 @@ class Deployment:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
 
+    def node_pid(self, name: str) -> int:
+        """The pid of host `name`'s `flower-supernode`: the owner of its trainer services (in
+        process isolation it runs beside its SuperExec, under one shell)."""
+        top = psutil.Process(self.procs[name].pid)
+        for proc in [top, *top.children(recursive=True)]:
+            if "flower-supernode" in _cmdline(proc):
+                return proc.pid
+        raise AssertionError(f"no flower-supernode runs on {name}: " + self.log(name)[-3000:])
+
     def service_pids(self) -> dict[str, list[int]]:
         """Trainer service pids by runtime scope (one scope per SuperNode)."""
         rt = self.short / "rt"

@@ -171,8 +171,8 @@ def _kill_a_node_mid_round(tmp_path: Path, recipe: Path) -> tuple[dict, list[dic
             assert rd.last_complete_round() == 1, (tmp_path / "flwr-run.log").read_text()[-4000:]
             time.sleep(3)  # round 2's fits are under way
             scopes = d.service_pids()
-            owner = psutil.Process(d.procs["n1"].pid)
-            dead = [pid for scope, pids in scopes.items() if scope.startswith(f"node-{owner.pid}-") for pid in pids]
+            owner = d.node_pid("n1")
+            dead = [pid for scope, pids in scopes.items() if scope.startswith(f"node-{owner}-") for pid in pids]
             assert dead, scopes
             d.kill("n1")
             deadline = time.monotonic() + 10
