@@ -491,7 +491,8 @@ class Deployment:
             superexec = [sys.executable, "-m", "client_app.superexec", "--insecure"]
             superexec += ["--runtime-api-address", f"127.0.0.1:{runtime_port}"]
             node = shlex.join([*cmd, "--isolation", "process"])
-            script = f"{node} & node=$!; {shlex.join(superexec)} --parent-pid $node & wait"
+            # the host's exit status is the SuperNode's (its SuperExec exits with it)
+            script = f"{node} & node=$!; {shlex.join(superexec)} --parent-pid $node & wait $node"
             cmd = ["bash", "-c", script]
         return self._start(name, cmd, name, self.no_shared, env={"FLWR_HOME": str(self.root / f"flwr-{name}")})
 
@@ -518,8 +519,9 @@ class Deployment:
         process isolation it runs beside its SuperExec, under one shell)."""
         top = psutil.Process(self.procs[name].pid)
         for proc in [top, *top.children(recursive=True)]:
-            if "flower-supernode" in _cmdline(proc):
-                return proc.pid
+            with contextlib.suppress(psutil.Error):  # the program, not a shell whose script names it
+                if any(Path(arg).name == "flower-supernode" for arg in proc.cmdline()[:2]):
+                    return proc.pid
         raise AssertionError(f"no flower-supernode runs on {name}: " + self.log(name)[-3000:])
 
     def service_pids(self) -> dict[str, list[int]]:
