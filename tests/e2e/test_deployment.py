@@ -159,17 +159,19 @@ def test_tls_and_supernode_auth_across_hosts(tmp_path):
 
 def _kill_a_node_mid_round(tmp_path: Path, recipe: Path) -> tuple[dict, list[dict], list[int]]:
     """3 rounds on 2 SuperNodes; once round 1 is complete and round 2's fits run, SIGKILL node 1.
-    Returns the summary, the metrics rows and the dead node's trainer service pids."""
+    Round 2's fits sleep 20 s first (`faults.straggler_*`), so the kill lands mid-message however
+    fast a fit is. Returns the summary, the metrics rows and the dead node's trainer service pids."""
     run_dir = tmp_path / "runs" / "r"
+    slow_round_2 = {"faults.straggler_clients": "[0,1,2,3]", "faults.straggler_rounds": "[2]", "faults.straggler_s": 20}
     with deployment(tmp_path, nodes=2) as d:
-        run = d.submit(run_config(recipe, run_dir, rounds=3), tmp_path / "flwr-run.log")
+        run = d.submit(run_config(recipe, run_dir, rounds=3, **slow_round_2), tmp_path / "flwr-run.log")
         try:
             rd = RunDir(run_dir, total_rounds=3)
             deadline = time.monotonic() + 1800
             while (rd.last_complete_round() or 0) < 1 and run.poll() is None and time.monotonic() < deadline:
                 time.sleep(1)
             assert rd.last_complete_round() == 1, (tmp_path / "flwr-run.log").read_text()[-4000:]
-            time.sleep(3)  # round 2's fits are under way
+            time.sleep(3)  # round 2's fits are under way (asleep for 20 s)
             scopes = d.service_pids()
             owner = d.node_pid("n1")
             dead = [pid for scope, pids in scopes.items() if scope.startswith(f"node-{owner}-") for pid in pids]
