@@ -162,7 +162,11 @@ def _kill_a_node_mid_round(tmp_path: Path, recipe: Path) -> tuple[dict, list[dic
     Round 2's fits sleep 20 s first (`faults.straggler_*`), so the kill lands mid-message however
     fast a fit is. Returns the summary, the metrics rows and the dead node's trainer service pids."""
     run_dir = tmp_path / "runs" / "r"
-    slow_round_2 = {"faults.straggler_clients": "[0,1,2,3]", "faults.straggler_rounds": "[2]", "faults.straggler_s": 20}
+    slow_round_2 = {  # a list travels as a TOML string, read as YAML
+        "faults.straggler_clients": '"[0, 1, 2, 3]"',
+        "faults.straggler_rounds": '"[2]"',
+        "faults.straggler_s": 20,
+    }
     with deployment(tmp_path, nodes=2) as d:
         run = d.submit(run_config(recipe, run_dir, rounds=3, **slow_round_2), tmp_path / "flwr-run.log")
         try:
