@@ -16,8 +16,7 @@ import torch
 from fl_app.calls import Call, FitCall
 from fl_app.config import Config, PoisonCfg
 from fl_app.weights import load_shards, save_shards
-from partitions.uniform import sampling_seed
-from server_app.strategy import ClientSampler
+from partitions.uniform import round_clients, sampling_seed
 
 
 def poisons(cfg: Config, round_: int, client: int) -> bool:
@@ -29,13 +28,8 @@ def poisons(cfg: Config, round_: int, client: int) -> bool:
     if p.clients:
         return client in p.clients
     f = cfg.federation
-    sampler = ClientSampler(
-        seed=sampling_seed(cfg.run.seed, f.sampling_seed),
-        num_clients=f.clients,
-        per_round=f.clients_per_round,
-        only_clients=f.only_clients,
-    )
-    return sampler.sample(round_)[0] == client
+    seed = sampling_seed(cfg.run.seed, f.sampling_seed)
+    return round_clients(seed, round_, f.clients, f.clients_per_round, only_clients=f.only_clients)[0] == client
 
 
 def noise_seed(seed: int, round_: int, client: int, member: str) -> int:

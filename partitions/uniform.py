@@ -65,3 +65,23 @@ def over_selected(seed: int, server_round: int, num_clients: int, sampled: Seque
     if extra > len(rest):
         raise ValueError(f"cannot over-select {extra} of the {len(rest)} clients not sampled")
     return random.Random(f"over-select:{seed}:{server_round}").sample(rest, extra)
+
+
+def round_clients(
+    seed: int,
+    server_round: int,
+    num_clients: int,
+    per_round: int,
+    over_select: int = 0,
+    only_clients: Sequence[int] = (),
+) -> list[int]:
+    """A round's clients in sample order: `only_clients` when set (the local-only baseline), else
+    the seeded draw, then `over_select` more (`over_selected`); its first `per_round` are the draw
+    of a run without over-selection. The server samples with it, and a test fault that names
+    "the round's first client" (client_app.poison) reads the same rule."""
+    if only_clients:
+        return list(only_clients)
+    first = sample_clients(seed, server_round, num_clients, per_round)
+    if not over_select:
+        return first
+    return first + over_selected(seed, server_round, num_clients, first, over_select)

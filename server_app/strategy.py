@@ -41,7 +41,7 @@ from fl_app.channel.remote import WeightStoreUnreachable
 from fl_app.outcomes import outcome_key
 from fl_app.robust import FEDAVG, RoundScores, Rule, aggregate_refs
 from fl_app.weights import Manifest, WeightsError
-from partitions.uniform import over_selected, sample_clients
+from partitions.uniform import round_clients
 
 
 class RoundError(RuntimeError):
@@ -94,15 +94,10 @@ class ClientSampler:
         self.over_select, self.only_clients = over_select, list(only_clients)
 
     def sample(self, server_round: int) -> list[int]:
-        """federation.only_clients when set (the local-only baseline), else a seeded draw, then
-        `over_select` more (`over_selected`): the round's clients in sample order, its first
-        `per_round` the draw of a run without over-selection."""
-        if self.only_clients:
-            return list(self.only_clients)
-        first = sample_clients(self.seed, server_round, self.num_clients, self.per_round)
-        if not self.over_select:
-            return first
-        return first + over_selected(self.seed, server_round, self.num_clients, first, self.over_select)
+        """The round's clients in sample order (partitions.uniform.round_clients)."""
+        return round_clients(
+            self.seed, server_round, self.num_clients, self.per_round, self.over_select, self.only_clients
+        )
 
     @staticmethod
     def assign(clients: Sequence[int], nodes: Sequence[int]) -> dict[int, int]:
