@@ -3,14 +3,15 @@
     python -m bench.deploy_round                       # tests/fixtures/e2e-recipe.yaml, 3 rounds
     python -m bench.deploy_round --rounds 4 --json out.json --keep /tmp/deploy-round   # keep the run dirs
 
-Runs the recipe three times, one after the other on this machine: `flwr run .` as a simulation
-with one virtual SuperNode, then a real loopback `flower-superlink` and one `flower-supernode`
-(`tests/flower_harness.py`) twice: in Flower's default subprocess isolation (every message
-starts a `flwr-clientapp` process) and in process isolation with `client_app.superexec` (every
-message a fork of a warm process). Compares the mean `wall_s` of the rounds after the first
-(round 1 pays the lane's start) and splits what one `flwr-clientapp` process pays before it can
-serve a message (`python -X importtime`): the interpreter, Flower's own modules, torch, and the
-rest of ours.
+Runs the recipe once per arm, one after the other on this machine: `flwr run .` as a simulation
+with one virtual SuperNode, then a real loopback `flower-superlink` and one SuperNode
+(`tests/flower_harness.py`) three ways: `flower-supernode` in Flower's default subprocess
+isolation (every message starts a `flwr-clientapp` process); `flower-supernode --isolation
+process` beside `client_app.superexec` (every message a fork of a warm process, Flower's 3 s
+idle polls); `client_app.node` (those forks, idle polls of 0.2 s: docs/deployment.md).
+Compares the mean `wall_s` of the rounds after the first (round 1 pays the lane's start) and
+splits what one `flwr-clientapp` process pays before it can serve a message (`python -X
+importtime`): the interpreter, Flower's own modules, torch, and the rest of ours.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def clientapp_imports() -> dict[str, float]:
     }
 
 
-ARMS = {"simulation": None, "deployment": "subprocess", "deployment-fork": "process"}
+ARMS = {"simulation": None, "deployment": "subprocess", "deployment-fork": "fork", "deployment-node": "node"}
 
 
 def run_arms(recipe: Path, rounds: int, work: Path, timeout_s: float, arms: list[str]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import psutil
 
 from envs.ports import choose_free_port
 from server_app.local_superlink import stop_superlink
+from tools.sweep import private_flower_env
 
 ROOT = Path(__file__).resolve().parent.parent
 FLWR = str(Path(sys.executable).with_name("flwr"))
@@ -75,23 +76,8 @@ class FlowerRun:
         self.home = home
         # Unix socket paths are limited to 107 bytes: Ray's and ours live in a short dir.
         self.short = Path(tempfile.mkdtemp(prefix="fa-", dir="/tmp"))
-        http_port, control_port = choose_free_port(), choose_free_port()
-        while control_port == http_port:
-            control_port = choose_free_port()
-        self.port = http_port
-        self.env = {
-            **os.environ,
-            "FLWR_HOME": str(home),
-            "FLWR_TELEMETRY_ENABLED": "0",
-            "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
-            "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
-            "RAY_TMPDIR": str(self.short / "ray"),
-            "FEDAGENT_RUNTIME_DIR": str(self.short / "rt"),
-            # flwr starts `flower-superlink` from PATH: this interpreter's, also without an activated venv
-            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        }
+        self.env = private_flower_env(home, self.short)
+        self.port = int(self.env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"])
 
     def command(self, run_config: str, federation_config: str = "num-supernodes=2") -> list[str]:
         return [
@@ -334,11 +320,14 @@ class Deployment:
         auth: bool = False,
         no_shared: list[Path] | None = None,
         bind: str | None = None,
-        isolation: str = "process",
+        isolation: str = "node",
     ) -> None:
         self.root = root
-        # "process" (docs/deployment.md section 2): each node's ClientApps forked by
-        # client_app.superexec; "subprocess": Flower's default, a flwr-clientapp process a message
+        # "node" (docs/deployment.md section 2): `python -m client_app.node`, ClientApps forked by
+        # its warm SuperExec, short idle polls; "fork": flower-supernode --isolation process beside
+        # `python -m client_app.superexec` (forks, Flower's polls); "subprocess": Flower's default,
+        # a flwr-clientapp process a message
+        assert isolation in ("node", "fork", "subprocess"), isolation
         self.isolation = isolation
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -487,7 +476,9 @@ class Deployment:
             f"partition-id={i} num-partitions={self.nodes}",
             *extra,
         ]
-        if self.isolation == "process":  # the node and its SuperExec, one process group (one host)
+        if self.isolation == "node":  # the node with its warm SuperExec, one command
+            cmd = [sys.executable, "-m", "client_app.node", *cmd[1:]]
+        elif self.isolation == "fork":  # the node and its SuperExec, one process group (one host)
             superexec = [sys.executable, "-m", "client_app.superexec", "--insecure"]
             superexec += ["--runtime-api-address", f"127.0.0.1:{runtime_port}"]
             node = shlex.join([*cmd, "--isolation", "process"])
@@ -515,14 +506,16 @@ class Deployment:
         proc.wait(timeout=30)
 
     def node_pid(self, name: str) -> int:
-        """The pid of host `name`'s `flower-supernode`: the owner of its trainer services (in
-        process isolation it runs beside its SuperExec, under one shell)."""
+        """The pid of host `name`'s SuperNode (`flower-supernode`, or `client_app.node` beside its
+        SuperExec): the owner of its trainer services."""
         top = psutil.Process(self.procs[name].pid)
         for proc in [top, *top.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):  # the program, not a shell whose script names it
-                if any(Path(arg).name == "flower-supernode" for arg in proc.cmdline()[:2]):
+                argv = proc.cmdline()
+                node = argv[1:3] == ["-m", "client_app.node"]
+                if node or any(Path(arg).name == "flower-supernode" for arg in argv[:2]):
                     return proc.pid
-        raise AssertionError(f"no flower-supernode runs on {name}: " + self.log(name)[-3000:])
+        raise AssertionError(f"no SuperNode runs on {name}: " + self.log(name)[-3000:])
 
     def service_pids(self) -> dict[str, list[int]]:
         """Trainer service pids by runtime scope (one scope per SuperNode)."""

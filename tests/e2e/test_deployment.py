@@ -220,7 +220,7 @@ def test_a_supernode_killed_mid_round_is_dropped_when_the_round_can_afford_it(tm
 GUIDE = ROOT / "docs" / "deployment.md"
 
 
-SUPEREXEC = "python -m client_app.superexec "  # the guide's SuperExec beside each SuperNode
+NODE = "python -m client_app.node "  # the guide's SuperNode (with its warm SuperExec)
 
 
 def guide_commands(section: int, prefix: str) -> list[str]:
@@ -297,9 +297,9 @@ def _guide_deployment(tmp_path: Path, tls: bool) -> tuple[subprocess.CompletedPr
                 _sh(substitute(keygen, node), n, d.env)
                 shutil.copy(n / f"node{i}.pub", hosts["cli"])  # the operator registers its public key
                 _sh(substitute(register, node), hosts["cli"], d.env)
-                node_cmds = [guide_commands(5, c)[0] for c in ("flower-supernode ", SUPEREXEC)]
+                node_cmds = [guide_commands(5, NODE)[0]]
             else:
-                node_cmds = [guide_commands(2, c)[0] for c in ("export ", "flower-supernode ", SUPEREXEC)]
+                node_cmds = [guide_commands(2, c)[0] for c in ("export ", NODE)]
             d.start_shell(f"n{i}", f"n{i}", "\n".join(substitute(c, node) for c in node_cmds), n)
         submit = substitute(guide_commands(3, "flwr run ")[0], table)
         p = subprocess.run(["bash", "-c", submit], cwd=ROOT, env=d.env, capture_output=True, text=True, timeout=1800)
