@@ -1,0 +1,55 @@
+"""tools.sweep: arms x seeds of real `flwr run`s at once, each with a Flower of its own; every arm
+resolved before anything starts; a complete run is never run again; one report at the end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tools.sweep import SweepError, core_slots, main, plan
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
+
+
+def test_arms_are_resolved_before_anything_starts(tmp_path):
+    with pytest.raises(SweepError, match="NAME=RUN_CONFIG"):
+        plan(["no-equals-sign"], [0], "", tmp_path)
+    with pytest.raises(SweepError, match="named 'a'"):
+        plan([f'a=recipe="{RECIPE}"', f'a=recipe="{RECIPE}"'], [0], "", tmp_path)
+    with pytest.raises(SweepError, match="arm 'b'.*'federation.agregator' is not a recipe key"):
+        plan([f'b=recipe="{RECIPE}" federation.agregator="lr2"'], [0], "", tmp_path)
+    assert main(["--arm", "x=rounds=0", "--out", str(tmp_path / "s")]) == 2  # nothing was started
+    assert not (tmp_path / "s").exists()
+
+
+def test_each_job_is_its_arm_with_the_common_keys_its_seed_and_its_own_run_dir(tmp_path):
+    jobs = plan(
+        [f'fedavg=recipe="{RECIPE}"', f'lr2=recipe="{RECIPE}" algo.lr=2e-4'],
+        [0, 2],
+        "rounds=1",
+        tmp_path,
+    )
+    assert [j.name for j in jobs] == ["fedavg-s0", "fedavg-s2", "lr2-s0", "lr2-s2"]
+    run_dir = tmp_path.resolve() / "lr2-s2"
+    assert jobs[3].run_config == f'recipe="{RECIPE}" algo.lr=2e-4 rounds=1 seed=2 run-dir="{run_dir}"'
+    assert core_slots(jobs=3, threads=2, cores=8) == [[0, 1], [2, 3], [4, 5]]
+    assert core_slots(jobs=3, threads=2, cores=4) == []  # oversubscribed: no pinning
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_two_arms_at_once_and_resumes_without_rerunning(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    arms = ["--arm", f'fedavg=recipe="{RECIPE}"', "--arm", f'lr2=recipe="{RECIPE}" algo.lr=2e-4']
+    args = [*arms, "--seeds", "0", "--run-config", "rounds=1", "--jobs", "2", "--threads", "1", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "fedavg-s0: complete" in printed and "lr2-s0: complete" in printed
+    assert (out / "report" / "bands.png").exists()
+    homes = {json.loads((out / a / "summary.json").read_text())["status"] for a in ("fedavg-s0", "lr2-s0")}
+    assert homes == {"complete"}
+    assert sorted(p.name for p in (out / ".flwr").iterdir()) == ["fedavg-s0", "lr2-s0"]  # a Flower each
+    assert main(args) == 0
+    assert printed.count("already complete") == 0 and capsys.readouterr().out.count("already complete, skipped") == 2
