@@ -37,7 +37,8 @@ from server_app import report
 from server_app.local_superlink import stop_superlink
 
 ROOT = Path(__file__).resolve().parent.parent
-FLWR = str(Path(sys.executable).with_name("flwr"))
+# this interpreter's flwr (a venv's), else the one on PATH (a --target site's bin dir)
+FLWR = str(Path(sys.executable).with_name("flwr")) if Path(sys.executable).with_name("flwr").exists() else "flwr"
 
 
 class SweepError(ValueError):
@@ -112,11 +113,25 @@ def plan(arms: Sequence[str], seeds: Sequence[int], common: str, out: Path) -> l
     return planned
 
 
-def core_slots(jobs: int, threads: int, cores: int) -> list[list[int]]:
-    """`threads` cores of their own per job slot when the slots fit the machine, else no pinning."""
-    if jobs * threads > cores:
+def core_slots(jobs: int, threads: int, cores: Sequence[int]) -> list[list[int]]:
+    """`threads` of `cores` of their own per job slot when the slots fit in them, else no pinning."""
+    if jobs * threads > len(cores):
         return []
-    return [list(range(s * threads, (s + 1) * threads)) for s in range(jobs)]
+    return [list(cores[s * threads : (s + 1) * threads]) for s in range(jobs)]
+
+
+def parse_cores(text: str) -> list[int]:
+    """'0-11,14' -> [0, ..., 11, 14]; '' -> every core this process may run on."""
+    if not text:
+        return sorted(os.sched_getaffinity(0))
+    cores: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        try:
+            cores += list(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise SweepError(f"--cores {text!r}: write core numbers and ranges, e.g. 0-11,14") from None
+    return cores
 
 
 def complete(run_dir: Path) -> bool:
@@ -178,13 +193,15 @@ def summary_line(job: Job, ok: bool, seconds: float) -> str:
     return f"{job.name}: {'complete' if ok else 'NOT complete'}, {curve}, {seconds:.0f} s"
 
 
-def run_jobs(planned: list[Job], out: Path, jobs: int, threads: int, federation_config: str) -> list[Job]:
+def run_jobs(
+    planned: list[Job], out: Path, jobs: int, threads: int, federation_config: str, cores: Sequence[int]
+) -> list[Job]:
     """Run every job not yet complete, `jobs` at a time; returns the jobs whose run did not complete."""
     todo = [j for j in planned if not complete(j.run_dir)]
     for j in planned:
         if j not in todo:
             print(f"{j.name}: already complete, skipped", flush=True)
-    free = core_slots(jobs, threads, os.cpu_count() or 1)
+    free = core_slots(jobs, threads, cores)
     running: list[Running] = []
     failed: list[Job] = []
     done = len(planned) - len(todo)
@@ -220,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--federation-config", default="", help="passed to every flwr run")
     ap.add_argument("--jobs", type=int, default=1, help="flwr runs at once (default 1)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (and pinned cores) per run")
+    ap.add_argument("--cores", default="", help="the cores to pin jobs on, e.g. 0-11 (default: all of them)")
     ap.add_argument("--out", type=Path, required=True, help="run dirs OUT/ARM-sSEED, logs, report")
     a = ap.parse_args(argv)
     try:
@@ -227,12 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         if a.jobs < 1 or a.threads < 1 or not seeds:
             raise SweepError("--jobs and --threads must be at least 1, and --seeds name at least one seed")
         planned = plan(a.arm, seeds, a.run_config, a.out)
+        cores = parse_cores(a.cores)
     except (SweepError, ValueError) as e:
         print(f"tools.sweep: {e}", file=sys.stderr)
         return 2
-    pinned = "pinned" if core_slots(a.jobs, a.threads, os.cpu_count() or 1) else "not pinned (more than the cores)"
+    pinned = "pinned" if core_slots(a.jobs, a.threads, cores) else "not pinned (more than the cores)"
     print(f"{len(planned)} runs, {a.jobs} at a time, {a.threads} threads each, {pinned}; logs in {a.out / 'logs'}")
-    failed = run_jobs(planned, a.out, a.jobs, a.threads, a.federation_config)
+    failed = run_jobs(planned, a.out, a.jobs, a.threads, a.federation_config, cores)
     dirs = [str(j.run_dir) for j in planned if j not in failed]
     if len(dirs) > 1:
         report.main([*dirs, "--out", str(a.out / "report")])

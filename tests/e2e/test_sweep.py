@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.sweep import SweepError, core_slots, main, plan
+from tools.sweep import SweepError, core_slots, main, parse_cores, plan
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
@@ -35,8 +35,11 @@ def test_each_job_is_its_arm_with_the_common_keys_its_seed_and_its_own_run_dir(t
     assert [j.name for j in jobs] == ["fedavg-s0", "fedavg-s2", "lr2-s0", "lr2-s2"]
     run_dir = tmp_path.resolve() / "lr2-s2"
     assert jobs[3].run_config == f'recipe="{RECIPE}" algo.lr=2e-4 rounds=1 seed=2 run-dir="{run_dir}"'
-    assert core_slots(jobs=3, threads=2, cores=8) == [[0, 1], [2, 3], [4, 5]]
-    assert core_slots(jobs=3, threads=2, cores=4) == []  # oversubscribed: no pinning
+    assert core_slots(jobs=3, threads=2, cores=range(8)) == [[0, 1], [2, 3], [4, 5]]
+    assert core_slots(jobs=2, threads=1, cores=parse_cores("12-13")) == [[12], [13]]
+    assert core_slots(jobs=3, threads=2, cores=range(4)) == []  # oversubscribed: no pinning
+    with pytest.raises(SweepError, match="--cores"):
+        parse_cores("0-x")
 
 
 @pytest.mark.slow
