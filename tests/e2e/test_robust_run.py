@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from flower_harness import ROOT, flower, run_config, run_status
 
@@ -15,6 +16,7 @@ from fl_app.weights import load_shards
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
 
 
+@pytest.mark.slow  # 45 s; tests/channel/test_robust.py holds each aggregator and score to its definition
 def test_a_poisoned_client_is_flagged_and_the_median_keeps_it_out(tmp_path):
     run_dir = tmp_path / "run"
     extra = {

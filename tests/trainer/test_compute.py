@@ -63,6 +63,7 @@ def test_compiled_layers_score_and_train_as_eager_layers_and_generation_stays_ea
         engine.close()
 
 
+@pytest.mark.slow  # ~40 s of compiling on 2 cores; the builtin engine's compiled layers are tested by default
 @pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl not installed")
 def test_verl_compiles_its_layers_and_scores_and_trains_as_eager_layers(model_dir, tmp_path):  # noqa: F811
     """`run.compile` on the verl engine: its FSDP2 modules' decoder layers run compiled (the
