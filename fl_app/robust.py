@@ -20,12 +20,15 @@ Scores: per piece, the deltas' Gram matrix G_ij += d_i . d_j (fp32 per piece, su
 pieces in float64; scores only, the weights never leave fp32). From it, with no second pass:
 the update norm ||d_i|| = sqrt(G_ii), the cosine to the round's (num-examples weighted) mean
 update, and the median of the cosines to the other clients (`cos_peers`). A client is flagged
-when its norm exceeds `flag_norm_ratio` x the median norm, or its `cos_peers` is below
-`flag_cosine_z` / sqrt(n), n the member's parameters: the cosine a random direction reaches by
-chance is ~N(0, 1/n), so a flagged update is no more aligned with its peers than noise would
-be (a sign-flipped one points away from them). Flags need 3 or more clients (with 2, a
-disagreement names nobody). The cosine to the mean is recorded, not used to flag: a x100 update
-is most of the mean itself.
+when its norm exceeds `flag_norm_ratio` x the median norm, and, only where the recipe sets
+`flag_cosine_z`, when its `cos_peers` is below `flag_cosine_z` / sqrt(n), n the member's
+parameters: the cosine a random direction reaches by chance is ~N(0, 1/n), so such an update is
+no more aligned with its peers than noise would be (a sign-flipped one points away from them).
+That second rule is off by default because clean updates need not agree: on the tiny default,
+23% of the clean updates of clean runs had a `cos_peers` below 4 / sqrt(n) (docs/architecture.md,
+"Robust aggregation and anomaly scores"). Flags need 3 or more clients (with 2, a disagreement
+names nobody). The cosine to the mean is recorded, not used to flag: a x100 update is most of
+the mean itself.
 `cos_peers` is robust to one bad client of 3 or more: a clean client's median runs over at
 least two values, most of them clean. The Gram's diagonal is also the non-finite check: a
 NaN/Inf update makes it non-finite before any output is written, also where a trim would drop
@@ -76,7 +79,7 @@ class Rule:
     trim_fraction: float = 0.25
     clip_multiple: float = 1.0
     flag_norm_ratio: float = 3.0
-    flag_cosine_z: float = 4.0
+    flag_cosine_z: float | None = None
 
     @classmethod
     def of(cls, f: FederationCfg) -> Rule:
@@ -135,9 +138,10 @@ def scores_from_gram(gram: np.ndarray, factors: Sequence[float], rule: Rule, num
         statistics.median(_cos(float(gram[i, j]), norm[i], norm[j]) for j in range(k) if j != i) if k > 1 else None
         for i in range(k)
     ]
-    median_norm, chance = statistics.median(norm), rule.flag_cosine_z / math.sqrt(max(numel, 1))
+    median_norm = statistics.median(norm)
+    chance = None if rule.flag_cosine_z is None else rule.flag_cosine_z / math.sqrt(max(numel, 1))
     flagged = [
-        k >= 3 and (n > rule.flag_norm_ratio * median_norm or (p is not None and p < chance))
+        k >= 3 and (n > rule.flag_norm_ratio * median_norm or (chance is not None and p is not None and p < chance))
         for n, p in zip(norm, cos_peers)
     ]
     return Scores(norm, cos_mean, cos_peers, flagged)

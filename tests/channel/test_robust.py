@@ -215,11 +215,14 @@ def test_a_poisoned_update_is_flagged_and_no_clean_one(tmp_path, kind, agg):
         states[victim] = poisoned(w, states[victim], poison, noise_seed(0, 1, victim, "actor"))
         ch = _channel(tmp_path / str(victim), inline=True)
         items = _items(tmp_path / str(victim), ch, states, [8.0] * 4)
-        _, scores = aggregate_refs(items, ch, tmp_path / f"out{victim}", prev, Rule(agg))
+        _, scores = aggregate_refs(items, ch, tmp_path / f"out{victim}", prev, Rule(agg, flag_cosine_z=4.0))
         assert scores.flagged == [i == victim for i in range(4)], (kind, victim, scores)
+        _, default = aggregate_refs(items, ch, tmp_path / f"dflt{victim}", prev, Rule(agg))  # the norm rule alone
+        assert default.flagged == [kind == "scale" and i == victim for i in range(4)], (kind, victim, default)
     clean = [_trained(w, 100 + s) for s in range(4)]
     ch = _channel(tmp_path / "clean", inline=True)
-    _, scores = aggregate_refs(_items(tmp_path / "clean", ch, clean, [8.0] * 4), ch, tmp_path / "c", prev, Rule(agg))
+    rule = Rule(agg, flag_cosine_z=4.0)
+    _, scores = aggregate_refs(_items(tmp_path / "clean", ch, clean, [8.0] * 4), ch, tmp_path / "c", prev, rule)
     assert not any(scores.flagged), scores
 
 
@@ -300,7 +303,7 @@ def test_ppo_s_critic_is_aggregated_and_scored_beside_the_actor(tmp_path):
             mf = store.put(own(c)[m], x)
             refs[m] = WeightsRef(inline=False, nbytes=mf.tensor_bytes, key=own(c)[m], manifest_sha256=mf.sha256)
         replies[c] = _member_reply(c, refs)
-    agg = StreamingAggregator("fedavg", 0.0, rule=Rule("median"))
+    agg = StreamingAggregator("fedavg", 0.0, rule=Rule("median", flag_cosine_z=4.0))
     out_dirs = {m: tmp_path / "rounds/round-0001" / m for m in members}
     manifests, _, scores = agg.aggregate_train(replies, ch, out_dirs, own, previous)
     for m, w in members.items():
