@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import s3fs
 from store_support import model, same_bits
 
 from envs.ports import choose_free_port
@@ -21,6 +20,8 @@ from fl_app.channel.open import open_store
 from fl_app.channel.remote import WeightStoreUnreachable
 from fl_app.channel.run_dir import DirStore
 from fl_app.weights import WeightsError, load_shards, save_shards
+
+s3fs = pytest.importorskip("s3fs", reason="the test extra's s3fs (GPU wheel sets leave it out)")
 
 SHARD = 8 << 10
 KEY = "rounds/round-0000/actor"
