@@ -46,6 +46,7 @@ class WeightsRef(BaseModel):
     nbytes: int = Field(ge=0)
     key: str = ""
     manifest_sha256: str = ""
+    update: str = ""  # a compressed update's metadata (`Manifest.update`, fl_app.quant); '' for weights
 
 
 def arrays_key(member: str) -> str:
@@ -122,12 +123,13 @@ class Channel:
             state = load_shards(manifest)
             check_fp32(state)
             shutil.rmtree(local_dir)
-            return WeightsRef(inline=True, nbytes=manifest.tensor_bytes), state
+            return WeightsRef(inline=True, nbytes=manifest.tensor_bytes, update=manifest.update), state
         self.require_store(manifest.tensor_bytes)
         manifest = self.store.publish(local_dir, key)
         if manifest.root is None or Path(manifest.root).resolve() != Path(local_dir).resolve():
             shutil.rmtree(local_dir)
-        return WeightsRef(inline=False, nbytes=manifest.tensor_bytes, key=key, manifest_sha256=manifest.sha256), {}
+        sha = manifest.sha256
+        return WeightsRef(inline=False, nbytes=manifest.tensor_bytes, key=key, manifest_sha256=sha, update=manifest.update), {}
 
     def down_bytes(self, ref: WeightsRef) -> int:
         """The bytes a `get(ref)` about to run moves to this process: the inline arrays the message
