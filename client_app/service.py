@@ -282,7 +282,9 @@ class TrainerService:
             if sha != base.sha256:
                 raise WeightsError(f"{m}: the lane's last read is not this fit's global model; reload it")
             rnd, residual = self.residuals.read(call.client_id, m, call.round)
-            manifest, new = write_update(base, w, self.trainer.master_weights(m), residual, fed.update, fed.quant.block, d)
+            manifest, new = write_update(
+                base, w, self.trainer.master_weights(m), residual, fed.update, fed.quant.block, d
+            )
             self.residuals.write(call.client_id, m, call.round, new, shard)
             written += manifest.total_bytes
             used.append(rnd)

@@ -360,7 +360,9 @@ class PieceBuffers:
     outs: list[list[torch.Tensor]]
 
     @classmethod
-    def for_model(cls, manifest: Manifest, n_inputs: int, n_outputs: int = 1, also: Sequence[Manifest] = ()) -> PieceBuffers:
+    def for_model(
+        cls, manifest: Manifest, n_inputs: int, n_outputs: int = 1, also: Sequence[Manifest] = ()
+    ) -> PieceBuffers:
         """Buffers for pieces of `manifest`'s tensors (and of the updates `also`, whose pieces are
         their own bytes for the same values)."""
         size = max([min(PIECE_BYTES, t.nbytes) for m in (manifest, *also) for t in m.tensors] or [0])
@@ -408,7 +410,9 @@ def walk_shard(
             writer.begin_shard(streams[base].info.tensors, [sl.info for sl in slots])
         work = [(sl, off, n) for sl in slots for off, n in _pieces(sl.info.nbytes, sl.info.itemsize)]
         if work:
-            sizes = [[n * sl.info.itemsize if m is None else m.piece_bytes(sl.info, n) for sl, _, n in work] for m in metas]
+            sizes = [
+                [n * sl.info.itemsize if m is None else m.piece_bytes(sl.info, n) for sl, _, n in work] for m in metas
+            ]
             readers = _Readers(streams, sizes, buffers.inputs)
             free: list[queue.Queue] = [queue.Queue() for _ in writers]
             for q, bufs in zip(free, buffers.outs):
@@ -418,7 +422,10 @@ def walk_shard(
                 dtype, nbytes = sl.info.torch_dtype, n * sl.info.itemsize
                 outs = [q.get() for q in free]
                 ins = [readers.get(k) for k in range(len(streams))]
-                views = [b[:nbytes].view(dtype) if m is None else b[: sizes[k][i]] for k, (b, m) in enumerate(zip(ins, metas))]
+                views = [
+                    b[:nbytes].view(dtype) if m is None else b[: sizes[k][i]]
+                    for k, (b, m) in enumerate(zip(ins, metas))
+                ]
                 w = views[base]
                 views = [v if m is None else decode_piece(m, sl.info, v, n, w) for v, m in zip(views, metas)]
                 combine(sl.info, views, [o[:nbytes].view(dtype) for o in outs])
@@ -502,7 +509,9 @@ def stream_manifests(
     models = [m for m in manifests if not is_update(m)]
     updates = [(label, m) for label, m in zip(input_labels, manifests) if is_update(m)]
     if not models:
-        raise WeightsError("compressed updates need the model they are deltas from among the inputs (the round's global model)")
+        raise WeightsError(
+            "compressed updates need the model they are deltas from among the inputs (the round's global model)"
+        )
     if not same_layout(models):
         raise WeightsError(
             "client manifests disagree on tensors or shard layout; every client must "

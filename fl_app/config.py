@@ -582,7 +582,7 @@ class FederationCfg(_Strict):
     )
     update: UpdateMode = Field(
         "full",
-        description="What a client uploads after its fit (docs/weight-store.md \"Compressed updates\", fl_app/quant.py). "
+        description='What a client uploads after its fit (docs/weight-store.md "Compressed updates", fl_app/quant.py). '
         "`full`: its fp32 model, FedAvg bit for bit. `delta-int8` / `delta-int4`: its update from the round's global "
         "model, blockwise absmax-quantized to 8 / 4 bits with one fp32 scale per `quant.block` values (about 3.8x / "
         "7.1x fewer bytes up at block 64), with error feedback: each client adds what quantization lost last time "

@@ -80,16 +80,26 @@ class UpdateMeta(BaseModel):
         return v
 
     @classmethod
-    def of(cls, manifest: Manifest, where: str) -> UpdateMeta:
-        """The update metadata a manifest carries; a WeightsError when it carries none or a bad one."""
-        if not manifest.update:
-            raise WeightsError(f"{where} is full weights, not a compressed update; server and client must share federation.update")
+    def parse(cls, text: str, where: str) -> UpdateMeta:
+        """The update metadata `text` (a manifest's or a ref's `update`) holds; a WeightsError
+        naming `where` when it is empty (full weights) or malformed."""
+        if not text:
+            raise WeightsError(
+                f"{where} is full weights, not a compressed update; server and client must share federation.update"
+            )
         try:
-            return cls.model_validate_json(manifest.update)
+            return cls.model_validate_json(text)
         except ValidationError as e:
-            raise WeightsError(f"{where}: its update metadata is malformed ({e.errors()[0]['msg']}); re-export it") from None
+            raise WeightsError(
+                f"{where}: its update metadata is malformed ({e.errors()[0]['msg']}); re-export it"
+            ) from None
 
-    def json(self) -> str:  # type: ignore[override]
+    @classmethod
+    def of(cls, manifest: Manifest, where: str) -> UpdateMeta:
+        """The update metadata a manifest carries (`parse`)."""
+        return cls.parse(manifest.update, where)
+
+    def text(self) -> str:
         """The canonical text a manifest keeps (`Manifest.update`)."""
         return canonical_json(self.model_dump())
 
@@ -233,7 +243,8 @@ def write_update(
     fresh dir `out_dir`, tensor by tensor in `base`'s shard layout. Returns the manifest and the
     new residual. A tensor whose update is not finite is sent as is (the server refuses it and
     names this client) and keeps a zero residual, so a later round does not carry NaN on."""
-    meta = UpdateMeta(mode=mode, block=block, base=base.sha256, shapes={t.name: list(t.shape) for t in base.tensors})  # type: ignore[arg-type]
+    shapes = {t.name: list(t.shape) for t in base.tensors}
+    meta = UpdateMeta.model_validate({"mode": mode, "block": block, "base": base.sha256, "shapes": shapes})
     new_residual: dict[str, torch.Tensor] = {}
     with ShardWriter(out_dir, base.max_shard_bytes, durable=False) as writer:
         for s, shard in enumerate(base.shards):
@@ -262,7 +273,7 @@ def write_update(
                     writer.write(view)
             writer.end_shard()
             del keep
-        return writer.finish(meta.json()), new_residual
+        return writer.finish(meta.text()), new_residual
 
 
 class Residuals:
@@ -288,15 +299,15 @@ class Residuals:
         d = self._dir(client, member)
         if not d.is_dir():
             return []
-        return sorted(
-            int(p.name.removeprefix("round-")) for p in d.glob("round-*") if (p / MANIFEST_NAME).exists()
-        )
+        return sorted(int(p.name.removeprefix("round-")) for p in d.glob("round-*") if (p / MANIFEST_NAME).exists())
 
     def read(self, client: int, member: str, r: int) -> tuple[int, dict[str, torch.Tensor] | None]:
         """(its round, the residual) a fit of round r starts from; (0, None) when none."""
         older = [q for q in self._rounds(client, member) if q < r]
         if not older:
-            log.info("client %d %s round %d: no error-feedback residual on this node, starting from zeros", client, member, r)
+            log.info(
+                "client %d %s round %d: no error-feedback residual on this node, starting from zeros", client, member, r
+            )
             return 0, None
         return older[-1], load_shards(self._dir(client, member) / f"round-{older[-1]}")
 

@@ -97,11 +97,12 @@ class Rule:
             return None
         if not ref.update:
             raise WeightsError(f"{label} uploaded full weights, but federation.update is {self.update}")
-        meta = UpdateMeta.model_validate_json(ref.update)
+        meta = UpdateMeta.parse(ref.update, label)
         if (meta.mode, meta.block) != (self.update, self.block):
             raise WeightsError(
                 f"{label} uploaded a {meta.mode} update of block {meta.block}, the recipe says {self.update} of "
-                f"block {self.block} (federation.update, federation.quant.block); server and clients must share the recipe"
+                f"block {self.block} (federation.update, federation.quant.block); server and clients must share "
+                "the recipe"
             )
         return meta
 
@@ -340,14 +341,20 @@ def aggregate_refs(
         return aggregate_manifests(ms, previous, out_dir, channel.shard_bytes, rule, server_lr, names)
     live = [i for i, f in enumerate(weight_factors(weights)) if f != 0]
     w = load_shards(previous)
-    states = [_model_of(channel.state(r, a), meta, w, previous, label) for (r, a, _), meta, label in zip(items, metas, labels)]
+    states = [
+        _model_of(channel.state(r, a), meta, w, previous, label) for (r, a, _), meta, label in zip(items, metas, labels)
+    ]
     rnd = _Round([*labels, PREVIOUS], channel.shard_bytes)
     rnd.states = [*((i, states[i]) for i in live), (len(items), w)]
     return _aggregate(rnd, [weights[i] for i in live], rule, server_lr, out_dir)
 
 
 def _model_of(
-    state: Mapping[str, torch.Tensor], meta: UpdateMeta | None, w: Mapping[str, torch.Tensor], previous: Path, label: str
+    state: Mapping[str, torch.Tensor],
+    meta: UpdateMeta | None,
+    w: Mapping[str, torch.Tensor],
+    previous: Path,
+    label: str,
 ) -> Mapping[str, torch.Tensor]:
     """An inline upload as its client's model: full weights as they are, a compressed update
     decoded onto the round's global model `w` (the bits `walk_shard` decodes piece by piece)."""

@@ -7,7 +7,10 @@ checked at load."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,7 +42,9 @@ def _model(seed: int) -> dict[str, torch.Tensor]:
 
 def _client(w: dict[str, torch.Tensor], seed: int, scale: float = 1e-2) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + seed)
-    return {k: (v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() else v.clone()) for k, v in w.items()}
+    return {
+        k: (v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() else v.clone()) for k, v in w.items()
+    }
 
 
 def _bits(state: dict[str, torch.Tensor]) -> bytes:
@@ -104,9 +109,7 @@ def _round(root: Path, mode: str, w: dict[str, torch.Tensor], xs: list[dict[str,
         ref, arrays = channel.put(m.root, key)
         assert bool(ref.update) and ref.inline == inline
         items.append((ref, arrays, float(3 + 2 * c)))
-        decoded.append(
-            {k: (w[k] + encode(x[k] - w[k], mode, 64)[1] if w[k].is_floating_point() else x[k]) for k in w}
-        )
+        decoded.append({k: (w[k] + encode(x[k] - w[k], mode, 64)[1] if w[k].is_floating_point() else x[k]) for k in w})
     return base.root, channel, items, decoded
 
 
@@ -196,6 +199,53 @@ def test_an_update_from_another_global_model_or_mode_is_refused(tmp_path, inline
         aggregate_refs(items, ch, tmp_path / "out", prev, Rule(update="delta-int4"))
     with pytest.raises(WeightsError, match="federation.update is full"):
         aggregate_refs(items, ch, tmp_path / "out", prev, Rule())
+
+
+_PEAK_CHILD = """
+import json, sys
+from pathlib import Path
+from fl_app.robust import Rule, aggregate_manifests
+from fl_app.weights import Manifest
+
+def status_kb(field):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":"))
+
+agg, out, shard = sys.argv[1], sys.argv[2], int(sys.argv[3])
+w, *ups = [Manifest.from_dir(Path(p)) for p in sys.argv[4:]]
+run = lambda d: aggregate_manifests([(m, 1.0) for m in ups], w, Path(d), shard, Rule(agg, update="delta-int8"))
+run(out + "-warm-up")
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
+before = status_kb("VmRSS")
+run(out)
+print(json.dumps({"peak_increase_bytes": (status_kb("VmHWM") - before) * 1024}))
+"""
+
+
+def test_decoding_updates_in_the_streaming_aggregators_holds_pieces_not_models(tmp_path):
+    # 4 clients' int8 updates + w in 1 MiB shards, models of 8 and 32 MiB: holding the decoded
+    # models would add 4 x 24 MiB from one size to the other; the walker decodes piece by piece
+    g = torch.Generator().manual_seed(0)
+    shard = 1 << 20
+    peaks = {}
+    for mib in (8, 32):
+        w = {f"t{i}": torch.randn(1 << 18, generator=g) for i in range(mib)}
+        base = save_shards(w, tmp_path / f"w{mib}", shard)
+        dirs = [str(base.root)]
+        for c in range(4):
+            x = {k: v + 1e-2 * torch.randn(v.shape, generator=g) for k, v in w.items()}
+            dirs.append(str(write_update(base, w, x, None, "delta-int8", 64, tmp_path / f"u{mib}-{c}")[0].root))
+        for agg in ("fedavg", "median"):
+            res = subprocess.run(
+                [sys.executable, "-c", _PEAK_CHILD, agg, str(tmp_path / f"out-{agg}-{mib}"), str(shard), *dirs],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=Path(__file__).resolve().parents[2],
+            )
+            peaks[agg, mib] = json.loads(res.stdout.strip().splitlines()[-1])["peak_increase_bytes"]
+    for agg in ("fedavg", "median"):
+        small, large = peaks[agg, 8], peaks[agg, 32]
+        assert large - small < 4 << 20, f"{agg}: peak RSS {small / 2**20:.1f} -> {large / 2**20:.1f} MiB"
 
 
 # ---- error feedback ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from flower_harness import ROOT, flower, run_config, run_status
 
@@ -18,6 +19,7 @@ RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
 INT8 = {"federation.update": '"delta-int8"', "clients": 2}  # 2 of 2 clients: round 2 reads round 1's residuals
 
 
+@pytest.mark.slow  # three tiny runs: 206 s on the 2-core box
 def test_a_delta_int8_run_sends_a_quarter_of_the_bytes_up_and_resumes_to_the_uninterrupted_bits(tmp_path):
     stopped, whole = tmp_path / "stopped", tmp_path / "whole"
     with flower(tmp_path / "flwr") as fr:

@@ -44,7 +44,9 @@ def _play(rd: RunDir, res: Residuals, r: int, fits: tuple[int, ...] | None = Non
     if r == 0:
         for m in MEMBERS:
             g = torch.Generator().manual_seed(len(m))
-            save_shards({"w": torch.randn(9000, generator=g), "b": torch.randn(70, generator=g)}, rd.member_dir(0, m), SHARD)
+            save_shards(
+                {"w": torch.randn(9000, generator=g), "b": torch.randn(70, generator=g)}, rd.member_dir(0, m), SHARD
+            )
         rd.complete_round(0, {})
         return
     for c in SAMPLED[r] if fits is None else fits:
