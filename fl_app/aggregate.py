@@ -28,6 +28,12 @@ A server learning rate eta != 1 (`federation.server_lr`) makes the new model w +
 w the round's global model, computed as the same fold with one more input: the clients with
 factors eta * f_i, then w with 1 - eta. At eta = 1 w is not read and the bits are FedAvg's.
 
+Compressed updates (`federation.update: delta-int8 | delta-int4`, fl_app.quant) are inputs too,
+beside the model they are deltas from: `walk_shard` reads each one's bytes for a piece of that
+model (a whole number of blocks) and decodes them onto its piece, so the `Combine` sees the
+client's model x = w + codes * scale as for a full upload, and every aggregator, score and
+guard below applies unchanged.
+
 Non-finite uploads (NaN/Inf) are refused (issue #18): NaN and Inf survive every later
 multiply-add, so the finished sum is finite exactly when every contributing input is (unless
 the mean overflowed fp32, refused as well), and one check per output piece (on data still in

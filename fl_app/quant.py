@@ -124,25 +124,31 @@ class UpdateMeta(BaseModel):
 # ---- the codec --------------------------------------------------------------------------------
 def encode(d: torch.Tensor, mode: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the fp32 values `d` (any shape): the rows (uint8, ceil(n / block) x row bytes) and
-    what they decode to (fp32, `d`'s shape). NaN/Inf make their block's scale non-finite, so the
-    block decodes non-finite (the server refuses it): codes are always defined."""
+    what they decode to (fp32, `d`'s shape; the bits of `decode`: integer codes times the scale).
+    NaN/Inf make their block's scale non-finite, so the block decodes non-finite (the server
+    refuses it): codes are always defined. Few passes, in place where possible (the export of a
+    large model is bound by memory bandwidth)."""
     level = LEVELS[mode]
     n = d.numel()
     nb = -(-n // block)
-    x = torch.zeros(nb * block, dtype=torch.float32)
-    x[:n] = d.reshape(-1)
-    x = x.view(nb, block)
-    scale = torch.div(x.abs().amax(dim=1, keepdim=True), level)
-    safe = scale.masked_fill(scale == 0, 1.0)  # an all-zero block: codes 0 (0 / 1)
-    q = torch.div(x, safe).round_().clamp_(-level, level).nan_to_num_(0.0).to(torch.int8)
+    if n == nb * block:
+        x = d.reshape(nb, block)
+    else:
+        x = torch.zeros(nb * block, dtype=torch.float32)
+        x[:n] = d.reshape(-1)
+        x = x.view(nb, block)
+    scale = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).div_(level)  # max |d| / L
+    q = torch.div(x, scale.masked_fill(scale == 0, 1.0))  # an all-zero block: codes 0 (0 / 1)
+    q.nan_to_num_(0.0).clamp_(-level, level).round_().add_(0.0)  # -0.0 -> 0.0: an integer code's float
+    codes = q.to(torch.int8)
     rows = torch.empty(nb, SCALE_BYTES + (block if level == 127 else block // 2), dtype=torch.uint8)
     rows[:, :SCALE_BYTES] = scale.view(torch.uint8)
     if level == 127:
-        rows[:, SCALE_BYTES:] = q.view(torch.uint8)
+        rows[:, SCALE_BYTES:] = codes.view(torch.uint8)
     else:
-        u = (q + 8).view(torch.uint8)
+        u = codes.add_(8).view(torch.uint8)
         rows[:, SCALE_BYTES:] = u[:, 0::2] | (u[:, 1::2] << 4)
-    return rows, decode(rows, mode, block)[:n].view(d.shape)
+    return rows, q.mul_(scale).view(-1)[:n].view(d.shape)
 
 
 def decode(rows: torch.Tensor, mode: str, block: int) -> torch.Tensor:
@@ -218,6 +224,11 @@ def bad_update_tensors(meta: UpdateMeta, tensors: Mapping[str, torch.Tensor]) ->
     return out
 
 
+def _finite(t: torch.Tensor) -> bool:
+    """Every value finite: the sum says so in one pass unless it overflowed (then the exact check)."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def is_update(m: Manifest) -> bool:
     return bool(m.update)
 
@@ -266,8 +277,7 @@ def write_update(
                     if residual is not None:
                         d.add_(residual[name])
                     out, sent = encode(d, mode, block)
-                    finite = bool(torch.isfinite(d).all())
-                    new_residual[name] = d.sub_(sent) if finite else torch.zeros_like(d)
+                    new_residual[name] = d.sub_(sent) if _finite(d) else torch.zeros_like(d)
                 keep.append(out)
                 for view in tensor_views(out):
                     writer.write(view)

@@ -15,6 +15,10 @@ their updates d_i = x_i - w (at round 1, w is the initial export). Per member:
   sorting network (torch.sort beyond 16 clients): O(piece x k) memory.
 
 A server learning rate eta composes with each: w + eta * (agg - w), as for FedAvg.
+Compressed updates (fl_app.quant) enter every aggregator as the clients' models they decode to,
+x_i = w + deQ(q_i): streamed piece by piece (`fl_app.aggregate.walk_shard`), or inline decoded
+whole with the same bits; each upload must be in the recipe's mode and block (`Rule.check_upload`)
+and a delta from this round's w.
 
 Scores: per piece, the deltas' Gram matrix G_ij += d_i . d_j (fp32 per piece, summed over
 pieces in float64; scores only, the weights never leave fp32). From it, with no second pass:

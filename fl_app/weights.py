@@ -18,7 +18,9 @@ bounded buffers (aggregation writes a shard it never holds whole). Shard assignm
 function of tensor order and sizes (greedy fill up to `max_shard_bytes`; a tensor bigger than
 the bound sits alone in its own shard), so the same state always gives the same files, and
 clients exporting one model agree on the layout. Floating tensors must be fp32 (invariant 1:
-fp32 end to end); integer and bool buffers pass.
+fp32 end to end); integer and bool buffers pass. A client's compressed update (fl_app.quant) is
+such a dir of uint8 tensors whose manifest carries `update` (its metadata); a manifest without
+it serializes as before, so the digests of weights are unchanged.
 """
 
 from __future__ import annotations
