@@ -16,8 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from envs.ports import bind_listener
 from fl_app.aggregate import PIECE_BYTES, NonFiniteWeightsError
 from fl_app.channel import Channel
+from fl_app.channel.credentials import Issuer
+from fl_app.channel.http import HttpWeightStore
+from fl_app.channel.http_server import WeightStoreServer
 from fl_app.channel.run_dir import DirStore
 from fl_app.config import ConfigError, load_config
 from fl_app.quant import LEVELS, Residuals, UpdateMeta, decode, encode, write_update
@@ -303,6 +307,24 @@ def test_an_update_manifest_round_trips_and_names_its_base(tmp_path):
     assert meta.base == base.sha256 and meta.shapes["w"] == [48, 33] and meta.block == 64
     assert m.total_bytes < base.total_bytes / 3.5
     assert not base.update and '"update"' not in base.to_json()  # full weights: today's manifest bytes
+
+
+def test_an_update_travels_through_the_served_store_with_its_metadata(tmp_path):
+    """A node publishes its update over HTTP (issue #14's store): the server's copy is the same
+    entry, metadata included (its manifest digest pins it)."""
+    w = _model(0)
+    run = tmp_path / "run"
+    base = DirStore(run, SHARD).put("rounds/round-0000/actor", w)
+    server = WeightStoreServer(run, Issuer(run_id=7), bind_listener("127.0.0.1", None)).start()
+    try:
+        key = "rounds/round-0001/clients/client-0000/actor"
+        token = server.issuer.mint(round=1, client=0, node=1, read=[], write=[key], ttl_s=600)
+        up, _ = write_update(base, w, _client(w, 0), None, "delta-int8", 64, tmp_path / "up")
+        assert HttpWeightStore(server.url, token, max_shard_bytes=SHARD).publish(up.root, key).sha256 == up.sha256
+    finally:
+        server.stop()
+    there = DirStore(run, SHARD).manifest(key)
+    assert there.sha256 == up.sha256 and UpdateMeta.of(there, key) == UpdateMeta.of(up, "up")
 
 
 # ---- the recipe -------------------------------------------------------------------------------
