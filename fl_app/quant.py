@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -59,6 +60,11 @@ log = logging.getLogger(__name__)
 
 LEVELS = {"delta-int8": 127, "delta-int4": 7}  # the largest code of each mode (symmetric)
 SCALE_BYTES = 4
+
+
+def row_bytes(mode: str, block: int) -> int:
+    """Bytes of one block: its scale and its codes (one byte each for int8, two per byte for int4)."""
+    return SCALE_BYTES + (block if mode == "delta-int8" else block // 2)
 
 
 class UpdateMeta(BaseModel):
@@ -105,8 +111,7 @@ class UpdateMeta(BaseModel):
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one block: its scale and its codes."""
-        return SCALE_BYTES + (self.block if self.mode == "delta-int8" else self.block // 2)
+        return row_bytes(self.mode, self.block)
 
     def info(self, t: TensorInfo) -> TensorInfo:
         """How the update holds the global tensor `t`: floating ones as rows of scale + codes."""
@@ -141,7 +146,7 @@ def encode(d: torch.Tensor, mode: str, block: int) -> tuple[torch.Tensor, torch.
     q = torch.div(x, scale.masked_fill(scale == 0, 1.0))  # an all-zero block: codes 0 (0 / 1)
     q.nan_to_num_(0.0).clamp_(-level, level).round_().add_(0.0)  # -0.0 -> 0.0: an integer code's float
     codes = q.to(torch.int8)
-    rows = torch.empty(nb, SCALE_BYTES + (block if level == 127 else block // 2), dtype=torch.uint8)
+    rows = torch.empty(nb, row_bytes(mode, block), dtype=torch.uint8)
     rows[:, :SCALE_BYTES] = scale.view(torch.uint8)
     if level == 127:
         rows[:, SCALE_BYTES:] = codes.view(torch.uint8)
@@ -153,7 +158,7 @@ def encode(d: torch.Tensor, mode: str, block: int) -> tuple[torch.Tensor, torch.
 
 def decode(rows: torch.Tensor, mode: str, block: int) -> torch.Tensor:
     """The fp32 values of whole rows (uint8, flat or 2-D): codes * scale, one rounding each."""
-    rows = rows.view(-1, SCALE_BYTES + (block if mode == "delta-int8" else block // 2))
+    rows = rows.view(-1, row_bytes(mode, block))
     scale = rows[:, :SCALE_BYTES].contiguous().view(torch.float32)
     c = rows[:, SCALE_BYTES:]
     if mode == "delta-int8":
@@ -173,10 +178,8 @@ def decode_piece(meta: UpdateMeta, t: TensorInfo, raw: torch.Tensor, n: int, bas
 
 
 def decode_tensor(meta: UpdateMeta, t: TensorInfo, update: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """A whole tensor's x = w + deQ(q) (same bits as its pieces from `decode_piece`)."""
-    if not t.torch_dtype.is_floating_point:
-        return update
-    return decode(update.reshape(-1), meta.mode, meta.block)[: t.numel].view(t.shape).add_(base)
+    """A whole tensor's x = w + deQ(q): `decode_piece` over all of it (the same bits)."""
+    return decode_piece(meta, t, update.reshape(-1), t.numel, base.reshape(-1)).view(t.shape)
 
 
 # ---- checks -----------------------------------------------------------------------------------
@@ -213,11 +216,9 @@ def bad_update_tensors(meta: UpdateMeta, tensors: Mapping[str, torch.Tensor]) ->
     out = []
     for name, u in tensors.items():
         shape = meta.shapes.get(name)
-        if u.dtype != torch.uint8 or shape is None or len(shape) == 0 and u.dim() != 2:
-            continue
-        numel = 1
-        for s in shape:
-            numel *= s
+        if shape is None or list(u.shape) == shape:  # a non-floating tensor travels as it is
+            continue  # (an encoded one has ceil(n / block) rows of more than block bytes: never its own shape)
+        numel = math.prod(shape)
         d = decode(u.reshape(-1), meta.mode, meta.block)[:numel]
         if k := int((~torch.isfinite(d)).sum()):
             out.append((name, k, numel))
