@@ -270,25 +270,25 @@ class TrainerService:
     def save_updates(self, call: FitCall, ins: dict[str, Path], outs: dict[str, Path]) -> tuple[int, float]:
         """Write every member's compressed update from the global model it loaded (`federation.update`,
         fl_app.quant) with this client's error feedback, and keep the new residuals; returns the
-        bytes written and the oldest round of the residuals used (`ef_residual_round`; 0: a member
-        had none, it started from zeros)."""
+        bytes written and `ef_residual_zeros`: 1 when a member had no residual on this node and
+        started from zeros (the client's first fit here), else 0."""
         assert self.trainer is not None
         shard = int(self.cfg.run.shard_max_mb * 2**20)
         fed = self.cfg.federation
-        written, used = 0, []
+        written, zeros = 0, 0.0
         for m, d in outs.items():
             base = Manifest.from_dir(ins[m])
             sha, w = self._last_read[m]  # load() read and verified it for this fit
             if sha != base.sha256:
                 raise WeightsError(f"{m}: the lane's last read is not this fit's global model; reload it")
-            rnd, residual = self.residuals.read(call.client_id, m, call.round)
+            _, residual = self.residuals.read(call.client_id, m, call.round)
             manifest, new = write_update(
                 base, w, self.trainer.master_weights(m), residual, fed.update, fed.quant.block, d
             )
             self.residuals.write(call.client_id, m, call.round, new, shard)
             written += manifest.total_bytes
-            used.append(rnd)
-        return written, float(min(used))
+            zeros = max(zeros, float(residual is None))
+        return written, zeros
 
     def load(self, ins: dict[str, Path]) -> bool:
         """Load every member from its (checked) dir; all are read and verified before any is
@@ -360,7 +360,7 @@ class TrainerService:
             if self.cfg.federation.update == "full":
                 bytes_out = self.save(outs, durable=False)
             else:
-                bytes_out, ef["ef_residual_round"] = self.save_updates(call, ins, outs)
+                bytes_out, ef["ef_residual_zeros"] = self.save_updates(call, ins, outs)
             t_export = time.perf_counter() - t1
             frozen = freeze_survivors()  # what outlived the fit (compiled graphs on the first) is not scanned again
             self.fits += 1

@@ -587,7 +587,7 @@ class FederationCfg(_Strict):
         "model, blockwise absmax-quantized to 8 / 4 bits with one fp32 scale per `quant.block` values (about 3.8x / "
         "7.1x fewer bytes up at block 64), with error feedback: each client adds what quantization lost last time "
         "to its next update, the residual kept on its node per (run, client, member, round) (a client that another "
-        "node served before starts from zeros: `ef_residual_round` 0 in its fit metrics). The server decodes each "
+        "node served before starts from zeros: `ef_residual_zeros` 1 in its fit metrics). The server decodes each "
         "update onto the global model piece by piece and aggregates in fp32 with every aggregator and server "
         "optimizer; the global model stays fp32 and moves down as today. PPO's critic follows the same mode. "
         "Resume is exact when nodes keep their weight caches (run.weight_cache_dir).",

@@ -295,7 +295,7 @@ class Residuals:
     own under r (replacing one a killed attempt of round r left). A resumed or re-dispatched
     round r on the same node thus reads exactly the residual its first attempt read, and resume
     is exact. None found (the client's first fit, or one served by another node before): zeros,
-    logged and reported in the fit's metrics (`ef_residual_round` 0). After writing round r, only
+    logged and reported in the fit's metrics (`ef_residual_zeros` 1). After writing round r, only
     r and the newest before it are kept (a redo of r reads the latter); later rounds' residuals
     (a run resumed from an earlier round) are removed, as they belong to a discarded future."""
 

@@ -37,7 +37,7 @@ def test_a_ppo_fit_uploads_each_members_update_and_keeps_what_quantization_lost(
                 weights_in={m: str(d) for m, d in ins.items()}, weights_out={m: str(d) for m, d in outs.items()}
             )
             metrics = svc.fit(call, dirs)["metrics"]
-            seen.append(metrics["ef_residual_round"])
+            seen.append(metrics["ef_residual_zeros"])
             for m in MEMBERS:
                 base, up = Manifest.from_dir(ins[m]), Manifest.from_dir(outs[m])
                 meta = UpdateMeta.of(up, m)
@@ -52,7 +52,7 @@ def test_a_ppo_fit_uploads_each_members_update_and_keeps_what_quantization_lost(
                         d.add_(before[k])
                     sent = decode(q[k].reshape(-1), "delta-int8", 64)[: t.numel()].view(t.shape)
                     assert torch.equal(residual[k], d - sent), (m, k)  # e' = d + e - deQ(Q(d + e)), bit for bit
-        assert seen == [0.0, 1.0]  # round 2 started from round 1's residual
+        assert seen == [1.0, 0.0]  # round 1 started from zeros, round 2 from round 1's residual
         assert sorted(p.name for p in svc.residuals._dir(1, "critic").iterdir()) == ["round-1", "round-2"]
     finally:
         svc.close()

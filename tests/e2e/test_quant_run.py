@@ -38,7 +38,7 @@ def test_a_delta_int8_run_sends_a_quarter_of_the_bytes_up_and_resumes_to_the_uni
             assert c["bytes_down"] == {"actor": model}
             assert 3.7 < model / c["bytes_up"]["actor"] < 3.8, (model, c["bytes_up"])  # 256 / 68 at block 64
         assert model * len(r["clients"]) / sum(r["bytes_up"].values()) > 3.7
-    assert rows[1]["train_ef_residual_round"] == 0 and rows[2]["train_ef_residual_round"] == 1, rows
+    assert rows[1]["train_ef_residual_zeros"] == 1 and rows[2]["train_ef_residual_zeros"] == 0, rows
     state = load_shards(rd.member_dir(2))
     assert all(t.dtype == torch.float32 and bool(torch.isfinite(t).all()) for t in state.values())
     for r in (1, 2):
