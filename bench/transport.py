@@ -18,6 +18,17 @@ of the same bytes, and next to Flower's inline transport, all in one run.
 
 Legs run interleaved (raw down, store down, raw up, store up) so load swings on a shared
 machine hit both; every number printed is from this one run. Files are removed at the end.
+
+    python bench/transport.py --updates --json /tmp/updates.json
+
+- compressed updates (`federation.update`, fl_app/quant.py), instead of the legs above: per mode
+  (full, delta-int8, delta-int4) and per model (the tiny default's tensor shapes, and a random
+  fp32 state of --update-params values), 2 clients each upload a trained-like model (the global
+  model + 1e-3 noise): the bytes each uploads (inline: its arrays; through a store: its shard
+  files) and per round, a client's export time (full: its fp32 shards; delta: delta, error
+  feedback, quantization and its shards) and the server's streaming FedAvg of both uploads
+  (delta: decoded piece by piece), each the median of --repeats, and the aggregate's error
+  against the exact fp32 mean, relative to the mean update's norm.
 """
 
 from __future__ import annotations
@@ -35,7 +46,10 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from fl_app.config import UpdateMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -248,6 +262,118 @@ def build_model(dest: Path, gb: float, shard_bytes: int) -> Any:
     return writer.finish()
 
 
+# ---- compressed updates ------------------------------------------------------------------
+UPDATE_MODES: tuple[UpdateMode, ...] = ("full", "delta-int8", "delta-int4")
+
+
+def tiny_state() -> dict[str, Any]:
+    """The tiny default's tensors (TinyModelCfg's defaults: Qwen2, width 96, 2 layers, 4 heads,
+    a 4096-token vocabulary, tied embeddings), randomly initialised."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from client_app.tiny_model import MLP_RATIO
+    from fl_app.config import TinyModelCfg
+
+    t = TinyModelCfg()
+    config = Qwen2Config(
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=MLP_RATIO * t.hidden_size,
+        num_hidden_layers=t.layers,
+        num_attention_heads=t.heads,
+        num_key_value_heads=t.heads // 2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return {k: v.detach().float().clone() for k, v in Qwen2ForCausalLM(config).state_dict().items()}
+
+
+def random_state(params: int) -> dict[str, Any]:
+    """`params` random fp32 values in 16 Mi-value tensors (64 MiB; the last one smaller)."""
+    import torch
+
+    g, step = torch.Generator().manual_seed(0), 16 << 20
+    return {
+        f"layer.{i}.weight": torch.randn(min(step, params - o), generator=g)
+        for i, o in enumerate(range(0, params, step))
+    }
+
+
+def update_modes(work: Path, name: str, w: dict[str, Any], shard_bytes: int, repeats: int) -> dict[str, Any]:
+    """One model's row per mode (module doc)."""
+    import statistics
+
+    import torch
+
+    from fl_app.quant import write_update
+    from fl_app.robust import Rule, aggregate_manifests
+    from fl_app.weights import load_shards, save_shards
+
+    base = save_shards(w, work / name / "global", shard_bytes)
+    xs = []
+    for c in range(2):
+        g = torch.Generator().manual_seed(1 + c)
+        xs.append({k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in w.items()})
+    exact = {k: (xs[0][k].double() + xs[1][k].double()) / 2 for k in w}
+    step = sum(float(((exact[k] - w[k].double()) ** 2).sum()) for k in w) ** 0.5
+    rows: dict[str, Any] = {"params": sum(v.numel() for v in w.values()), "fp32_bytes": base.tensor_bytes}
+    for mode in UPDATE_MODES:
+        export_s, agg_s = [], []
+        for i in range(repeats):
+            ups, dirs = (
+                [],
+                [work / name / f"{mode}-{i}-client-{c}" for c in range(2)] + [work / name / f"{mode}-{i}-avg"],
+            )
+            t = time.perf_counter()
+            for x, out in zip(xs, dirs):
+                if mode == "full":
+                    ups.append(save_shards(x, out, shard_bytes, durable=False))
+                else:
+                    ups.append(write_update(base, w, x, None, mode, 64, out)[0])
+            export_s.append((time.perf_counter() - t) / 2)
+            t = time.perf_counter()
+            aggregate_manifests([(m, 1.0) for m in ups], base, dirs[-1], shard_bytes, Rule(update=mode))
+            agg_s.append(time.perf_counter() - t)
+            if i < repeats - 1:
+                for d in dirs:
+                    shutil.rmtree(d)
+        got = load_shards(dirs[-1])
+        err = sum(float(((got[k].double() - exact[k]) ** 2).sum()) for k in w) ** 0.5
+        rows[mode] = {
+            "bytes_up_client": ups[0].tensor_bytes,  # inline: the arrays
+            "files_up_client": ups[0].total_bytes,  # through a store: the shard files
+            "bytes_up_round": sum(m.tensor_bytes for m in ups),
+            "fewer_than_full": base.tensor_bytes / ups[0].tensor_bytes,
+            "export_s": statistics.median(export_s),
+            "aggregate_s": statistics.median(agg_s),
+            "error_vs_step": err / step,
+        }
+        for d in dirs:
+            shutil.rmtree(d)
+        print(f"{name} {mode}: {json.dumps(rows[mode])}", flush=True)
+    return rows
+
+
+def _report_updates(r: dict[str, Any]) -> None:
+    load = f"load average {r['load_start']:.1f} -> {r['load_end']:.1f}"
+    print(f"\ncompressed updates, 2 clients, block 64, median of {r['repeats']}; {load}")
+    head = ("model", "mode", "up/client", "up/round", "x fewer", "export", "aggregate", "error/step")
+    print("".join(f"{h:<10}" if i < 2 else f"{h:>12}" for i, h in enumerate(head)))
+    for name in ("tiny", "random"):
+        for mode in UPDATE_MODES:
+            x = r[name][mode]
+            cells = [
+                f"{x['bytes_up_client'] / 2**20:.2f} MiB",
+                f"{x['bytes_up_round'] / 2**20:.2f} MiB",
+                f"{x['fewer_than_full']:.2f}",
+                f"{x['export_s']:.3f} s",
+                f"{x['aggregate_s']:.3f} s",
+                f"{x['error_vs_step']:.2e}",
+            ]
+            print(f"{name:<10}{mode:<10}" + "".join(f"{c:>12}" for c in cells))
+
+
 # ---- Flower inline -----------------------------------------------------------------------
 _FLOWER_APP = {
     "pyproject.toml": """
@@ -418,9 +544,27 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/fa-transport"))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--updates", action="store_true", help="compressed updates per federation.update mode instead")
+    ap.add_argument("--update-params", type=int, default=100_000_000, help="--updates: the random state's values")
+    ap.add_argument("--repeats", type=int, default=3, help="--updates: timings are the median of this many")
     args = ap.parse_args()
     if args.node:
         return node_main()
+    if args.updates:
+        if args.workdir.exists():
+            raise SystemExit(f"{args.workdir} exists; remove it or pick another --workdir")
+        res: dict[str, Any] = {"repeats": args.repeats, "load_start": os.getloadavg()[0]}
+        try:
+            shard = int(args.shard_mb * 2**20)
+            res["tiny"] = update_modes(args.workdir, "tiny", tiny_state(), shard, args.repeats)
+            res["random"] = update_modes(args.workdir, "random", random_state(args.update_params), shard, args.repeats)
+        finally:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+        res["load_end"] = os.getloadavg()[0]
+        _report_updates(res)
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1))
+        return None
 
     from envs.ports import bind_listener
     from fl_app.channel.credentials import Issuer

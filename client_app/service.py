@@ -60,6 +60,7 @@ from fl_app.calls import EvalCall, FitCall, InitCall
 from fl_app.config import Config, load_config, recipe_mismatch, recipe_sha256, require_model_here
 from fl_app.host import CPU_THREADS_VAR, cpu_threads, usable_cores
 from fl_app.paths import PathEscapeError, confine
+from fl_app.quant import Residuals, write_update
 from fl_app.weights import Manifest, ShardAlloc, WeightsError, anon_buffer, load_shards, save_shards
 from partitions.pool import TaskPool
 from partitions.registry import plan_partition
@@ -161,6 +162,8 @@ class TrainerService:
         # per member, the last weights read: (manifest sha256, verified CPU state); see read()
         self._last_read: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
         self._read_buffers = ReadBuffers(pin=resolve_device(cfg.run.device).type == "cuda")
+        # error feedback of compressed updates, node-local (fl_app.quant.Residuals)
+        self.residuals = Residuals(Path(cfg.run.weight_cache_dir).expanduser() / "residuals", self.run_dir)
         self._stack = contextlib.ExitStack()
         self.trainer: Trainer | None = None
         self.env_url = ""
@@ -264,6 +267,29 @@ class TrainerService:
             save_shards(self.trainer.master_weights(m), d, shard, durable=durable).total_bytes for m, d in outs.items()
         )
 
+    def save_updates(self, call: FitCall, ins: dict[str, Path], outs: dict[str, Path]) -> tuple[int, float]:
+        """Write every member's compressed update from the global model it loaded (`federation.update`,
+        fl_app.quant) with this client's error feedback, and keep the new residuals; returns the
+        bytes written and `ef_residual_zeros`: 1 when a member had no residual on this node and
+        started from zeros (the client's first fit here), else 0."""
+        assert self.trainer is not None
+        shard = int(self.cfg.run.shard_max_mb * 2**20)
+        fed = self.cfg.federation
+        written, zeros = 0, 0.0
+        for m, d in outs.items():
+            base = Manifest.from_dir(ins[m])
+            sha, w = self._last_read[m]  # load() read and verified it for this fit
+            if sha != base.sha256:
+                raise WeightsError(f"{m}: the lane's last read is not this fit's global model; reload it")
+            _, residual = self.residuals.read(call.client_id, m, call.round)
+            manifest, new = write_update(
+                base, w, self.trainer.master_weights(m), residual, fed.update, fed.quant.block, d
+            )
+            self.residuals.write(call.client_id, m, call.round, new, shard)
+            written += manifest.total_bytes
+            zeros = max(zeros, float(residual is None))
+        return written, zeros
+
     def load(self, ins: dict[str, Path]) -> bool:
         """Load every member from its (checked) dir; all are read and verified before any is
         loaded. True when every member was the lane's last read (no shard read again)."""
@@ -330,7 +356,11 @@ class TrainerService:
             t_load = time.perf_counter() - t0
             res = self.trainer.fit(call, self.client_tasks(call.client_id))
             t1 = time.perf_counter()
-            bytes_out = self.save(outs, durable=False)
+            ef: dict[str, float] = {}
+            if self.cfg.federation.update == "full":
+                bytes_out = self.save(outs, durable=False)
+            else:
+                bytes_out, ef["ef_residual_zeros"] = self.save_updates(call, ins, outs)
             t_export = time.perf_counter() - t1
             frozen = freeze_survivors()  # what outlived the fit (compiled graphs on the first) is not scanned again
             self.fits += 1
@@ -347,6 +377,7 @@ class TrainerService:
                     **cuda_memory_mb(),
                     "bytes_in": float(sum(_dir_bytes(d) for d in ins.values())),
                     "bytes_out": float(bytes_out),
+                    **ef,
                 }
             )
             if self.variants is not None:

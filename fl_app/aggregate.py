@@ -28,6 +28,12 @@ A server learning rate eta != 1 (`federation.server_lr`) makes the new model w +
 w the round's global model, computed as the same fold with one more input: the clients with
 factors eta * f_i, then w with 1 - eta. At eta = 1 w is not read and the bits are FedAvg's.
 
+Compressed updates (`federation.update: delta-int8 | delta-int4`, fl_app.quant) are inputs too,
+beside the model they are deltas from: `walk_shard` reads each one's bytes for a piece of that
+model (a whole number of blocks) and decodes them onto its piece, so the `Combine` sees the
+client's model x = w + codes * scale as for a full upload, and every aggregator, score and
+guard below applies unchanged.
+
 Non-finite uploads (NaN/Inf) are refused (issue #18): NaN and Inf survive every later
 multiply-add, so the finished sum is finite exactly when every contributing input is (unless
 the mean overflowed fp32, refused as well), and one check per output piece (on data still in
@@ -49,6 +55,7 @@ import torch
 
 from fl_app.channel import Channel, WeightsRef
 from fl_app.host import one_torch_thread
+from fl_app.quant import UpdateMeta, bad_update_tensors, check_update_layout, decode_piece, is_update
 from fl_app.weights import (
     Manifest,
     ShardStream,
@@ -204,6 +211,12 @@ def _bad_tensors(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, int, in
     return out
 
 
+def _bad_in(m: Manifest, s: int, verify: bool, label: str) -> list[tuple[str, int, int]]:
+    """`_bad_tensors` of shard s of an input, a compressed update's as it decodes."""
+    tensors = read_shard(m, s, verify)
+    return _bad_tensors(tensors) if not is_update(m) else bad_update_tensors(UpdateMeta.of(m, label), tensors)
+
+
 def _non_finite_error(culprits: dict[int, list[tuple[str, int, int]]], labels: list[str], where: str) -> WeightsError:
     if not culprits:
         return NonFiniteWeightsError(
@@ -296,7 +309,7 @@ class _Readers:
     """Reader threads that fill each input's buffers with its next pieces, in order, hashing as
     they read (each input's stream is read by one thread, so its hash sees bytes in order)."""
 
-    def __init__(self, streams: list[ShardStream], pieces: list[int], buffers: list[list[torch.Tensor]]):
+    def __init__(self, streams: list[ShardStream], pieces: list[list[int]], buffers: list[list[torch.Tensor]]):
         self.free: list[queue.Queue] = [queue.Queue() for _ in streams]
         self.ready: list[queue.Queue] = [queue.Queue() for _ in streams]
         for q, bufs in zip(self.free, buffers):
@@ -316,14 +329,15 @@ class _Readers:
         for t in self.threads:
             t.start()
 
-    def _run(self, mine: list[tuple[int, ShardStream]], pieces: list[int]) -> None:
+    def _run(self, mine: list[tuple[int, ShardStream]], pieces: list[list[int]]) -> None:
+        """`pieces[k]`: input k's piece sizes in bytes, in order (one per work item)."""
         try:
-            for n in pieces:
+            for i in range(len(pieces[0])):
                 for k, stream in mine:
                     buf = self.free[k].get()
                     if self.stop.is_set():
                         return
-                    stream.readinto(buf.numpy().data[:n])
+                    stream.readinto(buf.numpy().data[: pieces[k][i]])
                     self.ready[k].put(buf)
         except Exception as e:  # handed to the main thread at its next get for these inputs
             for k, _ in mine:
@@ -352,8 +366,12 @@ class PieceBuffers:
     outs: list[list[torch.Tensor]]
 
     @classmethod
-    def for_model(cls, manifest: Manifest, n_inputs: int, n_outputs: int = 1) -> PieceBuffers:
-        size = max([min(PIECE_BYTES, t.nbytes) for t in manifest.tensors] or [0])
+    def for_model(
+        cls, manifest: Manifest, n_inputs: int, n_outputs: int = 1, also: Sequence[Manifest] = ()
+    ) -> PieceBuffers:
+        """Buffers for pieces of `manifest`'s tensors (and of the updates `also`, whose pieces are
+        their own bytes for the same values)."""
+        size = max([min(PIECE_BYTES, t.nbytes) for m in (manifest, *also) for t in m.tensors] or [0])
         new = lambda: torch.empty(size, dtype=torch.uint8)  # noqa: E731
         return cls(
             [[new() for _ in range(_BUFFERS_PER_INPUT)] for _ in range(n_inputs)],
@@ -371,36 +389,52 @@ def walk_shard(
     combine: Combine,
 ) -> None:
     """Stream shard s of every input, piece by piece in lock step, into the next shard of every
-    writer, all laid out as the first input's shard: `combine` fills the output pieces from the
-    input pieces (and raises to stop). Every input byte is read and hashed once, every output
-    byte hashed and written once; a shard's digests are compared when all its pieces are read."""
+    writer, all laid out as the first full-weights input's shard (the base): `combine` fills the
+    output pieces from the input pieces (and raises to stop). A compressed update among the
+    inputs (fl_app.quant, checked against the base by `stream_manifests`) reaches `combine` as
+    its client's model, decoded piece by piece onto the base's piece. Every input byte is read
+    and hashed once, every output byte hashed and written once; a shard's digests are compared
+    when all its pieces are read."""
     streams: list[ShardStream] = []
     readers = None
+    metas = [UpdateMeta.of(m, labels[k]) if is_update(m) else None for k, m in enumerate(inputs)]
+    base = metas.index(None)
     try:
         for m in inputs:
             streams.append(ShardStream(m, s, verify))
-        slots = streams[0].slots
-        for label, st in zip(labels[1:], streams[1:]):
-            if st.slots != slots:
+        slots = streams[base].slots
+        names = [sl.info.name for sl in slots]
+        for label, st, meta in zip(labels, streams, metas):
+            same = st.slots == slots if meta is None else [sl.info.name for sl in st.slots] == names
+            if not same:
                 raise WeightsError(
-                    f"shard {st.path} lays its tensors out differently from {streams[0].path} "
-                    f"({labels[0]} and {label}); clients must export with the same "
+                    f"shard {st.path} lays its tensors out differently from {streams[base].path} "
+                    f"({labels[base]} and {label}); clients must export with the same "
                     "version of fedagent-flower"
                 )
         for writer in writers:
-            writer.begin_shard(streams[0].info.tensors, [sl.info for sl in slots])
+            writer.begin_shard(streams[base].info.tensors, [sl.info for sl in slots])
         work = [(sl, off, n) for sl in slots for off, n in _pieces(sl.info.nbytes, sl.info.itemsize)]
         if work:
-            readers = _Readers(streams, [n * sl.info.itemsize for sl, _, n in work], buffers.inputs)
+            sizes = [
+                [n * sl.info.itemsize if m is None else m.piece_bytes(sl.info, n) for sl, _, n in work] for m in metas
+            ]
+            readers = _Readers(streams, sizes, buffers.inputs)
             free: list[queue.Queue] = [queue.Queue() for _ in writers]
             for q, bufs in zip(free, buffers.outs):
                 for b in bufs:
                     q.put(b)
-            for sl, _, n in work:
+            for i, (sl, _, n) in enumerate(work):
                 dtype, nbytes = sl.info.torch_dtype, n * sl.info.itemsize
                 outs = [q.get() for q in free]
                 ins = [readers.get(k) for k in range(len(streams))]
-                combine(sl.info, [b[:nbytes].view(dtype) for b in ins], [o[:nbytes].view(dtype) for o in outs])
+                views = [
+                    b[:nbytes].view(dtype) if m is None else b[: sizes[k][i]]
+                    for k, (b, m) in enumerate(zip(ins, metas))
+                ]
+                w = views[base]
+                views = [v if m is None else decode_piece(m, sl.info, v, n, w) for v, m in zip(views, metas)]
+                combine(sl.info, views, [o[:nbytes].view(dtype) for o in outs])
                 for k, b in enumerate(ins):
                     readers.free[k].put(b)
                 for writer, q, out in zip(writers, free, outs):
@@ -477,19 +511,27 @@ def stream_manifests(
     input raises NonFiniteWeightsError naming every culprit, and on any error nothing stays in
     the outputs (every manifest is written last)."""
     manifests = [m for _, m in live]
-    if not same_layout(manifests):
+    input_labels = [labels[i] for i, _ in live]
+    models = [m for m in manifests if not is_update(m)]
+    updates = [(label, m) for label, m in zip(input_labels, manifests) if is_update(m)]
+    if not models:
+        raise WeightsError(
+            "compressed updates need the model they are deltas from among the inputs (the round's global model)"
+        )
+    if not same_layout(models):
         raise WeightsError(
             "client manifests disagree on tensors or shard layout; every client must "
             "export the same model with the same shard size (run.shard_max_mb)"
         )
-    if manifests[0].max_shard_bytes != max_shard_bytes:
+    for label, u in updates:
+        check_update_layout(UpdateMeta.of(u, label), u, models[0], label)
+    if models[0].max_shard_bytes != max_shard_bytes:
         raise WeightsError(
-            f"clients split the model into shards of <= {manifests[0].max_shard_bytes} bytes, the "
+            f"clients split the model into shards of <= {models[0].max_shard_bytes} bytes, the "
             f"aggregate is asked for {max_shard_bytes}: server and clients must share run.shard_max_mb"
         )
-    _check_fp32([(t.name, t.torch_dtype) for t in manifests[0].tensors])
-    buffers = PieceBuffers.for_model(manifests[0], len(manifests), len(out_dirs))
-    input_labels = [labels[i] for i, _ in live]
+    _check_fp32([(t.name, t.torch_dtype) for t in models[0].tensors])
+    buffers = PieceBuffers.for_model(models[0], len(manifests), len(out_dirs), [u for _, u in updates])
     try:
         with contextlib.ExitStack() as stack, one_torch_thread():
             writers = [stack.enter_context(ShardWriter(d, max_shard_bytes)) for d in out_dirs]
@@ -499,7 +541,7 @@ def stream_manifests(
     except NonFinitePiece as e:
         culprits = {}
         for i, m in live:  # the error path: read everything again, verified, to name every culprit
-            bad = [b for s in range(len(m.shards)) for b in _bad_tensors(read_shard(m, s, verify))]
+            bad = [b for s in range(len(m.shards)) for b in _bad_in(m, s, verify, labels[i])]
             if bad:
                 culprits[i] = bad
         raise _non_finite_error(culprits, list(labels), e.where) from None

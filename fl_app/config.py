@@ -55,6 +55,7 @@ ALGORITHMS: dict[str, Algorithm] = {
 }
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Aggregator = Literal["fedavg", "clipped", "trimmed_mean", "median"]  # fl_app.robust
+UpdateMode = Literal["full", "delta-int8", "delta-int4"]  # what a client uploads (fl_app.quant)
 KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "abs+", "k3+", "low_var_kl+"]
 
 
@@ -476,6 +477,25 @@ class AlgoCfg(_Strict):
         return self
 
 
+class QuantCfg(_Strict):
+    block: int = Field(
+        64,
+        ge=8,
+        le=4096,
+        description="Values per quantization block of `federation.update: delta-int8 | delta-int4`: each block of "
+        "a tensor's update keeps one fp32 scale (its largest magnitude / 127, or / 7 for int4), so a value's error "
+        "is at most half a scale, and the scales cost 32 / block bits per value (0.5 at 64: int8 moves 8.5 bits "
+        "a value, int4 4.5). A power of two from 8 to 4096 (a block never straddles the aggregator's pieces).",
+    )
+
+    @field_validator("block")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"federation.quant.block={v} is not a power of two; use 8, 16, ..., 4096 (e.g. 64)")
+        return v
+
+
 class FederationCfg(_Strict):
     clients: int = Field(100, gt=0, description="N: clients in the federation (virtual clients in simulation).")
     clients_per_round: int = Field(
@@ -560,6 +580,19 @@ class FederationCfg(_Strict):
         gt=0,
         description="Anomaly flag by direction, off unless set: a client whose median cosine to the other clients' updates (`cos_peers`) is below flag_cosine_z / sqrt(parameters) is flagged (a random direction's cosine to an update is ~N(0, 1/parameters): such an update is no more aligned with its peers than noise; a sign-flipped one points away from them). Off by default because clean updates need not agree: on the tiny default (4 clients a round, 7 rounds, 3 seeds) 20 of 84 clean updates of clean runs had cos_peers below 4 / sqrt(parameters), 17 of them below 0 (docs/architecture.md, \"Robust aggregation and anomaly scores\"). Set it (4 is the usual bound) where a recipe's clean updates are measured to agree. The norm rule (`flag_norm_ratio`) always flags. Needs 3 or more clients.",
     )
+    update: UpdateMode = Field(
+        "full",
+        description='What a client uploads after its fit (docs/weight-store.md "Compressed updates", fl_app/quant.py). '
+        "`full`: its fp32 model, FedAvg bit for bit. `delta-int8` / `delta-int4`: its update from the round's global "
+        "model, blockwise absmax-quantized to 8 / 4 bits with one fp32 scale per `quant.block` values (about 3.8x / "
+        "7.1x fewer bytes up at block 64), with error feedback: each client adds what quantization lost last time "
+        "to its next update, the residual kept on its node per (run, client, member, round) (a client that another "
+        "node served before starts from zeros: `ef_residual_zeros` 1 in its fit metrics). The server decodes each "
+        "update onto the global model piece by piece and aggregates in fp32 with every aggregator and server "
+        "optimizer; the global model stays fp32 and moves down as today. PPO's critic follows the same mode. "
+        "Resume is exact when nodes keep their weight caches (run.weight_cache_dir).",
+    )
+    quant: QuantCfg = Field(default_factory=QuantCfg)
     eval_every: int = Field(
         1,
         ge=0,
@@ -1171,6 +1204,11 @@ class Config(_Strict):
                     "round must reply; set federation.min_clients_per_round below federation.clients_per_round, "
                     "or federation.over_select > 0"
                 )
+        if f.update != "full" and faults.poison.kind != "none":
+            raise ValueError(
+                f"faults.poison rewrites a client's fp32 export, but federation.update={f.update!r} uploads a "
+                "compressed update; poison with federation.update: full"
+            )
         for key, ids in (("straggler_clients", faults.straggler_clients), ("poison.clients", faults.poison.clients)):
             if not all(0 <= c < f.clients for c in ids):
                 raise ValueError(f"faults.{key}={ids} holds ids outside [0, {f.clients})")

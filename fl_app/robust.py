@@ -15,6 +15,10 @@ their updates d_i = x_i - w (at round 1, w is the initial export). Per member:
   sorting network (torch.sort beyond 16 clients): O(piece x k) memory.
 
 A server learning rate eta composes with each: w + eta * (agg - w), as for FedAvg.
+Compressed updates (fl_app.quant) enter every aggregator as the clients' models they decode to,
+x_i = w + deQ(q_i): streamed piece by piece (`fl_app.aggregate.walk_shard`), or inline decoded
+whole with the same bits; each upload must be in the recipe's mode and block (`Rule.check_upload`)
+and a delta from this round's w.
 
 Scores: per piece, the deltas' Gram matrix G_ij += d_i . d_j (fp32 per piece, summed over
 pieces in float64; scores only, the weights never leave fp32). From it, with no second pass:
@@ -67,8 +71,9 @@ from fl_app.aggregate import (
     weight_factors,
 )
 from fl_app.channel import Channel, WeightsRef
-from fl_app.config import Aggregator, FederationCfg
-from fl_app.weights import Manifest, TensorInfo, WeightsError, load_shards, save_shards
+from fl_app.config import Aggregator, FederationCfg, UpdateMode
+from fl_app.quant import UpdateMeta, check_update, decode_tensor, is_update
+from fl_app.weights import Manifest, TensorInfo, WeightsError, dtype_name, load_shards, save_shards
 
 
 @dataclass(frozen=True)
@@ -80,11 +85,33 @@ class Rule:
     clip_multiple: float = 1.0
     flag_norm_ratio: float = 3.0
     flag_cosine_z: float | None = None
+    update: UpdateMode = "full"  # what clients upload (fl_app.quant)
+    block: int = 64
 
     @classmethod
     def of(cls, f: FederationCfg) -> Rule:
         """The recipe's rule (its federation section)."""
-        return cls(f.aggregator, f.trim_fraction, f.clip_multiple, f.flag_norm_ratio, f.flag_cosine_z)
+        return cls(
+            f.aggregator, f.trim_fraction, f.clip_multiple, f.flag_norm_ratio, f.flag_cosine_z, f.update, f.quant.block
+        )
+
+    def check_upload(self, ref: WeightsRef, label: str) -> UpdateMeta | None:
+        """The metadata of an upload in the recipe's `update` mode (None: full weights); an upload
+        in another mode is refused (fail closed: it would be averaged as the wrong thing)."""
+        if self.update == "full":
+            if ref.update:
+                raise WeightsError(f"{label} uploaded a compressed update, but federation.update is full")
+            return None
+        if not ref.update:
+            raise WeightsError(f"{label} uploaded full weights, but federation.update is {self.update}")
+        meta = UpdateMeta.parse(ref.update, label)
+        if (meta.mode, meta.block) != (self.update, self.block):
+            raise WeightsError(
+                f"{label} uploaded a {meta.mode} update of block {meta.block}, the recipe says {self.update} of "
+                f"block {self.block} (federation.update, federation.quant.block); server and clients must share "
+                "the recipe"
+            )
+        return meta
 
     def trim(self, k: int) -> int:
         """Values dropped from each side of a coordinate's k sorted values."""
@@ -312,15 +339,38 @@ def aggregate_refs(
     dir) with server learning rate `server_lr`, and the live clients' scores (zero-weight
     clients are skipped: neither read nor scored). NaN/Inf uploads raise NonFiniteWeightsError
     naming them; nothing is written."""
-    weights = [w for _, _, w in items]
+    weights, labels = [w for _, _, w in items], _labels(names, len(items))
+    metas = [rule.check_upload(r, label) for (r, _, _), label in zip(items, labels)]
     if not replies_inline(items):
         ms = [(channel.manifest(r), w) for (r, _, _), w in zip(items, weights)]
+        for (m, _), (r, _, _), label in zip(ms, items, labels):
+            if m.update != r.update:
+                raise WeightsError(f"{label}: the store entry's update metadata is not its reply's; re-upload it")
         return aggregate_manifests(ms, previous, out_dir, channel.shard_bytes, rule, server_lr, names)
     live = [i for i, f in enumerate(weight_factors(weights)) if f != 0]
-    states = [channel.state(r, a) for r, a, _ in items]
-    rnd = _Round([*_labels(names, len(items)), PREVIOUS], channel.shard_bytes)
-    rnd.states = [*((i, states[i]) for i in live), (len(items), load_shards(previous))]
+    w = load_shards(previous)
+    states = [
+        _model_of(channel.state(r, a), meta, w, previous, label) for (r, a, _), meta, label in zip(items, metas, labels)
+    ]
+    rnd = _Round([*labels, PREVIOUS], channel.shard_bytes)
+    rnd.states = [*((i, states[i]) for i in live), (len(items), w)]
     return _aggregate(rnd, [weights[i] for i in live], rule, server_lr, out_dir)
+
+
+def _model_of(
+    state: Mapping[str, torch.Tensor],
+    meta: UpdateMeta | None,
+    w: Mapping[str, torch.Tensor],
+    previous: Path,
+    label: str,
+) -> Mapping[str, torch.Tensor]:
+    """An inline upload as its client's model: full weights as they are, a compressed update
+    decoded onto the round's global model `w` (the bits `walk_shard` decodes piece by piece)."""
+    if meta is None:
+        return state
+    base = Manifest.from_dir(previous)
+    check_update(meta, {k: TensorInfo(k, tuple(t.shape), dtype_name(t.dtype)) for k, t in state.items()}, base, label)
+    return {t.name: decode_tensor(meta, t, state[t.name], w[t.name]) for t in base.tensors}
 
 
 def aggregate_manifests(
@@ -335,7 +385,10 @@ def aggregate_manifests(
     """`aggregate_refs` over sharded uploads (manifest, num-examples), streamed from disk."""
     weights = [w for _, w in inputs]
     live = [i for i, f in enumerate(weight_factors(weights)) if f != 0]
-    w = step_from_manifest(previous, inputs[live[0]][0], "the aggregator and the anomaly scores read it")
+    if is_update(inputs[live[0]][0]):  # deltas from it: `stream_manifests` checks each against it
+        w = previous if isinstance(previous, Manifest) else Manifest.from_dir(previous)
+    else:
+        w = step_from_manifest(previous, inputs[live[0]][0], "the aggregator and the anomaly scores read it")
     rnd = _Round([*_labels(names, len(inputs)), PREVIOUS], shard_bytes)
     rnd.manifests = [*((i, inputs[i][0]) for i in live), (len(inputs), w)]
     return _aggregate(rnd, [weights[i] for i in live], rule, server_lr, out_dir)

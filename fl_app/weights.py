@@ -18,7 +18,9 @@ bounded buffers (aggregation writes a shard it never holds whole). Shard assignm
 function of tensor order and sizes (greedy fill up to `max_shard_bytes`; a tensor bigger than
 the bound sits alone in its own shard), so the same state always gives the same files, and
 clients exporting one model agree on the layout. Floating tensors must be fp32 (invariant 1:
-fp32 end to end); integer and bool buffers pass.
+fp32 end to end); integer and bool buffers pass. A client's compressed update (fl_app.quant) is
+such a dir of uint8 tensors whose manifest carries `update` (its metadata); a manifest without
+it serializes as before, so the digests of weights are unchanged.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ _ST_DTYPES: dict[str, torch.dtype] = {
 
 class WeightsError(RuntimeError):
     """Weights on disk are missing, corrupt, inconsistent or not fp32; the message names the fix."""
+
+
+def canonical_json(obj: Any) -> str:
+    """One text per JSON value (sorted keys, no spaces): what a manifest's `update` is kept as, so
+    that its digest does not depend on how the value was built."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -142,6 +150,8 @@ class Manifest:
     root: Path | None = None
     hash: str = HASH
     version: int = VERSION
+    # a compressed update's metadata (fl_app.quant.UpdateMeta) as canonical JSON; '' for weights
+    update: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -175,6 +185,8 @@ class Manifest:
         head: dict[str, Any] = {"format": FORMAT, "version": self.version}
         if self.version != 1:
             head["hash"] = self.hash
+        if self.update:
+            head["update"] = json.loads(self.update)
         return (
             json.dumps(
                 {
@@ -300,7 +312,10 @@ def _parse_manifest(d: Any, root: Path | None, where: str) -> Manifest:
             raise WeightsError(f"{at}: file {file!r} listed twice or bytes {size} < 0; {_FIX}")
         files.add(file)
         shards.append(ShardInfo(file, digest, size, tuple(tensors)))
-    m = Manifest(tuple(shards), max_shard, root, algo, version)
+    update = d.get("update", {})
+    if not isinstance(update, dict) or (update and version == 1):
+        raise WeightsError(f"{where}: 'update' must be a JSON object in a v2 manifest (got {update!r:.60}); {_FIX}")
+    m = Manifest(tuple(shards), max_shard, root, algo, version, canonical_json(update) if update else "")
     for key, value in (("total_bytes", m.total_bytes), ("tensor_bytes", m.tensor_bytes)):
         if key in d and d[key] != value:
             raise WeightsError(f"{where}: {key} {d[key]!r} does not add up to its shards' {value}; {_FIX}")
@@ -614,14 +629,15 @@ class ShardWriter:
         self._shards.append(info)
         return info
 
-    def finish(self) -> Manifest:
-        """Make every shard durable (if `durable`), then publish the manifest (tmp + rename)."""
+    def finish(self, update: str = "") -> Manifest:
+        """Make every shard durable (if `durable`), then publish the manifest (tmp + rename);
+        `update`: a compressed update's metadata (`Manifest.update`)."""
         try:
             self.flush()
             if self.durable:
                 for shard in self._shards:  # writeback was started as they were written
                     fsync_path(self.out_dir / shard.file)
-            manifest = Manifest(tuple(self._shards), self.max_shard_bytes, self.out_dir)
+            manifest = Manifest(tuple(self._shards), self.max_shard_bytes, self.out_dir, update=update)
             tmp = self.out_dir / (MANIFEST_NAME + ".tmp")
             self._written.append(tmp)
             with open(tmp, "x") as f:

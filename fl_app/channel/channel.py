@@ -8,7 +8,11 @@ object store: `open.open_store`), and the ref carries only the key plus the sha2
 manifest the sender wrote, so a receiver can never pick up a different (stale or re-run) entry
 under the same key. Both ways give bit-identical tensors.
 
-This module holds no Flower type (fl_app imports no Flower): inline weights are fp32 state
+A client's upload under `federation.update: delta-int8 | delta-int4` travels the same ways: a
+compressed update (fl_app.quant: uint8 tensors, its metadata in the manifest and in the ref's
+`update`), which the server decodes onto the round's global model.
+
+This module holds no Flower type (fl_app imports no Flower): inline weights are state
 dicts here, and the Flower edge (server_app/, client_app/) wraps them as `ArrayRecord(state)`
 and unwraps them with `ArrayRecord.to_torch_state_dict()`, both bit-exact (Flower serialises
 arrays with np.save).
@@ -46,6 +50,7 @@ class WeightsRef(BaseModel):
     nbytes: int = Field(ge=0)
     key: str = ""
     manifest_sha256: str = ""
+    update: str = ""  # a compressed update's metadata (`Manifest.update`, fl_app.quant); '' for weights
 
 
 def arrays_key(member: str) -> str:
@@ -122,12 +127,15 @@ class Channel:
             state = load_shards(manifest)
             check_fp32(state)
             shutil.rmtree(local_dir)
-            return WeightsRef(inline=True, nbytes=manifest.tensor_bytes), state
+            return WeightsRef(inline=True, nbytes=manifest.tensor_bytes, update=manifest.update), state
         self.require_store(manifest.tensor_bytes)
         manifest = self.store.publish(local_dir, key)
         if manifest.root is None or Path(manifest.root).resolve() != Path(local_dir).resolve():
             shutil.rmtree(local_dir)
-        return WeightsRef(inline=False, nbytes=manifest.tensor_bytes, key=key, manifest_sha256=manifest.sha256), {}
+        sha = manifest.sha256
+        return WeightsRef(
+            inline=False, nbytes=manifest.tensor_bytes, key=key, manifest_sha256=sha, update=manifest.update
+        ), {}
 
     def down_bytes(self, ref: WeightsRef) -> int:
         """The bytes a `get(ref)` about to run moves to this process: the inline arrays the message
