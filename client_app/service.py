@@ -236,6 +236,7 @@ class TrainerService:
                 "environment on this node",
             )
         assert self.trainer is not None
+        self._check_base(call)
         ins, outs = set(call.weights), set(dirs.weights_out)
         want_in = members if not isinstance(call, InitCall) else ()
         want_out = self.trainer.members if not isinstance(call, EvalCall) else ()
@@ -300,7 +301,11 @@ class TrainerService:
             self.save(outs, durable=True)
             assert self.trainer is not None  # save() ran on it
             start = self.trainer.critic_start
-            return {"fits": self.fits, "critic_start": start.as_dict() if start is not None else None}
+            return {
+                "fits": self.fits,
+                "critic_start": start.as_dict() if start is not None else None,
+                "base_sha256": self.trainer.base_sha256,
+            }
 
     def close(self) -> None:
         self._last_read.clear()
@@ -309,6 +314,22 @@ class TrainerService:
             self._stack.close()
         finally:
             gc.unfreeze()  # hand the frozen objects back to the collector (a service used in-process: tests, benches)
+
+    def _check_base(self, call: FitCall | EvalCall | InitCall) -> None:
+        """Under `federation.update: lora` the run's adapters are deltas to one frozen base: a
+        lane whose base is other weights (another model dir, warm start or cache) would add them
+        to the wrong model, so a call that names another base, or none, is refused."""
+        assert self.trainer is not None
+        own = self.trainer.base_sha256
+        if isinstance(call, InitCall) or call.base_sha256 == own:
+            return
+        raise Refused(
+            409,
+            f"this lane's frozen base (sha256 {own or 'none: full weights'}) is not the run's (sha256 "
+            f"{call.base_sha256 or 'none recorded'}): its LoRA adapters would be added to other weights. "
+            "Every node must build the same base (model.path, model.init_from, the warm start; check the "
+            "model files and caches on this node)",
+        )
 
     def _check_run(self, run_id: int) -> None:
         if run_id != self.run_id:

@@ -55,6 +55,8 @@ ALGORITHMS: dict[str, Algorithm] = {
 }
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Aggregator = Literal["fedavg", "clipped", "trimmed_mean", "median"]  # fl_app.robust
+Update = Literal["full", "lora"]  # what a member's global model is and what travels (federation.update)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "abs+", "k3+", "low_var_kl+"]
 
 
@@ -476,6 +478,25 @@ class AlgoCfg(_Strict):
         return self
 
 
+class LoraCfg(_Strict):
+    """`federation.update: lora`: the adapters a member federates (client_app/trainer/lora.py,
+    docs/trainer.md "LoRA federation")."""
+
+    rank: int = Field(
+        8,
+        gt=0,
+        description="r: the rank of every adapter. Each target linear of shape out x in trains out x r numbers (B) and travels as them; A (r x in) is fixed.",
+    )
+    alpha: float = Field(
+        16.0, gt=0, description="The adapter's scale is alpha / rank (LoRA's, as PEFT's `lora_alpha`)."
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        description="The linear layers that get an adapter, by the last part of their module name (PEFT's `target_modules`); default every attention and MLP projection of a Llama/Qwen2 decoder. Each must name at least one `torch.nn.Linear` of the model (checked when the lane builds it); the embeddings and the LM head are never adapted.",
+    )
+
+
 class FederationCfg(_Strict):
     clients: int = Field(100, gt=0, description="N: clients in the federation (virtual clients in simulation).")
     clients_per_round: int = Field(
@@ -535,6 +556,11 @@ class FederationCfg(_Strict):
         description="`fedadam`'s degree of adaptivity tau, added to sqrt(v) (default 1e-3, the value FedOpt's "
         "experiments fix while tuning the learning rates).",
     )
+    update: Update = Field(
+        "full",
+        description="What a member's global model is and what travels each round. `full`: every fp32 weight. `lora`: adapters over a frozen base (FFA-LoRA, Sun et al. 2024, arXiv 2403.12313): each target linear W of `lora.target_modules` computes W x + (alpha / r) B A x, where A (r x in) is drawn once from a generator seeded by (run.seed, member, tensor name), the same bits on every node, never trained nor sent, and B (out x r, zeros at round 0) is trained; the critic's value head (ppo) is trained whole. A member's global model IS its B matrices (+ the value head), fp32, through the same channel, aggregators and server optimizers: with A fixed, the mean of the clients' products B_i A is exactly (mean B_i) A, which averaging both factors would not give. Every round records the frozen base's digest (`base_sha256`), and a node whose base differs is refused. builtin engine only.",
+    )
+    lora: LoraCfg = Field(default_factory=LoraCfg, description="`update: lora` only: its adapters.")
     aggregator: Aggregator = Field(
         "fedavg",
         description="How a round combines the clients' updates d_i = x_i - w (w the round's global model; fl_app/robust.py, docs/architecture.md \"Robust aggregation\"). `fedavg`: the num-examples-weighted mean, FedAvg bit for bit. `clipped`: FedAvg of the updates, each scaled down to norm at most `clip_multiple` x the round's median update norm (two streaming passes: norms, then the fold). `trimmed_mean`: per coordinate, the clients' values sorted, `trim_fraction` of them dropped from each end, the rest averaged. `median`: per coordinate, the clients' median. The coordinate-wise two are unweighted, as the literature defines them (Yin et al. 2018). All stream shard by shard in fp32 and are deterministic; `server_lr` composes with each (w + eta * (agg - w)), and so does a `server_optimizer`: it steps from w along the aggregate. Every aggregator records each client's update norm and cosines in the round's metrics row (`update_scores`, `flagged`).",
@@ -1012,6 +1038,7 @@ class Config(_Strict):
                 f"algo.filter_uniform_groups=true needs groups of two or more episodes to compare, and "
                 f"algo.group_size={algo.rollouts_per_task}; raise algo.group_size or remove it"
             )
+        self._check_update()
         if algo.name != "gigpo" and algo.gigpo != GigpoCfg():
             raise ValueError(
                 f"algo.gigpo sets GiGPO's step-level keys, and algo.name={algo.name!r} does not use them; "
@@ -1023,6 +1050,20 @@ class Config(_Strict):
                 "does not use them; remove it"
             )
         return self
+
+    def _check_update(self) -> None:
+        """Fail closed on LoRA knobs without LoRA, and on LoRA where the engine has no path for it."""
+        f = self.federation
+        if f.update != "lora" and f.lora != LoraCfg():
+            raise ValueError(
+                f"federation.lora sets adapter keys, and federation.update={f.update!r} trains no adapters; "
+                "remove them or set federation.update=lora"
+            )
+        if f.update == "lora" and self.backend != "builtin":
+            raise ValueError(
+                f"federation.update=lora runs on the builtin engine only (backend={self.backend!r} has no "
+                "adapter path here yet): set backend: builtin, or federation.update: full"
+            )
 
     def _check_aggregator(self) -> None:
         """Fail closed on a robust aggregator the round's clients cannot feed."""
