@@ -511,8 +511,8 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         )
         start = 0
     else:
-        row = next((r for r in rd.read_metrics() if r.get("round") == start), {})
-        run.set_base(str(row.get("base_sha256", "")), f"round {start} (resumed after)")
+        resumed = next((r for r in rd.read_metrics() if r.get("round") == start), {})
+        run.set_base(str(resumed.get("base_sha256", "")), f"round {start} (resumed after)")
         log(f"resuming after round {start} (found on disk: {'+'.join(members)})")
     critic = _critic_provenance(rd, resumed_after, lane_critic)
 

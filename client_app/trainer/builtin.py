@@ -43,8 +43,8 @@ from client_app.trainer.compute import (
     resolve_precision,
 )
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
-from client_app.trainer.lora import add_adapters, base_digest, merged_tensors
 from client_app.trainer.engine import Batch, LossSpec, PolicyBatch, Role, StepResult, ValueBatch, micro_batches
+from client_app.trainer.lora import add_adapters, base_digest, merged_tensors
 from client_app.trainer.weight_check import check_loadable
 from fl_app.config import Config
 from fl_app.weights import load_shards

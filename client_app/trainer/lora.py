@@ -34,6 +34,8 @@ LORA_B = "lora_B"
 class LoraLinear(torch.nn.Linear):
     """`base`'s weight and bias (frozen) plus s B A, with A a non-persistent buffer."""
 
+    lora_A: torch.Tensor
+
     def __init__(self, base: torch.nn.Linear, a: torch.Tensor, scale: float) -> None:
         torch.nn.Module.__init__(self)  # no fresh weight: the base's own objects are reused
         self.in_features, self.out_features = base.in_features, base.out_features
@@ -47,8 +49,8 @@ class LoraLinear(torch.nn.Linear):
         self.scale = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = self.lora_B.dtype  # the bf16 compute copy casts B (a parameter), not A (a buffer)
-        return F.linear(x, self.weight, self.bias) + self.scale * F.linear(F.linear(x, self.lora_A.to(dtype)), self.lora_B)
+        a = self.lora_A.to(self.lora_B.dtype)  # the bf16 compute copy casts B (a parameter), not A (a buffer)
+        return F.linear(x, self.weight, self.bias) + self.scale * F.linear(F.linear(x, a), self.lora_B)
 
     def merged_weight(self) -> torch.Tensor:
         """W + s B A in fp32: the weight this layer computes with (a vLLM sync, the reference

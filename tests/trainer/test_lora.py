@@ -18,8 +18,8 @@ from client_app.service import Dirs, Refused, TrainerService
 from client_app.trainer import make_engine
 from client_app.trainer.base import ClientTasks
 from client_app.trainer.builtin import BuiltinEngine
-from client_app.trainer.lora import LORA_B, adapter_layers, fixed_a, merged_tensors
 from client_app.trainer.loop import RLTrainer
+from client_app.trainer.lora import LORA_B, adapter_layers, fixed_a, merged_tensors
 from fl_app.aggregate import fedavg_manifests
 from fl_app.calls import EvalCall, FitCall
 from fl_app.config import Config, recipe_sha256
@@ -87,8 +87,8 @@ def test_averaged_b_merges_to_the_exact_mean_of_the_products(model_dir, tmp_path
 def test_a_is_the_same_draw_in_every_process_and_differs_per_tensor_member_and_seed():
     here = fixed_a(0, "actor", "model.layers.0.self_attn.q_proj.weight", 4, 32)
     code = (
-        "import sys, torch; from client_app.trainer.lora import fixed_a; "
-        "sys.stdout.buffer.write(fixed_a(0, 'actor', 'model.layers.0.self_attn.q_proj.weight', 4, 32).numpy().tobytes())"
+        "import sys; from client_app.trainer.lora import fixed_a; a = fixed_a(0, 'actor', "
+        "'model.layers.0.self_attn.q_proj.weight', 4, 32); sys.stdout.buffer.write(a.numpy().tobytes())"
     )
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout
     assert there == here.numpy().tobytes()
@@ -141,7 +141,8 @@ def test_a_ppo_fit_trains_and_exports_only_b_and_the_value_head(model_dir, env_u
         start = {m: trainer.export_weights(m) for m in models}
         base = {m: _frozen(model) for m, model in models.items()}
         a_before = {m: {n: layer.lora_A.clone() for n, layer in adapter_layers(model)} for m, model in models.items()}
-        res = trainer.fit(FitCall(round=1, client_id=3, local_epochs=1, seed=0, proximal_mu=0.01), ClientTasks(TRAIN_TASKS))
+        call = FitCall(round=1, client_id=3, local_epochs=1, seed=0, proximal_mu=0.01)
+        res = trainer.fit(call, ClientTasks(TRAIN_TASKS))
         assert res.metrics["optimizer_steps"] > 0 and res.metrics["critic_optimizer_steps"] > 0
         for member, model in models.items():
             after = trainer.export_weights(member)
