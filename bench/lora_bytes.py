@@ -4,6 +4,7 @@ device (no weights, no download), against all of its parameters.
 
     python -m bench.lora_bytes                      # the tiny default and SmolLM2-135M's shape
     python -m bench.lora_bytes --ranks 4 8 16 32
+    python -m bench.lora_bytes --model-dir DIR      # a Hugging Face model dir's config.json
 
 A round moves the same members down and up for every client, so the ratio of a round's
 `bytes_moved` is the ratio of the parameter counts (docs/trainer.md, "LoRA federation").
@@ -12,6 +13,8 @@ A round moves the same members down and up for every client, so the ratio of a r
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +36,11 @@ SMOLLM2_135M: dict[str, Any] = {
 }
 
 
+# the default build's BPE vocabulary (its config.json, model.tiny.seed 0): below the
+# `model.tiny.vocab_size` bound of 4,096, which the tokenizer's merges did not fill
+TINY_VOCAB = 3390
+
+
 def tiny_shape() -> dict[str, Any]:
     """The tiny default's Qwen2 shape (client_app/tiny_model.py `init_model`)."""
     t = TinyModelCfg()
@@ -43,9 +51,17 @@ def tiny_shape() -> dict[str, Any]:
         "num_hidden_layers": t.layers,
         "num_attention_heads": t.heads,
         "num_key_value_heads": t.heads // 2,
-        "vocab_size": t.vocab_size,
+        "vocab_size": TINY_VOCAB,
         "tie_word_embeddings": True,
     }
+
+
+def dir_shape(model_dir: Path) -> dict[str, Any]:
+    """The shape a Hugging Face model dir's config.json gives."""
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    config = json.loads((model_dir / "config.json").read_text())
+    extra = ("num_key_value_heads", "vocab_size", "tie_word_embeddings")
+    return {k: config[k] for k in keys} | {k: config[k] for k in extra if k in config}
 
 
 def counts(shape: dict[str, Any], rank: int) -> tuple[int, int]:
@@ -64,8 +80,13 @@ def counts(shape: dict[str, Any], rank: int) -> tuple[int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    ap.add_argument("--model-dir", type=Path, nargs="*", default=[], help="Hugging Face model dirs (config.json)")
     args = ap.parse_args()
-    for label, shape in (("tiny default", tiny_shape()), ("SmolLM2-135M", SMOLLM2_135M)):
+    shapes = [(d.name[:13], dir_shape(d)) for d in args.model_dir] or [
+        ("tiny default", tiny_shape()),
+        ("SmolLM2-135M", SMOLLM2_135M),
+    ]
+    for label, shape in shapes:
         for rank in args.ranks:
             full, adapters = counts(shape, rank)
             print(f"{label:>13} rank {rank:>3}: {full:>12,} params, adapters {adapters:>10,}: x{full / adapters:.1f}")

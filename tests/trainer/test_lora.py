@@ -122,6 +122,25 @@ def test_generation_runs_the_merged_model(model_dir):  # noqa: F811
     assert float((adapted - base_logits.double()).abs().max()) > 1e-3
 
 
+def test_the_bf16_compute_copy_runs_the_adapters_of_the_fp32_masters(model_dir):  # noqa: F811
+    """On the bf16 compute copy (the CUDA default, here on the CPU) the copy's B is the masters'
+    B rounded, A stays the fp32 draw and is cast at use, and the adapted logits follow fp32's."""
+    fp32, bf16 = _engine(model_dir), _engine(model_dir, run={"device": "cpu", "seed": 0, "precision": "bf16"})
+    ids = torch.tensor([[5, 17, 42, 9, 100, 3, 77]])
+    for engine in (fp32, bf16):
+        engine.load_weights(_random_b(fp32, "actor", 0, scale=0.5), "actor")
+    copy = dict(adapter_layers(bf16.generation_model()))
+    for name, master in adapter_layers(bf16.model):
+        assert copy[name].lora_B.dtype == torch.bfloat16 and copy[name].lora_A.dtype == torch.float32
+        assert torch.equal(copy[name].lora_B, master.lora_B.detach().to(torch.bfloat16))
+    assert fp32.ref is not None and bf16.ref is not None  # the frozen base (kl_coef > 0), in each precision
+    with torch.no_grad():
+        want = fp32.generation_model()(ids).logits - fp32.ref(ids).logits
+        got = (bf16.generation_model()(ids).logits - bf16.ref(ids).logits).float()
+    assert float(want.abs().max()) > 0.1  # the adapters move the logits
+    assert float((got - want).norm()) < 0.1 * float(want.norm())  # and by what fp32 moves them, to bf16's rounding
+
+
 def test_a_ppo_fit_trains_and_exports_only_b_and_the_value_head(model_dir, env_url, tmp_path):  # noqa: F811
     """The exchanged members are the adapters' B (+ the critic's value head, trained whole);
     a fit moves them, the base (every frozen tensor of both models) and A stay bit for bit, the
