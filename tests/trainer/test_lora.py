@@ -21,9 +21,10 @@ from client_app.trainer.builtin import BuiltinEngine
 from client_app.trainer.loop import RLTrainer
 from client_app.trainer.lora import LORA_B, adapter_layers, fixed_a, merged_tensors
 from fl_app.aggregate import fedavg_manifests
+from fl_app.robust import Rule, aggregate_manifests, flagged_clients
 from fl_app.calls import EvalCall, FitCall
 from fl_app.config import Config, recipe_sha256
-from fl_app.weights import save_shards
+from fl_app.weights import load_shards, save_shards
 
 TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))
 LORA = {"update": "lora", "lora": {"rank": 4, "alpha": 8.0}}
@@ -61,8 +62,6 @@ def test_averaged_b_merges_to_the_exact_mean_of_the_products(model_dir, tmp_path
         save_shards(state, tmp_path / f"client-{i}", 1 << 20)
         dirs.append((tmp_path / f"client-{i}", weights[i]))
     fedavg_manifests(dirs, tmp_path / "global", 1 << 20)
-    from fl_app.weights import load_shards
-
     engine.load_weights(load_shards(tmp_path / "global"), "actor")
     merged = dict(merged_tensors(engine.model))
     total = sum(weights)
@@ -82,6 +81,30 @@ def test_averaged_b_merges_to_the_exact_mean_of_the_products(model_dir, tmp_path
         worst_naive = max(worst_naive, float((layer.scale * (b_mean @ a_mean - own_products)).abs().max()))
     assert worst_exact < 1e-6, worst_exact  # fp32 rounding of the mean and of the merge only
     assert worst_naive > 1e3 * worst_exact, (worst_naive, worst_exact)
+
+
+@pytest.mark.parametrize("agg", ["fedavg", "clipped", "trimmed_mean", "median"])
+def test_every_aggregator_runs_over_adapters_and_flags_a_poisoned_one(model_dir, tmp_path, agg):  # noqa: F811
+    """Issue #39's every aggregator in every update mode: over four clients' B (one sent 100 x its
+    update), each aggregator writes adapters the lane loads, flags the poisoned client and no
+    clean one, and the robust ones keep its update out (B -> s B A is linear and, A having full
+    rank, one to one: a coordinate-wise rule on B is that rule on the products' row space)."""
+    engine = _engine(model_dir)
+    w, common = _random_b(engine, "actor", 10, scale=0.01), _random_b(engine, "actor", 11, scale=0.05)
+    honest = [{k: common[k] + v for k, v in _random_b(engine, "actor", seed, scale=0.02).items()} for seed in range(4)]
+    updates = honest[:3] + [{k: 100 * d for k, d in honest[3].items()}]  # clients agree, one scales x100
+    inputs = []
+    for i, d in enumerate(updates):
+        inputs.append((save_shards({k: w[k] + d[k] for k in w}, tmp_path / f"client-{i}", 1 << 20), 1.0))
+    previous = save_shards(w, tmp_path / "global", 1 << 20)
+    rule = Rule(agg, trim_fraction=0.25)
+    out, scores = aggregate_manifests(inputs, previous, tmp_path / "out", 1 << 20, rule)
+    new = load_shards(out.root)
+    engine.load_weights(new, "actor")  # the lane takes what any aggregator writes
+    assert flagged_clients({"actor": scores.row([0, 1, 2, 3])}) == [3]
+    step = max(float((new[k] - w[k]).abs().max()) for k in w)
+    clean = max(float(d[k].abs().max()) for d in honest for k in w)
+    assert step > 10 * clean if agg == "fedavg" else step <= 1.5 * clean
 
 
 def test_a_is_the_same_draw_in_every_process_and_differs_per_tensor_member_and_seed():
