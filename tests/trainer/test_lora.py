@@ -21,9 +21,9 @@ from client_app.trainer.builtin import BuiltinEngine
 from client_app.trainer.loop import RLTrainer
 from client_app.trainer.lora import LORA_B, adapter_layers, fixed_a, merged_tensors
 from fl_app.aggregate import fedavg_manifests
-from fl_app.robust import Rule, aggregate_manifests, flagged_clients
 from fl_app.calls import EvalCall, FitCall
 from fl_app.config import Config, recipe_sha256
+from fl_app.robust import Rule, aggregate_manifests, flagged_clients
 from fl_app.weights import load_shards, save_shards
 
 TRAIN_TASKS = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))
