@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
-    from fl_app.config import UpdateMode
+    from fl_app.config import Update
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -263,7 +263,7 @@ def build_model(dest: Path, gb: float, shard_bytes: int) -> Any:
 
 
 # ---- compressed updates ------------------------------------------------------------------
-UPDATE_MODES: tuple[UpdateMode, ...] = ("full", "delta-int8", "delta-int4")
+UPDATE_MODES: tuple[Update, ...] = ("full", "delta-int8", "delta-int4")
 
 
 def tiny_state() -> dict[str, Any]:

@@ -57,7 +57,8 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     if isinstance(call, EvalCall):
         shutil.rmtree(base, ignore_errors=True)
     client = call.client_id if isinstance(call, FitCall) else None
-    reply = Reply(weights=refs, client_id=client, critic_start=served.get("critic_start") or {}, **lane.where())
+    init = {k: served[k] for k in ("critic_start", "base_sha256") if served.get(k)}  # the init reply's
+    reply = Reply(weights=refs, client_id=client, **init, **lane.where())
     content[RECORD] = ConfigRecord({RECORD: reply.model_dump_json()})
     examples = {"num-examples": int(served["num_examples"])} if "num_examples" in served else {}
     content["metrics"] = MetricRecord({**served.get("metrics", {}), **examples, **meter.metrics()})

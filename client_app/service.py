@@ -57,7 +57,7 @@ from client_app.trainer.device import freeze_survivors, resolve_device
 from client_app.variant_envs import VariantEnvServices
 from envs.registry import make_env
 from fl_app.calls import EvalCall, FitCall, InitCall
-from fl_app.config import Config, load_config, recipe_mismatch, recipe_sha256, require_model_here
+from fl_app.config import COMPRESSED, Config, load_config, recipe_mismatch, recipe_sha256, require_model_here
 from fl_app.host import CPU_THREADS_VAR, cpu_threads, usable_cores
 from fl_app.paths import PathEscapeError, confine
 from fl_app.quant import Residuals, write_update
@@ -239,6 +239,7 @@ class TrainerService:
                 "environment on this node",
             )
         assert self.trainer is not None
+        self._check_base(call)
         ins, outs = set(call.weights), set(dirs.weights_out)
         want_in = members if not isinstance(call, InitCall) else ()
         want_out = self.trainer.members if not isinstance(call, EvalCall) else ()
@@ -326,7 +327,11 @@ class TrainerService:
             self.save(outs, durable=True)
             assert self.trainer is not None  # save() ran on it
             start = self.trainer.critic_start
-            return {"fits": self.fits, "critic_start": start.as_dict() if start is not None else None}
+            return {
+                "fits": self.fits,
+                "critic_start": start.as_dict() if start is not None else None,
+                "base_sha256": self.trainer.base_sha256,
+            }
 
     def close(self) -> None:
         self._last_read.clear()
@@ -335,6 +340,22 @@ class TrainerService:
             self._stack.close()
         finally:
             gc.unfreeze()  # hand the frozen objects back to the collector (a service used in-process: tests, benches)
+
+    def _check_base(self, call: FitCall | EvalCall | InitCall) -> None:
+        """Under `federation.update: lora` the run's adapters are deltas to one frozen base: a
+        lane whose base is other weights (another model dir, warm start or cache) would add them
+        to the wrong model, so a call that names another base, or none, is refused."""
+        assert self.trainer is not None
+        own = self.trainer.base_sha256
+        if isinstance(call, InitCall) or call.base_sha256 == own:
+            return
+        raise Refused(
+            409,
+            f"this lane's frozen base (sha256 {own or 'none: full weights'}) is not the run's (sha256 "
+            f"{call.base_sha256 or 'none recorded'}): its LoRA adapters would be added to other weights. "
+            "Every node must build the same base (model.path, model.init_from, the warm start; check the "
+            "model files and caches on this node)",
+        )
 
     def _check_run(self, run_id: int) -> None:
         if run_id != self.run_id:
@@ -357,7 +378,7 @@ class TrainerService:
             res = self.trainer.fit(call, self.client_tasks(call.client_id))
             t1 = time.perf_counter()
             ef: dict[str, float] = {}
-            if self.cfg.federation.update == "full":
+            if self.cfg.federation.update not in COMPRESSED:  # fp32 weights (full, or lora's adapters)
                 bytes_out = self.save(outs, durable=False)
             else:
                 bytes_out, ef["ef_residual_zeros"] = self.save_updates(call, ins, outs)

@@ -45,6 +45,7 @@ class Call(BaseModel):
     weight_store: str = ""  # the store nodes open ('' = the run dir; docs/weight-store.md)
     weight_store_token: str = ""  # the served store's credential for this call (fl_app/channel/credentials.py)
     weights: dict[str, WeightsRef] = Field(default_factory=dict)  # member -> the round's global weights
+    base_sha256: str = ""  # federation.update: lora: the frozen base the run's adapters add to (a node checks its own)
 
 
 class FitCall(Call):
@@ -84,3 +85,4 @@ class Reply(BaseModel):
     lane: str = ""
     service_log: str = ""
     critic_start: dict[str, str] = Field(default_factory=dict)  # init: where the lane's critic came from (PPO)
+    base_sha256: str = ""  # init under federation.update: lora: the digest of the lane's frozen base

@@ -55,7 +55,10 @@ ALGORITHMS: dict[str, Algorithm] = {
 }
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Aggregator = Literal["fedavg", "clipped", "trimmed_mean", "median"]  # fl_app.robust
-UpdateMode = Literal["full", "delta-int8", "delta-int4"]  # what a client uploads (fl_app.quant)
+# what a member's global model is and what a client uploads (federation.update)
+Update = Literal["full", "delta-int8", "delta-int4", "lora"]
+COMPRESSED: tuple[Update, ...] = ("delta-int8", "delta-int4")  # uploads that are quantized deltas (fl_app.quant)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "abs+", "k3+", "low_var_kl+"]
 
 
@@ -496,6 +499,25 @@ class QuantCfg(_Strict):
         return v
 
 
+class LoraCfg(_Strict):
+    """`federation.update: lora`: the adapters a member federates (client_app/trainer/lora.py,
+    docs/trainer.md "LoRA federation")."""
+
+    rank: int = Field(
+        8,
+        gt=0,
+        description="r: the rank of every adapter. Each target linear of shape out x in trains out x r numbers (B) and travels as them; A (r x in) is fixed.",
+    )
+    alpha: float = Field(
+        16.0, gt=0, description="The adapter's scale is alpha / rank (LoRA's, as PEFT's `lora_alpha`)."
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        description="The linear layers that get an adapter, by the last part of their module name (PEFT's `target_modules`); default every attention and MLP projection of a Llama/Qwen2 decoder. Each must name at least one `torch.nn.Linear` of the model (checked when the lane builds it); the embeddings and the LM head are never adapted.",
+    )
+
+
 class FederationCfg(_Strict):
     clients: int = Field(100, gt=0, description="N: clients in the federation (virtual clients in simulation).")
     clients_per_round: int = Field(
@@ -555,6 +577,27 @@ class FederationCfg(_Strict):
         description="`fedadam`'s degree of adaptivity tau, added to sqrt(v) (default 1e-3, the value FedOpt's "
         "experiments fix while tuning the learning rates).",
     )
+    update: Update = Field(
+        "full",
+        description="What a member's global model is and what travels each round. `full`: every fp32 weight, "
+        'FedAvg bit for bit. `delta-int8` / `delta-int4` (docs/weight-store.md "Compressed updates", '
+        "fl_app/quant.py): a client uploads its update from the round's global model, blockwise absmax-quantized "
+        "to 8 / 4 bits with one fp32 scale per `quant.block` values (about 3.8x / 7.1x fewer bytes up at block "
+        "64), with error feedback: each client adds what quantization lost last time to its next update, the "
+        "residual kept on its node per (run, client, member, round) (a client that another node served before "
+        "starts from zeros: `ef_residual_zeros` 1 in its fit metrics); the server decodes each update onto the "
+        "global model piece by piece and aggregates in fp32 with every aggregator and server optimizer; the "
+        "global model stays fp32 and moves down as today. `lora`: adapters over a frozen base (FFA-LoRA, Sun et "
+        "al. 2024, arXiv 2403.12313): each target linear W of `lora.target_modules` computes W x + (alpha / r) "
+        "B A x, where A (r x in) is drawn once from a generator seeded by (run.seed, member, tensor name), the "
+        "same bits on every node, never trained nor sent, and B (out x r, zeros at round 0) is trained; the "
+        "critic's value head (ppo) is trained whole. A member's global model IS its B matrices (+ the value "
+        "head), fp32, through the same channel, aggregators and server optimizers: with A fixed, the mean of the "
+        "clients' products B_i A is exactly (mean B_i) A, which averaging both factors would not give. Every "
+        "round records the frozen base's digest (`base_sha256`), and a node whose base differs is refused; "
+        "builtin engine only. PPO's critic follows the mode in each case.",
+    )
+    lora: LoraCfg = Field(default_factory=LoraCfg, description="`update: lora` only: its adapters.")
     aggregator: Aggregator = Field(
         "fedavg",
         description="How a round combines the clients' updates d_i = x_i - w (w the round's global model; fl_app/robust.py, docs/architecture.md \"Robust aggregation\"). `fedavg`: the num-examples-weighted mean, FedAvg bit for bit. `clipped`: FedAvg of the updates, each scaled down to norm at most `clip_multiple` x the round's median update norm (two streaming passes: norms, then the fold). `trimmed_mean`: per coordinate, the clients' values sorted, `trim_fraction` of them dropped from each end, the rest averaged. `median`: per coordinate, the clients' median. The coordinate-wise two are unweighted, as the literature defines them (Yin et al. 2018). All stream shard by shard in fp32 and are deterministic; `server_lr` composes with each (w + eta * (agg - w)), and so does a `server_optimizer`: it steps from w along the aggregate. Every aggregator records each client's update norm and cosines in the round's metrics row (`update_scores`, `flagged`).",
@@ -579,18 +622,6 @@ class FederationCfg(_Strict):
         None,
         gt=0,
         description="Anomaly flag by direction, off unless set: a client whose median cosine to the other clients' updates (`cos_peers`) is below flag_cosine_z / sqrt(parameters) is flagged (a random direction's cosine to an update is ~N(0, 1/parameters): such an update is no more aligned with its peers than noise; a sign-flipped one points away from them). Off by default because clean updates need not agree: on the tiny default (4 clients a round, 7 rounds, 3 seeds) 20 of 84 clean updates of clean runs had cos_peers below 4 / sqrt(parameters), 17 of them below 0 (docs/architecture.md, \"Robust aggregation and anomaly scores\"). Set it (4 is the usual bound) where a recipe's clean updates are measured to agree. The norm rule (`flag_norm_ratio`) always flags. Needs 3 or more clients.",
-    )
-    update: UpdateMode = Field(
-        "full",
-        description='What a client uploads after its fit (docs/weight-store.md "Compressed updates", fl_app/quant.py). '
-        "`full`: its fp32 model, FedAvg bit for bit. `delta-int8` / `delta-int4`: its update from the round's global "
-        "model, blockwise absmax-quantized to 8 / 4 bits with one fp32 scale per `quant.block` values (about 3.8x / "
-        "7.1x fewer bytes up at block 64), with error feedback: each client adds what quantization lost last time "
-        "to its next update, the residual kept on its node per (run, client, member, round) (a client that another "
-        "node served before starts from zeros: `ef_residual_zeros` 1 in its fit metrics). The server decodes each "
-        "update onto the global model piece by piece and aggregates in fp32 with every aggregator and server "
-        "optimizer; the global model stays fp32 and moves down as today. PPO's critic follows the same mode. "
-        "Resume is exact when nodes keep their weight caches (run.weight_cache_dir).",
     )
     quant: QuantCfg = Field(default_factory=QuantCfg)
     eval_every: int = Field(
@@ -1045,6 +1076,7 @@ class Config(_Strict):
                 f"algo.filter_uniform_groups=true needs groups of two or more episodes to compare, and "
                 f"algo.group_size={algo.rollouts_per_task}; raise algo.group_size or remove it"
             )
+        self._check_update()
         if algo.name != "gigpo" and algo.gigpo != GigpoCfg():
             raise ValueError(
                 f"algo.gigpo sets GiGPO's step-level keys, and algo.name={algo.name!r} does not use them; "
@@ -1056,6 +1088,20 @@ class Config(_Strict):
                 "does not use them; remove it"
             )
         return self
+
+    def _check_update(self) -> None:
+        """Fail closed on LoRA knobs without LoRA, and on LoRA where the engine has no path for it."""
+        f = self.federation
+        if f.update != "lora" and f.lora != LoraCfg():
+            raise ValueError(
+                f"federation.lora sets adapter keys, and federation.update={f.update!r} trains no adapters; "
+                "remove them or set federation.update=lora"
+            )
+        if f.update == "lora" and self.backend != "builtin":
+            raise ValueError(
+                f"federation.update=lora runs on the builtin engine only (backend={self.backend!r} has no "
+                "adapter path here yet): set backend: builtin, or federation.update: full"
+            )
 
     def _check_aggregator(self) -> None:
         """Fail closed on a robust aggregator the round's clients cannot feed."""
@@ -1204,7 +1250,7 @@ class Config(_Strict):
                     "round must reply; set federation.min_clients_per_round below federation.clients_per_round, "
                     "or federation.over_select > 0"
                 )
-        if f.update != "full" and faults.poison.kind != "none":
+        if f.update in COMPRESSED and faults.poison.kind != "none":
             raise ValueError(
                 f"faults.poison rewrites a client's fp32 export, but federation.update={f.update!r} uploads a "
                 "compressed update; poison with federation.update: full"

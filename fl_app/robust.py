@@ -71,7 +71,7 @@ from fl_app.aggregate import (
     weight_factors,
 )
 from fl_app.channel import Channel, WeightsRef
-from fl_app.config import Aggregator, FederationCfg, UpdateMode
+from fl_app.config import COMPRESSED, Aggregator, FederationCfg, Update
 from fl_app.quant import UpdateMeta, check_update, decode_tensor, is_update
 from fl_app.weights import Manifest, TensorInfo, WeightsError, dtype_name, load_shards, save_shards
 
@@ -85,7 +85,7 @@ class Rule:
     clip_multiple: float = 1.0
     flag_norm_ratio: float = 3.0
     flag_cosine_z: float | None = None
-    update: UpdateMode = "full"  # what clients upload (fl_app.quant)
+    update: Update = "full"  # what clients upload (fl_app.quant: the COMPRESSED modes)
     block: int = 64
 
     @classmethod
@@ -98,9 +98,9 @@ class Rule:
     def check_upload(self, ref: WeightsRef, label: str) -> UpdateMeta | None:
         """The metadata of an upload in the recipe's `update` mode (None: full weights); an upload
         in another mode is refused (fail closed: it would be averaged as the wrong thing)."""
-        if self.update == "full":
+        if self.update not in COMPRESSED:  # fp32 weights: full models, or lora's adapters
             if ref.update:
-                raise WeightsError(f"{label} uploaded a compressed update, but federation.update is full")
+                raise WeightsError(f"{label} uploaded a compressed update, but federation.update is {self.update}")
             return None
         if not ref.update:
             raise WeightsError(f"{label} uploaded full weights, but federation.update is {self.update}")

@@ -274,6 +274,23 @@ class Run:
             **self.w.node_store,
         }
 
+    def set_base(self, digest: str, source: str) -> None:
+        """The frozen base every call names from now on (`federation.update: lora`; nodes refuse
+        another): from the init lane, or on a resume from the round resumed after. Fails closed
+        on a lora run without one and on a full-weights run with one."""
+        lora = self.cfg.federation.update == "lora"
+        if lora != bool(digest):
+            raise RoundError(
+                f"{source} records {'no' if lora else 'a'} LoRA base digest, and this run has federation.update="
+                f"{self.cfg.federation.update!r}: "
+                + (
+                    "the lane built no adapters (is every node on this code?)"
+                    if lora
+                    else "resume with the update mode the run was started with, or use a new run dir"
+                )
+            )
+        self.header["base_sha256"] = digest
+
     def close(self) -> None:
         """Stop the served store and close the TensorBoard writer (every path out of the run)."""
         self.w.close()
@@ -312,7 +329,8 @@ class Run:
 def _initial_model(run: Run, members: tuple[str, ...]) -> tuple[int, dict[str, Any], dict[str, float]]:
     """Round 0: a lane exports its freshly built members; the server writes them as the checkpoint.
     Returns the bytes written, where the lane's critic came from (PPO; empty otherwise) and the
-    reply's metrics (what travelled up from the lane: fl_app.accounting)."""
+    reply's metrics (what travelled up from the lane: fl_app.accounting). Under
+    `federation.update: lora` the lane's base digest becomes the run's (`Run.header`)."""
     call = InitCall(**run.header)
     reply = run.ask("query.init", "round 0: initial model", call)
     done, channel = reply_of(reply), run.w.channel
@@ -324,6 +342,7 @@ def _initial_model(run: Run, members: tuple[str, ...]) -> tuple[int, dict[str, A
     for member in members:
         state = channel.state(done.weights[member], inline_state(reply, member))
         nbytes += save_shards(state, run.rd.member_dir(0, member), channel.shard_bytes).tensor_bytes
+    run.set_base(done.base_sha256, "the init lane")
     return nbytes, dict(done.critic_start), metrics_of(reply)
 
 
@@ -425,6 +444,7 @@ def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str)
             "services": services,
             "partition": partition,
             **({"critic": critic} if critic else {}),
+            **({"base_sha256": run.header["base_sha256"]} if run.header.get("base_sha256") else {}),
             "config": cfg.model_dump(mode="json"),
         }
     )
@@ -491,6 +511,8 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         )
         start = 0
     else:
+        resumed = next((r for r in rd.read_metrics() if r.get("round") == start), {})
+        run.set_base(str(resumed.get("base_sha256", "")), f"round {start} (resumed after)")
         log(f"resuming after round {start} (found on disk: {'+'.join(members)})")
     critic = _critic_provenance(rd, resumed_after, lane_critic)
 
@@ -546,7 +568,10 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
 
 
 def _seal(run: Run, rnd: int, row: dict[str, Any]) -> None:
-    """Complete round `rnd` with its metrics row, then mirror the row into TensorBoard."""
+    """Complete round `rnd` with its metrics row (and, under LoRA, the base its adapters add to:
+    recorded in the row and its COMPLETE marker), then mirror the row into TensorBoard."""
+    if run.header.get("base_sha256"):
+        row = {**row, "base_sha256": run.header["base_sha256"]}
     run.rd.complete_round(rnd, row)
     if run.board is not None:
         run.board.add_row(rnd, row)

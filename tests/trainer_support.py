@@ -144,8 +144,11 @@ def assert_flat(series: list[float], warmup: int, model_mb: float) -> float:
 
 
 def initial_and_size(trainer: Any) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
+    """Every member's exported weights, and the policy's fp32 size in MB: its exported tensors, or
+    under `federation.update: lora` the whole model (a leaked copy of the base is what would grow)."""
     state = {m: trainer.export_weights(m) for m in trainer.members}
-    return state, sum(t.numel() * 4 for t in state["actor"].values()) / 2**20
+    full = trainer.engine.policy_tensors() if trainer.cfg.federation.update == "lora" else state["actor"].items()
+    return state, sum(t.numel() * 4 for _, t in full) / 2**20
 
 
 def service_call(svc: Any, kind: type[C], members: tuple[str, ...] = ("actor",), **fields: Any) -> C:

@@ -54,6 +54,11 @@ class Trainer(Protocol):
         """The weights this trainer exchanges, e.g. ("actor",) or ("actor", "critic")."""
         ...
 
+    @property
+    def base_sha256(self) -> str:
+        """`federation.update: lora`: the digest of the frozen base its adapters add to; "" otherwise."""
+        ...
+
     def load_weights(self, state: Mapping[str, torch.Tensor], member: str = "actor") -> None:
         """Copy fp32 weights into the live `member` model in place (no rebuild)."""
         ...

@@ -44,6 +44,7 @@ from client_app.trainer.compute import (
 )
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
 from client_app.trainer.engine import Batch, LossSpec, PolicyBatch, Role, StepResult, ValueBatch, micro_batches
+from client_app.trainer.lora import add_adapters, base_digest, merged_tensors
 from client_app.trainer.weight_check import check_loadable
 from fl_app.config import Config
 from fl_app.weights import load_shards
@@ -108,6 +109,9 @@ class BuiltinEngine:
                 self.critic_start.reason,
                 f" from {self.critic_start.path}" if self.critic_start.path else "",
             )
+        # federation.update: lora: every weight loaded so far is the frozen base; the members
+        # become their adapters (+ the critic's value head) from here on (client_app/trainer/lora.py).
+        self.base_sha256 = self._adapt() if cfg.federation.update == "lora" else ""
         # Built last, from the loaded masters: what forward and backward passes run on.
         self._compute = {"actor": ComputeCopy(self.model, self.precision)}
         if self.critic is not None:
@@ -116,6 +120,24 @@ class BuiltinEngine:
             compile_models([c.module for c in self._compute.values()] + ([self.ref] if self.ref is not None else []))
         log.info("computing in %s on %s (fp32 master weights)", self.precision, self.device)
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
+
+    def _adapt(self) -> str:
+        """Adapters on the policy (and the critic) over their frozen loaded weights; each member's
+        exchanged, trained tensors become its B matrices (+ the critic's value head, trained
+        whole). Returns the frozen base's digest."""
+        lora, models = self.cfg.federation.lora, {"actor": self.model}
+        if self.critic is not None:
+            models["critic"] = self.critic
+        for member, model in models.items():
+            add_adapters(model, member, lora.target_modules, lora.rank, lora.alpha, self.cfg.run.seed)
+            if member == "critic":
+                model.score.requires_grad_(True)  # a fresh value head: trained whole (PEFT's modules_to_save)
+            self._members[member] = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.params = self._members["actor"]
+        digest = base_digest(models)
+        trained = sum(p.numel() for ps in self._members.values() for p in ps.values())
+        log.info("lora: rank %d on %s, %d trained numbers; base %s", lora.rank, lora.target_modules, trained, digest)
+        return digest
 
     # ------------------------------------------------------------------ weights
 
@@ -153,7 +175,7 @@ class BuiltinEngine:
         return self._compute["actor"].module.eval()
 
     def policy_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
-        return ((name, p.detach()) for name, p in self.params.items())
+        return merged_tensors(self.model)
 
     def parameters(self, member: str = "actor") -> Iterable[tuple[str, torch.nn.Parameter]]:
         return self._member(member).items()
@@ -171,9 +193,10 @@ class BuiltinEngine:
                 self._members["critic"].values(), lr=a.critic.lr, weight_decay=a.critic.weight_decay, fused=fused
             )
         if reference_from_policy and self.ref is not None:
+            policy = dict(merged_tensors(self.model))  # the plain policy (adapters merged in under lora)
             with torch.no_grad():
-                for p_ref, p in zip(self.ref.parameters(), self.model.parameters()):
-                    p_ref.copy_(p)
+                for name, p_ref in self.ref.named_parameters():
+                    p_ref.copy_(policy[name])
 
     def end_fit(self) -> None:
         for opt in self.optimizers.values():

@@ -91,6 +91,7 @@ class TrainingEngine(Protocol):
     """What the fit loop needs of a training engine: weights in and out, scores, steps."""
 
     critic_start: CriticStart | None  # where the starting critic came from; None without a critic
+    base_sha256: str  # federation.update: lora: the frozen base's digest (client_app/trainer/lora.py); else ""
 
     @property
     def members(self) -> tuple[str, ...]:

@@ -123,6 +123,10 @@ class RLTrainer:
     def critic_start(self) -> CriticStart | None:
         return self.engine.critic_start
 
+    @property
+    def base_sha256(self) -> str:
+        return self.engine.base_sha256
+
     def load_weights(self, state: Any, member: str = "actor") -> None:
         self.engine.load_weights(state, member)
 

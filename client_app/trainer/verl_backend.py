@@ -177,6 +177,7 @@ class VerlEngine:
     critic)."""
 
     critic_start: CriticStart | None = None  # set when the algorithm trains a critic
+    base_sha256 = ""  # full weights only: the config refuses federation.update: lora with verl
     # verl's own choice for the reference: a forward-only engine under FSDP2's pinned CPU offload,
     # whose weights then cross to the GPU for every micro-batch it scores. Off (ours), the
     # reference is a training engine that never steps (its AdamW makes state only at a step),

@@ -149,6 +149,18 @@ def test_a_server_optimizer_takes_only_its_own_knobs_and_fedadam_needs_a_learnin
     assert load_config("tiny-shop-grpo").federation.server_lr == 1.0  # sgd: FedAvg
 
 
+def test_lora_runs_on_the_builtin_engine_and_its_knobs_need_it():
+    """Fail closed at recipe load: verl has no adapter path here, and adapter knobs under
+    `update: full` would silently do nothing."""
+    with pytest.raises(ConfigError, match=r"federation.update=lora runs on the builtin engine only.*backend='verl'"):
+        load_config("tiny-shop-grpo-lora", dotlist=["backend=verl"])
+    with pytest.raises(ConfigError, match=r"federation.lora sets adapter keys.*update='full'"):
+        load_config("tiny-shop-grpo", dotlist=["federation.lora.rank=4"])
+    cfg = load_config("tiny-shop-grpo", dotlist=["federation.update=lora", "federation.lora.rank=2"])
+    assert (cfg.federation.update, cfg.federation.lora.rank) == ("lora", 2)
+    assert load_config("tiny-shop-grpo").federation.update == "full"  # the default: today's bits
+
+
 def test_a_whole_config_rule_error_does_not_dump_the_config():
     with pytest.raises(ConfigError) as err:
         load_config(overrides={"clients": 2, "clients-per-round": 3})

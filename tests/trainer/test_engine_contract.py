@@ -63,6 +63,7 @@ _no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUD
 ENGINES = [
     "builtin",
     "builtin-cpu-bf16",  # the bf16 compute copy of fp32 masters (the CUDA default), on the CPU
+    "builtin-cpu-fp32-lora",  # federation.update: lora, the members are the adapters' B (+ the value head)
     # compiled decoder layers (run.compile, the GPU recipes'), on the CPU: ~70 s of compiling, so
     # slow-marked; tests/trainer/test_compute.py holds compiled layers to eager ones in the default run
     pytest.param("builtin-cpu-fp32+compile", marks=pytest.mark.slow),
@@ -72,6 +73,7 @@ ENGINES = [
     pytest.param("builtin-cuda-autocast", marks=[pytest.mark.gpu, _no_cuda]),  # the former GPU mode
     pytest.param("verl-cuda", marks=[pytest.mark.gpu, _no_cuda, _no_verl]),
 ]
+LORA_KIND = "-lora"
 # (rtol, atol) of gradients, log-probs and repeated fits: fp32, and bf16 compute (CUDA's default)
 TOLERANCE = {"fp32": (1e-4, 1e-7), "bf16": (5e-2, 2e-3)}
 # temperature != 1 (log-probs are tempered), KL and entropy on, 5-row mini-batches of 2-row
@@ -91,12 +93,16 @@ PPO = {"name": "ppo", "tasks_per_step": 3, "group_size": None}
 
 
 def _config(kind: str, model: Path, **sections: dict) -> Config:
-    """`kind` = backend[-device[-precision[+compile]]], as the bench names its arms."""
-    parts = kind.split("-")
+    """`kind` = backend[-device[-precision[+compile]]][-lora], as the bench names its arms;
+    `-lora`: the members are LoRA adapters over the frozen model (`federation.update: lora`)."""
+    lora = kind.endswith(LORA_KIND)
+    parts = kind.removesuffix(LORA_KIND).split("-")
     backend, device, arm = parts + ["cpu", "auto"][len(parts) - 1 :]
     precision, _, compiled = arm.partition("+")
     merged = {k: dict(v) for k, v in SECTIONS.items()}
     merged["run"] = {"device": device, "precision": precision, "compile": compiled == "compile"}
+    if lora:
+        merged["federation"] = {"update": "lora", "lora": {"rank": 4, "alpha": 8.0}}
     for name, values in sections.items():
         merged[name] = {**merged.get(name, {}), **values}
     return small_config(model, **merged).model_copy(update={"backend": backend})
@@ -249,7 +255,8 @@ def test_master_weights_hold_the_exported_bits_and_write_the_same_shards(ppo, tm
             params = dict(ppo.engine.parameters(member))
             assert all(live[k].data_ptr() == params[k].data_ptr() for k in live)
             assert {v.device.type for v in live.values()} == {ppo.engine.device.type}
-        shard = 64 << 10  # small shards: several, and tensors streamed in more than one piece elsewhere
+        # small shards: several (a third of LoRA adapters' few KB), and tensors streamed in more than one piece
+        shard = min(64 << 10, sum(v.numel() * 4 for v in live.values()) // 3)
         a = save_shards(live, tmp_path / f"{member}-live", shard, durable=False)
         b = save_shards(copy, tmp_path / f"{member}-copy", shard, durable=False)
         assert a.sha256 == b.sha256 and len(a.shards) > 1
