@@ -249,7 +249,9 @@ def test_decoding_updates_in_the_streaming_aggregators_holds_pieces_not_models(t
             peaks[agg, mib] = json.loads(res.stdout.strip().splitlines()[-1])["peak_increase_bytes"]
     for agg in ("fedavg", "median"):
         small, large = peaks[agg, 8], peaks[agg, 32]
-        assert large - small < 4 << 20, f"{agg}: peak RSS {small / 2**20:.1f} -> {large / 2**20:.1f} MiB"
+        # one held copy of the larger model's input would add 24 MiB; the margin takes the
+        # allocator's per-thread arenas, which vary with the readers' scheduling on a loaded box
+        assert large - small < 12 << 20, f"{agg}: peak RSS {small / 2**20:.1f} -> {large / 2**20:.1f} MiB"
 
 
 # ---- error feedback ---------------------------------------------------------------------------

@@ -360,7 +360,9 @@ def test_streaming_robust_aggregation_memory_does_not_grow_with_the_model(tmp_pa
             del state
     for agg in ("median", "clipped"):
         small, large = (_peak(tmp_path / f"{agg}{mib}", agg, dirs[mib], shard) for mib in (8, 32))
-        assert large - small < 4 << 20, f"{agg}: peak RSS {small / 2**20:.1f} -> {large / 2**20:.1f} MiB"
+        # one held copy of the larger model's input would add 24 MiB; the margin takes the
+        # allocator's per-thread arenas, which vary with the readers' scheduling on a loaded box
+        assert large - small < 12 << 20, f"{agg}: peak RSS {small / 2**20:.1f} -> {large / 2**20:.1f} MiB"
 
 
 def test_recipe_load_refuses_a_robust_aggregator_the_round_cannot_feed():
