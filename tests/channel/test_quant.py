@@ -8,13 +8,13 @@ checked at load."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from robust_support import aggregate_reference
 
 from envs.ports import bind_listener
 from fl_app.aggregate import PIECE_BYTES, NonFiniteWeightsError
@@ -117,29 +117,6 @@ def _round(root: Path, mode: str, w: dict[str, torch.Tensor], xs: list[dict[str,
     return base.root, channel, items, decoded
 
 
-def _definition(agg: str, w, xs, weights, rule: Rule) -> dict[str, torch.Tensor]:
-    """The aggregators over the decoded models, in float64, whole tensors at once."""
-    f = torch.tensor(weights, dtype=torch.float64) / sum(weights)
-    floats = [k for k in w if w[k].is_floating_point()]
-    d = {k: torch.stack([x[k].double() - w[k].double() for x in xs]) for k in floats}
-    norms = torch.sqrt(sum((d[k].flatten(1) ** 2).sum(1) for k in floats))
-    out = {}
-    for k in floats:
-        xk = torch.stack([x[k].double() for x in xs])
-        shape = (-1,) + (1,) * (xk.dim() - 1)
-        if agg == "fedavg":
-            out[k] = w[k].double() + (d[k] * f.view(shape)).sum(0)
-        elif agg == "clipped":
-            c = rule.clip_multiple * (norms.median() if len(xs) % 2 else norms.sort().values[1:3].mean())
-            out[k] = w[k].double() + (d[k] * (f * torch.clamp(c / norms, max=1.0)).view(shape)).sum(0)
-        elif agg == "median":
-            out[k] = torch.quantile(xk, 0.5, dim=0)
-        else:
-            b = math.floor(rule.trim_fraction * len(xs))
-            out[k] = xk.sort(0).values[b : len(xs) - b].mean(0)
-    return out
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("agg", AGGREGATORS)
 def test_every_aggregator_on_decoded_updates_matches_its_definition_inline_and_streamed_bit_for_bit(
@@ -157,14 +134,14 @@ def test_every_aggregator_on_decoded_updates_matches_its_definition_inline_and_s
         assert again.sha256 == m.sha256
         assert len(scores.norm) == 5 and all(n > 0 for n in scores.norm)
     assert _bits(outs[True]) == _bits(outs[False])  # inline == streamed
-    want = _definition(agg, w, decoded, [w_ for _, _, w_ in items], rule)
+    want = aggregate_reference(agg, w, decoded, [w_ for _, _, w_ in items], rule)
     for k, t in outs[True].items():
         if k in want:
             torch.testing.assert_close(t.double(), want[k], rtol=1e-5, atol=1e-6)
         else:
             assert torch.equal(t, w[k])
     # the decoded updates are not the true ones: what the codec lost shows in the aggregate
-    exact = _definition(agg, w, xs, [w_ for _, _, w_ in items], rule)
+    exact = aggregate_reference(agg, w, xs, [w_ for _, _, w_ in items], rule)
     assert any(not torch.allclose(outs[True][k].double(), exact[k], rtol=0, atol=1e-7) for k in exact)
 
 
@@ -175,7 +152,7 @@ def test_a_server_optimizer_steps_along_the_mean_of_decoded_updates(tmp_path):
     mean, _ = aggregate_refs(items, ch, tmp_path / "mean", prev, Rule(update="delta-int8"))
     opt = ServerOptimizer("fedavgm", lr=1.0, momentum=0.9)
     out = opt.step(prev, mean.root, None, tmp_path / "new", [tmp_path / "m"])
-    avg = _definition("fedavg", w, decoded, [x for _, _, x in items], Rule())
+    avg = aggregate_reference("fedavg", w, decoded, [x for _, _, x in items], Rule())
     got = load_shards(out.root)
     torch.testing.assert_close(got["big"].double(), avg["big"], rtol=1e-5, atol=1e-6)  # m' = Delta at round 1
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
+from robust_support import aggregate_reference
 
 from client_app.poison import noise_seed, poisoned, poisons
 from fl_app.aggregate import NonFiniteWeightsError, fedavg_refs
@@ -79,42 +80,6 @@ def _bits(state: dict[str, torch.Tensor]) -> bytes:
     return b"".join(t.contiguous().numpy().tobytes() for t in state.values())
 
 
-def _reference(
-    agg: str,
-    w: dict[str, torch.Tensor],
-    xs: list[dict[str, torch.Tensor]],
-    weights: list[float],
-    rule: Rule,
-    eta: float,
-) -> dict[str, torch.Tensor]:
-    """The aggregators' definitions in float64 torch, whole tensors at once."""
-    f = torch.tensor(weights, dtype=torch.float64) / sum(weights)
-    floats = [k for k in w if w[k].is_floating_point()]
-    d = {k: torch.stack([x[k].double() - w[k].double() for x in xs]) for k in floats}
-    norms = torch.sqrt(sum((d[k].flatten(1) ** 2).sum(1) for k in floats))
-    out = {}
-    for k in floats:
-        xk = torch.stack([x[k].double() for x in xs])
-        shape = (-1,) + (1,) * (xk.dim() - 1)
-        if agg == "fedavg":
-            a = (xk * f.view(shape)).sum(0)
-        elif agg == "clipped":
-            c = (
-                rule.clip_multiple * norms.median()
-                if len(xs) % 2
-                else rule.clip_multiple * norms.sort().values[1:3].mean()
-            )
-            scale = torch.clamp(c / norms, max=1.0)
-            a = w[k].double() + (d[k] * (f * scale).view(shape)).sum(0)
-        elif agg == "median":
-            a = torch.quantile(xk, 0.5, dim=0)
-        else:
-            b = math.floor(rule.trim_fraction * len(xs))
-            a = xk.sort(0).values[b : len(xs) - b].mean(0)
-        out[k] = w[k].double() + eta * (a - w[k].double())
-    return out
-
-
 @pytest.mark.parametrize("agg", AGGREGATORS)
 def test_each_aggregator_matches_its_definition_inline_and_streamed_bit_for_bit(tmp_path, agg):
     w = _net(0)
@@ -132,7 +97,7 @@ def test_each_aggregator_matches_its_definition_inline_and_streamed_bit_for_bit(
             again, _ = aggregate_refs(items, ch, tmp_path / f"again-{inline}-{eta}", prev, rule, server_lr=eta)
             assert again.sha256 == m.sha256  # deterministic: the same inputs, the same bits
         assert _bits(outs[True]) == _bits(outs[False])  # inline == streamed
-        want = _reference(agg, w, states, weights, rule, eta)
+        want = aggregate_reference(agg, w, states, weights, rule, eta)
         for k, t in outs[True].items():
             assert t.dtype == w[k].dtype
             if k in want:
@@ -140,7 +105,7 @@ def test_each_aggregator_matches_its_definition_inline_and_streamed_bit_for_bit(
             else:
                 assert torch.equal(t, w[k])  # carried, not averaged
     if agg == "clipped":  # the large update was clipped: the result differs from FedAvg's
-        fedavg = _reference("fedavg", w, states, weights, rule, 1.0)
+        fedavg = aggregate_reference("fedavg", w, states, weights, rule, 1.0)
         assert not torch.allclose(outs[True]["0.weight"].double(), fedavg["0.weight"], atol=1e-6)
 
 
@@ -166,7 +131,7 @@ def test_coordinate_wise_aggregators_match_torch_for_any_number_of_clients(tmp_p
     rule = Rule(agg, trim_fraction=0.34 if k < 6 else 0.2)
     ch = _channel(tmp_path, inline=True)
     m, _ = aggregate_refs(_items(tmp_path, ch, states, [1.0] * k), ch, tmp_path / "out", prev, rule)
-    got, want = load_shards(m.root), _reference(agg, w, states, [1.0] * k, rule, 1.0)
+    got, want = load_shards(m.root), aggregate_reference(agg, w, states, [1.0] * k, rule, 1.0)
     for n in w:
         torch.testing.assert_close(got[n].double(), want[n], rtol=1e-6, atol=1e-6)
 
@@ -307,7 +272,7 @@ def test_ppo_s_critic_is_aggregated_and_scored_beside_the_actor(tmp_path):
     out_dirs = {m: tmp_path / "rounds/round-0001" / m for m in members}
     manifests, _, scores = agg.aggregate_train(replies, ch, out_dirs, own, previous)
     for m, w in members.items():
-        want = _reference("median", w, sent[m], [8.0] * 4, Rule("median"), 1.0)
+        want = aggregate_reference("median", w, sent[m], [8.0] * 4, Rule("median"), 1.0)
         got = load_shards(manifests[m].root)
         for k in want:
             torch.testing.assert_close(got[k].double(), want[k], rtol=1e-5, atol=1e-6)
