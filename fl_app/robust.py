@@ -49,7 +49,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -137,16 +137,26 @@ class Scores:
     cos_mean: list[float]
     cos_peers: list[float | None]
     flagged: list[bool]
+    cos: list[list[float]]  # cos[i][j]: client i's update against client j's (i != j)
 
-    def row(self, ids: Sequence[int]) -> dict[str, dict[str, float | bool | None]]:
-        """client id -> its scores, as the round's metrics row holds them."""
+    def row(self, ids: Sequence[int]) -> dict[str, dict[str, Any]]:
+        """client id -> its scores, as the round's metrics row holds them; `cos` gives every
+        pairwise cosine, so a flag rule can be tried on a finished run's rows."""
         return {
-            str(c): {"norm": n, "cos_mean": m, "cos_peers": p, "flagged": f}
-            for c, n, m, p, f in zip(ids, self.norm, self.cos_mean, self.cos_peers, self.flagged, strict=True)
+            str(c): {
+                "norm": n,
+                "cos_mean": m,
+                "cos_peers": p,
+                "flagged": f,
+                "cos": {str(ids[j]): v for j, v in enumerate(row) if j != i},
+            }
+            for i, (c, n, m, p, f, row) in enumerate(
+                zip(ids, self.norm, self.cos_mean, self.cos_peers, self.flagged, self.cos, strict=True)
+            )
         }
 
 
-RoundScores = dict[str, dict[str, dict[str, float | bool | None]]]  # member -> client id -> `Scores.row`
+RoundScores = dict[str, dict[str, dict[str, Any]]]  # member -> client id -> `Scores.row`
 
 
 def _cos(dot: float, a: float, b: float) -> float:
@@ -161,9 +171,9 @@ def scores_from_gram(gram: np.ndarray, factors: Sequence[float], rule: Rule, num
     to_mean = gram @ f
     mean_norm = math.sqrt(max(float(f @ to_mean), 0.0))
     cos_mean = [_cos(float(to_mean[i]), norm[i], mean_norm) for i in range(k)]
+    cos = [[_cos(float(gram[i, j]), norm[i], norm[j]) for j in range(k)] for i in range(k)]
     cos_peers: list[float | None] = [
-        statistics.median(_cos(float(gram[i, j]), norm[i], norm[j]) for j in range(k) if j != i) if k > 1 else None
-        for i in range(k)
+        statistics.median(cos[i][j] for j in range(k) if j != i) if k > 1 else None for i in range(k)
     ]
     median_norm = statistics.median(norm)
     chance = None if rule.flag_cosine_z is None else rule.flag_cosine_z / math.sqrt(max(numel, 1))
@@ -171,7 +181,7 @@ def scores_from_gram(gram: np.ndarray, factors: Sequence[float], rule: Rule, num
         k >= 3 and (n > rule.flag_norm_ratio * median_norm or (chance is not None and p is not None and p < chance))
         for n, p in zip(norm, cos_peers)
     ]
-    return Scores(norm, cos_mean, cos_peers, flagged)
+    return Scores(norm, cos_mean, cos_peers, flagged, cos)
 
 
 class _Pass:

@@ -164,8 +164,11 @@ def test_scores_match_a_torch_reference_and_zero_weight_clients_are_not_scored(t
     for j, dj in enumerate(d):
         assert scores.norm[j] == pytest.approx(float(dj.norm()), rel=1e-5)
         assert scores.cos_mean[j] == pytest.approx(float(cos(dj, mean, dim=0)), abs=1e-5)
-        peers = statistics.median(float(cos(dj, dk, dim=0)) for k, dk in enumerate(d) if k != j)
-        assert scores.cos_peers[j] == pytest.approx(peers, abs=1e-5)
+        pairs = [float(cos(dj, dk, dim=0)) for k, dk in enumerate(d) if k != j]
+        assert scores.cos_peers[j] == pytest.approx(statistics.median(pairs), abs=1e-5)
+        row = scores.row(live)[str(live[j])]["cos"]  # every pairwise cosine, by the peer's id
+        assert list(row) == [str(c) for c in live if c != live[j]]
+        assert list(row.values()) == pytest.approx(pairs, abs=1e-5)
     assert not any(scores.flagged)
 
 

@@ -237,6 +237,7 @@ def test_the_served_weight_store_gives_the_inline_runs_bits(fl, two_rounds, tmp_
     assert rows[1]["bytes_down"] == {"actor": files(1)}
 
 
+@pytest.mark.slow  # 33 s; test_aggregate.py holds server_lr to its definition bit for bit
 def test_a_server_learning_rate_steps_from_the_round_s_global_model(fl, two_rounds, tmp_path):
     """`server-lr=1.5`: the same clients train from the same round 0 as the FedAvg run, and the
     server writes w0 + 1.5 * (their mean - w0), the mean being the FedAvg run's round 1."""
@@ -258,6 +259,7 @@ def test_a_server_learning_rate_steps_from_the_round_s_global_model(fl, two_roun
     assert moved > len(w0) // 2  # not FedAvg's mean
 
 
+@pytest.mark.slow  # 17 s; test_rundir.py refuses it in the default run (invariant 6)
 def test_run_dir_with_more_rounds_than_asked_is_refused(fl, two_rounds):
     p = fl.run(_rc(two_rounds, rounds=1), timeout_s=600)
     out = p.stdout + p.stderr
@@ -273,6 +275,7 @@ def test_bad_config_fails_before_anything_starts(fl, tmp_path):
     assert not _service_pids(fl) or all(not psutil.pid_exists(p) for p in _service_pids(fl))
 
 
+@pytest.mark.slow  # 18 s; test_heterogeneity.py::test_labels_from_another_task_order_are_refused in the default run
 def test_labels_of_another_env_fail_the_run_before_any_lane_starts(fl, tmp_path):
     """Hardness labels made on another task order are refused by the server before round 0 (issue 15)."""
     recipe = tmp_path / "hardness.yaml"
@@ -319,6 +322,7 @@ def test_sigkill_mid_round_then_rerun_resumes_cleanly(tmp_path):
         assert set(_service_pids(fr)) - set(first_services)  # the rerun got a service of its own
 
 
+@pytest.mark.slow  # 26 s; test_local_superlink.py stops a SuperLink by its FLWR_HOME in the default run
 def test_stopping_the_local_superlink_mid_run_stops_the_runtime_too(tmp_path):
     """`python -m server_app.local_superlink stop` during a run: the detached simulation runtime
     (its own process group) and the lane's trainer service must not keep training."""
