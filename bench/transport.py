@@ -270,21 +270,13 @@ def tiny_state() -> dict[str, Any]:
     """The tiny default's tensors (TinyModelCfg's defaults: Qwen2, width 96, 2 layers, 4 heads,
     a 4096-token vocabulary, tied embeddings), randomly initialised."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    from client_app.tiny_model import MLP_RATIO
+    from client_app.tiny_model import tiny_config
     from fl_app.config import TinyModelCfg
 
     t = TinyModelCfg()
-    config = Qwen2Config(
-        vocab_size=t.vocab_size,
-        hidden_size=t.hidden_size,
-        intermediate_size=MLP_RATIO * t.hidden_size,
-        num_hidden_layers=t.layers,
-        num_attention_heads=t.heads,
-        num_key_value_heads=t.heads // 2,
-        tie_word_embeddings=True,
-    )
+    config = tiny_config(t, t.vocab_size)
     torch.manual_seed(0)
     return {k: v.detach().float().clone() for k, v in Qwen2ForCausalLM(config).state_dict().items()}
 

@@ -28,6 +28,7 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -206,9 +207,26 @@ def train_tokenizer(texts: list[str], vocab_size: int, whole: Sequence[str] = ()
     return tokenizer
 
 
+def tiny_config(tiny_cfg: TinyModelCfg, vocab_size: int, **extra: Any):
+    """The tiny model's Qwen2 shape: `tiny_cfg`'s width, layers and heads (KV heads = heads / 2),
+    an MLP of `MLP_RATIO` x the width, tied embeddings; `extra` sets the other config fields."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=tiny_cfg.hidden_size,
+        intermediate_size=MLP_RATIO * tiny_cfg.hidden_size,
+        num_hidden_layers=tiny_cfg.layers,
+        num_attention_heads=tiny_cfg.heads,
+        num_key_value_heads=tiny_cfg.heads // 2,
+        tie_word_embeddings=True,
+        **extra,
+    )
+
+
 def init_model(tiny_cfg: TinyModelCfg, tokenizer, max_positions: int):
     """A Qwen2 causal LM with every weight drawn from a local generator seeded by `tiny_cfg.seed`."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2ForCausalLM
 
     if tiny_cfg.hidden_size % tiny_cfg.heads or tiny_cfg.heads % 2:
         raise ValueError(
@@ -216,15 +234,10 @@ def init_model(tiny_cfg: TinyModelCfg, tokenizer, max_positions: int):
             f"{tiny_cfg.heads}, and heads must be even (KV heads = heads / 2)"
         )
     eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=tiny_cfg.hidden_size,
-        intermediate_size=MLP_RATIO * tiny_cfg.hidden_size,
-        num_hidden_layers=tiny_cfg.layers,
-        num_attention_heads=tiny_cfg.heads,
-        num_key_value_heads=tiny_cfg.heads // 2,
+    config = tiny_config(
+        tiny_cfg,
+        len(tokenizer),
         max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
         initializer_range=INIT_STD,
         bos_token_id=None,
         eos_token_id=eos,
