@@ -25,7 +25,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 from flwr.common.constant import ISOLATION_MODE_PROCESS
@@ -55,7 +55,7 @@ class CappedSleep:
         return getattr(self._real, name)
 
 
-def poll_seconds(environ: dict[str, str] | os._Environ[str]) -> float:
+def poll_seconds(environ: Mapping[str, str]) -> float:
     raw = environ.get(POLL_ENV, "")
     if not raw:
         return POLL_DEFAULT_S

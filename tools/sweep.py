@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,7 +182,7 @@ class Running:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         stop_superlink(self.home)
-        subprocess.run(["rm", "-rf", str(self.short)], check=False)
+        shutil.rmtree(self.short, ignore_errors=True)
 
 
 def summary_line(job: Job, ok: bool, seconds: float) -> str:
