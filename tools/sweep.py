@@ -230,6 +230,18 @@ def run_jobs(
     return failed
 
 
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGHUP end the sweep through `run_jobs`' `finally`, which stops every job it
+    started: each runs in a process group of its own, so a signal to the sweep's group alone
+    would leave its Flowers running."""
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, leave)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--arm", action="append", required=True, help="NAME=RUN_CONFIG (repeat per arm)")
@@ -250,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SweepError, ValueError) as e:
         print(f"tools.sweep: {e}", file=sys.stderr)
         return 2
+    _stop_on_signals()
     pinned = "pinned" if core_slots(a.jobs, a.threads, cores) else "not pinned (more than the cores)"
     print(f"{len(planned)} runs, {a.jobs} at a time, {a.threads} threads each, {pinned}; logs in {a.out / 'logs'}")
     failed = run_jobs(planned, a.out, a.jobs, a.threads, a.federation_config, cores)

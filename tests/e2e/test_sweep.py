@@ -4,10 +4,17 @@ resolved before anything starts; a complete run is never run again; one report a
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from server_app.local_superlink import find_superlink, stop_superlink
 from tools.sweep import SweepError, core_slots, main, parse_cores, plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,3 +63,39 @@ def test_a_sweep_runs_two_arms_at_once_and_resumes_without_rerunning(tmp_path, c
     assert sorted(p.name for p in (out / ".flwr").iterdir()) == ["fedavg-s0", "lr2-s0"]  # a Flower each
     assert main(args) == 0
     assert printed.count("already complete") == 0 and capsys.readouterr().out.count("already complete, skipped") == 2
+
+
+def _flower_of(home: Path) -> list[psutil.Process]:
+    """The processes whose FLWR_HOME is `home` (a job's flwr run, SuperLink and runtimes)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("FLWR_HOME") == str(home):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return [p for p in found if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_terminated_sweep_stops_every_flower_it_started(tmp_path):
+    out = tmp_path / "sweep"
+    home = out.resolve() / ".flwr" / "a-s0"
+    args = ["--arm", f'a=recipe="{RECIPE}"', "--seeds", "0", "--run-config", "rounds=5", "--threads", "1"]
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "tools.sweep", *args, "--out", str(out)], cwd=ROOT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while find_superlink(home) is None:  # the job's own Flower is up
+            assert sweep.poll() is None and time.monotonic() < deadline, "the job's SuperLink never started"
+            time.sleep(0.5)
+        assert _flower_of(home)
+        sweep.send_signal(signal.SIGTERM)  # to the sweep alone: its jobs run in groups of their own
+        assert sweep.wait(timeout=90) == 128 + signal.SIGTERM
+        assert _flower_of(home) == []
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+        stop_superlink(home)
+        for p in _flower_of(home):
+            p.kill()
