@@ -47,10 +47,66 @@ class ServiceRequestError(ServiceError):
         super().__init__(f"trainer service {path} failed (HTTP {status}): {error_type}: {message}")
 
 
+LEASE_POLL_S = 0.05
+
+
 def current_lane() -> str:
     """The lane of this process: its visible CUDA devices, or `cpu`."""
     devices = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     return devices.replace(",", "-") if devices else "cpu"
+
+
+def lane_devices(lane: str) -> list[str]:
+    """The device set of a lane: its GPU ids (`0-1` -> ["0", "1"]), or ["cpu"] for a CPU lane."""
+    return ["cpu"] if is_cpu_lane(lane) else lane.split("-")
+
+
+def is_cpu_lane(lane: str) -> bool:
+    return lane.startswith("cpu")
+
+
+def cpu_lanes(n: int) -> list[str]:
+    """The names of a host's `n` CPU lanes: one is `cpu` (the lane of a run without CPU lanes)."""
+    return ["cpu"] if n == 1 else [f"cpu{i}" for i in range(n)]
+
+
+def host_gpus() -> int:
+    """The GPUs of this host as the NVIDIA driver lists them (a Ray actor's `CUDA_VISIBLE_DEVICES`
+    hides the others); read without initialising CUDA."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+
+def host_lanes(lane: str, cpu_lane_count: int, gpus_per_lane: int) -> list[str]:
+    """The lanes this host offers for a run: its CPU lanes, or its GPUs in groups of `gpus_per_lane`
+    (the ids Ray hands its actors). The server reports those no fit used as idle."""
+    if is_cpu_lane(lane):
+        return cpu_lanes(cpu_lane_count)
+    ids = [str(i) for i in range(max(host_gpus(), len(lane_devices(lane))))]
+    return ["-".join(ids[i : i + gpus_per_lane]) for i in range(0, len(ids) - gpus_per_lane + 1, gpus_per_lane)]
+
+
+@contextmanager
+def leased_lane(owner: NodeOwner, run_id: int, lanes: list[str]) -> Iterator[str]:
+    """A free lane of `lanes`, held for the caller's call (one fit at a time per lane): the first
+    whose lease lock is free; while all are busy the call queues (polls) until one frees."""
+    if len(lanes) == 1:
+        yield lanes[0]
+        return
+    fds = {lane: open_lock(owner.runtime_dir() / f"lease-{run_id}-{lane}.lock") for lane in lanes}
+    try:
+        while True:
+            for lane, fd in fds.items():
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                yield lane
+                return
+            time.sleep(LEASE_POLL_S)
+    finally:
+        for fd in fds.values():
+            os.close(fd)  # releases the lease
 
 
 @contextmanager
@@ -99,9 +155,14 @@ class LaneService:
         node = f"{socket.gethostname()}-{self.owner.scope}-" if self.owner.scope else ""
         self.log_path = log_dir / f"service-{node}{self.lane}.log"
 
-    def where(self) -> dict[str, str]:
+    def where(self) -> dict[str, Any]:
         """Where this node's trainer service runs and logs (the server lists it in summary.json)."""
-        return {"node_host": socket.gethostname(), "lane": self.lane, "service_log": str(self.log_path)}
+        return {
+            "node_host": socket.gethostname(),
+            "lane": self.lane,
+            "devices": lane_devices(self.lane),
+            "service_log": str(self.log_path),
+        }
 
     def _client(self, timeout: float) -> httpx.Client:
         return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://svc", timeout=timeout)

@@ -51,6 +51,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from client_app import memory_debug
+from client_app.lane import is_cpu_lane
 from client_app.runtime_dir import NodeOwner, live_cpu_services, remove_own_files
 from client_app.trainer.base import ClientTasks, Trainer
 from client_app.trainer.device import freeze_survivors, resolve_device
@@ -487,7 +488,7 @@ class CoreShare:
     count is per thread), since another node's service may start or stop at any time."""
 
     def __init__(self, lane: str) -> None:
-        self.cpu = lane == "cpu"
+        self.cpu = is_cpu_lane(lane)
         self.default = torch.get_num_threads()
         cpu_threads(1, self.default)  # a malformed override fails the start-up, naming it
 
