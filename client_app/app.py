@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import shutil
 import socket
-import time
 from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from client_app.failures import failure_reply
-from client_app.lane import LaneService, ServiceError, cpu_lanes, current_lane, host_lanes, is_cpu_lane, leased_lane
+from client_app.lane import ServiceError, lane_services, serving_lane, stop_lanes
 from client_app.poison import poison_fit
-from client_app.runtime_dir import node_owner
 from fl_app.accounting import Meter
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall, Reply
 from fl_app.channel import arrays_key
 from fl_app.channel.open import node_channel
-from fl_app.config import Config, load_config
+from fl_app.config import load_config
 from fl_app.provenance import check_node_code
 
 app = ClientApp()
@@ -46,15 +44,11 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
         ins, meter.down = channel.get_all(call.weights, {m: a.to_torch_state_dict() for m, a in arrays.items()}, base)
     outs = {m: base / m for m in (() if isinstance(call, EvalCall) else cfg.weight_members())}
     dirs = {"weights_in": {m: str(d) for m, d in ins.items()}, "weights_out": {m: str(d) for m, d in outs.items()}}
-    lanes = node_lanes(cfg)
-    with leased_lane(node_owner(), context.run_id, lanes) as name:  # a busy host's fit queues here
-        lane = _lane_service(context, call, work.path, name)
-        start = time.time()
+    with serving_lane(context.run_id, run_config, cfg.run, work.path / "logs", Path(call.run_dir)) as lane:
         try:
             served = lane.request(path, {"call": call.model_dump(mode="json"), "dirs": dirs})
         except ServiceError as e:  # a known failure: one line to the server, not Ray's traceback in the stream
             return failure_reply(msg, lane, path, e)
-        span = (start, time.time())
     poison_fit(cfg, call, ins, outs)  # faults.poison (testing): a poisoned fit's exports rewritten before the upload
     channel.release_all(call.weights, ins)
     with meter.transport():
@@ -64,23 +58,12 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
         shutil.rmtree(base, ignore_errors=True)
     client = call.client_id if isinstance(call, FitCall) else None
     init = {k: served[k] for k in ("critic_start", "base_sha256") if served.get(k)}  # the init reply's
-    where = {**lane.where(), "host_lanes": host_lanes(lane.lane, cfg.run.cpu_lanes, cfg.run.lane_devices)}
-    reply = Reply(weights=refs, client_id=client, lane_span=span if client is not None else None, **init, **where)
+    span = lane.span if client is not None else None
+    reply = Reply(weights=refs, client_id=client, lane_span=span, **init, **lane.where())
     content[RECORD] = ConfigRecord({RECORD: reply.model_dump_json()})
     examples = {"num-examples": int(served["num_examples"])} if "num_examples" in served else {}
     content["metrics"] = MetricRecord({**served.get("metrics", {}), **examples, **meter.metrics()})
     return Message(content=content, reply_to=msg)
-
-
-def node_lanes(cfg: Config) -> list[str]:
-    """The lanes this process may serve a call on: its GPU lane, or any of the host's CPU lanes."""
-    own = current_lane()
-    return cpu_lanes(cfg.run.cpu_lanes) if is_cpu_lane(own) else [own]
-
-
-def _lane_service(context: Context, call: Call, work: Path, lane: str) -> LaneService:
-    """The handle of this node's trainer service on `lane` for the run (logs under the node's work dir)."""
-    return LaneService(context.run_id, dict(context.run_config), work / "logs", lane=lane, run_dir=Path(call.run_dir))
 
 
 def _call(msg: Message, kind: type[Call]) -> Call:
@@ -108,14 +91,7 @@ def shutdown(msg: Message, context: Context) -> Message:
     call, run_config = _call(msg, Call), dict(context.run_config)
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
     _, work = node_channel(call, cfg.run, f"node {context.node_id}")
-    lanes = [_lane_service(context, call, work.path, name) for name in node_lanes(cfg)]
-    stopped = [h for h in (lane.shutdown() for lane in lanes) if h]  # none: another node stopped them
-    served = {
-        "stopped": len(stopped),
-        "fits": sum(int(h.get("fits", 0)) for h in stopped),
-        "evals": sum(int(h.get("evals", 0)) for h in stopped),
-    }
-    rss_mb = max((float(h.get("rss_mb", 0.0)) for h in stopped), default=0.0)
-    content = RecordDict({"metrics": MetricRecord({**served, "rss_mb": rss_mb})})
+    lanes = lane_services(context.run_id, run_config, cfg.run, work.path / "logs", Path(call.run_dir))
+    content = RecordDict({"metrics": MetricRecord({**stop_lanes(lanes)})})  # zeros: another node stopped them
     content[RECORD] = ConfigRecord({RECORD: Reply(**lanes[0].where()).model_dump_json()})
     return Message(content=content, reply_to=msg)
