@@ -162,7 +162,14 @@ class TrainerService:
         self.evals = 0
         # per member, the last weights read: (manifest sha256, verified CPU state); see read()
         self._last_read: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
-        self._read_buffers = ReadBuffers(pin=resolve_device(cfg.run.device).type == "cuda")
+        cuda = resolve_device(cfg.run.device).type == "cuda"
+        if cuda and lane != "cpu" and is_cpu_lane(lane):
+            raise RuntimeError(
+                f"lane {lane} of run.cpu_lanes={cfg.run.cpu_lanes} would train on this host's GPU (run.device="
+                f"{cfg.run.device} sees one, CUDA_VISIBLE_DEVICES is unset), every CPU lane on the same GPU: set "
+                'run.device=cpu, or give each lane a GPU (--federation-config "client-resources-num-gpus=1")'
+            )
+        self._read_buffers = ReadBuffers(pin=cuda)
         # error feedback of compressed updates, node-local (fl_app.quant.Residuals)
         self.residuals = Residuals(Path(cfg.run.weight_cache_dir).expanduser() / "residuals", self.run_dir)
         self._stack = contextlib.ExitStack()

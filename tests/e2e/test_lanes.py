@@ -67,6 +67,12 @@ def test_the_lanes_a_fit_ran_on_do_not_change_the_global_models(runs):
 
 
 def test_one_cpu_lane_is_the_lane_cpu_and_idles_nothing(runs):
+    """The default: every fit on the one lane `cpu`; the round walls of both runs are printed."""
+    for n, (run_dir, _) in sorted(runs.items()):
+        rows = RunDir(run_dir, total_rounds=2).read_metrics()[1:]
+        print(f"\n{n} CPU lane(s): round walls {[round(r['wall_s'], 1) for r in rows]} s")
+        if n == 1:
+            assert all(f["lane"] == "cpu" for r in rows for f in r["per_client"].values())
     summary = json.loads((runs[1][0] / "summary.json").read_text())
     assert list(summary["lanes"]["served"].values()) == [{"cpu": {"fits": 4, "devices": ["cpu"]}}]
     assert summary["lanes"]["idle"] == {}
