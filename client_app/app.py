@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from client_app.failures import failure_reply
-from client_app.lane import LaneService, ServiceError
+from client_app.lane import ServiceError, lane_services, serving_lane, stop_lanes
 from client_app.poison import poison_fit
 from fl_app.accounting import Meter
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall, Reply
@@ -36,7 +36,6 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
     cfg.faults.straggle(call.client_id if isinstance(call, FitCall) else None, call.round)  # before the lane
     channel, work = node_channel(call, cfg.run, node)
-    lane = LaneService(context.run_id, run_config, log_dir=work.path / "logs", run_dir=Path(call.run_dir))
     scratch = work.scratch_dir(path.strip("/"), call.round)
     base = work.client_dir(call.round, call.client_id) if isinstance(call, FitCall) else scratch
     shutil.rmtree(base, ignore_errors=True)  # a dead attempt's leftovers are never reused
@@ -45,10 +44,11 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
         ins, meter.down = channel.get_all(call.weights, {m: a.to_torch_state_dict() for m, a in arrays.items()}, base)
     outs = {m: base / m for m in (() if isinstance(call, EvalCall) else cfg.weight_members())}
     dirs = {"weights_in": {m: str(d) for m, d in ins.items()}, "weights_out": {m: str(d) for m, d in outs.items()}}
-    try:
-        served = lane.request(path, {"call": call.model_dump(mode="json"), "dirs": dirs})
-    except ServiceError as e:  # a known failure: one line to the server, not Ray's traceback in the stream
-        return failure_reply(msg, lane, path, e)
+    with serving_lane(context.run_id, run_config, cfg.run, work.path / "logs", Path(call.run_dir)) as lane:
+        try:
+            served = lane.request(path, {"call": call.model_dump(mode="json"), "dirs": dirs})
+        except ServiceError as e:  # a known failure: one line to the server, not Ray's traceback in the stream
+            return failure_reply(msg, lane, path, e)
     poison_fit(cfg, call, ins, outs)  # faults.poison (testing): a poisoned fit's exports rewritten before the upload
     channel.release_all(call.weights, ins)
     with meter.transport():
@@ -58,7 +58,8 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
         shutil.rmtree(base, ignore_errors=True)
     client = call.client_id if isinstance(call, FitCall) else None
     init = {k: served[k] for k in ("critic_start", "base_sha256") if served.get(k)}  # the init reply's
-    reply = Reply(weights=refs, client_id=client, **init, **lane.where())
+    span = lane.span if client is not None else None
+    reply = Reply(weights=refs, client_id=client, lane_span=span, **init, **lane.where())
     content[RECORD] = ConfigRecord({RECORD: reply.model_dump_json()})
     examples = {"num-examples": int(served["num_examples"])} if "num_examples" in served else {}
     content["metrics"] = MetricRecord({**served.get("metrics", {}), **examples, **meter.metrics()})
@@ -90,9 +91,7 @@ def shutdown(msg: Message, context: Context) -> Message:
     call, run_config = _call(msg, Call), dict(context.run_config)
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
     _, work = node_channel(call, cfg.run, f"node {context.node_id}")
-    lane = LaneService(context.run_id, run_config, log_dir=work.path / "logs", run_dir=Path(call.run_dir))
-    h = lane.shutdown() or {}  # empty: another node of this lane stopped it (simulation)
-    served = {"stopped": int(bool(h)), "fits": int(h.get("fits", 0)), "evals": int(h.get("evals", 0))}
-    content = RecordDict({"metrics": MetricRecord({**served, "rss_mb": float(h.get("rss_mb", 0.0))})})
-    content[RECORD] = ConfigRecord({RECORD: Reply(**lane.where()).model_dump_json()})
+    lanes = lane_services(context.run_id, run_config, cfg.run, work.path / "logs", Path(call.run_dir))
+    content = RecordDict({"metrics": MetricRecord({**stop_lanes(lanes)})})  # zeros: another node stopped them
+    content[RECORD] = ConfigRecord({RECORD: Reply(**lanes[0].where()).model_dump_json()})
     return Message(content=content, reply_to=msg)

@@ -1,6 +1,8 @@
 """Find or start the trainer service of this process's GPU lane, and talk to it.
 
-A lane is the device set in `CUDA_VISIBLE_DEVICES` (or `cpu`). Every ClientApp message of a
+A lane is the device set in `CUDA_VISIBLE_DEVICES` (or a CPU lane: `cpu`, or with
+`run.cpu_lanes: N` one of `cpu0`..`cpuN-1`, leased per call by `leased_lane`, so a host without
+a GPU runs N fits at once). Every ClientApp message of a
 node on a lane goes to the same long-lived service (`client_app.service`), found through a Unix
 socket named after (run id, lane) in the node's private runtime dir (`client_app.runtime_dir`:
 shared by a host's simulation actors, one per SuperNode in deployment). A file lock makes
@@ -29,6 +31,7 @@ from typing import Any
 import httpx
 
 from client_app.runtime_dir import SERVICE_MODULE, NodeOwner, node_owner, open_lock, read_private, write_private
+from fl_app.config import RunCfg
 
 START_TIMEOUT_S = 1800.0  # first start may build the tiny model (minutes on 2 cores)
 REQUEST_TIMEOUT_S = 24 * 3600.0
@@ -47,10 +50,97 @@ class ServiceRequestError(ServiceError):
         super().__init__(f"trainer service {path} failed (HTTP {status}): {error_type}: {message}")
 
 
+LEASE_POLL_S = 0.05
+
+
 def current_lane() -> str:
     """The lane of this process: its visible CUDA devices, or `cpu`."""
     devices = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     return devices.replace(",", "-") if devices else "cpu"
+
+
+def lane_devices(lane: str) -> list[str]:
+    """The device set of a lane: its GPU ids (`0-1` -> ["0", "1"]), or ["cpu"] for a CPU lane."""
+    return ["cpu"] if is_cpu_lane(lane) else lane.split("-")
+
+
+def is_cpu_lane(lane: str) -> bool:
+    return lane.startswith("cpu")
+
+
+def cpu_lanes(n: int) -> list[str]:
+    """The names of a host's `n` CPU lanes: one is `cpu` (the lane of a run without CPU lanes)."""
+    return ["cpu"] if n == 1 else [f"cpu{i}" for i in range(n)]
+
+
+def host_gpus() -> int:
+    """The GPUs of this host as the NVIDIA driver lists them (a Ray actor's `CUDA_VISIBLE_DEVICES`
+    hides the others); read without initialising CUDA."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+
+def host_lanes(lane: str, run: RunCfg) -> list[str]:
+    """The lanes this host offers for a run: its CPU lanes, or its GPUs in groups of
+    `run.lane_devices` (the ids Ray hands its actors). The server reports those no fit used as idle."""
+    if is_cpu_lane(lane):
+        return cpu_lanes(run.cpu_lanes)
+    gpus_per_lane = run.lane_devices
+    own = lane_devices(lane)
+    if not all(d.isdigit() for d in own):
+        return [lane]  # GPUs named by UUID: only this lane is known
+    ids = [str(i) for i in range(max(host_gpus(), 1 + max(map(int, own))))]
+    groups = ["-".join(ids[i : i + gpus_per_lane]) for i in range(0, len(ids) - gpus_per_lane + 1, gpus_per_lane)]
+    return groups if lane in groups else [*groups, lane]
+
+
+def node_lanes(run: RunCfg) -> list[str]:
+    """The lanes this process may serve a call on: its GPU lane, or any of the host's CPU lanes."""
+    own = current_lane()
+    return cpu_lanes(run.cpu_lanes) if is_cpu_lane(own) else [own]
+
+
+def lane_services(
+    run_id: int, run_config: dict[str, Any], run: RunCfg, log_dir: Path, run_dir: Path
+) -> list[LaneService]:
+    """The handles of every lane this process may use for the run (`node_lanes`)."""
+    return [
+        LaneService(run_id, run_config, log_dir, lane=name, run_dir=run_dir, host_lanes=host_lanes(name, run))
+        for name in node_lanes(run)
+    ]
+
+
+@contextmanager
+def serving_lane(
+    run_id: int, run_config: dict[str, Any], run: RunCfg, log_dir: Path, run_dir: Path
+) -> Iterator[LaneService]:
+    """The service of a lane this process leased for one call (`leased_lane`: a busy host's call queues)."""
+    lanes = {lane.lane: lane for lane in lane_services(run_id, run_config, run, log_dir, run_dir)}
+    with leased_lane(node_owner(), run_id, list(lanes)) as name:
+        yield lanes[name]
+
+
+@contextmanager
+def leased_lane(owner: NodeOwner, run_id: int, lanes: list[str]) -> Iterator[str]:
+    """A free lane of `lanes`, held for the caller's call (one fit at a time per lane): the first
+    whose lease lock is free; while all are busy the call queues (polls) until one frees."""
+    if len(lanes) == 1:
+        yield lanes[0]
+        return
+    fds = {lane: open_lock(owner.runtime_dir() / f"lease-{run_id}-{lane}.lock") for lane in lanes}
+    try:
+        while True:
+            for lane, fd in fds.items():
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                yield lane
+                return
+            time.sleep(LEASE_POLL_S)
+    finally:
+        for fd in fds.values():
+            os.close(fd)  # releases the lease
 
 
 @contextmanager
@@ -86,9 +176,12 @@ class LaneService:
         lane: str | None = None,
         owner: NodeOwner | None = None,
         run_dir: Path | None = None,
+        host_lanes: list[str] | None = None,
     ) -> None:
         self.run_id, self.run_config, self.run_dir = run_id, run_config, run_dir
         self.lane = lane or current_lane()
+        self.host_lanes = host_lanes or [self.lane]
+        self.span: tuple[float, float] | None = None  # epoch seconds of the last request served
         self.owner = owner or node_owner()
         rt = self.owner.runtime_dir()
         stem = f"svc-{run_id}-{self.lane}"
@@ -99,9 +192,15 @@ class LaneService:
         node = f"{socket.gethostname()}-{self.owner.scope}-" if self.owner.scope else ""
         self.log_path = log_dir / f"service-{node}{self.lane}.log"
 
-    def where(self) -> dict[str, str]:
+    def where(self) -> dict[str, Any]:
         """Where this node's trainer service runs and logs (the server lists it in summary.json)."""
-        return {"node_host": socket.gethostname(), "lane": self.lane, "service_log": str(self.log_path)}
+        return {
+            "node_host": socket.gethostname(),
+            "lane": self.lane,
+            "devices": lane_devices(self.lane),
+            "host_lanes": self.host_lanes,
+            "service_log": str(self.log_path),
+        }
 
     def _client(self, timeout: float) -> httpx.Client:
         return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://svc", timeout=timeout)
@@ -194,10 +293,12 @@ class LaneService:
         )
 
     def request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        start = time.time()
         self.ensure_started()
         try:
             with self._client(REQUEST_TIMEOUT_S) as c:
                 r = c.post(path, json=body)
+            self.span = (start, time.time())
         except httpx.TransportError as e:
             raise ServiceError(
                 f"trainer service for lane {self.lane} failed during {path}: {e} (its log: "
@@ -237,3 +338,15 @@ def _alive(pid: int) -> bool:
             return fh.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def stop_lanes(lanes: list[LaneService]) -> dict[str, int | float]:
+    """Stop these lanes' services; how many this call stopped and what they served (fits, evals,
+    the largest RSS). Zeros where another node of the host stopped them first (simulation)."""
+    stopped = [h for h in (lane.shutdown() for lane in lanes) if h]
+    return {
+        "stopped": len(stopped),
+        "fits": sum(int(h.get("fits", 0)) for h in stopped),
+        "evals": sum(int(h.get("evals", 0)) for h in stopped),
+        "rss_mb": max((float(h.get("rss_mb", 0.0)) for h in stopped), default=0.0),
+    }

@@ -215,11 +215,11 @@ SERVICE_MODULE = "client_app.service"
 
 def live_cpu_services() -> int:
     """How many CPU-lane trainer services of this user run on this host now, over every node's
-    runtime dir (their pid files `svc-<run>-cpu.pid`): the trainers that share its cores. A pid
+    runtime dir (their pid files `svc-<run>-cpu*.pid`, every CPU lane): the trainers that share its cores. A pid
     counts only while its process is a trainer service (a stale file's reused pid does not)."""
     base = base_runtime_dir()
     live = set()
-    for pid_file in [*base.glob("svc-*-cpu.pid"), *base.glob("node-*/svc-*-cpu.pid")]:
+    for pid_file in [*base.glob("svc-*-cpu*.pid"), *base.glob("node-*/svc-*-cpu*.pid")]:
         try:
             pid = int(read_private(pid_file) or "")
             if SERVICE_MODULE in psutil.Process(pid).cmdline():

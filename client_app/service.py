@@ -51,6 +51,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from client_app import memory_debug
+from client_app.lane import is_cpu_lane
 from client_app.runtime_dir import NodeOwner, live_cpu_services, remove_own_files
 from client_app.trainer.base import ClientTasks, Trainer
 from client_app.trainer.device import freeze_survivors, resolve_device
@@ -161,7 +162,14 @@ class TrainerService:
         self.evals = 0
         # per member, the last weights read: (manifest sha256, verified CPU state); see read()
         self._last_read: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
-        self._read_buffers = ReadBuffers(pin=resolve_device(cfg.run.device).type == "cuda")
+        cuda = resolve_device(cfg.run.device).type == "cuda"
+        if cuda and lane != "cpu" and is_cpu_lane(lane):
+            raise RuntimeError(
+                f"lane {lane} of run.cpu_lanes={cfg.run.cpu_lanes} would train on this host's GPU (run.device="
+                f"{cfg.run.device} sees one, CUDA_VISIBLE_DEVICES is unset), every CPU lane on the same GPU: set "
+                'run.device=cpu, or give each lane a GPU (--federation-config "client-resources-num-gpus=1")'
+            )
+        self._read_buffers = ReadBuffers(pin=cuda)
         # error feedback of compressed updates, node-local (fl_app.quant.Residuals)
         self.residuals = Residuals(Path(cfg.run.weight_cache_dir).expanduser() / "residuals", self.run_dir)
         self._stack = contextlib.ExitStack()
@@ -487,7 +495,7 @@ class CoreShare:
     count is per thread), since another node's service may start or stop at any time."""
 
     def __init__(self, lane: str) -> None:
-        self.cpu = lane == "cpu"
+        self.cpu = is_cpu_lane(lane)
         self.default = torch.get_num_threads()
         cpu_threads(1, self.default)  # a malformed override fails the start-up, naming it
 

@@ -82,7 +82,10 @@ class Reply(BaseModel):
     weights: dict[str, WeightsRef] = Field(default_factory=dict)  # member -> what the node wrote (fit, init)
     client_id: int | None = None  # fit: the client it trained as (the server checks it is the one it asked)
     node_host: str = ""  # where the node's trainer service runs and logs (summary.json `nodes`)
-    lane: str = ""
+    lane: str = ""  # the lane that served the call (`client_app.lane`), its device set, and the host's lanes
+    devices: list[str] = Field(default_factory=list)
+    host_lanes: list[str] = Field(default_factory=list)
+    lane_span: tuple[float, float] | None = None  # fit: epoch seconds the lane started and ended it
     service_log: str = ""
     critic_start: dict[str, str] = Field(default_factory=dict)  # init: where the lane's critic came from (PPO)
     base_sha256: str = ""  # init under federation.update: lora: the digest of the lane's frozen base

@@ -819,6 +819,18 @@ class RunCfg(_Strict):
         "auto",
         description="How the builtin engine computes its forward and backward passes (and `rollout.engine: hf` generation); the weights it loads, optimizes, exports and averages are fp32 masters in every mode (invariant 1). `bf16`: on a bf16 copy of the masters, gradients summed into fp32, the copy refreshed after every step (the fast GPU mode, docs/benchmarks.md). `autocast`: bf16 autocast over the fp32 weights (slower: fp32 norms, residuals and casts). `fp32`: plain fp32. `auto` = `bf16` on CUDA, `fp32` on the CPU (exactly reproducible there). verl computes in bf16 over fp32 masters itself: `auto` or `bf16` only.",
     )
+    lane_devices: int = Field(
+        1,
+        ge=1,
+        json_schema_extra=NODE_LOCAL,
+        description='GPUs per lane: a lane is the device set of one trainer service (`CUDA_VISIBLE_DEVICES`), and each GPU lane serves one fit at a time. In simulation give each virtual client this many GPUs with `--federation-config "client-resources-num-gpus=N"`; in deployment start one SuperNode per lane with its `CUDA_VISIBLE_DEVICES` (docs/deployment.md). Only 1 for now: no engine trains one fit over several ranks yet, so a larger lane would leave its other GPUs idle (refused at load).',
+    )
+    cpu_lanes: int = Field(
+        1,
+        ge=1,
+        json_schema_extra=NODE_LOCAL,
+        description="CPU lanes per host: without a GPU, this many trainer services (lanes `cpu0`, `cpu1`, ...; 1 = the one lane `cpu`) share the host's cores, each fit leasing a free lane and queueing while all are busy. Concurrent fits need as many simulation actors: `--federation-config \"client-resources-num-cpus=C\"` with C = cores / lanes. A fit's result does not depend on which lane served it (invariant 39).",
+    )
     compile: bool = Field(
         False,
         description="Compile the decoder layers (policy, reference, critic) with torch.compile for scoring and training, dynamic shapes (generation stays eager), on either engine (verl: inside its FSDP2 modules, whose hooks stay eager). The first fit of a lane pays the compilation; it fuses norms, rotary, SwiGLU and residual adds between the matmuls (docs/benchmarks.md). Needs a Llama/Qwen2-style decoder (`base_model.layers`).",
@@ -905,6 +917,23 @@ class RunCfg(_Strict):
             )
         if self.weight_store_url and urlsplit(self.weight_store_url).scheme not in ("http", "https"):
             raise ValueError(f"run.weight_store_url={self.weight_store_url!r} must be an http(s):// URL")
+        return self
+
+    @model_validator(mode="after")
+    def _lanes(self) -> RunCfg:
+        """Refuse, before anything starts, a lane no engine can use whole, or CPU lanes on GPUs."""
+        if self.lane_devices > 1:
+            raise ValueError(
+                f"run.lane_devices={self.lane_devices}: no engine trains one fit over several ranks yet, so "
+                "the lane's other GPUs would sit idle; set run.lane_devices=1 and give each lane one GPU "
+                '(simulation: --federation-config "client-resources-num-gpus=1"; deployment: one SuperNode '
+                "per GPU with its CUDA_VISIBLE_DEVICES)"
+            )
+        if self.cpu_lanes > 1 and self.device == "cuda":
+            raise ValueError(
+                f"run.cpu_lanes={self.cpu_lanes} with run.device=cuda: CPU lanes split a host without a GPU; "
+                "on GPUs a lane is run.lane_devices GPUs, so leave run.cpu_lanes at 1 (or set run.device=cpu)"
+            )
         return self
 
     @field_validator("run_dir")

@@ -65,6 +65,7 @@ from partitions.report import write_partition_report
 from partitions.uniform import sampling_seed
 from server_app.dispatch import Abandoned, Close, RoundDispatch, RoundOutcome, request_one
 from server_app.errors import one_line, strip_ansi
+from server_app.lanes import Lanes, lane_entry
 from server_app.liveness import beating, every
 from server_app.strategy import (
     ClientFailure,
@@ -243,6 +244,7 @@ class Run:
         self.w = Weights(rd, cfg, context.run_id)
         try:
             self.nodes = Nodes()
+            self.lanes = Lanes()
             self.sampler = ClientSampler(
                 seed=sampling_seed(cfg.run.seed, cfg.federation.sampling_seed),
                 num_clients=cfg.federation.clients,
@@ -429,6 +431,7 @@ def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str)
                 "wall_s": time.perf_counter() - t_run,
                 "nodes": _node_table(run),
                 "services": services,
+                "lanes": run.lanes.table() if run else {},
             }
         )
         raise
@@ -442,6 +445,7 @@ def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str)
             "wall_s": time.perf_counter() - t_run,
             "nodes": _node_table(run),
             "services": services,
+            "lanes": run.lanes.table(),
             "partition": partition,
             **({"critic": critic} if critic else {}),
             **({"base_sha256": run.header["base_sha256"]} if run.header.get("base_sha256") else {}),
@@ -550,7 +554,7 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
                 row.update(evaluate_fn(run, rnd))
             server["validation"] = time.perf_counter() - t_val
         row["wall_s"] = time.perf_counter() - t0
-        per_client = {c: client_entry(metrics_of(m)) for c, m in replies.items()}
+        per_client = {c: {**client_entry(metrics_of(m)), **lane_entry(reply_of(m))} for c, m in replies.items()}
         row.update(round_accounting(per_client, server, row, row["wall_s"]))
         _seal(run, rnd, row)
         rd.drop_client_uploads(rnd)
@@ -614,6 +618,8 @@ def train(run: Run, sampled: list[int], call: FitCall, arrays: dict[str, ArrayRe
     ).run(run.sampler.assign(sampled, nodes))
     for reply in outcome.replies.values():
         run.nodes.note(reply)
+        run.lanes.note(reply_of(reply))
+    run.lanes.tell_idle(fed.clients_per_round, log)
     return outcome
 
 

@@ -35,7 +35,7 @@ def test_live_cpu_services_counts_running_cpu_trainers_of_every_node_dir(tmp_pat
     live process that is not a trainer service (a stale file's reused pid) do not."""
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "rt"))
     sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
-    procs = [subprocess.Popen([*sleep, SERVICE_MODULE]) for _ in range(3)]
+    procs = [subprocess.Popen([*sleep, SERVICE_MODULE]) for _ in range(4)]
     stranger = subprocess.Popen(sleep)
     dead = subprocess.Popen([*sleep, SERVICE_MODULE])
     dead.kill()
@@ -44,6 +44,7 @@ def test_live_cpu_services_counts_running_cpu_trainers_of_every_node_dir(tmp_pat
         base = private_dir(tmp_path / "rt")
         files = {
             base / "svc-7-cpu.pid": procs[0],  # simulation: the shared dir
+            base / "svc-7-cpu1.pid": procs[3],  # simulation: another of the host's CPU lanes (run.cpu_lanes)
             private_dir(base / "node-11-1") / "svc-7-cpu.pid": procs[1],  # a SuperNode of this host
             private_dir(base / "node-12-1") / "svc-7-0-1.pid": procs[2],  # a GPU lane
             private_dir(base / "node-13-1") / "svc-7-cpu.pid": dead,
@@ -52,10 +53,10 @@ def test_live_cpu_services_counts_running_cpu_trainers_of_every_node_dir(tmp_pat
         for path, proc in files.items():
             write_private(path, str(proc.pid))
         write_private(private_dir(base / "node-15-1") / "svc-8-cpu.pid", "not a pid")
-        assert live_cpu_services() == 2
+        assert live_cpu_services() == 3
         procs[1].kill()
         procs[1].wait()
-        assert live_cpu_services() == 1
+        assert live_cpu_services() == 2
     finally:
         for p in [*procs, stranger]:
             p.kill()
