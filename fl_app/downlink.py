@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from fl_app.quant import UpdateMeta, _finite, check_update, decode_tensor, encode, physical_names
+from fl_app.rundir import RunDir
 from fl_app.weights import (
     Manifest,
     ShardWriter,
@@ -106,6 +107,23 @@ def server_step(
             del keep
         res_w.finish()
         return step_w.finish(meta.text()), glob_w.finish()
+
+
+def compress_round(rd: RunDir, r: int, mode: str, block: int) -> dict[str, Manifest]:
+    """Replace round r's global model of every member of `rd`, as the aggregation (or the server
+    optimizer) wrote it, by round r - 1's plus the quantized step to it (`server_step`), with the
+    step and the new residual beside it as round r's server state. Returns the new manifests."""
+    out = {}
+    for m in rd.members:
+        exact = rd.exact_dir(r, m)
+        shutil.rmtree(exact, ignore_errors=True)
+        exact.parent.mkdir(parents=True, exist_ok=True)
+        rd.member_dir(r, m).rename(exact)
+        residual = rd.opt_state_dir(r - 1, entry(m, RESIDUAL)) if r > 1 else None
+        step, res = rd.opt_state_dir(r, entry(m, STEP)), rd.opt_state_dir(r, entry(m, RESIDUAL))
+        _, out[m] = server_step(rd.member_dir(r - 1, m), exact, residual, step, rd.member_dir(r, m), res, mode, block)
+    shutil.rmtree(rd.exact_dir(r, rd.members[0]).parent)
+    return out
 
 
 def _step_tensor(
