@@ -103,3 +103,41 @@ def test_a_lane_trains_from_the_model_it_rebuilt_and_refuses_a_step_it_cannot_ap
         assert UpdateMeta.of(Manifest.from_dir(tmp_path / "up-2"), "upload").base == w1.sha256
     finally:
         svc.close()
+
+
+def test_through_the_served_http_store_a_node_fetches_the_step_its_credential_names(tmp_path):
+    """Deployment: the ServerApp's own `Weights` (run.weight_store http) names round 1's model and
+    its step by key, mints a credential that reads both, and a node holding round 0's model
+    downloads only the step; one holding nothing downloads the model."""
+    from fl_app.channel.http import HttpWeightStore
+    from fl_app.config import load_config
+    from fl_app.downlink import compress_round, state_entries
+    from fl_app.rundir import RunDir
+    from server_app.app import Weights
+
+    overrides = {"federation.update": "delta-int8", "run.weight_store": "http", "run.shard_max_mb": 1}
+    cfg = load_config("tiny-shop-grpo", overrides=overrides)
+    rd = RunDir(tmp_path / "run", total_rounds=2, members=("actor",), opt_state=state_entries(("actor",)))
+    g = torch.Generator().manual_seed(0)
+    w0 = save_shards({"w": torch.randn(300, 70, generator=g)}, rd.member_dir(0), SHARD)
+    rd.complete_round(0, {})
+    save_shards({"w": load_shards(w0)["w"] + 1e-3 * torch.randn(300, 70, generator=g)}, rd.member_dir(1), SHARD)
+    w1 = compress_round(rd, 1, "delta-int8", 64)["actor"]
+    rd.complete_round(1, {})
+    weights = Weights(rd, cfg, run_id=3)
+    try:
+        arrays, refs, steps = weights.payload(1, ("actor",))
+        assert arrays == {} and not refs["actor"].inline and refs["actor"].manifest_sha256 == w1.sha256
+        call = EvalCall(round=1, seed=0, weights=refs, steps=steps)
+        assert weights.server is not None
+        store = HttpWeightStore(weights.server.url, weights.credential(call, 1, 600), max_shard_bytes=SHARD)
+        for held, want in (({"actor": w0.sha256}, "step"), ({}, "model")):
+            cache = tmp_path / f"cache-{want}"
+            channel = Channel(store, cache_dir=cache, inline_max_bytes=0, shard_bytes=SHARD)
+            got = _fetch(channel, call, {}, tmp_path / f"scratch-{want}", held)
+            step = Manifest.from_dir(rd.opt_state_dir(1, "downlink/actor/step"))
+            assert got.down == {"actor": (step if want == "step" else w1).total_bytes}, want
+            fetched = Manifest.from_dir(got.dirs["actor"])
+            assert fetched.sha256 == (step.sha256 if want == "step" else w1.sha256)
+    finally:
+        weights.close()
