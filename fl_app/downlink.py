@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -47,9 +47,9 @@ from fl_app.weights import (
 STEP, RESIDUAL = "step", "residual"
 
 
-def state_entries(members: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+def state_entries(members: Sequence[str]) -> tuple[str, ...]:
     """The server state entries (below a round's server_opt dir) every round r >= 1 of a delta run holds."""
-    return tuple(f"downlink/{m}/{part}" for m in members for part in (STEP, RESIDUAL))
+    return tuple(entry(m, part) for m in members for part in (STEP, RESIDUAL))
 
 
 def entry(member: str, part: str) -> str:
@@ -71,8 +71,8 @@ def server_step(
     model `exact` with the previous residual `residual_in` (None: zeros) into the fresh dirs
     `step_out` (the update entry), `global_out` (the round's global model, w + deQ(Q(s))) and
     `residual_out` (e'), shard by shard in `previous`'s layout (memory: a few shards). Every input
-    is read against its digests. Returns the step's and the global model's manifests; on any
-    error the outputs are left without a manifest (never complete)."""
+    is read against its digests. Returns the step's and the global model's manifests; an error
+    before they are finished leaves nothing in them (and the round without its COMPLETE marker)."""
     w_m, x_m = Manifest.from_dir(previous), Manifest.from_dir(exact)
     e_m = Manifest.from_dir(residual_in) if residual_in is not None else None
     if not same_layout([w_m, x_m, *([e_m] if e_m else [])]) or w_m.max_shard_bytes != x_m.max_shard_bytes:
