@@ -17,7 +17,9 @@ from fl_app.rundir import RunDir
 from fl_app.weights import Manifest, load_shards
 
 ROUNDS = 3
-RUNS = {"full": {}, "delta-int8": {"federation.update": '"delta-int8"'}}
+# one local epoch and 16 validation tasks: the bytes a round moves do not depend on them, the time does
+LIGHT = {"local-epochs": 1, "federation.val_tasks": 16}
+RUNS = {"full": LIGHT, "delta-int8": {**LIGHT, "federation.update": '"delta-int8"'}}
 
 
 @pytest.mark.slow
