@@ -9,24 +9,21 @@ from __future__ import annotations
 
 import shutil
 import socket
-import sys
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from client_app.downloads import serve
 from client_app.failures import failure_reply
-from client_app.lane import LaneService, ServiceError, ServiceRequestError
+from client_app.lane import LaneService, ServiceError
 from client_app.poison import poison_fit
 from fl_app.accounting import Meter
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall, Reply
-from fl_app.channel import Channel, WeightsRef, arrays_key
+from fl_app.channel import arrays_key
 from fl_app.channel.open import node_channel
 from fl_app.config import load_config
 from fl_app.provenance import check_node_code
-from fl_app.quant import UpdateMeta
 
 app = ClientApp()
 
@@ -46,24 +43,10 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     shutil.rmtree(base, ignore_errors=True)  # a dead attempt's leftovers are never reused
     arrays = {m: (msg.content.array_records.get(arrays_key(m)) or ArrayRecord()) for m in call.weights}
     inline = {m: a.to_torch_state_dict() for m, a in arrays.items()}
-    held = dict(lane.ensure_started().get("held", {})) if call.steps else {}
-    with meter.transport():
-        got = _fetch(channel, call, inline, base, held)
     outs = {m: base / m for m in (() if isinstance(call, EvalCall) else cfg.weight_members())}
-    fallback: dict[str, float] = {"step_fallback": 0.0} if call.steps else {}
-    try:
-        try:
-            served = lane.request(path, _body(call, got, outs))
-        except ServiceRequestError as e:
-            if e.error_type != "StepRefused":
-                raise
-            print(f"[{node}] {e.message}; falling back to the full download", file=sys.stderr, flush=True)
-            channel.release_all(got.refs, got.dirs)
-            with meter.transport():
-                full = _fetch(channel, call, inline, base, {})
-            got = full._replace(down={m: got.down[m] + full.down[m] for m in call.weights})
-            fallback["step_fallback"] = 1.0
-            served = lane.request(path, _body(call, got, outs))
+    try:  # the weights as the lane needs them (client_app.downloads), then the lane's work
+        forwarded = call.model_dump(mode="json")
+        got, served, fallback = serve(lane, channel, call, forwarded, path, inline, base, outs, meter, node)
     except ServiceError as e:  # a known failure: one line to the server, not Ray's traceback in the stream
         return failure_reply(msg, lane, path, e)
     meter.down = got.down
@@ -82,54 +65,6 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     examples = {"num-examples": int(served["num_examples"])} if "num_examples" in served else {}
     content["metrics"] = MetricRecord({**served.get("metrics", {}), **examples, **fallback, **meter.metrics()})
     return Message(content=content, reply_to=msg)
-
-
-class Fetched(NamedTuple):
-    """What a node got for a call's weights: per member a local dir (its global model, or its
-    compressed step), the members fetched as steps ('': none, the lane holds the model), the refs
-    fetched (what `Channel.release_all` drops) and the bytes that travelled per member."""
-
-    dirs: dict[str, Path]
-    steps: dict[str, str]
-    refs: dict[str, WeightsRef]
-    down: dict[str, int]
-
-
-def _fetch(
-    channel: Channel, call: Call, states: Mapping[str, Mapping[str, Any]], scratch: Path, held: Mapping[str, str]
-) -> Fetched:
-    """Get every member of `call` as its lane needs it (fl_app.downlink): nothing when the lane
-    holds the call's global model (`held`: member -> the lane's last read), only the compressed
-    step when it holds the step's base, else the model itself (`Channel.get`, as without steps)."""
-    full: dict[str, WeightsRef] = {}
-    steps: dict[str, WeightsRef | None] = {}
-    for m, ref in call.weights.items():
-        step, have = call.steps.get(m), held.get(m)
-        if step is not None and have == ref.manifest_sha256:
-            steps[m] = None
-        elif step is not None and have == UpdateMeta.parse(step.update, f"the call's step of {m}").base:
-            steps[m] = step
-        else:
-            full[m] = ref
-    fetched = {m: r for m, r in steps.items() if r is not None}
-    dirs, down = channel.get_all(full, {m: states.get(m, {}) for m in full}, scratch)
-    step_dirs, step_down = channel.get_all(fetched, {m: {} for m in fetched}, scratch / "steps")
-    return Fetched(
-        {**dirs, **step_dirs},
-        {m: str(step_dirs[m]) if m in step_dirs else "" for m in steps},
-        {**full, **fetched},
-        {**down, **{m: step_down.get(m, 0) for m in steps}},
-    )
-
-
-def _body(call: Call, got: Fetched, outs: Mapping[str, Path]) -> dict[str, Any]:
-    """The lane's request: the call and its dirs (client_app.service.Dirs)."""
-    dirs = {
-        "weights_in": {m: str(d) for m, d in got.dirs.items() if m not in got.steps},
-        "weights_out": {m: str(d) for m, d in outs.items()},
-        "steps": got.steps,
-    }
-    return {"call": call.model_dump(mode="json"), "dirs": dirs}
 
 
 def _call(msg: Message, kind: type[Call]) -> Call:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from trainer_support import env_url, model_dir, one_torch_thread, service_call, small_config  # noqa: F401
 
-from client_app.app import _fetch
+from client_app.downloads import fetch
 from client_app.service import Dirs, StepRefused, TrainerService
 from fl_app.calls import EvalCall, FitCall
 from fl_app.channel import Channel, WeightsRef
@@ -51,7 +51,7 @@ def test_the_node_fetches_only_what_its_lane_lacks_and_counts_those_bytes(tmp_pa
     )
     got = {}
     for what, held in (("none", {}), ("base", {"actor": w0.sha256}), ("model", {"actor": w1.sha256})):
-        got[what] = _fetch(channel, call, {}, tmp_path / "scratch", held)
+        got[what] = fetch(channel, call, {}, tmp_path / "scratch", held)
     assert got["none"].steps == {} and got["none"].down == {"actor": w1.total_bytes}  # the full model
     assert Manifest.from_dir(got["none"].dirs["actor"]).sha256 == w1.sha256
     assert got["base"].steps == {"actor": str(tmp_path / "rounds" / "step-1")}
@@ -59,7 +59,7 @@ def test_the_node_fetches_only_what_its_lane_lacks_and_counts_those_bytes(tmp_pa
     assert got["model"].steps == {"actor": ""} and got["model"].down == {"actor": 0}  # nothing moved
     assert got["model"].dirs == {}
     full = EvalCall(round=1, seed=0, weights={"actor": _ref(w1, "rounds/global-1")})  # no step (round 0, full)
-    assert _fetch(channel, full, {}, tmp_path / "scratch", {"actor": w0.sha256}).down == {"actor": w1.total_bytes}
+    assert fetch(channel, full, {}, tmp_path / "scratch", {"actor": w0.sha256}).down == {"actor": w1.total_bytes}
 
 
 def test_a_lane_trains_from_the_model_it_rebuilt_and_refuses_a_step_it_cannot_apply(env_url, model_dir, tmp_path):  # noqa: F811
@@ -134,7 +134,7 @@ def test_through_the_served_http_store_a_node_fetches_the_step_its_credential_na
         for held, want in (({"actor": w0.sha256}, "step"), ({}, "model")):
             cache = tmp_path / f"cache-{want}"
             channel = Channel(store, cache_dir=cache, inline_max_bytes=0, shard_bytes=SHARD)
-            got = _fetch(channel, call, {}, tmp_path / f"scratch-{want}", held)
+            got = fetch(channel, call, {}, tmp_path / f"scratch-{want}", held)
             step = Manifest.from_dir(rd.opt_state_dir(1, "downlink/actor/step"))
             assert got.down == {"actor": (step if want == "step" else w1).total_bytes}, want
             fetched = Manifest.from_dir(got.dirs["actor"])
