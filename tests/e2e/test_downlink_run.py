@@ -23,7 +23,7 @@ RUNS = {"full": LIGHT, "delta-int8": {**LIGHT, "federation.update": '"delta-int8
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # two 3-round runs of the default recipe on the 2-core box (and its model's first build)
+@pytest.mark.timeout(3600)  # two 3-round runs of the default recipe: 951 s on the loaded 2-core box
 def test_a_delta_int8_round_moves_at_most_a_quarter_of_the_full_runs_bytes_from_round_2_on(tmp_path):
     rows = {}
     with flower(tmp_path / "flwr") as fr:
