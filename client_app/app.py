@@ -14,6 +14,7 @@ from pathlib import Path
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from client_app.downloads import serve
 from client_app.failures import failure_reply
 from client_app.lane import ServiceError, lane_services, serving_lane, stop_lanes
 from client_app.poison import poison_fit
@@ -40,17 +41,18 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     base = work.client_dir(call.round, call.client_id) if isinstance(call, FitCall) else scratch
     shutil.rmtree(base, ignore_errors=True)  # a dead attempt's leftovers are never reused
     arrays = {m: (msg.content.array_records.get(arrays_key(m)) or ArrayRecord()) for m in call.weights}
-    with meter.transport():
-        ins, meter.down = channel.get_all(call.weights, {m: a.to_torch_state_dict() for m, a in arrays.items()}, base)
+    inline = {m: a.to_torch_state_dict() for m, a in arrays.items()}
     outs = {m: base / m for m in (() if isinstance(call, EvalCall) else cfg.weight_members())}
-    dirs = {"weights_in": {m: str(d) for m, d in ins.items()}, "weights_out": {m: str(d) for m, d in outs.items()}}
     with serving_lane(context.run_id, run_config, cfg.run, work.path / "logs", Path(call.run_dir)) as lane:
-        try:
-            served = lane.request(path, {"call": call.model_dump(mode="json"), "dirs": dirs})
+        try:  # the weights as this lane needs them (client_app.downloads), then the lane's work
+            forwarded = call.model_dump(mode="json")
+            got, served, fallback = serve(lane, channel, call, forwarded, path, inline, base, outs, meter, node)
         except ServiceError as e:  # a known failure: one line to the server, not Ray's traceback in the stream
             return failure_reply(msg, lane, path, e)
+    meter.down = got.down
+    ins = {m: d for m, d in got.dirs.items() if m not in got.steps}
     poison_fit(cfg, call, ins, outs)  # faults.poison (testing): a poisoned fit's exports rewritten before the upload
-    channel.release_all(call.weights, ins)
+    channel.release_all(got.refs, got.dirs)
     with meter.transport():
         refs, states, meter.up = channel.put_all(outs, work.store_key)
     content = RecordDict({arrays_key(m): ArrayRecord(state) for m, state in states.items()})
@@ -62,7 +64,7 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     reply = Reply(weights=refs, client_id=client, lane_span=span, **init, **lane.where())
     content[RECORD] = ConfigRecord({RECORD: reply.model_dump_json()})
     examples = {"num-examples": int(served["num_examples"])} if "num_examples" in served else {}
-    content["metrics"] = MetricRecord({**served.get("metrics", {}), **examples, **meter.metrics()})
+    content["metrics"] = MetricRecord({**served.get("metrics", {}), **examples, **fallback, **meter.metrics()})
     return Message(content=content, reply_to=msg)
 
 

@@ -26,10 +26,12 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import hashlib
 import json
 import logging
 import mmap
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -59,10 +61,19 @@ from client_app.variant_envs import VariantEnvServices
 from envs.registry import make_env
 from fl_app.calls import EvalCall, FitCall, InitCall
 from fl_app.config import COMPRESSED, Config, load_config, recipe_mismatch, recipe_sha256, require_model_here
+from fl_app.downlink import apply_step
 from fl_app.host import CPU_THREADS_VAR, cpu_threads, usable_cores
 from fl_app.paths import PathEscapeError, confine
-from fl_app.quant import Residuals, write_update
-from fl_app.weights import Manifest, ShardAlloc, WeightsError, anon_buffer, load_shards, save_shards
+from fl_app.quant import Residuals, UpdateMeta, write_update
+from fl_app.weights import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardAlloc,
+    WeightsError,
+    anon_buffer,
+    load_shards,
+    save_shards,
+)
 from partitions.pool import TaskPool
 from partitions.registry import plan_partition
 
@@ -85,6 +96,15 @@ class Refused(Exception):
 
 
 DirPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]  # no NUL: not a path
+StepPath = Annotated[str, Field(max_length=4096, pattern=r"^[^\x00]*$")]
+
+
+class StepRefused(Refused):
+    """A compressed step this lane will not use (it holds another global model, or the step does
+    not rebuild the call's): the ClientApp falls back to the full download (fl_app.downlink)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(409, message)
 
 
 class Dirs(BaseModel):
@@ -95,6 +115,9 @@ class Dirs(BaseModel):
 
     weights_in: dict[str, DirPath] = Field(default_factory=dict)  # member -> the global weights' dir
     weights_out: dict[str, DirPath] = Field(default_factory=dict)  # member -> where to write its fp32 shards
+    # member -> the dir of the call's compressed step (`FitCall.steps`), in place of weights_in, or
+    # '' when the lane holds the call's global model already (nothing fetched; fl_app.downlink)
+    steps: dict[str, StepPath] = Field(default_factory=dict)
 
 
 def rss_mb() -> float:
@@ -160,8 +183,8 @@ class TrainerService:
         self.last_request = time.monotonic()
         self.fits = 0
         self.evals = 0
-        # per member, the last weights read: (manifest sha256, verified CPU state); see read()
-        self._last_read: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+        # per member, the last weights read: (its manifest, verified CPU state); see read()
+        self._last_read: dict[str, tuple[Manifest, dict[str, torch.Tensor]]] = {}
         cuda = resolve_device(cfg.run.device).type == "cuda"
         if cuda and lane != "cpu" and is_cpu_lane(lane):
             raise RuntimeError(
@@ -251,7 +274,14 @@ class TrainerService:
         ins, outs = set(call.weights), set(dirs.weights_out)
         want_in = members if not isinstance(call, InitCall) else ()
         want_out = self.trainer.members if not isinstance(call, EvalCall) else ()
-        if ins != set(want_in) or set(dirs.weights_in) != ins or outs != set(want_out):
+        got_in = set(dirs.weights_in) | set(dirs.steps)
+        if not set(dirs.steps) <= set(call.steps) or set(dirs.steps) & set(dirs.weights_in):
+            raise Refused(
+                409,
+                f"the dirs name steps for {sorted(dirs.steps)} (weights for {sorted(dirs.weights_in)}) but the "
+                f"call carries steps for {sorted(call.steps)}: each member is its global model or its step",
+            )
+        if ins != set(want_in) or got_in != ins or outs != set(want_out):
             raise Refused(
                 409,
                 f"the call carries weights for {sorted(ins)} (dirs in {sorted(dirs.weights_in)}, out "
@@ -263,6 +293,56 @@ class TrainerService:
             {m: self.confined(d, f"weights_in[{m!r}]") for m, d in dirs.weights_in.items()},
             {m: self.confined(d, f"weights_out[{m!r}]") for m, d in dirs.weights_out.items()},
         )
+
+    def apply_steps(self, call: FitCall | EvalCall, dirs: Dirs, ins: dict[str, Path]) -> dict[str, Path]:
+        """`ins` with every member the ClientApp fetched as a compressed step (`dirs.steps`)
+        replaced by a verified dir of the call's global model, rebuilt from the lane's last read
+        (fl_app.downlink.apply_step) into the lane's own dir, or the last read itself when it is
+        that model already. StepRefused (the ClientApp then downloads the full model) when the lane
+        holds neither the step's base nor the model, or the step does not rebuild it; the lane's
+        last read is replaced only by a rebuilt model that matched the call's manifest digest."""
+        out = dict(ins)
+        for m, d in dirs.steps.items():
+            target, held = call.weights[m].manifest_sha256, self._last_read.get(m)
+            if held is not None and held[0].sha256 == target:
+                out[m] = self._held_dir(m, *held)
+                continue
+            meta = UpdateMeta.parse(call.steps[m].update, f"the call's step of {m}")
+            if held is None or held[0].sha256 != meta.base or not d:
+                raise StepRefused(
+                    f"{m}: this lane holds global model {held[0].sha256[:12] if held else 'none'}..., not the "
+                    f"step's base {meta.base[:12]}... nor the call's model {target[:12]}...; download it in full"
+                )
+            try:
+                step = load_shards(self.confined(d, f"steps[{m!r}]"))
+                dest = self._lane_global_dir(m)
+                manifest, state = apply_step(held[0], held[1], meta, step, target, dest.with_name(f"{m}.new"))
+            except WeightsError as e:
+                raise StepRefused(f"{m}: the compressed step was refused ({e}); download the model in full") from e
+            shutil.rmtree(dest, ignore_errors=True)
+            Path(str(manifest.root)).rename(dest)
+            self._last_read[m] = (Manifest.from_dir(dest), state)
+            log.info("%s: rebuilt global model %s... from the step (lane held %s...)", m, target[:12], meta.base[:12])
+            out[m] = dest
+        return out
+
+    def _lane_global_dir(self, member: str) -> Path:
+        """Where this lane keeps the global model it rebuilt from a step (one per member, replaced
+        each round), in the node's weight cache."""
+        run = hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:16]
+        return Path(self.cfg.run.weight_cache_dir).expanduser() / "lane-globals" / run / self.lane / member
+
+    def _held_dir(self, member: str, manifest: Manifest, state: dict[str, torch.Tensor]) -> Path:
+        """A dir holding the lane's last read of `member` (its own files if they are still there,
+        else written again from memory and checked against its digest)."""
+        if manifest.root is not None and (manifest.root / MANIFEST_NAME).exists():
+            if Manifest.from_dir(manifest.root).sha256 == manifest.sha256:
+                return Path(manifest.root)
+        dest = self._lane_global_dir(member)
+        shutil.rmtree(dest, ignore_errors=True)
+        if save_shards(state, dest, manifest.max_shard_bytes, durable=False).sha256 != manifest.sha256:
+            raise StepRefused(f"{member}: the lane's last read does not write back to its digest; download it in full")
+        return dest
 
     def save(self, outs: dict[str, Path], durable: bool) -> int:
         """Write every member's fp32 masters into its (checked) dir, straight from the trainer's
@@ -287,8 +367,8 @@ class TrainerService:
         written, zeros = 0, 0.0
         for m, d in outs.items():
             base = Manifest.from_dir(ins[m])
-            sha, w = self._last_read[m]  # load() read and verified it for this fit
-            if sha != base.sha256:
+            held, w = self._last_read[m]  # load() read and verified it for this fit
+            if held.sha256 != base.sha256:
                 raise WeightsError(f"{m}: the lane's last read is not this fit's global model; reload it")
             _, residual = self.residuals.read(call.client_id, m, call.round)
             manifest, new = write_update(
@@ -318,13 +398,17 @@ class TrainerService:
         so the kept state is never trained in place."""
         manifest = Manifest.from_dir(weights_dir)
         last = self._last_read.get(member)
-        if last is not None and last[0] == manifest.sha256:
+        if last is not None and last[0].sha256 == manifest.sha256:
             return last[1], True
         del last  # this and the kept read go: the old state dies before the new is read into its buffers
         self._last_read.pop(member, None)
         state = load_shards(manifest, alloc=self._read_buffers.alloc(member))
-        self._last_read[member] = (manifest.sha256, state)
+        self._last_read[member] = (manifest, state)
         return state, False
+
+    def held(self) -> dict[str, str]:
+        """member -> the manifest sha256 of the lane's last read (what a compressed step may start from)."""
+        return {m: held.sha256 for m, (held, _) in self._last_read.items()}
 
     def init(self, call: InitCall, dirs: Dirs) -> dict[str, Any]:
         """Export the initial weights (before any load): the run's round 0, and where the critic came from."""
@@ -381,6 +465,7 @@ class TrainerService:
         with self.lock:
             self.last_request = time.monotonic()
             t0 = time.perf_counter()
+            ins = self.apply_steps(call, dirs, ins)
             reused = self.load(ins)
             t_load = time.perf_counter() - t0
             res = self.trainer.fit(call, self.client_tasks(call.client_id))
@@ -438,6 +523,7 @@ class TrainerService:
         with self.lock:
             self.last_request = time.monotonic()
             t0 = time.perf_counter()
+            ins = self.apply_steps(call, dirs, ins)
             reused = self.load(ins)
             t_load = time.perf_counter() - t0
             res = self.trainer.evaluate(call, range(self.cfg.federation.val_tasks))
@@ -555,6 +641,7 @@ def create_app(
             "fits": svc.fits,
             "evals": svc.evals,
             "rss_mb": rss_mb(),
+            "held": svc.held(),
         }
 
     @app.post("/fit")

@@ -45,6 +45,9 @@ class Call(BaseModel):
     weight_store: str = ""  # the store nodes open ('' = the run dir; docs/weight-store.md)
     weight_store_token: str = ""  # the served store's credential for this call (fl_app/channel/credentials.py)
     weights: dict[str, WeightsRef] = Field(default_factory=dict)  # member -> the round's global weights
+    # federation.update delta-int8 | delta-int4, a global model of round >= 1: member -> its compressed
+    # step from the previous round's (fl_app.downlink), for a lane that holds that one
+    steps: dict[str, WeightsRef] = Field(default_factory=dict)
     base_sha256: str = ""  # federation.update: lora: the frozen base the run's adapters add to (a node checks its own)
 
 

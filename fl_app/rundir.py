@@ -8,6 +8,10 @@
       rounds/round-0003/server_opt/fedadam/actor/m/   a server optimizer's moments after round 3
                                        (fl_app.server_opt; none for sgd, none in round 0)
       rounds/round-0003/mean/actor/    the clients' mean before the server optimizer's step (scratch)
+      rounds/round-0003/server_opt/downlink/actor/step/   federation.update delta-*: the quantized
+                                       step from round 2's global model, and beside it the server's
+                                       residual (`residual`) (fl_app.downlink; none in round 0)
+      rounds/round-0003/exact/actor/   the exact model before that step is quantized (scratch)
       rounds/round-0003/clients/client-0007/actor/   client uploads of round 3 (scratch)
       rounds/round-0003/COMPLETE       written last: {"round", "time", "metrics", "members"}
       metrics.jsonl                    one line per complete round
@@ -146,6 +150,12 @@ class RunDir:
             raise RunDirError(f"bad member name {member!r}: use letters, digits, '.', '_', '-'")
         return self._inside(self.round_dir(r) / "mean" / member, f"round {r} {member} mean dir")
 
+    def exact_dir(self, r: int, member: str) -> Path:
+        """Scratch for the exact new `member` of round r, before a compressed download quantizes the step to it."""
+        if not _CLIENT_ID.match(member):
+            raise RunDirError(f"bad member name {member!r}: use letters, digits, '.', '_', '-'")
+        return self._inside(self.round_dir(r) / "exact" / member, f"round {r} {member} exact dir")
+
     def client_dir(self, r: int, client_id: int | str) -> Path:
         """Scratch space for one client's uploads in round r (members go in subdirs)."""
         cid = f"{client_id:04d}" if isinstance(client_id, int) else str(client_id)
@@ -215,8 +225,9 @@ class RunDir:
         if self.opt_state is not None and r > 0 and set(state) != set(self.opt_state):
             return "broken", (
                 f"holds server optimizer state {sorted(state) or 'none (server_optimizer sgd)'}, and this run's "
-                f"federation.server_optimizer needs {list(self.opt_state) or 'none (sgd)'}: resume with the "
-                "server_optimizer the run was started with, or use a new run dir"
+                f"federation.server_optimizer (and federation.update delta-*: its step and residual) needs "
+                f"{list(self.opt_state) or 'none (sgd)'}: resume with the server_optimizer and update the run "
+                "was started with, or use a new run dir"
             )
         dirs = [(f"member {m!r}", self.member_dir(r, m), recorded[m]) for m in self.members]
         try:

@@ -44,6 +44,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 from envs.ports import bind_listener
+from fl_app import downlink
 from fl_app.accounting import client_entry, is_traffic_key, round0_accounting, round_accounting
 from fl_app.aggregate import NonFiniteWeightsError
 from fl_app.board import Board
@@ -52,7 +53,7 @@ from fl_app.channel import Channel, WeightsRef, arrays_key, write_disk_probe
 from fl_app.channel.credentials import Issuer
 from fl_app.channel.http_server import WeightStoreServer
 from fl_app.channel.open import open_store
-from fl_app.config import Config, load_config, recipe_leaves, recipe_sha256, save_config
+from fl_app.config import COMPRESSED, Config, load_config, recipe_leaves, recipe_sha256, save_config
 from fl_app.host import single_threaded_blas
 from fl_app.outcomes import outcome_shares_of
 from fl_app.plots import plot_phases, plot_validation
@@ -137,6 +138,7 @@ class Weights:
         # a store other than the run dir gets each global model published once before a call names it
         self.remote = spec not in ("", "http")
         self._published: set[str] = set()
+        self.delta = cfg.federation.update in COMPRESSED  # compressed downloads too (fl_app.downlink)
         store = open_store(
             spec if self.remote else "",
             run_dir=rd.path,
@@ -166,20 +168,43 @@ class Weights:
             self.node_store = {"weight_store": self.server.url}
             log(f"weight store: serving {rd.path} at {self.server.url} (nodes fetch and upload shards there)")
 
-    def payload(self, r: int, members: tuple[str, ...]) -> tuple[dict[str, ArrayRecord], dict[str, WeightsRef]]:
-        """What a call carries to name the global `members` of round r: per member its ref, and
-        its ArrayRecord (RecordDict key `arrays_key(member)`, empty unless the ref is inline)."""
-        arrays, refs = {}, {}
+    def payload(
+        self, r: int, members: tuple[str, ...]
+    ) -> tuple[dict[str, ArrayRecord], dict[str, WeightsRef], dict[str, WeightsRef]]:
+        """What a call carries to name the global `members` of round r: per member its ref, its
+        ArrayRecord (RecordDict key `arrays_key(member)`, empty unless the ref is inline) and,
+        under a compressed download (`delta`, rounds >= 1), its step from round r - 1
+        (fl_app.downlink). Then both travel by key whatever their size: a lane fetches only what
+        it lacks (the step, nothing when it holds the model, the model when it holds neither),
+        which inline arrays, riding in every message, could not do."""
+        arrays: dict[str, ArrayRecord] = {}
+        refs, steps = {}, {}
         for m in members:
             local = self.rd.member_dir(r, m)
-            key = self.rd.store_key(local)
-            if self.remote and key not in self._published:
-                if Manifest.from_dir(local).tensor_bytes > self.channel.inline_max_bytes:
-                    self.channel.store.publish(local, key)
-                self._published.add(key)
+            if self.delta and r >= 1:
+                refs[m] = self._by_key(local)
+                steps[m] = self._by_key(self.rd.opt_state_dir(r, downlink.entry(m, downlink.STEP)))
+                continue
+            key = self._publish(local, always=False)
             refs[m], state = self.channel.put_entry(key)
             arrays[arrays_key(m)] = ArrayRecord(state)
-        return arrays, refs
+        return arrays, refs, steps
+
+    def _publish(self, local: Path, always: bool) -> str:
+        """The store key of the run dir entry `local`, published once to a store other than the
+        run dir (`always`, or when it is too big to travel inline)."""
+        key = self.rd.store_key(local)
+        if self.remote and key not in self._published:
+            if always or Manifest.from_dir(local).tensor_bytes > self.channel.inline_max_bytes:
+                self.channel.store.publish(local, key)
+            self._published.add(key)
+        return key
+
+    def _by_key(self, local: Path) -> WeightsRef:
+        """A ref to the run dir entry `local` by key (never inline), pinned by its manifest digest."""
+        key = self._publish(local, always=True)
+        m = self.channel.store.manifest(key)
+        return WeightsRef(inline=False, nbytes=m.tensor_bytes, key=key, manifest_sha256=m.sha256, update=m.update)
 
     def upload_keys(self, call: Call) -> dict[str, str]:
         """member -> the store key a node publishes `call`'s result under (the layout
@@ -205,7 +230,7 @@ class Weights:
         if self.issuer is None:
             return ""
         write = self.upload_keys(call).values()
-        read = [ref.key for ref in call.weights.values() if not ref.inline]
+        read = [ref.key for ref in (*call.weights.values(), *call.steps.values()) if not ref.inline]
         client = call.client_id if isinstance(call, FitCall) else None
         return self.issuer.mint(round=call.round, client=client, node=node, read=read, write=write, ttl_s=ttl_s)
 
@@ -351,8 +376,8 @@ def _initial_model(run: Run, members: tuple[str, ...]) -> tuple[int, dict[str, A
 def evaluate_fn(run: Run, rnd: int) -> dict[str, float]:
     """Validation of round `rnd`'s global actor on a lane (Flower's `evaluate_fn`, on a node:
     the server never loads the model)."""
-    arrays, refs = run.w.payload(rnd, ("actor",))
-    call = EvalCall(**run.header, round=rnd, seed=run.cfg.run.seed, weights=refs)
+    arrays, refs, steps = run.w.payload(rnd, ("actor",))
+    call = EvalCall(**run.header, round=rnd, seed=run.cfg.run.seed, weights=refs, steps=steps)
     reply = run.ask(MessageType.EVALUATE, f"round {rnd}: validation", call, arrays)
     return {f"val_{k}": v for k, v in metrics_of(reply).items() if k != "num-examples"}
 
@@ -388,11 +413,13 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def run_dir(cfg: Config) -> RunDir:
-    """The run's directory, told what every complete round must hold: its members and, with a
-    server optimizer, its state entries."""
+    """The run's directory, told what every complete round must hold: its members and the server
+    state entries (a server optimizer's moments, a compressed download's step and residual)."""
     members = cfg.weight_members()
     opt = ServerOptimizer.from_config(cfg.federation)
     state = opt.state_entries(members) if opt is not None else ()
+    if cfg.federation.update in COMPRESSED:
+        state += downlink.state_entries(members)
     return RunDir(cfg.resolved_run_dir(), total_rounds=cfg.federation.rounds, members=members, opt_state=state)
 
 
@@ -585,7 +612,7 @@ def configure_train(run: Run, rnd: int) -> tuple[list[int], FitCall, dict[str, A
     """Round `rnd`'s clients and its fit call (Flower's `configure_train`): the call is built
     once and each sampled client's message names that client."""
     fed = run.cfg.federation
-    arrays, refs = run.w.payload(rnd - 1, run.rd.members)
+    arrays, refs, steps = run.w.payload(rnd - 1, run.rd.members)
     call = FitCall(
         **run.header,
         round=rnd,
@@ -594,6 +621,7 @@ def configure_train(run: Run, rnd: int) -> tuple[list[int], FitCall, dict[str, A
         seed=run.cfg.run.seed,
         proximal_mu=run.aggregator.fit_mu,
         weights=refs,
+        steps=steps,
     )
     return run.sampler.sample(rnd), call, arrays
 
@@ -648,16 +676,26 @@ def aggregate_train(
     from the replies' refs; `federation.aggregator`), with every member's anomaly scores; with a
     server optimizer, the aggregate goes to the round's mean dirs instead (at server_lr 1) and the
     optimizer steps from the round's global model along it (fl_app.server_opt), writing the
-    round's moments beside the checkpoint (`timings["checkpoint"]`: that step's seconds)."""
+    round's moments beside the checkpoint; under a compressed download (`federation.update`
+    delta-int8 | delta-int4) the round's global model is then the previous one plus the quantized
+    step to it (fl_app.downlink), the step and the server residual kept beside it
+    (`timings["checkpoint"]`: the seconds of both)."""
     rd, opt = run.rd, run.server_opt
     out_dirs = {m: rd.member_dir(rnd, m) for m in rd.members}
     previous = {m: rd.member_dir(rnd - 1, m) for m in rd.members}
     if opt is None:
-        return _average(run, rnd, replies, failures, out_dirs, previous)
-    mean_dirs = {m: rd.mean_dir(rnd, m) for m in rd.members}
-    _, train_metrics, scores = _average(run, rnd, replies, failures, mean_dirs, previous)
+        manifests, train_metrics, scores = _average(run, rnd, replies, failures, out_dirs, previous)
+    else:
+        mean_dirs = {m: rd.mean_dir(rnd, m) for m in rd.members}
+        _, train_metrics, scores = _average(run, rnd, replies, failures, mean_dirs, previous)
+    if opt is None and not run.w.delta:
+        return manifests, train_metrics, scores
     t0 = time.perf_counter()
-    manifests = opt.step_round(rd, rnd)
+    if opt is not None:
+        manifests = opt.step_round(rd, rnd)
+    if run.w.delta:
+        fed = run.cfg.federation
+        manifests = downlink.compress_round(rd, rnd, fed.update, fed.quant.block)
     if timings is not None:
         timings["checkpoint"] = time.perf_counter() - t0
     return manifests, train_metrics, scores

@@ -1,8 +1,8 @@
 """A real run uploading compressed updates (`federation.update: delta-int8`, issue #38): every
 client's bytes up are its int8 update (about 3.8x fewer than its fp32 model, counted where they
-travelled), the global model stays fp32 and finite, a client's second fit starts from its error
-feedback residual; and a run stopped after round 1 and resumed gives the uninterrupted run's bits
-(the nodes keep their residuals: fl_app.quant.Residuals)."""
+travelled), the global model stays fp32 and finite (and moves down as a step from round 2 on),
+a client's second fit starts from its error feedback residual; and a run stopped after round 1 and
+resumed gives the uninterrupted run's bits (the nodes keep their residuals: fl_app.quant.Residuals)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def test_a_delta_int8_run_sends_a_quarter_of_the_bytes_up_and_resumes_to_the_uni
     rows = rd.read_metrics()
     model = Manifest.from_dir(rd.member_dir(0)).tensor_bytes
     for r in rows[1:]:
-        for c in r["per_client"].values():
-            assert c["bytes_down"] == {"actor": model}
+        for c in r["per_client"].values():  # round 2's global model: only its step, or nothing (fl_app.downlink)
+            assert c["bytes_down"]["actor"] == model if r["round"] == 1 else c["bytes_down"]["actor"] < model / 3.7
             assert 3.7 < model / c["bytes_up"]["actor"] < 3.8, (model, c["bytes_up"])  # 256 / 68 at block 64
         assert model * len(r["clients"]) / sum(r["bytes_up"].values()) > 3.7
     assert rows[1]["train_ef_residual_zeros"] == 1 and rows[2]["train_ef_residual_zeros"] == 0, rows
