@@ -19,6 +19,13 @@ when it is there, and a package imported here would resolve its submodules from 
 installation, so without the reset a forked ClientApp could run other code than its run's FAB.
 Other task types (ServerApp, simulation) start as `flower-superexec` starts them.
 
+Two of the message path's costs are cut in each ClientApp, none of Flower's checks: its object
+pulls retry after 50 ms (doubling up to `PULL_CAP_S`) where Flower's wait 1 s, since a ClientApp
+forked at once asks before its SuperNode has the objects (`fl_app.pull_backoff`); and the run's
+FAB is installed (extracted, every file's sha256 checked) once per FAB instead of once per
+message (`client_app.fab_once`). `FEDAGENT_SUPEREXEC_PROFILE=<dir>` has every ClientApp write
+its cProfile there (`profiled`): where a message's time goes.
+
 Use it with a SuperNode in process isolation, next to it on the same machine:
 
     flower-supernode --isolation process --port 9094 ... &
@@ -28,13 +35,14 @@ Use it with a SuperNode in process isolation, next to it on the same machine:
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import importlib
 import os
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from logging import INFO
 
 from flwr.supercore import log
@@ -43,16 +51,20 @@ from flwr.supercore.exit.exit_handler import SIGNAL_TO_EXIT_CODE, registered_exi
 from flwr.supercore.superexec import run_superexec as superexec_loop  # the module (its task loop)
 from flwr.supercore.superexec.executor import ExecutionSpec, Executor, LaunchResult, SubprocessExecutor
 from flwr.supercore.tls import validate_and_resolve_root_certificates
-from flwr.supernode.runtime.run_clientapp import run_clientapp
+from flwr.supernode.runtime import run_clientapp as clientapp_runtime  # the module (its FAB install)
 
+from client_app.fab_once import install_once
 from fl_app.provenance import CODE_PACKAGES  # the app's own packages: each run's FAB brings them
+from fl_app.pull_backoff import shorten_pull_backoff
 
 # The third-party modules our ClientApp imports that cost time (torch alone ~3 s); Flower's
 # runtime is imported above. `FEDAGENT_SUPEREXEC_PRELOAD` (comma-separated) replaces the list.
-PRELOAD = ("torch", "safetensors.torch", "numpy", "pydantic", "psutil", "httpx", "yaml")
+PRELOAD = ("torch", "safetensors.torch", "numpy", "pydantic", "psutil", "httpx", "yaml", "omegaconf", "threadpoolctl")
 PRELOAD_ENV = "FEDAGENT_SUPEREXEC_PRELOAD"
 POLL_ENV, POLL_S = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1"  # Flower's default 1 s: ~0.5 s a message
 STOP_GRACE_S = 5.0
+PROFILE_ENV = "FEDAGENT_SUPEREXEC_PROFILE"  # a dir: each forked ClientApp writes its cProfile there
+PULL_CAP_S = 0.2  # a ClientApp's retries ask its own SuperNode (loopback), while that one pulls the objects
 
 
 class PreloadError(RuntimeError):
@@ -118,6 +130,22 @@ class ForkExecutor(SubprocessExecutor):
                 return
 
 
+@contextlib.contextmanager
+def profiled(out_dir: str | None) -> Iterator[None]:
+    """With `out_dir`, cProfile the block into `out_dir/clientapp-<unix time>-<pid>.prof` (also
+    when it exits by `SystemExit`, as Flower's ClientApp does): where a message's time goes."""
+    if not out_dir:
+        yield
+        return
+    profile, started = cProfile.Profile(), time.time()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        profile.dump_stats(os.path.join(out_dir, f"clientapp-{started:.3f}-{os.getpid()}.prof"))
+
+
 def _serve_in_child(spec: ExecutionSpec) -> None:
     """The forked child: become `flwr-clientapp --token T --parent-pid <owner>`, serve, exit."""
     code = 1
@@ -132,14 +160,15 @@ def _serve_in_child(spec: ExecutionSpec) -> None:
         forget_app_modules()
         parent = os.getppid()
         sys.argv = ["flwr-clientapp", "--parent-pid", str(parent)]
-        run_clientapp(
-            runtime_api_address=spec.runtime_api_address,
-            token=spec.token,
-            insecure=spec.insecure,
-            certificates=validate_and_resolve_root_certificates(spec.root_certificates_path, spec.insecure),
-            parent_pid=parent,
-            runtime_dependency_install=spec.runtime_dependency_install,
-        )
+        with profiled(os.environ.get(PROFILE_ENV)):
+            clientapp_runtime.run_clientapp(
+                runtime_api_address=spec.runtime_api_address,
+                token=spec.token,
+                insecure=spec.insecure,
+                certificates=validate_and_resolve_root_certificates(spec.root_certificates_path, spec.insecure),
+                parent_pid=parent,
+                runtime_dependency_install=spec.runtime_dependency_install,
+            )
         code = 0
     except SystemExit as e:  # run_clientapp ends with flwr_exit -> sys.exit(code)
         code = e.code if isinstance(e.code, int) else 1
@@ -171,6 +200,8 @@ def main() -> None:
     except PreloadError as e:
         sys.exit(f"client_app.superexec: {e}")
     os.environ.setdefault(POLL_ENV, POLL_S)
+    shorten_pull_backoff(cap_s=PULL_CAP_S)
+    clientapp_runtime.install_from_fab = install_once(clientapp_runtime.install_from_fab)
     superexec_loop.get_executor = fork_executor_factory(superexec_loop.get_executor)
     from flwr.supercore.cli.flower_superexec import flower_superexec
 

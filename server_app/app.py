@@ -57,6 +57,7 @@ from fl_app.host import single_threaded_blas
 from fl_app.outcomes import outcome_shares_of
 from fl_app.plots import plot_phases, plot_validation
 from fl_app.provenance import check_server_code
+from fl_app.pull_backoff import shorten_pull_backoff
 from fl_app.robust import RoundScores, Rule, flagged_clients
 from fl_app.rundir import RunDir
 from fl_app.server_opt import ServerOptimizer
@@ -374,8 +375,14 @@ def _app_dir(grid: Grid) -> Path | None:
     return get_project_dir(run.fab_id, run.fab_version, run.fab_hash) if run.fab_hash else None
 
 
+# A reply's objects follow its head: pulling them, the ServerApp retries after 50 ms (not Flower's
+# 1 s), doubling up to this cap, so a long upload costs a request a second per object at most.
+PULL_CAP_S = 1.0
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    shorten_pull_backoff(cap_s=PULL_CAP_S)
     run_config = dict(context.run_config)
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
     # before the run dir, which may be another checkout's
