@@ -11,7 +11,7 @@ warm one that forks each ClientApp (`client_app.superexec`), as its child, tied 
   at most `FEDAGENT_NODE_POLL_S` (default 0.2 s): a pull every 0.2 s while idle, one small
   request to the SuperLink each, which a SuperLink serving a few hundred nodes absorbs; raise it
   for more. The checks of its own state (no request) come every `LOCAL_POLL_S` (20 ms). Its
-  object pulls retry after 50 ms instead of 1 s (`fl_app.pull_backoff`).
+  object pulls retry after 50 ms instead of 1 s (`server_app.pull_backoff`).
 - The isolation is always `process`: the ClientApps are forks of the SuperExec started here.
   `--isolation subprocess` is refused; plain `flower-supernode` is that.
 
@@ -36,7 +36,7 @@ from flwr.supercore.constant import SUPERNODE_UVICORN_DEFAULT_PORT, UVICORN_DEFA
 from flwr.supercore.exit import add_exit_handler
 from flwr.supernode import start_client_internal as fleet_loop  # the module (its loop's sleeps)
 
-from fl_app.pull_backoff import shorten_pull_backoff
+from server_app.pull_backoff import shorten_pull_backoff
 
 POLL_ENV, POLL_DEFAULT_S = "FEDAGENT_NODE_POLL_S", 0.2
 LOCAL_POLL_S = 0.02  # Flower's 0.5 s between checks of the node's own state for a reply

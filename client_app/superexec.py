@@ -21,7 +21,7 @@ Other task types (ServerApp, simulation) start as `flower-superexec` starts them
 
 Two of the message path's costs are cut in each ClientApp, none of Flower's checks: its object
 pulls retry after 50 ms (doubling up to `PULL_CAP_S`) where Flower's wait 1 s, since a ClientApp
-forked at once asks before its SuperNode has the objects (`fl_app.pull_backoff`); and the run's
+forked at once asks before its SuperNode has the objects (`server_app.pull_backoff`); and the run's
 FAB is installed (extracted, every file's sha256 checked) once per FAB instead of once per
 message (`client_app.fab_once`). `FEDAGENT_SUPEREXEC_PROFILE=<dir>` has every ClientApp write
 its cProfile there (`profiled`): where a message's time goes.
@@ -55,7 +55,7 @@ from flwr.supernode.runtime import run_clientapp as clientapp_runtime  # the mod
 
 from client_app.fab_once import install_once
 from fl_app.provenance import CODE_PACKAGES  # the app's own packages: each run's FAB brings them
-from fl_app.pull_backoff import shorten_pull_backoff
+from server_app.pull_backoff import shorten_pull_backoff
 
 # The third-party modules our ClientApp imports that cost time (torch alone ~3 s); Flower's
 # runtime is imported above. `FEDAGENT_SUPEREXEC_PRELOAD` (comma-separated) replaces the list.

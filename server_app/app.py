@@ -57,7 +57,6 @@ from fl_app.host import single_threaded_blas
 from fl_app.outcomes import outcome_shares_of
 from fl_app.plots import plot_phases, plot_validation
 from fl_app.provenance import check_server_code
-from fl_app.pull_backoff import shorten_pull_backoff
 from fl_app.robust import RoundScores, Rule, flagged_clients
 from fl_app.rundir import RunDir
 from fl_app.server_opt import ServerOptimizer
@@ -67,6 +66,8 @@ from partitions.uniform import sampling_seed
 from server_app.dispatch import Abandoned, Close, RoundDispatch, RoundOutcome, request_one
 from server_app.errors import one_line, strip_ansi
 from server_app.liveness import beating, every
+from server_app.packed import pack
+from server_app.pull_backoff import shorten_pull_backoff
 from server_app.strategy import (
     ClientFailure,
     ClientRefused,
@@ -178,7 +179,7 @@ class Weights:
                     self.channel.store.publish(local, key)
                 self._published.add(key)
             refs[m], state = self.channel.put_entry(key)
-            arrays[arrays_key(m)] = ArrayRecord(state)
+            arrays[arrays_key(m)] = pack(state)
         return arrays, refs
 
     def upload_keys(self, call: Call) -> dict[str, str]:

@@ -1,5 +1,5 @@
 """The two cuts of a forked ClientApp's message path (docs/benchmarks.md, the deployment round):
-object pulls that retry after 50 ms instead of Flower's 1 s (`fl_app.pull_backoff`), and the
+object pulls that retry after 50 ms instead of Flower's 1 s (`server_app.pull_backoff`), and the
 run's FAB installed once per FAB, not once per message (`client_app.fab_once`), never reusing a
 dir another FAB installed. A real deployment through both: tests/e2e/test_deployment.py."""
 
@@ -20,8 +20,8 @@ from flwr.supernode import start_client_internal as fleet_loop
 from flwr.supernode.runtime import run_clientapp as clientapp_runtime
 
 from client_app.fab_once import FAB_MARK, StaleAppDir, install_once
-from fl_app import pull_backoff
-from fl_app.pull_backoff import FlowerChanged, shorten_pull_backoff
+from server_app import pull_backoff
+from server_app.pull_backoff import FlowerChanged, shorten_pull_backoff
 
 
 @pytest.fixture
