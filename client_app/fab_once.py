@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flwr.common.config import get_metadata_from_config, get_project_dir
+from flwr.common.constant import APP_DIR, FAB_HASH_TRUNCATION
+from flwr.supercore.utils import get_flwr_home
 
 FAB_MARK = ".fedagent-fab.sha256"
 
@@ -48,20 +50,27 @@ def fab_mark(app_dir: Path) -> str | None:
         return None
 
 
+def marked_app_dir(fab_sha256: str) -> Path | None:
+    """The dir `install_once` installed and marked for the FAB of this sha256, if there is one."""
+    candidates = (get_flwr_home() / APP_DIR).glob(f"*.{fab_sha256[:FAB_HASH_TRUNCATION]}")
+    return next((d for d in sorted(candidates) if fab_mark(d) == fab_sha256), None)
+
+
 def _write_mark(app_dir: Path, sha256: str) -> None:
     with tempfile.NamedTemporaryFile("w", dir=app_dir, prefix=FAB_MARK, delete=False) as f:
         f.write(sha256)
     os.replace(f.name, app_dir / FAB_MARK)
 
 
-def install_once(install: Install) -> Install:
+def install_once(install: Install, seen: Callable[[str], None] = lambda _sha256: None) -> Install:
     """`install` (Flower's `install_from_fab`), skipped for FAB bytes whose installed dir carries
-    their sha256 already."""
+    their sha256 already; `seen` is told the sha256 of every FAB before it is installed."""
 
     def install_from_fab(fab_file: Path | bytes, install_dir: Path | None = None, skip_prompt: bool = False) -> Path:
         if not isinstance(fab_file, bytes) or install_dir is not None:
             return install(fab_file, install_dir, skip_prompt)
         sha256 = hashlib.sha256(fab_file).hexdigest()
+        seen(sha256)
         try:
             known: Path | None = installed_dir(fab_file, sha256)
         except (KeyError, ValueError, zipfile.BadZipFile, tomllib.TOMLDecodeError, UnicodeDecodeError):

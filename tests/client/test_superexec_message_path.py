@@ -6,6 +6,10 @@ dir another FAB installed. A real deployment through both: tests/e2e/test_deploy
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -22,6 +26,8 @@ from flwr.supernode.runtime import run_clientapp as clientapp_runtime
 from client_app.fab_once import FAB_MARK, StaleAppDir, install_once
 from server_app import pull_backoff
 from server_app.pull_backoff import FlowerChanged, shorten_pull_backoff
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -82,16 +88,18 @@ def test_a_flower_whose_pulls_take_no_waits_is_refused(monkeypatch):
         shorten_pull_backoff()
 
 
+_PYPROJECT = (
+    '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n'
+    '[project]\nname = "probe"\nversion = "1.0.0"\ndependencies = []\n'
+    '[tool.hatch.build.targets.wheel]\npackages = ["."]\n'
+    '[tool.flwr.app]\npublisher = "fedagent"\n'
+    '[tool.flwr.app.components]\nserverapp = "probe_app:server"\nclientapp = "probe_app:client"\n'
+    "[tool.flwr.app.config]\nx = 1\n"
+)
+
+
 def _fab(module_text: str) -> bytes:
-    pyproject = (
-        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n'
-        '[project]\nname = "probe"\nversion = "1.0.0"\ndependencies = []\n'
-        '[tool.hatch.build.targets.wheel]\npackages = ["."]\n'
-        '[tool.flwr.app]\npublisher = "fedagent"\n'
-        '[tool.flwr.app.components]\nserverapp = "probe_app:server"\nclientapp = "probe_app:client"\n'
-        "[tool.flwr.app.config]\nx = 1\n"
-    )
-    return build_fab_from_files({"pyproject.toml": pyproject.encode(), "probe_app.py": module_text.encode()})[0]
+    return build_fab_from_files({"pyproject.toml": _PYPROJECT.encode(), "probe_app.py": module_text.encode()})[0]
 
 
 class CountingInstall:
@@ -142,3 +150,65 @@ def test_a_dir_that_another_fab_installed_is_refused(tmp_path, monkeypatch):
 
 def test_the_wrapper_takes_flowers_arguments_as_the_clientapp_passes_them():
     assert "install_from_fab(fab.content, skip_prompt=True)" in inspect.getsource(clientapp_runtime.run_clientapp)
+
+
+def _app_fab(where: str) -> bytes:
+    """A FAB whose ClientApp module is `client_app.app` (ours, as in the project's FAB) saying `where`."""
+    pyproject = _PYPROJECT.replace('clientapp = "probe_app:client"', 'clientapp = "client_app.app:app"')
+    files = {
+        "pyproject.toml": pyproject.encode(),
+        "client_app/__init__.py": b"",
+        "client_app/app.py": f"WHERE = {where!r}\n",
+    }
+    return build_fab_from_files({k: v.encode() if isinstance(v, str) else v for k, v in files.items()})[0]
+
+
+def test_a_warm_app_serves_only_the_fab_it_was_imported_from(tmp_path):
+    """The SuperExec imports an installed FAB's ClientApp ahead (`WarmApp.load`); a fork of that
+    FAB keeps it, a fork given another FAB's bytes forgets it and its dir, and imports the other
+    FAB's code; loading another FAB swaps both. In a fresh process: it forgets this one's modules."""
+    fabs = {w: tmp_path / f"{w}.fab" for w in ("A", "B")}
+    for where, path in fabs.items():
+        path.write_bytes(_app_fab(where))
+    code = f"""
+        import hashlib, importlib, sys
+        from pathlib import Path
+        from flwr.cli.install import install_from_fab
+        from client_app.fab_once import install_once
+        from client_app.superexec import WarmApp
+        fab = {{w: Path(p).read_bytes() for w, p in { ({w: str(p) for w, p in fabs.items()})!r}.items()}}
+        sha = {{w: hashlib.sha256(b).hexdigest() for w, b in fab.items()}}
+        warm = WarmApp()
+        install = install_once(install_from_fab, seen=warm.keep_for)
+        warm.load(sha["A"])
+        print("before install:", warm.fab)
+        dirs = {{w: str(install(fab[w], skip_prompt=True)) for w in fab}}
+        warm.load(sha["A"])
+        m = sys.modules["client_app.app"]
+        print("loaded:", m.WHERE, m.__file__.startswith(dirs["A"]), sys.path[0] == dirs["A"])
+        warm.keep_for(sha["A"])
+        print("same FAB keeps:", sys.modules["client_app.app"] is m)
+        install(fab["B"], skip_prompt=True)  # a fork handed B's bytes
+        print("other FAB forgets:", "client_app.app" in sys.modules, dirs["A"] in sys.path, warm.fab)
+        sys.path.insert(0, dirs["B"])
+        print("imports:", importlib.import_module("client_app.app").WHERE)
+        warm.load(sha["A"]); warm.load(sha["B"])
+        print("swapped:", sys.modules["client_app.app"].WHERE, dirs["A"] in sys.path, warm.fab == sha["B"])
+    """
+    p = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env={**os.environ, "FLWR_HOME": str(tmp_path / "home")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [line for line in p.stdout.splitlines() if not line.startswith("Successfully installed")] == [
+        "before install: None",
+        "loaded: A True True",
+        "same FAB keeps: True",
+        "other FAB forgets: False False None",
+        "imports: B",
+        "swapped: B False True",
+    ]
