@@ -1,9 +1,9 @@
 """Flower's object pulls wait 1 s before they ask again; on a one-machine message path that wait
 is most of a message's overhead (docs/benchmarks.md, the deployment round).
 
-A message travels as a head and its objects (one per array), and each hop hands the head on
-before the objects: a SuperNode gives a message's task to its SuperExec before it has pulled the
-objects from the SuperLink, and pushes a reply's head before its objects. So the next hop (the
+A message travels as a head and its objects (a record, two per array), and each hop hands the
+head on before the objects: a SuperNode gives a message's task to its SuperExec before it has
+pulled the objects from the SuperLink, and pushes a reply's head before its objects. So the next hop (the
 forked ClientApp, the ServerApp pulling replies) asks for an object too early, is told
 "unavailable", and Flower's `pull_objects` waits its initial backoff, 1 s (+-20%), doubling up
 to 10 s, before it asks again: measured 1.0-1.3 s of most messages at each of those two hops.
