@@ -8,7 +8,8 @@ with one virtual SuperNode, then a real loopback `flower-superlink` and one Supe
 (`tests/flower_harness.py`) three ways: `flower-supernode` in Flower's default subprocess
 isolation (every message starts a `flwr-clientapp` process); `flower-supernode --isolation
 process` beside `client_app.superexec` (every message a fork of a warm process, Flower's 3 s
-idle polls); `client_app.node` (those forks, idle polls of 0.2 s: docs/deployment.md).
+idle polls); `client_app.node` (those forks, idle polls of 0.2 s, object pulls that retry after
+50 ms: docs/deployment.md).
 Compares the mean `wall_s` of the rounds after the first (round 1 pays the lane's start) and
 splits what one `flwr-clientapp` process pays before it can serve a message (`python -X
 importtime`): the interpreter, Flower's own modules, torch, and the rest of ours.

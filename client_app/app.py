@@ -11,7 +11,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from client_app.downloads import serve
@@ -24,6 +24,7 @@ from fl_app.channel import arrays_key
 from fl_app.channel.open import node_channel
 from fl_app.config import load_config
 from fl_app.provenance import check_node_code
+from server_app.packed import pack, unpack
 
 app = ClientApp()
 
@@ -40,8 +41,7 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     scratch = work.scratch_dir(path.strip("/"), call.round)
     base = work.client_dir(call.round, call.client_id) if isinstance(call, FitCall) else scratch
     shutil.rmtree(base, ignore_errors=True)  # a dead attempt's leftovers are never reused
-    arrays = {m: (msg.content.array_records.get(arrays_key(m)) or ArrayRecord()) for m in call.weights}
-    inline = {m: a.to_torch_state_dict() for m, a in arrays.items()}
+    inline = {m: unpack(msg.content.array_records.get(arrays_key(m))) for m in call.weights}
     outs = {m: base / m for m in (() if isinstance(call, EvalCall) else cfg.weight_members())}
     with serving_lane(context.run_id, run_config, cfg.run, work.path / "logs", Path(call.run_dir)) as lane:
         try:  # the weights as this lane needs them (client_app.downloads), then the lane's work
@@ -55,7 +55,7 @@ def _serve(msg: Message, context: Context, call: Call, path: str) -> Message:
     channel.release_all(got.refs, got.dirs)
     with meter.transport():
         refs, states, meter.up = channel.put_all(outs, work.store_key)
-    content = RecordDict({arrays_key(m): ArrayRecord(state) for m, state in states.items()})
+    content = RecordDict({arrays_key(m): pack(state) for m, state in states.items()})
     if isinstance(call, EvalCall):
         shutil.rmtree(base, ignore_errors=True)
     client = call.client_id if isinstance(call, FitCall) else None

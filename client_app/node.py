@@ -5,11 +5,13 @@ same Fleet loop: Flower's own `flower_supernode`) that also starts the node's Su
 warm one that forks each ClientApp (`client_app.superexec`), as its child, tied to it by
 `--parent-pid` and stopped by PID on every way out. Two things differ from Flower's node:
 
-- Flower's Fleet loop sleeps 3 s whenever a pull finds no message, and 0.5 s between checks for
-  a ClientApp's reply; a message therefore waited 1.75 s on average before it was served and
-  answered, three messages a round (docs/benchmarks.md). Here those sleeps last at most
-  `FEDAGENT_NODE_POLL_S` (default 0.2 s): a pull every 0.2 s while idle, one small request to
-  the SuperLink each, which a SuperLink serving a few hundred nodes absorbs; raise it for more.
+- Flower's Fleet loop sleeps 3 s whenever a pull finds no message, and 0.5 s between checks of
+  its own state for a ClientApp's reply; a message therefore waited 1.75 s on average before it
+  was served and answered, three messages a round (docs/benchmarks.md). Here the idle nap lasts
+  at most `FEDAGENT_NODE_POLL_S` (default 0.2 s): a pull every 0.2 s while idle, one small
+  request to the SuperLink each, which a SuperLink serving a few hundred nodes absorbs; raise it
+  for more. The checks of its own state (no request) come every `LOCAL_POLL_S` (20 ms). Its
+  object pulls retry after 50 ms instead of 1 s (`server_app.pull_backoff`).
 - The isolation is always `process`: the ClientApps are forks of the SuperExec started here.
   `--isolation subprocess` is refused; plain `flower-supernode` is that.
 
@@ -34,7 +36,10 @@ from flwr.supercore.constant import SUPERNODE_UVICORN_DEFAULT_PORT, UVICORN_DEFA
 from flwr.supercore.exit import add_exit_handler
 from flwr.supernode import start_client_internal as fleet_loop  # the module (its loop's sleeps)
 
+from server_app.pull_backoff import shorten_pull_backoff
+
 POLL_ENV, POLL_DEFAULT_S = "FEDAGENT_NODE_POLL_S", 0.2
+LOCAL_POLL_S = 0.02  # Flower's 0.5 s between checks of the node's own state for a reply
 STOP_GRACE_S = 10.0
 
 
@@ -43,13 +48,17 @@ class NodeArgsError(ValueError):
 
 
 class CappedSleep:
-    """The `time` module, except that `sleep` naps at most `cap_s` (the caller loops again)."""
+    """The `time` module, except that `sleep` naps at most `cap_s` where Flower's loop naps its
+    idle `IDLE_S` before the next pull, and at most `local_s` where it naps less, between checks
+    of its own state (the caller loops again)."""
 
-    def __init__(self, real: ModuleType, cap_s: float):
-        self._real, self.cap_s = real, cap_s
+    IDLE_S = 3.0
+
+    def __init__(self, real: ModuleType, cap_s: float, local_s: float = LOCAL_POLL_S):
+        self._real, self.cap_s, self.local_s = real, cap_s, local_s
 
     def sleep(self, seconds: float) -> None:
-        self._real.sleep(min(seconds, self.cap_s))
+        self._real.sleep(min(seconds, self.cap_s if seconds >= self.IDLE_S else self.local_s))
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._real, name)
@@ -114,6 +123,7 @@ def main() -> None:
     superexec = subprocess.Popen(cmd)
     add_exit_handler(lambda: stop(superexec))
     fleet_loop.time = CappedSleep(time, cap_s)  # type: ignore[assignment]
+    shorten_pull_backoff()
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
     sys.argv = ["flower-supernode", *argv]

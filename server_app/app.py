@@ -68,6 +68,8 @@ from server_app.dispatch import Abandoned, Close, RoundDispatch, RoundOutcome, r
 from server_app.errors import one_line, strip_ansi
 from server_app.lanes import Lanes, lane_entry
 from server_app.liveness import beating, every
+from server_app.packed import pack
+from server_app.pull_backoff import shorten_pull_backoff
 from server_app.strategy import (
     ClientFailure,
     ClientRefused,
@@ -187,7 +189,7 @@ class Weights:
                 continue
             key = self._publish(local, always=False)
             refs[m], state = self.channel.put_entry(key)
-            arrays[arrays_key(m)] = ArrayRecord(state)
+            arrays[arrays_key(m)] = pack(state)
         return arrays, refs, steps
 
     def _publish(self, local: Path, always: bool) -> str:
@@ -401,8 +403,14 @@ def _app_dir(grid: Grid) -> Path | None:
     return get_project_dir(run.fab_id, run.fab_version, run.fab_hash) if run.fab_hash else None
 
 
+# A reply's objects follow its head: pulling them, the ServerApp retries after 50 ms (not Flower's
+# 1 s), doubling up to this cap, so a long upload costs a request a second per object at most.
+PULL_CAP_S = 1.0
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    shorten_pull_backoff(cap_s=PULL_CAP_S)
     run_config = dict(context.run_config)
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
     # before the run dir, which may be another checkout's

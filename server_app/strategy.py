@@ -42,6 +42,7 @@ from fl_app.outcomes import outcome_key
 from fl_app.robust import FEDAVG, RoundScores, Rule, aggregate_refs
 from fl_app.weights import Manifest, WeightsError
 from partitions.uniform import round_clients
+from server_app.packed import unpack
 
 
 class RoundError(RuntimeError):
@@ -180,8 +181,7 @@ def accepted_reply(client: int, msg: Message, channel: Channel, own: Mapping[str
 
 def inline_state(msg: Message, member: str) -> dict[str, torch.Tensor]:
     """The inline weights of `member` a message carries (empty when they travel by reference)."""
-    record = msg.content.array_records.get(arrays_key(member))
-    return dict(record.to_torch_state_dict()) if record is not None else {}
+    return unpack(msg.content.array_records.get(arrays_key(member)))
 
 
 def reply_of(msg: Message) -> Reply:

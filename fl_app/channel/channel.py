@@ -13,9 +13,9 @@ compressed update (fl_app.quant: uint8 tensors, its metadata in the manifest and
 `update`), which the server decodes onto the round's global model.
 
 This module holds no Flower type (fl_app imports no Flower): inline weights are state
-dicts here, and the Flower edge (server_app/, client_app/) wraps them as `ArrayRecord(state)`
-and unwraps them with `ArrayRecord.to_torch_state_dict()`, both bit-exact (Flower serialises
-arrays with np.save).
+dicts here, and the Flower edge (server_app/, client_app/) packs each into one Flower Array
+(`server_app.packed`: the state's safetensors bytes, so a message carries 3 objects instead of
+2 per tensor) and unpacks it, bit-exact.
 """
 
 from __future__ import annotations

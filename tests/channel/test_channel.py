@@ -1,9 +1,9 @@
 """The weight channel: put(local dir) -> ref, get(ref) -> local dir, inline in the Flower
 message or through the store, bit-identical both ways; and the typed call as one record.
 
-fl_app holds no Flower type; the Flower edge wraps inline states as `ArrayRecord(state)` and
-unwraps them with `to_torch_state_dict()`, and a call as one ConfigRecord of its JSON, as these
-tests do.
+fl_app holds no Flower type; the Flower edge packs an inline state into one Array
+(`server_app.packed.pack`) and unpacks it (`unpack`), and a call as one ConfigRecord of its JSON,
+as these tests do.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ConfigRecord, RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 from pydantic import ValidationError
@@ -25,6 +25,7 @@ from fl_app.calls import RECORD, EvalCall, FitCall
 from fl_app.channel import Channel, WeightsRef, write_disk_probe
 from fl_app.channel.run_dir import DirStore
 from fl_app.weights import WeightsError, load_shards, save_shards, state_nbytes
+from server_app.packed import pack, unpack
 
 SHARD = 4000
 
@@ -51,12 +52,12 @@ def _put_state(channel: Channel, state: dict[str, torch.Tensor], key: str) -> tu
 
 def _ship(ref: WeightsRef, state: dict[str, torch.Tensor]) -> tuple[WeightsRef, dict[str, torch.Tensor]]:
     """Through Flower's wire the way the edge does it: the call's JSON as one record, the arrays
-    as ArrayRecord(state) out and to_torch_state_dict() in."""
+    packed into one Array out and unpacked in."""
     call = EvalCall(seed=0, weights={"actor": ref})
-    content = RecordDict({"arrays": ArrayRecord(state), RECORD: ConfigRecord({RECORD: call.model_dump_json()})})
+    content = RecordDict({"arrays": pack(state), RECORD: ConfigRecord({RECORD: call.model_dump_json()})})
     got = _over_the_wire(content)
     back = EvalCall.model_validate_json(str(got[RECORD][RECORD]))
-    return back.weights["actor"], dict(got["arrays"].to_torch_state_dict())
+    return back.weights["actor"], unpack(got["arrays"])
 
 
 def test_arrayrecord_roundtrip_is_bitwise_through_flower_wire(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from fl_app.aggregate import NonFiniteWeightsError
@@ -16,6 +16,7 @@ from fl_app.channel import Channel, WeightsRef, arrays_key
 from fl_app.channel.run_dir import DirStore
 from fl_app.weights import WeightsError, save_shards
 from server_app.app import _blamed
+from server_app.packed import pack
 from server_app.strategy import StreamingAggregator
 
 SHARD = 1 << 20
@@ -27,7 +28,7 @@ def _reply(cid: int, state: dict[str, torch.Tensor]) -> Message:
     reply = Reply(weights={"actor": WeightsRef(inline=True, nbytes=nbytes)}, client_id=cid)
     content = RecordDict(
         {
-            arrays_key("actor"): ArrayRecord(state),
+            arrays_key("actor"): pack(state),
             RECORD: ConfigRecord({RECORD: reply.model_dump_json()}),
             "metrics": MetricRecord({"num-examples": 8}),
         }

@@ -23,14 +23,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_flowers_fleet_loop_naps_through_its_time_module_and_the_cap_bounds_each_nap():
-    """The patch works only while Flower's loop sleeps via its module's `time` (flwr is pinned:
-    a Flower that sleeps otherwise fails here, not silently in a deployment)."""
+    """The patch works only while Flower's loop sleeps via its module's `time`, its idle nap
+    (before the next pull) 3 s and its checks of its own state 0.5 s apart (flwr is pinned: a
+    Flower that sleeps otherwise fails here, not silently in a deployment)."""
     source = inspect.getsource(fleet_loop)
     assert fleet_loop.time is time and "time.sleep(3)" in source and "time.sleep(0.5)" in source
-    capped = CappedSleep(time, 0.05)
-    t0 = time.monotonic()
-    capped.sleep(3)
-    assert time.monotonic() - t0 < 1.0
+    assert source.count("time.sleep(") == source.count("time.sleep(3)") + source.count("time.sleep(0.5)")
+    capped = CappedSleep(time, 0.3, local_s=0.01)
+    for flowers, most in ((3, 0.3), (0.5, 0.01)):
+        t0 = time.monotonic()
+        capped.sleep(flowers)
+        assert time.monotonic() - t0 < most + 0.15
     assert capped.monotonic is time.monotonic  # the rest of the module is the real one
 
 
