@@ -151,6 +151,16 @@ def initial_and_size(trainer: Any) -> tuple[dict[str, dict[str, torch.Tensor]], 
     return state, sum(t.numel() * 4 for _, t in full) / 2**20
 
 
+def delta_service(model_dir: Path, run_dir: Path, **sections: dict[str, Any]) -> Any:
+    """A TrainerService (run 1, lane cpu, not started) of a 2-client `delta-int8` run whose
+    error-feedback residuals live under `run_dir`/node-cache; `sections` update its config."""
+    from client_app.service import TrainerService
+
+    federation = {"clients": 2, "clients_per_round": 1, "tasks_per_client": 20, "update": "delta-int8"}
+    run = {"weight_cache_dir": str(run_dir / "node-cache")}
+    return TrainerService(small_config(model_dir, federation=federation, run=run, **sections), 1, "cpu", run_dir)
+
+
 def service_call(svc: Any, kind: type[C], members: tuple[str, ...] = ("actor",), **fields: Any) -> C:
     """A call as the server would send it to `svc` (a TrainerService): its run, its recipe's
     digest, and a ref per member in (the service reads the local dirs it is handed, not the refs)."""

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_support import env_url, model_dir, one_torch_thread, service_call, small_config  # noqa: F401
+from trainer_support import delta_service, env_url, model_dir, one_torch_thread, service_call  # noqa: F401
 
 from client_app.downloads import fetch
-from client_app.service import Dirs, StepRefused, TrainerService
+from client_app.service import Dirs, StepRefused
 from fl_app.calls import EvalCall, FitCall
 from fl_app.channel import Channel, WeightsRef
 from fl_app.channel.run_dir import DirStore
@@ -63,12 +63,7 @@ def test_the_node_fetches_only_what_its_lane_lacks_and_counts_those_bytes(tmp_pa
 
 
 def test_a_lane_trains_from_the_model_it_rebuilt_and_refuses_a_step_it_cannot_apply(env_url, model_dir, tmp_path):  # noqa: F811
-    cfg = small_config(
-        model_dir,
-        federation={"clients": 2, "clients_per_round": 1, "tasks_per_client": 20, "update": "delta-int8"},
-        run={"weight_cache_dir": str(tmp_path / "node-cache")},
-    )
-    svc = TrainerService(cfg, run_id=1, lane="cpu", run_dir=tmp_path)
+    svc = delta_service(model_dir, tmp_path)
     try:
         svc.start()
         assert svc.trainer is not None

@@ -6,9 +6,9 @@ fit starts from it. A real TrainerService, real fits on a real env service, CPU.
 from __future__ import annotations
 
 import torch
-from trainer_support import env_url, model_dir, one_torch_thread, service_call, small_config  # noqa: F401
+from trainer_support import delta_service, env_url, model_dir, one_torch_thread, service_call  # noqa: F401
 
-from client_app.service import Dirs, TrainerService
+from client_app.service import Dirs
 from fl_app.calls import FitCall
 from fl_app.quant import UpdateMeta, decode
 from fl_app.weights import Manifest, load_shards, save_shards
@@ -17,13 +17,7 @@ MEMBERS = ("actor", "critic")
 
 
 def test_a_ppo_fit_uploads_each_members_update_and_keeps_what_quantization_lost(env_url, model_dir, tmp_path):  # noqa: F811
-    cfg = small_config(
-        model_dir,
-        algo={"name": "ppo", "tasks_per_step": 2, "group_size": None},
-        federation={"clients": 2, "clients_per_round": 1, "tasks_per_client": 20, "update": "delta-int8"},
-        run={"weight_cache_dir": str(tmp_path / "node-cache")},
-    )
-    svc = TrainerService(cfg, run_id=1, lane="cpu", run_dir=tmp_path)
+    svc = delta_service(model_dir, tmp_path, algo={"name": "ppo", "tasks_per_step": 2, "group_size": None})
     try:
         svc.start()
         assert svc.trainer is not None
