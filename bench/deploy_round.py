@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"clientapp_imports": clientapp_imports()}
     with tempfile.TemporaryDirectory(prefix="deploy-round-") as tmp:
         work = a.keep or Path(tmp)
-        work.mkdir(parents=True, exist_ok=False)
+        work.mkdir(parents=True, exist_ok=a.keep is None)  # --keep names a new dir; the temp dir exists
         report.update(run_arms(a.recipe.resolve(), a.rounds, work, a.timeout_s, a.arms.split(",")))
     report["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return emit(report, a.json)
