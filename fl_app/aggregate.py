@@ -62,6 +62,7 @@ from fl_app.weights import (
     ShardWriter,
     TensorInfo,
     WeightsError,
+    all_finite,
     dtype_name,
     load_shards,
     read_shard,
@@ -160,19 +161,10 @@ def fold_with(factors: Sequence[float]) -> Combine:
         (acc,) = outs
         for k, (x, f) in enumerate(zip(ins, factors, strict=True)):
             _fold(acc, x, f, k == 0, info.name)
-        if not _finite(acc):
+        if not all_finite(acc):
             raise NonFinitePiece(repr(info.name))
 
     return combine
-
-
-def _finite(acc: torch.Tensor) -> bool:
-    """True when every value is finite. The sum is finite exactly then, unless it overflows:
-    one reduction, ~15x cheaper than isfinite().all() (measured), with the exact check only
-    when the sum says no."""
-    if not acc.is_floating_point() or bool(torch.isfinite(acc.sum())):
-        return True
-    return bool(torch.isfinite(acc).all())
 
 
 def _pieces(nbytes: int, itemsize: int) -> Iterator[tuple[int, int]]:

@@ -30,13 +30,14 @@ from pathlib import Path
 
 import torch
 
-from fl_app.quant import UpdateMeta, _finite, check_update, decode_tensor, encode, physical_names
+from fl_app.quant import UpdateMeta, check_update, decode_tensor, encode, physical_names
 from fl_app.rundir import RunDir
 from fl_app.weights import (
     Manifest,
     ShardWriter,
     TensorInfo,
     WeightsError,
+    all_finite,
     dtype_name,
     read_shard,
     same_layout,
@@ -136,7 +137,7 @@ def _step_tensor(
     d = torch.sub(x, w)
     if e is not None:
         d.add_(e)
-    if not _finite(d):
+    if not all_finite(d):
         raise WeightsError(
             f"the server's step of tensor {t.name!r} is not finite (fp32 overflow: the models it is "
             "computed from are finite); lower federation.server_lr, or find why the model moved so far"

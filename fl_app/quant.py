@@ -49,6 +49,7 @@ from fl_app.weights import (
     ShardWriter,
     TensorInfo,
     WeightsError,
+    all_finite,
     canonical_json,
     dtype_name,
     load_shards,
@@ -225,11 +226,6 @@ def bad_update_tensors(meta: UpdateMeta, tensors: Mapping[str, torch.Tensor]) ->
     return out
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """Every value finite: the sum says so in one pass unless it overflowed (then the exact check)."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
-
-
 def is_update(m: Manifest) -> bool:
     return bool(m.update)
 
@@ -278,7 +274,7 @@ def write_update(
                     if residual is not None:
                         d.add_(residual[name])
                     out, sent = encode(d, mode, block)
-                    new_residual[name] = d.sub_(sent) if _finite(d) else torch.zeros_like(d)
+                    new_residual[name] = d.sub_(sent) if all_finite(d) else torch.zeros_like(d)
                 keep.append(out)
                 for view in tensor_views(out):
                     writer.write(view)

@@ -59,7 +59,6 @@ from fl_app.aggregate import (
     PREVIOUS,
     Combine,
     NonFinitePiece,
-    _finite,
     _fold,
     _labels,
     combine_states,
@@ -73,7 +72,7 @@ from fl_app.aggregate import (
 from fl_app.channel import Channel, WeightsRef
 from fl_app.config import COMPRESSED, Aggregator, FederationCfg, Update
 from fl_app.quant import UpdateMeta, check_update, decode_tensor, is_update
-from fl_app.weights import Manifest, TensorInfo, WeightsError, dtype_name, load_shards, save_shards
+from fl_app.weights import Manifest, TensorInfo, WeightsError, all_finite, dtype_name, load_shards, save_shards
 
 
 @dataclass(frozen=True)
@@ -293,7 +292,7 @@ class _Trimmed:
             acc.div_(len(keep))
         if self.server_lr != 1.0:
             acc.mul_(self.server_lr).add_(w, alpha=1.0 - self.server_lr)
-        if not _finite(acc):
+        if not all_finite(acc):
             raise NonFinitePiece(repr(info.name))
 
     def _sorted(self, stack: torch.Tensor, n: int) -> list[torch.Tensor]:

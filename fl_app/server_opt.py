@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from fl_app.aggregate import PIECE_BYTES, PREVIOUS, _finite, stream_manifests
+from fl_app.aggregate import PIECE_BYTES, PREVIOUS, stream_manifests
 from fl_app.config import FederationCfg, resolved
 from fl_app.rundir import RunDir
-from fl_app.weights import Manifest, TensorInfo, WeightsError, same_layout
+from fl_app.weights import Manifest, TensorInfo, WeightsError, all_finite, same_layout
 
 MOMENTS: dict[str, tuple[str, ...]] = {"fedavgm": ("m",), "fedadam": ("m", "v"), "nesterov": ("m",)}
 
@@ -132,7 +132,7 @@ class ServerOptimizer:
             n = new_w.numel()
             state = ins[2:] or [zeros[:n]] * len(self.moments)
             self.apply(ins[0], ins[1], state, new_w, new_state, [t[:n] for t in scratch])
-            if not all(_finite(t) for t in outs):
+            if not all(all_finite(t) for t in outs):
                 raise WeightsError(
                     f"the {self.name} server step overflowed fp32 in {member} tensor {info.name!r} (every input "
                     "is finite); nothing was written. Lower federation.server_lr, or find why the clients' mean "
