@@ -630,6 +630,11 @@ class FederationCfg(_Strict):
         gt=0,
         description="Anomaly flag by direction, off unless set: a client whose median cosine to the other clients' updates (`cos_peers`) is below flag_cosine_z / sqrt(parameters) is flagged (a random direction's cosine to an update is ~N(0, 1/parameters): such an update is no more aligned with its peers than noise; a sign-flipped one points away from them). Off by default because clean updates need not agree: on the tiny default (4 clients a round, 7 rounds, 3 seeds) 20 of 84 clean updates of clean runs had cos_peers below 4 / sqrt(parameters), 17 of them below 0 (docs/architecture.md, \"Robust aggregation and anomaly scores\"). Set it (4 is the usual bound) where a recipe's clean updates are measured to agree. The norm rule (`flag_norm_ratio`) always flags. Needs 3 or more clients.",
     )
+    flag_unrelated_z: float | None = Field(
+        5.0,
+        gt=0,
+        description="Anomaly flag for an update unrelated to every peer, on by default: a client whose largest |cosine| to another client's update, times sqrt(parameters) (`peer_z` in the metrics row), is below this is flagged. A random direction's cosine to an update is ~N(0, 1/parameters), so such an update is neither aligned nor opposed to any peer by more than chance (noise sent in place of an update). On the tiny default (4 clients a round) the clean updates' peer_z was 8.8 or more, noise of an update's norm reached 2.7 (docs/architecture.md, \"What the scores can tell apart\"). null turns it off. Needs 3 or more clients and a member of at least (4 x flag_unrelated_z)^2 parameters (below that no cosine can tell an update from noise).",
+    )
     quant: QuantCfg = Field(default_factory=QuantCfg)
     eval_every: int = Field(
         1,

@@ -23,16 +23,22 @@ and a delta from this round's w.
 Scores: per piece, the deltas' Gram matrix G_ij += d_i . d_j (fp32 per piece, summed over
 pieces in float64; scores only, the weights never leave fp32). From it, with no second pass:
 the update norm ||d_i|| = sqrt(G_ii), the cosine to the round's (num-examples weighted) mean
-update, and the median of the cosines to the other clients (`cos_peers`). A client is flagged
-when its norm exceeds `flag_norm_ratio` x the median norm, and, only where the recipe sets
-`flag_cosine_z`, when its `cos_peers` is below `flag_cosine_z` / sqrt(n), n the member's
-parameters: the cosine a random direction reaches by chance is ~N(0, 1/n), so such an update is
-no more aligned with its peers than noise would be (a sign-flipped one points away from them).
-That second rule is off by default because clean updates need not agree: on the tiny default,
-23% of the clean updates of clean runs had a `cos_peers` below 4 / sqrt(n) (docs/architecture.md,
-"Robust aggregation and anomaly scores"). Flags need 3 or more clients (with 2, a disagreement
-names nobody). The cosine to the mean is recorded, not used to flag: a x100 update is most of
-the mean itself.
+update, the median of the cosines to the other clients (`cos_peers`) and `peer_z`, the largest
+|cosine| to another client times sqrt(n), n the member's parameters. Flags (3 or more clients):
+- *norm*: ||d_i|| above `flag_norm_ratio` x the round's median norm (a scaled update);
+- *unrelated* (on by default): `peer_z` below `flag_unrelated_z`. A random direction's cosine to
+  a fixed update is ~N(0, 1/n), so an update that is neither aligned nor opposed to any peer by
+  more than chance allows carries nothing the others learnt (noise in place of an update). On
+  the tiny default the clean updates' `peer_z` was 8.8 or more and noise of an update's norm
+  reached 2.7 (docs/architecture.md, "What the scores can tell apart"). It needs a member of at
+  least (4 z)^2 parameters (400 at z = 5): on fewer, even a perfectly aligned update's z is
+  small, and the rule does not apply;
+- *direction* (off unless a recipe sets `flag_cosine_z`): `cos_peers` below `flag_cosine_z` /
+  sqrt(n), for models whose clean updates are measured to agree. Off by default because clean
+  updates need not agree: on the tiny default clean updates point as often away from their
+  peers as a sign-flipped one does, so no bound on the signed cosines tells a flip from a clean
+  update there (same section).
+The cosine to the mean is recorded, not used to flag: a x100 update is most of the mean itself.
 `cos_peers` is robust to one bad client of 3 or more: a clean client's median runs over at
 least two values, most of them clean. The Gram's diagonal is also the non-finite check: a
 NaN/Inf update makes it non-finite before any output is written, also where a trim would drop
@@ -84,6 +90,7 @@ class Rule:
     clip_multiple: float = 1.0
     flag_norm_ratio: float = 3.0
     flag_cosine_z: float | None = None
+    flag_unrelated_z: float | None = 5.0
     update: Update = "full"  # what clients upload (fl_app.quant: the COMPRESSED modes)
     block: int = 64
 
@@ -91,7 +98,14 @@ class Rule:
     def of(cls, f: FederationCfg) -> Rule:
         """The recipe's rule (its federation section)."""
         return cls(
-            f.aggregator, f.trim_fraction, f.clip_multiple, f.flag_norm_ratio, f.flag_cosine_z, f.update, f.quant.block
+            f.aggregator,
+            f.trim_fraction,
+            f.clip_multiple,
+            f.flag_norm_ratio,
+            f.flag_cosine_z,
+            f.flag_unrelated_z,
+            f.update,
+            f.quant.block,
         )
 
     def check_upload(self, ref: WeightsRef, label: str) -> UpdateMeta | None:
@@ -135,6 +149,7 @@ class Scores:
     norm: list[float]
     cos_mean: list[float]
     cos_peers: list[float | None]
+    peer_z: list[float | None]  # the largest |cosine| to another client, x sqrt(parameters)
     flagged: list[bool]
     cos: list[list[float]]  # cos[i][j]: client i's update against client j's (i != j)
 
@@ -146,11 +161,12 @@ class Scores:
                 "norm": n,
                 "cos_mean": m,
                 "cos_peers": p,
+                "peer_z": z,
                 "flagged": f,
                 "cos": {str(ids[j]): v for j, v in enumerate(row) if j != i},
             }
-            for i, (c, n, m, p, f, row) in enumerate(
-                zip(ids, self.norm, self.cos_mean, self.cos_peers, self.flagged, self.cos, strict=True)
+            for i, (c, n, m, p, z, f, row) in enumerate(
+                zip(ids, self.norm, self.cos_mean, self.cos_peers, self.peer_z, self.flagged, self.cos, strict=True)
             )
         }
 
@@ -160,6 +176,9 @@ RoundScores = dict[str, dict[str, dict[str, Any]]]  # member -> client id -> `Sc
 
 def _cos(dot: float, a: float, b: float) -> float:
     return dot / (a * b) if a > 0 and b > 0 else 0.0
+
+
+UNRELATED_POWER = 4.0  # the unrelated rule needs sqrt(n) >= 4 z: its cosine bound z / sqrt(n) at most 0.25
 
 
 def scores_from_gram(gram: np.ndarray, factors: Sequence[float], rule: Rule, numel: int) -> Scores:
@@ -174,13 +193,24 @@ def scores_from_gram(gram: np.ndarray, factors: Sequence[float], rule: Rule, num
     cos_peers: list[float | None] = [
         statistics.median(cos[i][j] for j in range(k) if j != i) if k > 1 else None for i in range(k)
     ]
-    median_norm = statistics.median(norm)
-    chance = None if rule.flag_cosine_z is None else rule.flag_cosine_z / math.sqrt(max(numel, 1))
-    flagged = [
-        k >= 3 and (n > rule.flag_norm_ratio * median_norm or (chance is not None and p is not None and p < chance))
-        for n, p in zip(norm, cos_peers)
+    root_n = math.sqrt(max(numel, 1))
+    peer_z: list[float | None] = [
+        max(abs(cos[i][j]) for j in range(k) if j != i) * root_n if k > 1 else None for i in range(k)
     ]
-    return Scores(norm, cos_mean, cos_peers, flagged, cos)
+    median_norm = statistics.median(norm)
+
+    def flag(n: float, p: float | None, z: float | None) -> bool:
+        if k < 3 or p is None or z is None:
+            return False
+        if n > rule.flag_norm_ratio * median_norm:
+            return True
+        unrelated = rule.flag_unrelated_z
+        if unrelated is not None and root_n >= UNRELATED_POWER * unrelated and z < unrelated:
+            return True
+        return rule.flag_cosine_z is not None and p * root_n < rule.flag_cosine_z
+
+    flagged = [flag(n, p, z) for n, p, z in zip(norm, cos_peers, peer_z, strict=True)]
+    return Scores(norm, cos_mean, cos_peers, peer_z, flagged, cos)
 
 
 class _Pass:

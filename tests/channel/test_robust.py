@@ -166,6 +166,7 @@ def test_scores_match_a_torch_reference_and_zero_weight_clients_are_not_scored(t
         assert scores.cos_mean[j] == pytest.approx(float(cos(dj, mean, dim=0)), abs=1e-5)
         pairs = [float(cos(dj, dk, dim=0)) for k, dk in enumerate(d) if k != j]
         assert scores.cos_peers[j] == pytest.approx(statistics.median(pairs), abs=1e-5)
+        assert scores.peer_z[j] == pytest.approx(max(map(abs, pairs)) * math.sqrt(d[0].numel()), rel=1e-4)
         row = scores.row(live)[str(live[j])]["cos"]  # every pairwise cosine, by the peer's id
         assert list(row) == [str(c) for c in live if c != live[j]]
         assert list(row.values()) == pytest.approx(pairs, abs=1e-5)
@@ -185,8 +186,11 @@ def test_a_poisoned_update_is_flagged_and_no_clean_one(tmp_path, kind, agg):
         items = _items(tmp_path / str(victim), ch, states, [8.0] * 4)
         _, scores = aggregate_refs(items, ch, tmp_path / f"out{victim}", prev, Rule(agg, flag_cosine_z=4.0))
         assert scores.flagged == [i == victim for i in range(4)], (kind, victim, scores)
-        _, default = aggregate_refs(items, ch, tmp_path / f"dflt{victim}", prev, Rule(agg))  # the norm rule alone
-        assert default.flagged == [kind == "scale" and i == victim for i in range(4)], (kind, victim, default)
+        # the default rules: norm (x100) and unrelated-to-every-peer (noise); a flip is as related as a clean one
+        _, default = aggregate_refs(items, ch, tmp_path / f"dflt{victim}", prev, Rule(agg))
+        assert default.flagged == [kind != "sign_flip" and i == victim for i in range(4)], (kind, victim, default)
+        _, norm_only = aggregate_refs(items, ch, tmp_path / f"norm{victim}", prev, Rule(agg, flag_unrelated_z=None))
+        assert norm_only.flagged == [kind == "scale" and i == victim for i in range(4)], (kind, victim, norm_only)
     clean = [_trained(w, 100 + s) for s in range(4)]
     ch = _channel(tmp_path / "clean", inline=True)
     rule = Rule(agg, flag_cosine_z=4.0)
