@@ -7,8 +7,8 @@ service's phase times (`load_s`, `rollout_s`, `scoring_s`, `update_s`, `export_s
 ClientApp itself measured (`client_traffic`): per member the bytes that travelled to it and from
 it (`bytes_down_<member>`, `bytes_up_<member>`), the Flower messages that carried the call and its
 reply (`message_bytes_down`, `message_bytes_up`: `fleet_bytes`), the time it spent getting and
-shipping the weights (`transport_s`) and its whole serve time (`serve_s`). The server times its own dispatch,
-aggregation, checkpoint and validation. `round_accounting` turns both into the round's row;
+shipping the weights (`transport_s`) and its whole serve time (`serve_s`). The server times its
+own dispatch, aggregation, checkpoint and validation. `round_accounting` turns both into the round's row;
 docs/architecture.md ("metrics.jsonl") defines every phase.
 """
 
@@ -69,10 +69,11 @@ def client_traffic(
     }
 
 
-def _objects(msg: Message) -> tuple[int, ObjectTree]:
-    """The bytes of every object of `msg` (content-addressed: an object twice in it travels once)
-    and its object tree."""
-    return sum(len(o.deflate()) for o in get_all_nested_objects(msg).values()), get_object_tree(msg)
+def _objects(msg: Message) -> tuple[int, ObjectTree, list[str]]:
+    """The bytes of every object of `msg` (content-addressed: an object twice in it travels once),
+    its object tree and the objects' ids."""
+    objects = get_all_nested_objects(msg)
+    return sum(len(o.deflate()) for o in objects.values()), get_object_tree(msg), list(objects)
 
 
 def _head(msg: Message) -> ProtoMessage:
@@ -94,8 +95,8 @@ def fleet_bytes(call: Message, reply: Message) -> tuple[int, int]:
     metrics and the framing. The sizes are those of the same protobuf messages built here."""
     with no_object_id_recompute():  # each object's id (a sha256 of its bytes) once, not per parent
         node = Node(node_id=call.metadata.dst_node_id)
-        call_bytes, call_tree = _objects(call)
-        reply_bytes, reply_tree = _objects(reply)
+        call_bytes, call_tree, _ = _objects(call)
+        reply_bytes, reply_tree, reply_ids = _objects(reply)
         pulled = PullMessagesResponse(messages_list=[_head(call)], message_object_trees=[call_tree])
         head = _head(reply)
         pushed = PushMessagesRequest(
@@ -104,7 +105,7 @@ def fleet_bytes(call: Message, reply: Message) -> tuple[int, int]:
         asked = PushMessagesResponse(
             reconnect=Reconnect(reconnect=5),
             results={head.metadata.message_id: 0},
-            objects_to_push=list(get_all_nested_objects(reply)),
+            objects_to_push=reply_ids,
             session_id=str(UUID(int=0)),  # a uuid4's length
         )
         down = pulled.ByteSize() + call_bytes + asked.ByteSize()
