@@ -1,5 +1,5 @@
 """Our traffic accounting against Flower's own count (issue 38): a real loopback deployment (a
-`flower-superlink`, two SuperNodes) of the tiny recipe, 2 rounds, weights inline in the Flower
+`flower-superlink`, two SuperNodes) of the tiny recipe, 1 round, weights inline in the Flower
 messages; `python -m server_app.traffic` reads Flower's count of the run through `flwr ls` and
 records it in summary.json beside ours."""
 
@@ -25,7 +25,7 @@ def test_flower_s_count_of_a_deployment_run_agrees_with_our_message_bytes(tmp_pa
     framing, and do not agree: the check can fail."""
     run_dir = tmp_path / "runs" / "r"
     with deployment(tmp_path, nodes=2) as d:
-        p = d.run(run_config(INLINE, run_dir, rounds=2), timeout_s=1200)
+        p = d.run(run_config(INLINE, run_dir, rounds=1), timeout_s=1200)
         assert run_status(run_dir).returncode == 0, p.stdout[-3000:] + p.stderr[-2000:] + d.log("superlink")[-2000:]
         t = subprocess.run(
             [sys.executable, "-m", "server_app.traffic", str(run_dir), "--json"],
