@@ -1,12 +1,14 @@
 """Where a round's bytes and wall time go: the arithmetic behind metrics.jsonl's `per_client`,
-`bytes_down`/`bytes_up` and `phase_s`, `bench.round_overhead` and `server_app.report`.
+`bytes_down`/`bytes_up`, `message_bytes` and `phase_s`, `bench.round_overhead` and
+`server_app.report`.
 
 Numbers are taken where they are measured. A ClientApp reply carries, besides the trainer
 service's phase times (`load_s`, `rollout_s`, `scoring_s`, `update_s`, `export_s`), what the
 ClientApp itself measured (`client_traffic`): per member the bytes that travelled to it and from
-it (`bytes_down_<member>`, `bytes_up_<member>`), the time it spent getting and shipping them
-(`transport_s`) and its whole serve time (`serve_s`). The server times its own dispatch,
-aggregation, checkpoint and validation. `round_accounting` turns both into the round's row;
+it (`bytes_down_<member>`, `bytes_up_<member>`), the Flower messages that carried the call and its
+reply (`message_bytes_down`, `message_bytes_up`: `fleet_bytes`), the time it spent getting and
+shipping the weights (`transport_s`) and its whole serve time (`serve_s`). The server times its
+own dispatch, aggregation, checkpoint and validation. `round_accounting` turns both into the round's row;
 docs/architecture.md ("metrics.jsonl") defines every phase.
 """
 
@@ -16,6 +18,22 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
+from uuid import UUID
+
+from flwr.app import Message
+from flwr.app.message import remove_content_from_message
+from flwr.common.serde import message_to_proto
+from flwr.proto.fleet_pb2 import (
+    PullMessagesRequest,
+    PullMessagesResponse,
+    PushMessagesRequest,
+    PushMessagesResponse,
+    Reconnect,
+)
+from flwr.proto.message_pb2 import Message as ProtoMessage
+from flwr.proto.message_pb2 import ObjectTree
+from flwr.proto.node_pb2 import Node
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree, no_object_id_recompute
 
 # the round's phases, in the order they happen (and stack in phases.png)
 PHASES = (
@@ -32,19 +50,76 @@ PHASES = (
 )
 CLIENT_PHASES = ("transport", "load", "rollout", "scoring", "update", "export")
 DOWN, UP = "bytes_down_", "bytes_up_"
-CLIENT_KEYS = ("transport_s", "serve_s")
+MESSAGE_DOWN, MESSAGE_UP = "message_bytes_down", "message_bytes_up"
+CLIENT_KEYS = ("transport_s", "serve_s", MESSAGE_DOWN, MESSAGE_UP)
 
 
 def client_traffic(
     down: Mapping[str, int], up: Mapping[str, int], transport_s: float, serve_s: float
 ) -> dict[str, float]:
-    """What a ClientApp adds to its reply's metric record (flat numbers: Flower's MetricRecord)."""
+    """What a ClientApp adds to its reply's metric record (flat numbers: Flower's MetricRecord);
+    the message bytes are 0.0 until `count_reply` fills them in."""
     return {
         **{f"{DOWN}{m}": float(n) for m, n in down.items()},
         **{f"{UP}{m}": float(n) for m, n in up.items()},
         "transport_s": transport_s,
         "serve_s": serve_s,
+        MESSAGE_DOWN: 0.0,
+        MESSAGE_UP: 0.0,
     }
+
+
+def _objects(msg: Message) -> tuple[int, ObjectTree, list[str]]:
+    """The bytes of every object of `msg` (content-addressed: an object twice in it travels once),
+    its object tree and the objects' ids."""
+    objects = get_all_nested_objects(msg)
+    return sum(len(o.deflate()) for o in objects.values()), get_object_tree(msg), list(objects)
+
+
+def _head(msg: Message) -> ProtoMessage:
+    """`msg` as a Fleet request names it: its metadata (its id set, as when it is pushed)."""
+    head = message_to_proto(remove_content_from_message(msg))
+    head.metadata.message_id = head.metadata.message_id or msg.object_id
+    return head
+
+
+def fleet_bytes(call: Message, reply: Message) -> tuple[int, int]:
+    """The bytes down and up that Flower's Fleet API moves between a SuperNode and the SuperLink
+    for `call` and its `reply`, as Flower's own count of a run records them
+    (`flwr/superlink/servicer/fleet/fleet_handlers.py`, shown by `flwr ls` as `network-traffic`):
+    down (the SuperLink's outbound) the PullMessages response that hands the node the call, every
+    object of the call pulled (the message, its RecordDict, records, arrays and their chunks) and
+    the PushMessages response that asks for the reply's objects; up (inbound) the PullMessages
+    request, the PushMessages request with the reply's head and tree, and every object of the
+    reply pushed. Inline weights are most of it; the rest is the call's record, the reply's
+    metrics and the framing. The sizes are those of the same protobuf messages built here."""
+    with no_object_id_recompute():  # each object's id (a sha256 of its bytes) once, not per parent
+        node = Node(node_id=call.metadata.dst_node_id)
+        call_bytes, call_tree, _ = _objects(call)
+        reply_bytes, reply_tree, reply_ids = _objects(reply)
+        pulled = PullMessagesResponse(messages_list=[_head(call)], message_object_trees=[call_tree])
+        head = _head(reply)
+        pushed = PushMessagesRequest(
+            node=node, messages_list=[head], message_object_trees=[reply_tree], clientapp_runtime_list=[1.0]
+        )
+        asked = PushMessagesResponse(
+            reconnect=Reconnect(reconnect=5),
+            results={head.metadata.message_id: 0},
+            objects_to_push=reply_ids,
+            session_id=str(UUID(int=0)),  # a uuid4's length
+        )
+        down = pulled.ByteSize() + call_bytes + asked.ByteSize()
+        return down, PullMessagesRequest(node=node).ByteSize() + pushed.ByteSize() + reply_bytes
+
+
+def count_reply(call: Message, reply: Message, record: str = "metrics") -> Message:
+    """`reply` with the call's and its own `fleet_bytes` in its metric record `record`, measured
+    while both keys held 0.0 (doubles: the same size as the counts that replace them)."""
+    metrics = reply.content.metric_records[record]
+    if metrics.get(MESSAGE_DOWN) != 0.0 or metrics.get(MESSAGE_UP) != 0.0:
+        raise ValueError(f"count_reply: the reply's {record!r} record needs {MESSAGE_DOWN} = {MESSAGE_UP} = 0.0")
+    metrics[MESSAGE_DOWN], metrics[MESSAGE_UP] = map(float, fleet_bytes(call, reply))
+    return reply
 
 
 class Meter:
@@ -78,12 +153,24 @@ def _members(metrics: Mapping[str, Any], prefix: str) -> dict[str, int]:
     return {k.removeprefix(prefix): int(v) for k, v in metrics.items() if k.startswith(prefix)}
 
 
+def message_bytes_in(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, int]:
+    """A reply's Flower message bytes each way (0 for a reply without them)."""
+    return {"down": int(metrics.get(prefix + MESSAGE_DOWN, 0)), "up": int(metrics.get(prefix + MESSAGE_UP, 0))}
+
+
+def add_counts(total: Mapping[str, int], more: Mapping[str, int]) -> dict[str, int]:
+    """Two counts keyed alike (per member, per direction) added key by key."""
+    return {k: total.get(k, 0) + more.get(k, 0) for k in {**total, **more}}
+
+
 def client_entry(metrics: Mapping[str, float]) -> dict[str, Any]:
-    """One client's `per_client` entry from its reply's metrics: bytes per member each way, its
-    phases (seconds, 0 for a phase the reply lacks) and its serve time."""
+    """One client's `per_client` entry from its reply's metrics: bytes per member each way, the
+    bytes of its call's and reply's Flower messages, its phases (seconds, 0 for a phase the reply
+    lacks) and its serve time."""
     return {
         "bytes_down": _members(metrics, DOWN),
         "bytes_up": _members(metrics, UP),
+        "message_bytes": message_bytes_in(metrics),
         "phases": {p: float(metrics.get(f"{p}_s", 0.0)) for p in CLIENT_PHASES},
         "lane_s": float(metrics.get("fit_total_s", 0.0)),
         "serve_s": float(metrics.get("serve_s", 0.0)),
@@ -121,26 +208,31 @@ def round_accounting(
     phases["other"] = wall_s - sum(phases.values())
     down = _members(val, f"val_{DOWN}")
     up: dict[str, int] = {}
+    messages = message_bytes_in(val, "val_")
     for c in per_client.values():
-        for m, n in c["bytes_down"].items():
-            down[m] = down.get(m, 0) + n
-        for m, n in c["bytes_up"].items():
-            up[m] = up.get(m, 0) + n
+        down, up = add_counts(down, c["bytes_down"]), add_counts(up, c["bytes_up"])
+        messages = add_counts(messages, c.get("message_bytes", {}))
     return {
         "per_client": {str(cid): c for cid, c in sorted(per_client.items())},
-        **_totals(down, up),
+        **_totals(down, up, messages),
         "phase_s": phases,
     }
 
 
 def round0_accounting(init: Mapping[str, float], val: Mapping[str, Any]) -> dict[str, Any]:
     """Round 0's traffic: the initial members up from the init lane (its reply's metrics
-    `init`), the validation's global model down."""
-    return _totals(_members(val, f"val_{DOWN}"), _members(init, UP))
+    `init`), the validation's global model down, and both calls' Flower messages."""
+    messages = add_counts(message_bytes_in(init), message_bytes_in(val, "val_"))
+    return _totals(_members(val, f"val_{DOWN}"), _members(init, UP), messages)
 
 
-def _totals(down: dict[str, int], up: dict[str, int]) -> dict[str, Any]:
-    return {"bytes_down": down, "bytes_up": up, "bytes_moved": sum(down.values()) + sum(up.values())}
+def _totals(down: dict[str, int], up: dict[str, int], messages: dict[str, int]) -> dict[str, Any]:
+    return {
+        "bytes_down": down,
+        "bytes_up": up,
+        "bytes_moved": sum(down.values()) + sum(up.values()),
+        "message_bytes": messages,
+    }
 
 
 def phases_of(row: Mapping[str, Any]) -> dict[str, float] | None:
@@ -160,6 +252,21 @@ def phases_of(row: Mapping[str, Any]) -> dict[str, float] | None:
     )
     phases["other"] = row["wall_s"] - sum(phases.values())
     return phases
+
+
+def run_message_bytes(rows: Sequence[Mapping[str, Any]], shutdown: Mapping[str, int]) -> dict[str, int]:
+    """One Flower run's message bytes each way: its rows' (`message_bytes`, none in a row written
+    before they were counted) and its shutdown calls' (after the last row)."""
+    total = dict(shutdown)
+    for row in rows:
+        total = add_counts(total, row.get("message_bytes", {}))
+    return {"down": total.get("down", 0), "up": total.get("up", 0)}
+
+
+def run_weight_bytes(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """The weight bytes of these rows each way (`bytes_of` summed)."""
+    pairs = [bytes_of(r) for r in rows]
+    return {"down": sum(d for d, _ in pairs), "up": sum(u for _, u in pairs)}
 
 
 def bytes_of(row: Mapping[str, Any]) -> tuple[int, int]:

@@ -32,7 +32,7 @@ import shutil
 import socket
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,15 @@ from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 from envs.ports import bind_listener
 from fl_app import downlink
-from fl_app.accounting import client_entry, is_traffic_key, round0_accounting, round_accounting
+from fl_app.accounting import (
+    add_counts,
+    client_entry,
+    is_traffic_key,
+    message_bytes_in,
+    round0_accounting,
+    round_accounting,
+    run_message_bytes,
+)
 from fl_app.aggregate import NonFiniteWeightsError
 from fl_app.board import Board
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall
@@ -438,7 +446,14 @@ def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str)
     partition = write_partition_report(rd.path, cfg, log)  # every client's shard, before any lane starts
     save_config(cfg, rd.path / "config.yaml")
     t_run = time.perf_counter()
-    base = {"run_id": context.run_id, "target_rounds": fed.rounds, "members": list(rd.members), "code_sha256": code}
+    first = 0 if start is None else start + 1  # this Flower run's first round (its message bytes)
+    base = {
+        "run_id": context.run_id,
+        "first_round": first,
+        "target_rounds": fed.rounds,
+        "members": list(rd.members),
+        "code_sha256": code,
+    }
     rd.write_summary({"status": "running", **base, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     run = None
     try:
@@ -456,7 +471,7 @@ def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str)
             run.close()
         # A run that dies mid-loop labels no final round (invariant 6); resume picks up from disk.
         error_log = _write_error_log(rd, e)
-        services = _shutdown_lanes(run) if run else []
+        services = _shutdown_lanes(run)[0] if run else []
         rd.write_summary(
             {
                 "status": "failed",
@@ -471,11 +486,12 @@ def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str)
         )
         raise
     run.close()
-    services = _shutdown_lanes(run)
+    services, shutdown = _shutdown_lanes(run)
     rd.write_summary(
         {
             "status": "complete",
             **base,
+            "message_bytes": _message_bytes(rd, first, shutdown),
             "final_round": fed.rounds,
             "wall_s": time.perf_counter() - t_run,
             "nodes": _node_table(run),
@@ -493,6 +509,12 @@ def _serve_run(grid: Grid, context: Context, cfg: Config, rd: RunDir, code: str)
         f"done: {fed.rounds} rounds; checkpoints, metrics.jsonl, summary.json, validation.png and phases.png "
         f"in {rd.path}"
     )
+
+
+def _message_bytes(rd: RunDir, first: int, shutdown: Mapping[str, int]) -> dict[str, int]:
+    """The Flower message bytes of this Flower run (its rounds from `first` and its shutdown):
+    what Flower's own count of the run (`python -m server_app.traffic`) is compared with."""
+    return run_message_bytes([r for r in rd.read_metrics() if r["round"] >= first], shutdown)
 
 
 def _write_error_log(rd: RunDir, e: BaseException) -> Path:
@@ -753,15 +775,20 @@ def _blamed(e: WeightsError, order: list[int]) -> int | None:
     return order[e.inputs[0]] if isinstance(e, NonFiniteWeightsError) and e.inputs else None
 
 
-def _shutdown_lanes(run: Run) -> list[dict[str, Any]]:
-    """Stop every node's lane services; one entry per service stopped (fits, evals, its node and log)."""
+def _shutdown_lanes(run: Run) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Stop every node's lane services: one entry per service stopped (fits, evals, its node and
+    log), and the shutdown calls' Flower message bytes each way (`fl_app.accounting.fleet_bytes`)."""
     msgs = [run.message(n, "query.shutdown", Call(**run.header)) for n in sorted(run.grid.get_node_ids())]
     seen = run.nodes
-    out = []
+    out, messages = [], {"down": 0, "up": 0}
     for reply in run.grid.send_and_receive(msgs, timeout=120):
         if reply.has_error():
             log(f"shutdown on node {reply.metadata.src_node_id} failed: {one_line(reply.error.reason or '')}")
-        elif (stopped := metrics_of(reply))["stopped"]:
+            continue
+        metrics = metrics_of(reply)
+        messages = add_counts(messages, message_bytes_in(metrics))
+        if metrics["stopped"]:
             node = int(reply.metadata.src_node_id)
+            stopped = {k: v for k, v in metrics.items() if not is_traffic_key(k)}
             out.append({"node": node, **stopped, **seen.seen.get(node, {})})
-    return out
+    return out, messages

@@ -133,6 +133,8 @@ def test_each_round_accounts_its_bytes_per_client_and_member_and_its_phases(two_
         assert sorted(r["per_client"]) == sorted(str(c) for c in r["clients"])
         for c in r["per_client"].values():
             assert c["bytes_down"] == {"actor": model} and c["bytes_up"] == {"actor": model}
+            # the Flower messages that carried them: the arrays, the call's record, the metrics
+            assert all(model < n < model + 2**16 for n in c["message_bytes"].values()), c["message_bytes"]
             assert all(c["phases"][p] > 0 for p in ("transport", "load", "rollout", "scoring", "update", "export"))
             assert sum(c["phases"].values()) < c["serve_s"]
         val = Manifest.from_dir(rd.member_dir(r["round"])).tensor_bytes
@@ -141,6 +143,9 @@ def test_each_round_accounts_its_bytes_per_client_and_member_and_its_phases(two_
         assert all(ph[p] > 0 for p in ("dispatch", "aggregation", "validation", "rollout", "update"))
         assert ph["other"] >= 0 and sum(ph.values()) == pytest.approx(r["wall_s"])
     assert rows[0]["bytes_up"] == {"actor": Manifest.from_dir(rd.member_dir(0)).tensor_bytes}
+    summary = json.loads((two_rounds / "summary.json").read_text())
+    shutdown = [summary["message_bytes"][w] - sum(r["message_bytes"][w] for r in rows) for w in ("down", "up")]
+    assert summary["first_round"] == 0 and all(0 < n < 2**16 for n in shutdown), shutdown  # + the shutdown calls
     board = events(two_rounds / "tb")
     assert [board[("val_success", r["round"])] for r in rows] == pytest.approx([r["val_success"] for r in rows])
     assert report([str(two_rounds), "--out", str(tmp_path)]) == 0
