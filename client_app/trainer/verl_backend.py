@@ -192,11 +192,11 @@ def adapters_at_build(member: str | None, cfg: Config) -> Iterator[None]:
         adapt(module, member, cfg.federation.lora, cfg.run.seed)
         return module
 
-    FSDPEngine._build_module = build_adapted
+    FSDPEngine._build_module = build_adapted  # type: ignore[method-assign]
     try:
         yield
     finally:
-        FSDPEngine._build_module = original
+        FSDPEngine._build_module = original  # type: ignore[method-assign]
 
 
 def isolate_from_outer_ray() -> None:

@@ -631,7 +631,9 @@ def lora_pair(env_url, model_dir, tmp_path_factory):  # noqa: F811
         for kind in ("builtin-cpu-fp32-lora", "verl-lora")
     ]
     gen = torch.Generator().manual_seed(9)
-    state = {m: {k: 0.05 * torch.randn(v.shape, generator=gen) for k, v in w.items()} for m, w in _state(made[0]).items()}
+    state = {
+        m: {k: 0.05 * torch.randn(v.shape, generator=gen) for k, v in w.items()} for m, w in _state(made[0]).items()
+    }
     for t in made:
         _load(t, state)
     try:
@@ -786,7 +788,11 @@ def test_verl_lora_fit_steps_only_b_and_the_value_head(lora_pair, env_url, model
 
     for member, fsdp in zip(modules, (engine.engine, engine.critic.engine)):
         trained = [p for _, p in engine.parameters(member)]
-        assert len(trained) == len(verl.export_weights(member)) == sum(len(g["params"]) for g in fsdp.optimizer.param_groups)
+        assert (
+            len(trained)
+            == len(verl.export_weights(member))
+            == sum(len(g["params"]) for g in fsdp.optimizer.param_groups)
+        )
     start = _state(verl)
     base = {m: frozen(module) for m, module in modules.items()}
     a = {m: {n: layer.lora_A.clone() for n, layer in adapter_layers(module)} for m, module in modules.items()}
