@@ -748,7 +748,8 @@ def test_engines_take_the_same_critic_steps(request, pairing):
 def test_lora_engines_hold_the_same_adapters_and_either_s_b_merges_alike_in_the_other(lora_pair):
     """Same members and names, the same A bits on every adapted layer, the same base digest;
     B exported by either engine loads into the other and merges to the same bits (W + s B A,
-    the weights a vLLM rollout is synced), and both score rows alike with it (1e-5)."""
+    the weights a vLLM rollout is synced), and both score rows alike with it (1e-5), also as the
+    reference of `algo.ref_anchor: round`."""
     builtin, verl = lora_pair
     assert builtin.members == verl.members == ("actor", "critic")
     assert len(verl.base_sha256) == 64 and verl.base_sha256 == builtin.base_sha256
@@ -772,6 +773,21 @@ def test_lora_engines_hold_the_same_adapters_and_either_s_b_merges_alike_in_the_
         assert max(float((x - y).abs().max()) for x, y in zip(*scores)) < TOL
         reference = builtin.engine.score(rows, "reference")  # the plain base: B moves the policy off it
         assert max(float((x - y).abs().max()) for x, y in zip(scores[0], reference)) > 100 * TOL
+    # algo.ref_anchor: round copies the merged policy into each engine's plain reference
+    state = _state(builtin)
+    for t in lora_pair:
+        t.engine.begin_fit(reference_from_policy=True)
+        t.engine.end_fit()
+    policy, *references = [builtin.engine.score(rows, "policy")] + [
+        t.engine.score(rows, "reference") for t in lora_pair
+    ]
+    assert all(max(float((x - y).abs().max()) for x, y in zip(policy, ref)) < TOL for ref in references)
+    zeros = {k: torch.zeros_like(v) for k, v in state["actor"].items()}  # B = 0: the base again, bit for bit
+    for t in lora_pair:
+        t.load_weights(zeros)
+        t.engine.begin_fit(reference_from_policy=True)
+        t.engine.end_fit()
+        _load(t, state)
 
 
 @needs_verl
@@ -809,6 +825,29 @@ def test_verl_lora_fit_steps_only_b_and_the_value_head(lora_pair, env_url, model
         fresh.fit(call, tasks)
         assert not any(_changed(w, end[m]) for m, w in _state(fresh).items())
     _load(verl, start)
+
+
+@needs_verl
+def test_a_warm_started_base_digests_alike_on_both_engines_and_unlike_the_model_dir(model_dir, tmp_path):  # noqa: F811
+    """`model.init_from` under lora is the frozen base on verl as on builtin: the policy with
+    B = 0 is exactly the warm start, both engines give it one digest, and it is not the model
+    directory's (so a lane on the other base is refused by the service's digest check)."""
+    from client_app.models import hf_parameters
+
+    gen = torch.Generator().manual_seed(4)
+    warm = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in hf_parameters(model_dir).items()}
+    save_shards(warm, tmp_path / "warm", 1 << 20, durable=False)
+    digests = []
+    for kind, start in (("builtin-cpu-fp32-lora", True), ("verl-lora", True), ("verl-lora", False)):
+        cfg = _config(kind, model_dir)
+        if start:
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": str(tmp_path / "warm")})})
+        with closing(RLTrainer(cfg, make_engine(cfg, model_dir), model_dir, None)) as t:
+            digests.append(t.base_sha256)
+            if start:
+                policy = dict(t.engine.policy_tensors())
+                assert all(torch.equal(policy[k].cpu(), w) for k, w in warm.items()), kind
+    assert len(digests[0]) == 64 and digests[0] == digests[1] != digests[2]
 
 
 @needs_verl
