@@ -76,6 +76,7 @@ ENGINES = [
     pytest.param("builtin-cuda-bf16+compile", marks=[pytest.mark.gpu, _no_cuda]),  # what GPU recipes run
     pytest.param("builtin-cuda-autocast", marks=[pytest.mark.gpu, _no_cuda]),  # the former GPU mode
     pytest.param("verl-cuda", marks=[pytest.mark.gpu, _no_cuda, _no_verl]),
+    pytest.param("verl-cuda-lora", marks=[pytest.mark.gpu, _no_cuda, _no_verl]),
 ]
 LORA_KIND = "-lora"
 # (rtol, atol) of gradients, log-probs and repeated fits: fp32, and bf16 compute (CUDA's default)
