@@ -601,8 +601,10 @@ class FederationCfg(_Strict):
         "critic's value head (ppo) is trained whole. A member's global model IS its B matrices (+ the value "
         "head), fp32, through the same channel, aggregators and server optimizers: with A fixed, the mean of the "
         "clients' products B_i A is exactly (mean B_i) A, which averaging both factors would not give. Every "
-        "round records the frozen base's digest (`base_sha256`), and a node whose base differs is refused; "
-        "builtin engine only. PPO's critic follows the mode in each case.",
+        "round records the frozen base's digest (`base_sha256`), and a node whose base differs is refused. "
+        "Both engines train the same adapters (same names, same A bits, same base digest: a lane of either "
+        "engine loads the other's B); on `backend: verl` a vLLM rollout is synced the merged weights W + s B A "
+        "(docs/verl.md). PPO's critic follows the mode in each case.",
     )
     lora: LoraCfg = Field(default_factory=LoraCfg, description="`update: lora` only: its adapters.")
     aggregator: Aggregator = Field(
@@ -1131,17 +1133,12 @@ class Config(_Strict):
         return self
 
     def _check_update(self) -> None:
-        """Fail closed on LoRA knobs without LoRA, and on LoRA where the engine has no path for it."""
+        """Fail closed on LoRA knobs without LoRA (both engines train adapters)."""
         f = self.federation
         if f.update != "lora" and f.lora != LoraCfg():
             raise ValueError(
                 f"federation.lora sets adapter keys, and federation.update={f.update!r} trains no adapters; "
                 "remove them or set federation.update=lora"
-            )
-        if f.update == "lora" and self.backend != "builtin":
-            raise ValueError(
-                f"federation.update=lora runs on the builtin engine only (backend={self.backend!r} has no "
-                "adapter path here yet): set backend: builtin, or federation.update: full"
             )
 
     def _check_aggregator(self) -> None:

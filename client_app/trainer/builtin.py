@@ -44,7 +44,7 @@ from client_app.trainer.compute import (
 )
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
 from client_app.trainer.engine import Batch, LossSpec, PolicyBatch, Role, StepResult, ValueBatch, micro_batches
-from client_app.trainer.lora import add_adapters, base_digest, merged_tensors
+from client_app.trainer.lora import adapt, base_digest, merged_tensors
 from client_app.trainer.weight_check import check_loadable
 from fl_app.config import Config
 from fl_app.weights import load_shards
@@ -129,9 +129,7 @@ class BuiltinEngine:
         if self.critic is not None:
             models["critic"] = self.critic
         for member, model in models.items():
-            add_adapters(model, member, lora.target_modules, lora.rank, lora.alpha, self.cfg.run.seed)
-            if member == "critic":
-                model.score.requires_grad_(True)  # a fresh value head: trained whole (PEFT's modules_to_save)
+            adapt(model, member, lora, self.cfg.run.seed)
             self._members[member] = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.params = self._members["actor"]
         digest = base_digest(models)

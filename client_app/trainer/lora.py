@@ -1,5 +1,6 @@
 """LoRA adapters with a fixed, seeded A (FFA-LoRA, Sun et al. 2024, arXiv 2403.12313), for
-`federation.update: lora` on the builtin engine.
+`federation.update: lora` on both engines (builtin: on its torch models; verl: put on the
+Hugging Face module before verl's FSDP2 wraps it, `verl_backend.adapters_at_build`).
 
 Each target linear W (out x in) computes W x + s B A x with s = alpha / rank. A (rank x in) is
 a buffer drawn from a generator seeded by (run seed, member, tensor name): every node draws the
@@ -15,7 +16,9 @@ initialiser and prefixes every name (`base_model.model.`), where we need A out o
 dict and optimizer by construction, drawn from our seed, and the base's names unchanged (the
 reference copy, the critic's backbone and a vLLM sync address the model by its Hugging Face
 names). The layer subclasses `torch.nn.Linear` and shares the base's weight and bias objects, so
-`q_proj.weight` stays `q_proj.weight` and the adapter adds `q_proj.lora_B`.
+`q_proj.weight` stays `q_proj.weight` and the adapter adds `q_proj.lora_B`. The readers below
+(`merged_tensors`, `base_digest`) take a parameter whole, also where FSDP2 holds it as a
+DTensor (the verl engine), so both engines merge and digest with the same arithmetic.
 """
 
 from __future__ import annotations
@@ -27,8 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from client_app.rollout import derive_seed
+from fl_app.config import LoraCfg
 
 LORA_B = "lora_B"
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """`t` detached and whole: a DTensor (an FSDP2 parameter) gathered, any other tensor as is."""
+    t = t.detach()
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
 
 
 class LoraLinear(torch.nn.Linear):
@@ -55,7 +66,8 @@ class LoraLinear(torch.nn.Linear):
     def merged_weight(self) -> torch.Tensor:
         """W + s B A in fp32: the weight this layer computes with (a vLLM sync, the reference
         of `algo.ref_anchor: round`, the tests' float64 reference in their own dtype)."""
-        return self.weight.detach() + self.scale * (self.lora_B.detach() @ self.lora_A.to(self.lora_B.dtype))
+        b = _whole(self.lora_B)
+        return _whole(self.weight) + self.scale * (b @ self.lora_A.to(b.dtype))
 
 
 def fixed_a(seed: int, member: str, name: str, rank: int, in_features: int) -> torch.Tensor:
@@ -93,6 +105,15 @@ def add_adapters(
     return found
 
 
+def adapt(model: torch.nn.Module, member: str, lora: LoraCfg, seed: int) -> None:
+    """`member`'s adapters on `model` over its frozen weights, as every engine puts them: the
+    B matrices trained, and the critic's value head (a fresh head the base has no weights for)
+    trained whole (PEFT's modules_to_save)."""
+    add_adapters(model, member, lora.target_modules, lora.rank, lora.alpha, seed)
+    if member == "critic":
+        model.get_submodule("score").requires_grad_(True)
+
+
 def adapter_layers(model: torch.nn.Module) -> Iterator[tuple[str, LoraLinear]]:
     """Every adapted layer of `model`, by module name."""
     for name, module in model.named_modules():
@@ -107,7 +128,7 @@ def merged_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     for name, p in model.named_parameters():
         if name.endswith(f".{LORA_B}"):
             continue
-        yield name, (merged[name].merged_weight() if name in merged else p.detach())
+        yield name, (merged[name].merged_weight() if name in merged else _whole(p))
 
 
 def base_digest(models: dict[str, torch.nn.Module]) -> str:
@@ -119,7 +140,7 @@ def base_digest(models: dict[str, torch.nn.Module]) -> str:
         for name, p in model.named_parameters():
             if p.requires_grad:
                 continue
-            t = p.detach().to("cpu").contiguous()
+            t = _whole(p).to("cpu").contiguous()
             h.update(f"{member}/{name}:{t.dtype}:{tuple(t.shape)};".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -24,7 +24,8 @@ n rollouts of a task no field that tells them apart, so sampling uses the replic
 (the first prompt; every reply, with the observation glue between them masked 0) scored with
 the training score (env return minus the invalid-action penalty). A windowed episode is several
 sequences, which one `AgentLoopOutput` cannot carry: `rollout.mode: windowed` is refused.
-A gigpo recipe is refused: verl's trainer has no step-level estimator to hand the anchors to.
+A gigpo recipe is refused: verl's trainer has no step-level estimator to hand the anchors to; so
+is a `federation.update: lora` one: verl's trainer would train the full model, not our adapters.
 verl gives `run` no sign of a validation pass, so its validation scores carry the penalty too;
 the unpenalised return and the outcome are in `extra_fields` (`env_reward`, `won`, `outcome`).
 """
@@ -121,6 +122,13 @@ class FedAgentEnvLoop(AgentLoopBase):
                 "action's anchor state and reward, and verl's own trainer scores one sequence per "
                 "episode with its own estimator (verl 0.9.1 has no GiGPO); train gigpo with this "
                 "project's fit loop (backend: builtin or verl)"
+            )
+        if cfg.federation.update == "lora":
+            raise ValueError(
+                f"recipe {recipe!r} has federation.update='lora': our adapters (fixed A, B federated) are "
+                "trained by this project's fit loop (backend: builtin or verl), and verl's own trainer would "
+                "silently train every weight; remove federation.update here, or use verl's own LoRA "
+                "(actor_rollout_ref.model.lora_rank)"
             )
         if cfg.rollout.mode != "concat":
             raise ValueError(

@@ -34,6 +34,14 @@ on is exactly the row it trains on) with one of two generators: `verl.rollout_en
 batched Hugging Face `generate` on the engine's own FSDP2 module; `vllm` (GPU), an in-process
 vLLM engine woken with the engine's full tensors before each rollout and asleep otherwise
 (`vllm_rollout.py`).
+
+`federation.update: lora`: the builtin engine's adapters (`lora.py`, the same layers, names and
+A bits), put on the Hugging Face module of the actor and the critic before verl wraps it in FSDP2
+(`adapters_at_build`), so verl's engine shards, steps and exports them as its own parameters:
+its optimizer holds only B (+ the critic's value head), the exchanged members are those, the
+starting weights load into the frozen base, and `base_sha256` is `lora.base_digest` of the same
+tensors as builtin's. The reference stays the plain model; the vLLM rollout is synced the merged
+weights W + s B A (`lora.merged_tensors`), the hf rollout computes with the adapters in place.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from client_app.trainer import verl_config, verl_head
 from client_app.trainer.compute import compile_models
 from client_app.trainer.device import avoid_cudnn_attention, cuda_autocast, release_memory, resolve_device
 from client_app.trainer.engine import Batch, LossSpec, PolicyBatch, Role, StepResult, ValueBatch, micro_batches
+from client_app.trainer.lora import LORA_B, adapt, base_digest, merged_tensors
 from client_app.trainer.losses import loss_specs
 from client_app.trainer.verl_cpu import arm_cpu
 from client_app.trainer.verl_rows import no_padding_batch
@@ -163,6 +172,33 @@ def _check_value_model(module: torch.nn.Module, flash: bool) -> None:
         )
 
 
+@contextlib.contextmanager
+def adapters_at_build(member: str | None, cfg: Config) -> Iterator[None]:
+    """While a verl worker is built: `member`'s LoRA adapters (`lora.adapt`) go on the Hugging
+    Face module verl loads, after verl's own build steps and before FSDP2 wraps it, so verl
+    shards the adapters with the layer they belong to and builds its optimizer over the
+    parameters that still train. verl's own LoRA path (`model.lora_rank`) is PEFT's, with a
+    trained, differently drawn A and prefixed names: not ours. Restored on exit; `member` None
+    (full weights, or the reference) builds verl's module unchanged."""
+    if member is None:
+        yield
+        return
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    original = FSDPEngine._build_module
+
+    def build_adapted(engine: Any) -> torch.nn.Module:
+        module = original(engine)
+        adapt(module, member, cfg.federation.lora, cfg.run.seed)
+        return module
+
+    FSDPEngine._build_module = build_adapted  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FSDPEngine._build_module = original  # type: ignore[method-assign]
+
+
 def isolate_from_outer_ray() -> None:
     """The verl backend never joins a Ray cluster it did not start (Flower's simulation runs
     on one): an inherited RAY_ADDRESS is dropped before verl is imported."""
@@ -177,7 +213,7 @@ class VerlEngine:
     critic)."""
 
     critic_start: CriticStart | None = None  # set when the algorithm trains a critic
-    base_sha256 = ""  # full weights only: the config refuses federation.update: lora with verl
+    base_sha256 = ""  # federation.update: lora: the frozen base's digest (`lora.base_digest`)
     # verl's own choice for the reference: a forward-only engine under FSDP2's pinned CPU offload,
     # whose weights then cross to the GPU for every micro-batch it scores. Off (ours), the
     # reference is a training engine that never steps (its AdamW makes state only at a step),
@@ -209,10 +245,12 @@ class VerlEngine:
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.utils.losses import ppo_loss
 
+        lora = cfg.federation.update == "lora"
         model_config = omega_conf_to_dataclass(self.verl_cfg.actor_rollout_ref.model)
         self.actor_config = omega_conf_to_dataclass(self.verl_cfg.actor_rollout_ref.actor)
         self.actor_config.model_config = model_config
-        self.actor = self._worker(self.actor_config, model_config, forward_only=False)
+        with adapters_at_build("actor" if lora else None, cfg):
+            self.actor = self._worker(self.actor_config, model_config, forward_only=False)
         self.loss_fn = partial(ppo_loss, config=self.actor_config)
         self.actor.set_loss_fn(self.loss_fn)
         self.engine = self.actor.engine
@@ -225,7 +263,7 @@ class VerlEngine:
             self.critic_start = resolve_start_critic(cfg.model.init_from, cfg.algo.critic.path)
             critic_config = omega_conf_to_dataclass(self.verl_cfg.critic)
             flash = verl_config.has_flash_attn(self.device.type)
-            with value_model_attention(flash):
+            with value_model_attention(flash), adapters_at_build("critic" if lora else None, cfg):
                 self.critic = self._worker(
                     critic_config,
                     critic_config.model,
@@ -251,7 +289,11 @@ class VerlEngine:
                 "backend=verl with rollout.engine=hf needs them equal (verl scores over every "
                 "row). Use backend: builtin for this model, or rollout.engine: vllm on a GPU"
             )
-        self._names = {"actor": [n for n, _ in self.engine.module.named_parameters()]}
+        # the exchanged weights (all, or the adapters' B + the value head) and the plain model's
+        # (what a starting checkpoint and a fresh critic load into: under lora, the frozen base)
+        self._names: dict[str, list[str]] = {}
+        self._plain: dict[str, list[str]] = {}
+        self._name_member("actor")
         if self.ref is not None and reference_path is not None and Path(reference_path) != self.model_path:
             from client_app.models import hf_parameters  # model.reference: backbone under a warm start
 
@@ -259,11 +301,11 @@ class VerlEngine:
         if cfg.model.init_from:
             self._load_start(cfg.model.init_from, "actor")
         if self.critic is not None and self.critic_start is not None:
-            self._names["critic"] = [n for n, _ in self.critic.engine.module.named_parameters()]
+            self._name_member("critic")
             if self.critic_start.path:
                 self._load_start(self.critic_start.path, "critic")
             else:
-                self.load_weights(self._fresh_critic(), "critic")
+                self._load_plain(self._fresh_critic(), "critic")
             log.info(
                 "critic: %s (%s)%s",
                 self.critic_start.mode,
@@ -271,6 +313,39 @@ class VerlEngine:
                 f" from {self.critic_start.path}" if self.critic_start.path else "",
             )
         self.pad_id = self.tokenizer.pad_token_id
+        if lora:
+            self.base_sha256 = self._base_digest()
+
+    def _name_member(self, member: str) -> None:
+        """`member`'s exchanged and plain parameter names, and its optimizer cut to the first:
+        verl builds the critic's over every parameter, frozen ones included (the actor's,
+        `verl_head.LocalShards`, takes only trained ones already)."""
+        engine = self._engine_of(member)
+        params = list(engine.module.named_parameters())
+        self._names[member] = [n for n, p in params if p.requires_grad]
+        self._plain[member] = [n for n, _ in params if not n.endswith(f".{LORA_B}")]
+        if self.cfg.federation.update != "lora":
+            return
+        frozen = {id(p) for _, p in params if not p.requires_grad}
+        for group in engine.optimizer.param_groups:  # the same optimizer object: verl's checkpoint manager holds it
+            group["params"] = [p for p in group["params"] if id(p) not in frozen]
+        stepped = sum(len(g["params"]) for g in engine.optimizer.param_groups)
+        if stepped != len(self._names[member]):
+            raise RuntimeError(
+                f"the verl {member} optimizer steps {stepped} tensors, not the {len(self._names[member])} "
+                "trained ones (the adapters' B, and the critic's value head): the frozen base would move"
+            )
+
+    def _base_digest(self) -> str:
+        """`lora.base_digest` of every member's frozen tensors, gathered whole from the shards:
+        the builtin engine's digest of the same base."""
+        modules = {member: self._engine_of(member).module for member in self._names}
+        for module in modules.values():
+            _reshard(module)
+        digest = base_digest(modules)
+        lora = self.cfg.federation.lora
+        log.info("lora: rank %d on %s; base %s", lora.rank, lora.target_modules, digest)
+        return digest
 
     def _worker(
         self,
@@ -318,6 +393,9 @@ class VerlEngine:
     def _engine(self, member: str) -> Any:
         if member not in self._names:
             raise KeyError(f"this trainer has no {member!r} weights; its members are {list(self._names)}")
+        return self._engine_of(member)
+
+    def _engine_of(self, member: str) -> Any:
         return self.engine if member == "actor" else self._critic().engine
 
     def _critic(self) -> Any:
@@ -327,23 +405,29 @@ class VerlEngine:
 
     def _load_start(self, weights_dir: str, member: str) -> None:
         try:
-            self.load_weights(load_shards(Path(weights_dir).expanduser()), member)
+            self._load_plain(load_shards(Path(weights_dir).expanduser()), member)
         except (KeyError, ValueError, TypeError) as e:
             what = "model.init_from" if member == "actor" else "the starting critic"
             raise ValueError(f"{what} ({weights_dir}) does not fit model.path={self.cfg.model.path!r}: {e}") from None
 
     def _fresh_critic(self) -> dict[str, torch.Tensor]:
-        """The policy's current backbone under a value head seeded as builtin seeds it
-        (`client_app.critic.seeded_value_head`): the same fresh critic on both engines."""
-        actor = self.export_weights("actor")
+        """The policy's current backbone (under lora: its frozen base) under a value head seeded
+        as builtin seeds it (`client_app.critic.seeded_value_head`): the same fresh critic on
+        both engines."""
+        actor = _export(self.engine, self._plain["actor"])
         critic = self._critic().engine
         shape = tuple(dict(critic.module.named_parameters())["score.weight"].shape)
         head = seeded_value_head(shape, critic.model_config.hf_config, derive_seed("value-head", self.cfg.run.seed))
-        return {n: head[n] if n in head else actor[n] for n in self._names["critic"]}
+        return {n: head[n] if n in head else actor[n] for n in self._plain["critic"]}
+
+    def _load_plain(self, state: Mapping[str, torch.Tensor], member: str) -> None:
+        """A plain model's weights (a starting checkpoint, a fresh critic) into `member`: under
+        lora its frozen base (+ the critic's head), the adapters left as they are."""
+        _inject(self._engine(member).module, state, member, self._plain[member])
 
     @torch.no_grad()
     def load_weights(self, state: Mapping[str, torch.Tensor], member: str = "actor") -> None:
-        _inject(self._engine(member).module, state, member)
+        _inject(self._engine(member).module, state, member, self._names[member])
 
     def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
         """fp32 full tensors straight from the engine (`get_per_tensor_param`), detached CPU
@@ -360,16 +444,20 @@ class VerlEngine:
         return self.engine.module.eval()
 
     def policy_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """(name, fp32 full tensor) pairs, lazily: verl's own under full weights; under lora the
+        plain model's, each adapted weight merged (W + s B A, `lora.merged_tensors`, builtin's)."""
         _reshard(self.engine.module)
-        weights, _peft = self.engine.get_per_tensor_param()  # (name, fp32 full tensor) pairs, lazily
+        if self.cfg.federation.update == "lora":
+            return merged_tensors(self.engine.module)
+        weights, _peft = self.engine.get_per_tensor_param()
         return weights
 
     def parameters(self, member: str = "actor") -> Iterable[tuple[str, torch.nn.Parameter]]:
         """The sharded fp32 masters the optimizer steps (a unit left gathered by a rollout would
-        name its gathered copies instead)."""
+        name its gathered copies instead): the exchanged ones."""
         module = self._engine(member).module
         _reshard(module)
-        return module.named_parameters()
+        return ((n, p) for n, p in module.named_parameters() if p.requires_grad)
 
     # ------------------------------------------------------------------ fit bracket
 
@@ -397,7 +485,13 @@ class VerlEngine:
             engine.lr_scheduler = get_constant_schedule_with_warmup(optimizer=optimizer, num_warmup_steps=0)
             engine.checkpoint_manager.lr_scheduler = engine.lr_scheduler
         if reference_from_policy and self.ref is not None:
-            _inject(self.ref.engine.module, self.export_weights(), "actor")
+            _inject(self.ref.engine.module, self._plain_policy(), "actor")
+
+    def _plain_policy(self) -> dict[str, torch.Tensor]:
+        """The policy as a plain model: its weights, or under lora the adapters merged in."""
+        if self.cfg.federation.update == "lora":
+            return dict(self.policy_tensors())
+        return self.export_weights()
 
     def end_fit(self) -> None:
         for engine, _ in self._trained_engines():
@@ -534,15 +628,21 @@ def load_causal_lm_tokenizer(path: Path) -> Any:
     return tokenizer
 
 
-def _inject(module: torch.nn.Module, state: Mapping[str, torch.Tensor], member: str) -> None:
-    """Copy a full fp32 state dict of `member`'s architecture into an FSDP2 module in place
-    (set_model_state_dict; a tied LM head follows its embedding)."""
+def _inject(
+    module: torch.nn.Module, state: Mapping[str, torch.Tensor], member: str, names: Sequence[str] | None = None
+) -> None:
+    """Copy full fp32 tensors of `member`'s architecture into an FSDP2 module in place
+    (set_model_state_dict; a tied LM head follows its embedding): every parameter, or exactly
+    `names` (the adapters, or a plain model's under them), the others left as they are."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    check_loadable(state, {n: tuple(p.shape) for n, p in module.named_parameters()}, member)
+    wanted = None if names is None else set(names)
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters() if wanted is None or n in wanted}
+    check_loadable(state, shapes, member)
     full: dict[str, Any] = dict(state)
     for key, alias in _tied_aliases(module).items():
-        full[key] = full[alias]
+        if alias in full:
+            full[key] = full[alias]
     _reshard(module)  # into the shards (gathered copies are plain tensors, not DTensors)
     set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, strict=True))
 

@@ -149,11 +149,9 @@ def test_a_server_optimizer_takes_only_its_own_knobs_and_fedadam_needs_a_learnin
     assert load_config("tiny-shop-grpo").federation.server_lr == 1.0  # sgd: FedAvg
 
 
-def test_lora_runs_on_the_builtin_engine_and_its_knobs_need_it():
-    """Fail closed at recipe load: verl has no adapter path here, and adapter knobs under
-    `update: full` would silently do nothing."""
-    with pytest.raises(ConfigError, match=r"federation.update=lora runs on the builtin engine only.*backend='verl'"):
-        load_config("tiny-shop-grpo-lora", dotlist=["backend=verl"])
+def test_lora_runs_on_both_engines_and_its_knobs_need_it():
+    """Fail closed at recipe load: adapter knobs under `update: full` would silently do nothing."""
+    assert load_config("tiny-shop-grpo-lora", dotlist=["backend=verl"]).federation.update == "lora"
     with pytest.raises(ConfigError, match=r"federation.lora sets adapter keys.*update='full'"):
         load_config("tiny-shop-grpo", dotlist=["federation.lora.rank=4"])
     cfg = load_config("tiny-shop-grpo", dotlist=["federation.update=lora", "federation.lora.rank=2"])

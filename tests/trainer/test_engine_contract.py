@@ -14,7 +14,9 @@ properties, and the two engines held to each other:
   * a GiGPO fit gets step-level advantages from the rows' actions, in both rollout modes;
   * host memory is flat across fits (invariant 24);
   * builtin and verl score rows, take policy and critic steps and start critics alike (1e-5),
-    for every loss aggregation mode and KL estimator the recipe can select.
+    for every loss aggregation mode and KL estimator the recipe can select;
+  * under `federation.update: lora` both engines hold the same adapters (names, A bits, base
+    digest), take the same steps on B, and either's B merges to the same bits in the other.
 
 Real env service, real random-weight Qwen2 policies, real engines; nothing mocked.
 """
@@ -50,6 +52,7 @@ from client_app.trainer.base import ClientTasks
 from client_app.trainer.compute import resolve_precision
 from client_app.trainer.engine import PolicyBatch, ValueBatch
 from client_app.trainer.loop import RLTrainer, critic_pass, policy_pass
+from client_app.trainer.lora import adapter_layers
 from fl_app.calls import EvalCall, FitCall
 from fl_app.config import Config
 from fl_app.weights import save_shards
@@ -68,10 +71,12 @@ ENGINES = [
     # slow-marked; tests/trainer/test_compute.py holds compiled layers to eager ones in the default run
     pytest.param("builtin-cpu-fp32+compile", marks=pytest.mark.slow),
     pytest.param("verl", marks=_no_verl),
+    pytest.param("verl-lora", marks=_no_verl),  # the same adapters on verl's FSDP2 engine
     pytest.param("builtin-cuda", marks=[pytest.mark.gpu, _no_cuda]),
     pytest.param("builtin-cuda-bf16+compile", marks=[pytest.mark.gpu, _no_cuda]),  # what GPU recipes run
     pytest.param("builtin-cuda-autocast", marks=[pytest.mark.gpu, _no_cuda]),  # the former GPU mode
     pytest.param("verl-cuda", marks=[pytest.mark.gpu, _no_cuda, _no_verl]),
+    pytest.param("verl-cuda-lora", marks=[pytest.mark.gpu, _no_cuda, _no_verl]),
 ]
 LORA_KIND = "-lora"
 # (rtol, atol) of gradients, log-probs and repeated fits: fp32, and bf16 compute (CUDA's default)
@@ -616,6 +621,29 @@ def pair(env_url, model_dir, tmp_path_factory):  # noqa: F811
             t.close()
 
 
+@pytest.fixture(scope="module")
+def lora_pair(env_url, model_dir, tmp_path_factory):  # noqa: F811
+    """A builtin and a verl PPO trainer under `federation.update: lora` on the same policy and
+    config, both holding the same random B (and value head): adapters that move the model."""
+    if not HAS_VERL:
+        pytest.skip("verl not installed")
+    made = [
+        build(kind, model_dir, env_url, tmp_path_factory.mktemp("run"), algo=PPO)
+        for kind in ("builtin-cpu-fp32-lora", "verl-lora")
+    ]
+    gen = torch.Generator().manual_seed(9)
+    state = {
+        m: {k: 0.05 * torch.randn(v.shape, generator=gen) for k, v in w.items()} for m, w in _state(made[0]).items()
+    }
+    for t in made:
+        _load(t, state)
+    try:
+        yield tuple(made)
+    finally:
+        for t in made:
+            t.close()
+
+
 def _policy_pass_pair(
     pair: tuple[RLTrainer, RLTrainer], rows, advantages, seed: int, mu: float = 0.0
 ) -> list[tuple[dict[str, torch.Tensor], dict[str, float]]]:
@@ -663,10 +691,13 @@ def test_fresh_critics_and_row_scores_are_the_same_on_both_engines(pair):
 
 
 @needs_verl
+@pytest.mark.parametrize("pairing", ["pair", "lora_pair"])
 @pytest.mark.parametrize("mode,mu", [("windowed", 0.0), ("windowed", 0.3), ("concat", 0.0)])
-def test_engines_take_the_same_policy_steps(pair, mode, mu):
+def test_engines_take_the_same_policy_steps(request, pairing, mode, mu):
     """Several mini-batches (one ragged), micro-batching, KL, entropy, temperature 0.7, FedProx,
-    and concat rows (observation glue masked mid-response): the same weights within 1e-5."""
+    and concat rows (observation glue masked mid-response): the same weights within 1e-5 (the
+    full model, or under lora the adapters' B)."""
+    pair = request.getfixturevalue(pairing)
     builtin = pair[0]
     saved = builtin.rollouts.settings
     builtin.rollouts.settings = dataclasses.replace(saved, mode=mode)
@@ -690,8 +721,9 @@ def test_engines_take_the_same_policy_steps(pair, mode, mu):
 
 
 @needs_verl
-def test_engines_take_the_same_critic_steps(pair):
-    builtin, verl = pair
+@pytest.mark.parametrize("pairing", ["pair", "lora_pair"])
+def test_engines_take_the_same_critic_steps(request, pairing):
+    builtin, verl = pair = request.getfixturevalue(pairing)
     episodes, rows, _ = scored_rows(builtin, [0, 1, 2, 3], 1, seed=11)
     values = builtin.engine.score(rows, "critic")
     _, returns = ADVANTAGES["gae"](episodes, rows, values, builtin.cfg.algo)
@@ -711,6 +743,112 @@ def test_engines_take_the_same_critic_steps(pair):
     assert 0 < metrics[0]["critic_clipfrac"] < 1
     assert _max_diff(ends[0], start) > 100 * TOL and _max_diff(ends[0], ends[1]) < TOL
     assert metrics[1]["critic_loss"] == pytest.approx(metrics[0]["critic_loss"], rel=1e-4)
+
+
+@needs_verl
+def test_lora_engines_hold_the_same_adapters_and_either_s_b_merges_alike_in_the_other(lora_pair):
+    """Same members and names, the same A bits on every adapted layer, the same base digest;
+    B exported by either engine loads into the other and merges to the same bits (W + s B A,
+    the weights a vLLM rollout is synced), and both score rows alike with it (1e-5), also as the
+    reference of `algo.ref_anchor: round`."""
+    builtin, verl = lora_pair
+    assert builtin.members == verl.members == ("actor", "critic")
+    assert len(verl.base_sha256) == 64 and verl.base_sha256 == builtin.base_sha256
+    models = {"actor": (builtin.engine.model, verl.engine.engine.module)}
+    models["critic"] = (builtin.engine.critic, verl.engine.critic.engine.module)
+    for member, (ours, theirs) in models.items():
+        a_ours, a_theirs = dict(adapter_layers(ours)), dict(adapter_layers(theirs))
+        assert a_ours.keys() == a_theirs.keys() and len(a_ours) == 7  # q k v o gate up down
+        assert all(torch.equal(a_ours[n].lora_A, a_theirs[n].lora_A) for n in a_ours), member
+        assert list(builtin.export_weights(member)) == list(verl.export_weights(member))
+    _, rows = play(builtin, [0, 1, 2], 2, seed=5)
+    gen = torch.Generator().manual_seed(31)
+    for source, target in ((verl, builtin), (builtin, verl)):
+        b = {k: 0.1 * torch.randn(v.shape, generator=gen) for k, v in source.export_weights().items()}
+        source.load_weights(b)
+        target.load_weights(source.export_weights())
+        merged = [dict(t.engine.policy_tensors()) for t in (source, target)]
+        assert merged[0].keys() == merged[1].keys() and not any(k.endswith("lora_B") for k in merged[0])
+        assert all(torch.equal(merged[0][k].cpu(), merged[1][k].cpu()) for k in merged[0])
+        scores = [t.engine.score(rows, "policy") for t in (source, target)]
+        assert max(float((x - y).abs().max()) for x, y in zip(*scores)) < TOL
+        reference = builtin.engine.score(rows, "reference")  # the plain base: B moves the policy off it
+        assert max(float((x - y).abs().max()) for x, y in zip(scores[0], reference)) > 100 * TOL
+    # algo.ref_anchor: round copies the merged policy into each engine's plain reference
+    state = _state(builtin)
+    for t in lora_pair:
+        t.engine.begin_fit(reference_from_policy=True)
+        t.engine.end_fit()
+    policy, *references = [builtin.engine.score(rows, "policy")] + [
+        t.engine.score(rows, "reference") for t in lora_pair
+    ]
+    assert all(max(float((x - y).abs().max()) for x, y in zip(policy, ref)) < TOL for ref in references)
+    zeros = {k: torch.zeros_like(v) for k, v in state["actor"].items()}  # B = 0: the base again, bit for bit
+    for t in lora_pair:
+        t.load_weights(zeros)
+        t.engine.begin_fit(reference_from_policy=True)
+        t.engine.end_fit()
+        _load(t, state)
+
+
+@needs_verl
+def test_verl_lora_fit_steps_only_b_and_the_value_head(lora_pair, env_url, model_dir):  # noqa: F811
+    """verl's optimizers hold exactly the exchanged tensors (B, + the critic's value head); a fit
+    moves them and leaves the frozen base and A bit for bit, and a freshly built verl lane (a
+    restarted node) given the same global fits to the same bits (resume stays exact)."""
+    _, verl = lora_pair
+    engine = verl.engine
+    modules = {"actor": engine.engine.module, "critic": engine.critic.engine.module}
+
+    def frozen(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {n: p.full_tensor().clone() for n, p in module.named_parameters() if not p.requires_grad}
+
+    for member, fsdp in zip(modules, (engine.engine, engine.critic.engine)):
+        trained = [p for _, p in engine.parameters(member)]
+        assert (
+            len(trained)
+            == len(verl.export_weights(member))
+            == sum(len(g["params"]) for g in fsdp.optimizer.param_groups)
+        )
+    start = _state(verl)
+    base = {m: frozen(module) for m, module in modules.items()}
+    a = {m: {n: layer.lora_A.clone() for n, layer in adapter_layers(module)} for m, module in modules.items()}
+    call, tasks = FitCall(round=2, client_id=1, local_epochs=1, seed=3, proximal_mu=0.01), ClientTasks(TRAIN_TASKS)
+    verl.fit(call, tasks)
+    end = _state(verl)
+    for member, module in modules.items():
+        assert _changed(end[member], start[member]), member
+        assert all(torch.equal(t, base[member][n]) for n, t in frozen(module).items()), member
+        assert all(torch.equal(layer.lora_A, a[member][n]) for n, layer in adapter_layers(module)), member
+    with closing(build("verl-lora", model_dir, env_url, algo=PPO)) as fresh:
+        assert fresh.base_sha256 == verl.base_sha256
+        _load(fresh, start)
+        fresh.fit(call, tasks)
+        assert not any(_changed(w, end[m]) for m, w in _state(fresh).items())
+    _load(verl, start)
+
+
+@needs_verl
+def test_a_warm_started_base_digests_alike_on_both_engines_and_unlike_the_model_dir(model_dir, tmp_path):  # noqa: F811
+    """`model.init_from` under lora is the frozen base on verl as on builtin: the policy with
+    B = 0 is exactly the warm start, both engines give it one digest, and it is not the model
+    directory's (so a lane on the other base is refused by the service's digest check)."""
+    from client_app.models import hf_parameters
+
+    gen = torch.Generator().manual_seed(4)
+    warm = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in hf_parameters(model_dir).items()}
+    save_shards(warm, tmp_path / "warm", 1 << 20, durable=False)
+    digests = []
+    for kind, start in (("builtin-cpu-fp32-lora", True), ("verl-lora", True), ("verl-lora", False)):
+        cfg = _config(kind, model_dir)
+        if start:
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": str(tmp_path / "warm")})})
+        with closing(RLTrainer(cfg, make_engine(cfg, model_dir), model_dir, None)) as t:
+            digests.append(t.base_sha256)
+            if start:
+                policy = dict(t.engine.policy_tensors())
+                assert all(torch.equal(policy[k].cpu(), w) for k, w in warm.items()), kind
+    assert len(digests[0]) == 64 and digests[0] == digests[1] != digests[2]
 
 
 @needs_verl

@@ -117,13 +117,15 @@ def test_episodes_play_against_a_real_env_service(env_url, model_dir, tmp_path):
     )
 
 
-def test_windowed_recipe_and_missing_env_are_refused(model_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_windowed_gigpo_or_lora_recipes_and_a_missing_env_are_refused(model_dir, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.delenv("FEDAGENT_ENV_URL", raising=False)
     server = StandInServer(model_dir)
     save_config(small_config(model_dir), tmp_path / "windowed.yaml")
     save_config(small_config(model_dir, rollout={"mode": "concat"}), tmp_path / "concat.yaml")
     gigpo = small_config(model_dir, rollout={"mode": "concat"}, algo={"name": "gigpo"})
     save_config(gigpo, tmp_path / "gigpo.yaml")
+    lora = small_config(model_dir, rollout={"mode": "concat"}, federation={"update": "lora"})
+    save_config(lora, tmp_path / "lora.yaml")
 
     async def build(recipe, **keys):
         return _loop(server, model_dir, recipe, **keys)
@@ -132,6 +134,7 @@ def test_windowed_recipe_and_missing_env_are_refused(model_dir, tmp_path, monkey
         (tmp_path / "windowed.yaml", {"env_url": "http://127.0.0.1:1"}, "concat mode"),
         (tmp_path / "concat.yaml", {}, "env_url"),
         (tmp_path / "gigpo.yaml", {"env_url": "http://127.0.0.1:1"}, "no GiGPO"),
+        (tmp_path / "lora.yaml", {"env_url": "http://127.0.0.1:1"}, "federation.update='lora'"),
         ("", {}, "needs `recipe`"),
     ):
         with pytest.raises(InstantiationException, match=message) as err:  # hydra wraps the constructor's error

@@ -5,20 +5,25 @@ The GPU tests (`pytest -m gpu tests/trainer/test_verl_vllm.py -k on_builtin`, th
 second process: vLLM's allocator serves one engine per process; vLLM 0.24 on a CUDA machine,
 verl 0.9.1 for the verl engine: docs/offline-gpu.md) build a real trainer with its in-process
 vLLM engine on a random-weight
-Qwen2 policy, for the builtin and the verl training engine, and check invariant 25 (asleep
-before every weight sync, refused otherwise), that a sync puts the training engine's current
-weights into vLLM (bf16 of the fp32 masters, bit for bit), and invariant 24 across fits. The CPU
+Qwen2 policy, for the builtin and the verl training engine (and verl under `federation.update:
+lora`, `-k on_verl_lora`, a third process), and check invariant 25 (asleep before every weight
+sync, refused otherwise), that a sync puts the training engine's current weights into vLLM
+(bf16 of the fp32 masters, bit for bit; under lora the merged W + s B A, to bf16's rounding),
+and invariant 24 across fits. The CPU
 tests check what fails before any engine exists."""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 from test_engine_contract import build
 from trainer_support import env_url, random_model_dir  # noqa: F401
 
+from client_app.models import hf_parameters
+from client_app.trainer.lora import LORA_B, fixed_a
 from fl_app.config import ConfigError, load_config
 
 
@@ -81,7 +86,7 @@ def test_a_failed_weight_sync_puts_the_engine_back_to_sleep():
 _VLLM_BUILT: list[str] = []
 
 
-@pytest.fixture(scope="module", params=["builtin", "verl"], ids=["on_builtin", "on_verl"])
+@pytest.fixture(scope="module", params=["builtin", "verl", "verl-lora"], ids=["on_builtin", "on_verl", "on_verl_lora"])
 def gpu_trainer(request, env_url, tmp_path_factory):  # noqa: F811
     if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
         pytest.skip("needs a CUDA device and vLLM")
@@ -90,13 +95,14 @@ def gpu_trainer(request, env_url, tmp_path_factory):  # noqa: F811
             f"this process already built a vLLM engine (on {_VLLM_BUILT[0]}); run the other training "
             f"engine's tests in a process of their own: pytest -m gpu {__file__} -k on_{request.param}"
         )
-    if request.param == "verl" and importlib.util.find_spec("verl") is None:
+    if request.param.startswith("verl") and importlib.util.find_spec("verl") is None:
         pytest.skip("needs verl")
     # head_dim 64: a size every vLLM attention backend takes
     model = random_model_dir(tmp_path_factory.mktemp("models") / "wide", hidden_size=256, layers=2, heads=4)
     _VLLM_BUILT.append(request.param)
+    backend, _, lora = request.param.partition("-")
     trainer = build(
-        f"{request.param}-cuda",
+        f"{backend}-cuda" + ("-lora" if lora else ""),
         model,
         env_url,
         tmp_path_factory.mktemp("run"),
@@ -104,6 +110,20 @@ def gpu_trainer(request, env_url, tmp_path_factory):  # noqa: F811
     )
     yield trainer
     trainer.close()
+
+
+def _plain(t, exchanged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain model the exchanged weights stand for: themselves, or under lora the model
+    directory's weights with s B A added, A drawn again here from its seed (not the engine's)."""
+    if t.cfg.federation.update != "lora":
+        return exchanged
+    lora = t.cfg.federation.lora
+    plain = hf_parameters(Path(t.cfg.model.path))
+    for name, b in exchanged.items():
+        w = name.removesuffix(f".{LORA_B}") + ".weight"
+        a = fixed_a(t.cfg.run.seed, "actor", w, lora.rank, plain[w].shape[1])
+        plain[w] = plain[w] + lora.alpha / lora.rank * (b @ a)
+    return plain
 
 
 @pytest.mark.gpu
@@ -136,7 +156,9 @@ def test_engine_is_asleep_outside_rollouts_and_a_sync_into_an_awake_engine_fails
 @pytest.mark.gpu
 def test_sync_puts_the_engines_current_weights_into_vllm(gpu_trainer):
     """After new global weights are loaded into the training engine, a sync makes vLLM's
-    weights the bf16 rounding of exactly those fp32 values (fused qkv / gate_up included)."""
+    weights the bf16 rounding of exactly those fp32 values (fused qkv / gate_up included);
+    under lora, of the merged W + s B A (computed on the GPU there, on the CPU here: to bf16's
+    rounding), well away from the base's."""
     t, gen = gpu_trainer, gpu_trainer.rollouts.generator
     base = t.export_weights()
     g = torch.Generator().manual_seed(3)
@@ -148,14 +170,25 @@ def test_sync_puts_the_engines_current_weights_into_vllm(gpu_trainer):
     finally:
         gen.sleep()
         t.load_weights(base)
-    bf16 = {k: v.to(torch.bfloat16).float() for k, v in new.items()}
+    lora = t.cfg.federation.update == "lora"
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> None:
+        if lora:  # one bf16 rounding step at most, where GPU and CPU fp32 sums round apart
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
+        else:
+            assert torch.equal(got, want)
+
+    bf16 = {k: v.to(torch.bfloat16).float() for k, v in _plain(t, new).items()}
     vocab = bf16["model.embed_tokens.weight"].shape[0]  # vLLM pads its embedding to a multiple of 64 rows
-    assert torch.equal(ours["model.embed_tokens.weight"][:vocab], bf16["model.embed_tokens.weight"])
-    assert torch.equal(ours["model.layers.1.mlp.down_proj.weight"], bf16["model.layers.1.mlp.down_proj.weight"])
+    same(ours["model.embed_tokens.weight"][:vocab], bf16["model.embed_tokens.weight"])
+    same(ours["model.layers.1.mlp.down_proj.weight"], bf16["model.layers.1.mlp.down_proj.weight"])
     qkv = torch.cat([bf16[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
-    assert torch.equal(ours["model.layers.0.self_attn.qkv_proj.weight"], qkv)
+    same(ours["model.layers.0.self_attn.qkv_proj.weight"], qkv)
     gate_up = torch.cat([bf16[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")])
-    assert torch.equal(ours["model.layers.0.mlp.gate_up_proj.weight"], gate_up)
+    same(ours["model.layers.0.mlp.gate_up_proj.weight"], gate_up)
+    if lora:  # the adapters reached vLLM: the merged weights are not the base's
+        base = _plain(t, base)["model.layers.1.mlp.down_proj.weight"].to(torch.bfloat16).float()
+        assert float((ours["model.layers.1.mlp.down_proj.weight"] - base).abs().max()) > 1e-3
 
 
 @pytest.mark.gpu
@@ -169,7 +202,7 @@ def test_fits_with_vllm_rollouts_keep_memory_flat(gpu_trainer):
 
     t = gpu_trainer
     initial = t.export_weights()
-    model_mb = sum(v.numel() * 4 for v in initial.values()) / 2**20
+    model_mb = sum(v.numel() * 4 for v in _plain(t, initial).values()) / 2**20
     allocated, used, rss = [], [], []
     for i in range(6):
         g = torch.Generator().manual_seed(i)
