@@ -272,7 +272,7 @@ class BuiltinEngine:
         mini-batch (so the sum is the mini-batch loss whatever the micro size), summed over the
         lane's ranks when it spans several (`_across_ranks`), then the step."""
         rows = batch.rows
-        norm = batch.norm or mini_batch_norm([sum(rw.mask) for rw in rows], loss.horizon)
+        norm = batch.norm if batch.norm is not None else mini_batch_norm([sum(rw.mask) for rw in rows], loss.horizon)
         sums: dict[str, float] = defaultdict(float)
         parts = micro_batches(rows, self.cfg.algo.micro_batch_size, self.cfg.algo.micro_batch_tokens)
         # over ranks the averaged terms are divided by every rank's micro-batch count, later

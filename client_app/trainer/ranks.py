@@ -22,7 +22,8 @@ stops them by PID on every path. One fit over k ranks (`loop.RLTrainer`):
 
 A rank that dies or fails fails the fit with an error naming it (gloo notices a closed peer at
 once; every collective has `RANK_TIMEOUT_S`); rank 0 then stops the other ranks and starts fresh
-ones at the next fit.
+ones at the next fit. The lane's process groups are its own (`Ranks.connect`), never torch's
+default group, so a process may hold both (verl's engine initialises the default one).
 """
 
 from __future__ import annotations
@@ -78,14 +79,49 @@ class RowLayout:
 
 
 class Ranks:
-    """One rank's view of its lane's process group (initialised by `Lead` or `worker_main`)."""
+    """One rank's view of its lane's process groups: gloo for objects and CPU tensors, NCCL for
+    CUDA tensors. They are the lane's own, never torch's default group, which a process may hold
+    for something else (verl's engine in the same process, a test suite). `connect` forms them."""
 
     def __init__(self, rank: int, world: int, device: torch.device) -> None:
         self.rank, self.world, self.device = rank, world, device
+        self._cpu: Any = None  # dist.ProcessGroupGloo
+        self._cuda: Any = None  # ProcessGroupNCCL on a CUDA lane
 
     @property
     def lead(self) -> bool:
         return self.rank == 0
+
+    def connect(self, store: dist.Store, timeout_s: float) -> None:
+        """Form the lane's groups over `store` (every rank calls it; it returns when all have)."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), self.rank, self.world, timeout)
+        if self.device.type == "cuda":
+            nccl = dist.ProcessGroupNCCL  # type: ignore[attr-defined]  # CUDA builds of torch only
+            options = nccl.Options()
+            options._timeout = timeout
+            self._cuda = nccl(dist.PrefixStore("nccl", store), self.rank, self.world, options)
+
+    def disconnect(self) -> None:
+        self._cpu = self._cuda = None
+
+    def _group(self, t: torch.Tensor) -> Any:
+        group = self._cuda if t.is_cuda else self._cpu
+        if group is None:
+            raise RankFailure(
+                "the lane's ranks are not connected (a failed fit stopped them; the next fit starts them)"
+            )
+        return group
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum `t` over the ranks, in place."""
+        self._group(t).allreduce([t]).wait()
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """Rank 0's `t` into every rank's, in place."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self._group(t).broadcast([t], options).wait()
 
     def share(self, n: int) -> tuple[int, int]:
         """This rank's block [lo, hi) of n items in order: k contiguous blocks, the first n % k
@@ -95,15 +131,22 @@ class Ranks:
         return lo, lo + base + (self.rank < extra)
 
     def all_gather(self, obj: T) -> list[T]:
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+        """Every rank's (picklable) `obj`, in rank order, on every rank."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        sizes = [torch.zeros_like(size) for _ in range(self.world)]
+        self._group(size).allgather([sizes], [size]).wait()
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        every = [torch.empty_like(padded) for _ in range(self.world)]
+        self._group(padded).allgather([every], [padded]).wait()
+        return [pickle.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(every, sizes)]
 
     def gather(self, obj: T) -> list[T] | None:
         """Every rank's `obj` on rank 0 (in rank order), None on the others."""
-        out: list[Any] | None = [None] * self.world if self.lead else None
-        dist.gather_object(obj, out, dst=0)
-        return out
+        every = self.all_gather(obj)
+        return every if self.lead else None
 
     def layout(self, tokens: Sequence[int]) -> RowLayout:
         """The `RowLayout` of this rank's rows, whose generated-token counts are `tokens`."""
@@ -116,7 +159,7 @@ class Ranks:
         `check_same_trainer`)."""
         for tensors in members.values():
             for t in tensors.values():
-                dist.broadcast(t, src=0)
+                self.broadcast(t)
 
     def sum_(self, params: Sequence[torch.nn.Parameter], values: Sequence[float]) -> list[float]:
         """Sum every parameter's gradient over the ranks in place (a missing one counts as 0,
@@ -129,11 +172,11 @@ class Ranks:
             grads.append(p.grad)
         for bucket in _buckets(grads, BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat)
+            self.all_reduce(flat)
             for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
                 g.copy_(part.view_as(g))
         summed = torch.tensor(list(values), dtype=torch.float64)
-        dist.all_reduce(summed)
+        self.all_reduce(summed)
         return summed.tolist()
 
     def check_same_weights(self, members: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
@@ -167,11 +210,6 @@ def _buckets(tensors: Sequence[torch.Tensor], max_bytes: int) -> Iterator[list[t
         size += nbytes
     if bucket:
         yield bucket
-
-
-def backend(device: torch.device) -> str:
-    """gloo on the CPU; on CUDA NCCL for tensors and gloo for the pickled objects."""
-    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def bind_device(rank: int, device: torch.device) -> torch.device:
@@ -261,13 +299,7 @@ class Lead(Ranks):
                 if time.monotonic() > deadline:
                     raise RankFailure(f"lane rank {rank} did not build its trainer within {START_TIMEOUT_S:.0f} s")
                 time.sleep(_POLL_S)
-        dist.init_process_group(
-            backend(self.device),
-            store=store,
-            rank=0,
-            world_size=self.world,
-            timeout=datetime.timedelta(seconds=self.timeout_s),
-        )
+        self.connect(store, self.timeout_s)
         self.check_same_trainer(signature)
 
     def run(self, command: tuple[Any, ...], work: Callable[[], T]) -> T:
@@ -280,7 +312,7 @@ class Lead(Ranks):
             return work()
         except BaseException as e:
             failure = self.failure(wait_s=2.0)
-            self.stop()
+            self.stop(graceful=False)
             if failure is not None:
                 raise failure from e
             raise
@@ -312,17 +344,19 @@ class Lead(Ranks):
             return ""
         return self._store.get(key).decode(errors="replace")
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop ranks 1..k-1 by PID (a close command, then SIGTERM, then SIGKILL) and leave the
-        process group; a later `start` begins afresh."""
+    def stop(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
+        """Stop ranks 1..k-1 by PID and leave the process group; a later `start` begins afresh.
+        `graceful`: a close command first (an idle rank closes its trainer and exits), then
+        SIGTERM, then SIGKILL; after a failure at once SIGTERM (a rank may wait in a collective)."""
         ranks, self._ranks = self._ranks, []
         for r in ranks:
             with contextlib.suppress(OSError):
-                _send(r.stdin, ("close",))
+                if graceful:
+                    _send(r.stdin, ("close",))
                 r.stdin.close()
         deadline = time.monotonic() + timeout_s
         for r in ranks:
-            for stop in (None, r.proc.terminate, r.proc.kill):
+            for stop in (None, r.proc.terminate, r.proc.kill) if graceful else (r.proc.terminate, r.proc.kill):
                 if stop is not None:
                     with contextlib.suppress(ProcessLookupError):
                         stop()
@@ -331,8 +365,7 @@ class Lead(Ranks):
                     break
                 except subprocess.TimeoutExpired:
                     continue
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.disconnect()
         self._store = None
 
 
@@ -362,14 +395,13 @@ def worker_main() -> int:
         return 0
     parent, rank, world, port, cfg, env_url, run_dir, timeout_s = start
     _die_with(parent)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, world, False, timeout)
+    store = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=timeout_s))
     try:
         trainer = make_trainer(cfg, env_url, run_dir, rank=rank)
         ranks = trainer.ranks
         assert ranks is not None
         store.set(f"ready/{rank}", "1")
-        dist.init_process_group(backend(ranks.device), store=store, rank=rank, world_size=world, timeout=timeout)
+        ranks.connect(store, timeout_s)
         ranks.check_same_trainer(trainer_signature(cfg, trainer.engine))
         while (command := _receive(stdin)) is not None and command[0] != "close":
             _, call, tasks, threads = command

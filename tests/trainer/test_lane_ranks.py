@@ -68,16 +68,15 @@ def rel(a: float, b: float) -> float:
 
 def pass_on_rank(rank: int, world: int, port: int, model_dir: Path) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """Rank `rank`'s part of one policy pass over `pass_rows()`: its block of the rows, the
-    layout of every rank's, the 1-rank mini-batches (rank 0 is the test's process: it runs first
-    in this module, before the lanes below form their process group)."""
+    layout of every rank's, the 1-rank mini-batches (rank 0 is the test's process)."""
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    ranks = Ranks(rank, world, torch.device("cpu"))
+    ranks.connect(store, 60)
     try:
-        cfg = small_config(model_dir, run={"lane_devices": world})
-        return one_pass(cfg, model_dir, Ranks(rank, world, torch.device("cpu")))
+        return one_pass(small_config(model_dir, run={"lane_devices": world}), model_dir, ranks)
     finally:
-        dist.destroy_process_group()
+        ranks.disconnect()
 
 
 def pass_rows(vocab: int) -> tuple[list[Any], list[torch.Tensor]]:
