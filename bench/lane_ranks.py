@@ -1,14 +1,14 @@
 """A lane over k ranks against one rank: one fit's wall per phase, and the gradient sum's cost.
 
-    python -m bench.lane_ranks                          # the default recipe on the CPU, 1 and 2 ranks
-    python -m bench.lane_ranks --ranks 1,2 --threads 2 algo.tasks_per_step=4
+    python -m bench.lane_ranks                          # the default recipe on the CPU
+    python -m bench.lane_ranks --arms 1x1,2x1,4x1 algo.tasks_per_step=4
 
 *fit*: the recipe (tiny-shop-grpo, CPU; trailing `a.b=c` arguments override it), one lane
-trainer per arm, the same initial weights, one fit of client 0 in round 1. A lane of k ranks
-shares `--threads` torch threads (each rank takes threads / k, as a CPU lane's service hands them
-out), so the arms compare the same cores. Per arm: build (rank processes included), the fit's
-wall and its phases (rollout, scoring, the wait for the slowest rank, update) as the fit
-reports them, and the rows and tokens it trained on.
+trainer per arm, the same initial weights, one fit of client 0 in round 1. An arm `KxT` is a
+lane of K ranks with T torch threads each (a CPU lane's service gives each rank its share of
+the cores divided by K). Per arm: build (rank processes included), the fit's wall and its phases
+(rollout, scoring, the wait for the slowest rank, update) as the fit reports them, and the rows
+and tokens it trained on (equal in every arm: the same episodes).
 
 *grad-sync*: 2 gloo ranks, the recipe's model, one fixed micro-batch of rows: forward + backward
 + summing the gradients over the ranks, `--steps` times, with the lane's bucketed all_reduce after
@@ -49,7 +49,7 @@ def bench_config(overrides: list[str], ranks: int) -> Config:
 
 def fit_arm(overrides: list[str], ranks: int, threads: int, env_url: str, initial: Any) -> dict[str, float]:
     cfg = bench_config(overrides, ranks)
-    torch.set_num_threads(max(1, threads // ranks))
+    torch.set_num_threads(threads)  # rank 0's; the fit hands it to the other ranks
     t0 = time.perf_counter()
     trainer = make_trainer(cfg, env_url)
     build_s = time.perf_counter() - t0
@@ -65,6 +65,7 @@ def fit_arm(overrides: list[str], ranks: int, threads: int, env_url: str, initia
         trainer.close()
     return {
         "ranks": ranks,
+        "threads_per_rank": threads,
         "build_s": build_s,
         "fit_s": fit_s,
         **{k: m.get(k, 0.0) for k in PHASES},
@@ -132,8 +133,7 @@ def grad_sync(cfg: Config, steps: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", default="1,2", help="the arms: ranks per lane, comma separated")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of the lane (divided among its ranks)")
+    ap.add_argument("--arms", default="1x1,1x2,2x1", help="the fit arms, KxT: K ranks of T torch threads each")
     ap.add_argument("--steps", type=int, default=20, help="grad-sync steps per arm")
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("overrides", nargs="*", help="recipe overrides a.b=c")
@@ -145,8 +145,9 @@ def main() -> None:
         first = make_trainer(base, env_url)
         initial = first.export_weights()
         first.close()
-        for k in (int(x) for x in args.ranks.split(",")):
-            results["fit"].append(fit_arm(args.overrides, k, args.threads, env_url, initial))
+        for arm in args.arms.split(","):
+            k, t = (int(x) for x in arm.split("x"))
+            results["fit"].append(fit_arm(args.overrides, k, t, env_url, initial))
             print(json.dumps(results["fit"][-1]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

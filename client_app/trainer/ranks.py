@@ -97,7 +97,7 @@ class Ranks:
         timeout = datetime.timedelta(seconds=timeout_s)
         self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), self.rank, self.world, timeout)
         if self.device.type == "cuda":
-            nccl = dist.ProcessGroupNCCL  # type: ignore[attr-defined]  # CUDA builds of torch only
+            nccl = dist.ProcessGroupNCCL  # CUDA builds of torch only
             options = nccl.Options()
             options._timeout = timeout
             self._cuda = nccl(dist.PrefixStore("nccl", store), self.rank, self.world, options)
