@@ -113,15 +113,25 @@ class Ranks:
             )
         return group
 
+    def _wait(self, work: Any, what: str) -> None:
+        """Wait for a collective; its failure (a peer gone, the timeout) is a RankFailure naming it."""
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise RankFailure(
+                f"lane rank {self.rank} of {self.world}: the {what} across the ranks failed (a rank died, "
+                f"failed or did not answer within the collective timeout): {e}"
+            ) from e
+
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum `t` over the ranks, in place."""
-        self._group(t).allreduce([t]).wait()
+        self._wait(self._group(t).allreduce([t]), "sum")
 
     def broadcast(self, t: torch.Tensor) -> None:
         """Rank 0's `t` into every rank's, in place."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self._group(t).broadcast([t], options).wait()
+        self._wait(self._group(t).broadcast([t], options), "broadcast")
 
     def share(self, n: int) -> tuple[int, int]:
         """This rank's block [lo, hi) of n items in order: k contiguous blocks, the first n % k
@@ -135,12 +145,12 @@ class Ranks:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         sizes = [torch.zeros_like(size) for _ in range(self.world)]
-        self._group(size).allgather([sizes], [size]).wait()
+        self._wait(self._group(size).allgather([sizes], [size]), "gather")
         longest = int(max(s.item() for s in sizes))
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: data.numel()] = data
         every = [torch.empty_like(padded) for _ in range(self.world)]
-        self._group(padded).allgather([every], [padded]).wait()
+        self._wait(self._group(padded).allgather([every], [padded]), "gather")
         return [pickle.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(every, sizes)]
 
     def gather(self, obj: T) -> list[T] | None:
@@ -344,11 +354,15 @@ class Lead(Ranks):
             return ""
         return self._store.get(key).decode(errors="replace")
 
-    def stop(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
+    def stop(self, graceful: bool = True) -> None:
         """Stop ranks 1..k-1 by PID and leave the process group; a later `start` begins afresh.
-        `graceful`: a close command first (an idle rank closes its trainer and exits), then
-        SIGTERM, then SIGKILL; after a failure at once SIGTERM (a rank may wait in a collective)."""
+        `graceful`: a close command first (an idle rank closes its trainer and exits; 10 s), then
+        SIGTERM, then SIGKILL; after a failure at once SIGTERM (a rank may wait in a collective,
+        or not answer at all), SIGKILL after 3 s."""
+        timeout_s = 10.0 if graceful else 3.0
         ranks, self._ranks = self._ranks, []
+        if not graceful:
+            self.disconnect()  # closes rank 0's end: a rank waiting in a collective fails at once
         for r in ranks:
             with contextlib.suppress(OSError):
                 if graceful:
@@ -395,6 +409,8 @@ def worker_main() -> int:
         return 0
     parent, rank, world, port, cfg, env_url, run_dir, timeout_s = start
     _die_with(parent)
+    # rank 0's SIGTERM unwinds the fit (its env sessions are closed on the way out)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     store = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=timeout_s))
     try:
         trainer = make_trainer(cfg, env_url, run_dir, rank=rank)

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,11 @@ from client_app.trainer.base import ClientTasks
 from client_app.trainer.builtin import BuiltinEngine
 from client_app.trainer.loop import RLTrainer, policy_pass
 from client_app.trainer.losses import loss_specs
-from client_app.trainer.ranks import Lead, RankFailure, Ranks, RowLayout
+from client_app.trainer.ranks import Lead, RankFailure, Ranks, RowLayout, trainer_signature
 from fl_app.calls import FitCall
 
 WEIGHT_TOL = 1e-4
+RANK_TIMEOUT_S = 10  # the lanes' collective timeout here: ranks wait < 1 s for each other's rollouts
 REL_TOL = 1e-4
 SHARD = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))[:60]
 CALL = FitCall(round=1, client_id=3, local_epochs=2, seed=0)
@@ -143,7 +145,7 @@ def one_rank(env_url, model_dir):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def two_ranks(env_url, model_dir):  # noqa: F811
-    trainer = make_trainer(lane_config(model_dir, 2), env_url, rank_timeout_s=60)
+    trainer = make_trainer(lane_config(model_dir, 2), env_url, rank_timeout_s=RANK_TIMEOUT_S)
     yield trainer
     pids = trainer.ranks.pids if isinstance(trainer.ranks, Lead) else []
     trainer.close()
@@ -194,3 +196,21 @@ def test_a_rank_killed_mid_fit_fails_the_fit_naming_it_and_the_next_fit_starts_t
     assert fresh != victim
     again, _ = fit(two_ranks, initial)
     assert all(torch.equal(again[n], w[n]) for n in w)
+
+
+def test_a_rank_that_stops_answering_fails_the_fit_at_the_collective_timeout_and_is_killed(one_rank, two_ranks):
+    assert isinstance(two_ranks.ranks, Lead)
+    two_ranks.ranks.start(trainer_signature(two_ranks.cfg, two_ranks.engine))  # running (or started afresh)
+    (victim,) = two_ranks.ranks.pids
+
+    def freeze_rank_1(epoch: int, _metrics: dict[str, float]) -> None:
+        if epoch == 0:
+            os.kill(victim, signal.SIGSTOP)  # alive, holding its sockets, answering nothing
+
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match=r"the gather across the ranks failed .* within the collective timeout"):
+        fit(two_ranks, one_rank[0], freeze_rank_1)
+    waited = time.monotonic() - started
+    print(f"a silent rank failed the fit after {waited:.1f} s (collective timeout {RANK_TIMEOUT_S} s)")
+    assert waited < RANK_TIMEOUT_S + 30
+    assert two_ranks.ranks.pids == [] and not psutil.pid_exists(victim), "the silent rank was left behind"
