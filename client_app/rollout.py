@@ -371,6 +371,7 @@ def run_episodes(
     seed: int,
     max_sessions: int,
     desc: str = "rollout",
+    first_episode: int = 0,
 ) -> tuple[list[Episode], RolloutStats]:
     """Play `specs` to the end (done, `settings.max_turns`, or in concat mode a sequence that would
     outgrow `settings.max_prompt_tokens`) on env-service sessions.
@@ -378,8 +379,10 @@ def run_episodes(
     `env` is an `envs.client.SyncEnvClient`. At most `max_sessions` sessions are held (the
     service's pool blocks /create beyond its size); a session whose episode ends is reset with
     the next pending spec, so the generation batch stays full. Sessions are closed on every
-    path. Episode i samples turn t with `derive_seed(seed, i, t)`: what an episode does depends on
-    its own seed and the weights only, never on the pool size or on which episodes share a batch.
+    path. Episode i samples turn t with `derive_seed(seed, first_episode + i, t)`: what an episode
+    does depends on its own seed and the weights only, never on the pool size or on which
+    episodes share a batch (so a rank of a lane playing episodes i.. of an iteration passes
+    `first_episode` = i and plays them as the whole iteration would).
     """
     if max_sessions < 1:
         raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
@@ -455,7 +458,10 @@ def run_episodes(
                 live_slots = sorted(busy)
                 prompts = [context(busy[k]) for k in live_slots]
                 t0 = time.perf_counter()
-                seeds = [derive_seed(seed, busy[k].episode, len(episodes[busy[k].episode].turns)) for k in live_slots]
+                seeds = [
+                    derive_seed(seed, first_episode + busy[k].episode, len(episodes[busy[k].episode].turns))
+                    for k in live_slots
+                ]
                 responses = generator.generate(prompts, temperature, seeds)
                 stats.generate_s += time.perf_counter() - t0
                 stats.tokens += sum(len(r) for r in responses)

@@ -53,7 +53,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from client_app import memory_debug
-from client_app.lane import is_cpu_lane
+from client_app.lane import is_cpu_lane, lane_devices
 from client_app.runtime_dir import NodeOwner, live_cpu_services, remove_own_files
 from client_app.trainer.base import ClientTasks, Trainer
 from client_app.trainer.device import freeze_survivors, resolve_device
@@ -191,6 +191,14 @@ class TrainerService:
                 f"lane {lane} of run.cpu_lanes={cfg.run.cpu_lanes} would train on this host's GPU (run.device="
                 f"{cfg.run.device} sees one, CUDA_VISIBLE_DEVICES is unset), every CPU lane on the same GPU: set "
                 'run.device=cpu, or give each lane a GPU (--federation-config "client-resources-num-gpus=1")'
+            )
+        gpus = lane_devices(lane)
+        if cuda and not is_cpu_lane(lane) and cfg.run.lane_devices > 1 and len(gpus) != cfg.run.lane_devices:
+            raise RuntimeError(
+                f"lane {lane} has {len(gpus)} GPU(s) (CUDA_VISIBLE_DEVICES) but run.lane_devices="
+                f"{cfg.run.lane_devices} ranks need one each: give each lane that many GPUs "
+                f'(--federation-config "client-resources-num-gpus={cfg.run.lane_devices}"; deployment: a '
+                "SuperNode's CUDA_VISIBLE_DEVICES)"
             )
         self._read_buffers = ReadBuffers(pin=cuda)
         # error feedback of compressed updates, node-local (fl_app.quant.Residuals)
@@ -577,11 +585,13 @@ def compute_thread() -> ThreadPoolExecutor:
 class CoreShare:
     """Keeps a CPU lane's torch threads at its share of the host's cores (`fl_app.host.cpu_threads`):
     every CPU SuperNode of a host runs a trainer service of its own, and each would otherwise take
-    every core. Called on the compute thread before each piece of torch work (OpenMP's thread
-    count is per thread), since another node's service may start or stop at any time."""
+    every core; a lane over `ranks` ranks runs that many trainers (each rank takes rank 0's
+    count with every fit). Called on the compute thread before each piece of torch work
+    (OpenMP's thread count is per thread), since another node's service may start or stop at any time."""
 
-    def __init__(self, lane: str) -> None:
+    def __init__(self, lane: str, ranks: int = 1) -> None:
         self.cpu = is_cpu_lane(lane)
+        self.ranks = ranks
         self.default = torch.get_num_threads()
         cpu_threads(1, self.default)  # a malformed override fails the start-up, naming it
 
@@ -589,7 +599,7 @@ class CoreShare:
         if not self.cpu:
             return
         peers = live_cpu_services()
-        if (want := cpu_threads(peers, self.default)) != torch.get_num_threads():
+        if (want := cpu_threads(peers * self.ranks, self.default)) != torch.get_num_threads():
             torch.set_num_threads(want)
             log.info(
                 "torch threads %d: CPU trainer services on this host %d, usable cores %d (%s overrides)",
@@ -751,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: terminated.set())  # uvicorn's own handler takes over while serving
     sock = Path(args.socket)
     compute = compute_thread()
-    share = compute.submit(CoreShare, args.lane).result()
+    share = compute.submit(CoreShare, args.lane, cfg.run.lane_devices).result()
     app = create_app(svc, stop, compute, share)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=600))
     owner = NodeOwner.from_arg(args.owner) if args.owner else None

@@ -837,7 +837,7 @@ class RunCfg(_Strict):
         1,
         ge=1,
         json_schema_extra=NODE_LOCAL,
-        description='GPUs per lane: a lane is the device set of one trainer service (`CUDA_VISIBLE_DEVICES`), and each GPU lane serves one fit at a time. In simulation give each virtual client this many GPUs with `--federation-config "client-resources-num-gpus=N"`; in deployment start one SuperNode per lane with its `CUDA_VISIBLE_DEVICES` (docs/deployment.md). Only 1 for now: no engine trains one fit over several ranks yet, so a larger lane would leave its other GPUs idle (refused at load).',
+        description="Devices per lane, one rank each: a lane is the device set of one trainer service (`CUDA_VISIBLE_DEVICES`: this many GPUs), and it serves one fit at a time. Above 1 the lane's fit is data parallel over that many ranks (builtin engine; docs/trainer.md, \"A lane over k ranks\"): NCCL over the lane's GPUs, or on a CPU lane (`run.device: cpu`, no GPU) that many gloo processes sharing the lane's cores. Each rank plays a block of whole task groups and every optimizer step sums the ranks' gradients, so the fit equals the 1-rank fit up to fp32 summation order (invariant 43). In simulation give each virtual client this many GPUs with `--federation-config \"client-resources-num-gpus=N\"`; in deployment start one SuperNode per lane with its `CUDA_VISIBLE_DEVICES` (docs/deployment.md). Above 1 it needs `backend: builtin`, an algorithm without a critic, `rollout.engine: hf` and `algo.tasks_per_step` >= it (refused at load otherwise).",
     )
     cpu_lanes: int = Field(
         1,
@@ -935,14 +935,7 @@ class RunCfg(_Strict):
 
     @model_validator(mode="after")
     def _lanes(self) -> RunCfg:
-        """Refuse, before anything starts, a lane no engine can use whole, or CPU lanes on GPUs."""
-        if self.lane_devices > 1:
-            raise ValueError(
-                f"run.lane_devices={self.lane_devices}: no engine trains one fit over several ranks yet, so "
-                "the lane's other GPUs would sit idle; set run.lane_devices=1 and give each lane one GPU "
-                '(simulation: --federation-config "client-resources-num-gpus=1"; deployment: one SuperNode '
-                "per GPU with its CUDA_VISIBLE_DEVICES)"
-            )
+        """Refuse, before anything starts, CPU lanes on GPUs."""
         if self.cpu_lanes > 1 and self.device == "cuda":
             raise ValueError(
                 f"run.cpu_lanes={self.cpu_lanes} with run.device=cuda: CPU lanes split a host without a GPU; "
@@ -1093,6 +1086,7 @@ class Config(_Strict):
                 f"and env {self.env.name!r} has no such action; set model.tiny.sft_shortcut: 0"
             )
         self._check_model()
+        self._check_lane_ranks()
         self._check_rollout_engine()
         self._check_compute()
         self._check_env_partition()
@@ -1161,6 +1155,34 @@ class Config(_Strict):
             raise ValueError(
                 "federation.aggregator=clipped bounds each update by a multiple of the round's median norm, "
                 "which one client sets alone: it needs clients_per_round (and min_clients_per_round) >= 2"
+            )
+
+    def _check_lane_ranks(self) -> None:
+        """Fail closed on a lane over several ranks (`run.lane_devices` > 1) that no engine here
+        trains as one fit: verl's engine, a critic (GAE whitens over the whole batch), vLLM
+        rollouts, or fewer task groups than ranks."""
+        k, algo = self.run.lane_devices, self.algo
+        if k == 1:
+            return
+        lane = f"run.lane_devices={k}"
+        if self.backend != "builtin":
+            raise ValueError(
+                f"{lane} with backend={self.backend!r}: the verl engine trains a lane on one rank (its fast "
+                "optimizer steps each shard's local tensor); the builtin engine spans a lane's ranks. Set "
+                "backend: builtin, or run.lane_devices: 1 with one GPU per lane (--federation-config "
+                '"client-resources-num-gpus=1")'
+            )
+        if algo.spec.critic:
+            raise ValueError(
+                f"{lane} with algo.name={algo.name!r}: a lane over several ranks trains algorithms without a "
+                "critic (grpo, gigpo: advantages per task group); set run.lane_devices: 1"
+            )
+        if self.rollout.engine != "hf":
+            raise ValueError(f"{lane} rolls out with rollout.engine: hf on every rank; set rollout.engine: hf")
+        if algo.tasks_per_step < k:
+            raise ValueError(
+                f"{lane}: each rank plays whole task groups, and algo.tasks_per_step={algo.tasks_per_step} "
+                f"gives fewer than {k}; raise algo.tasks_per_step to at least {k} or lower run.lane_devices"
             )
 
     def _check_compute(self) -> None:

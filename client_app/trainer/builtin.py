@@ -24,7 +24,6 @@ from transformers import PreTrainedModel
 
 from client_app.algos import (
     ActorLossSpec,
-    AggNorm,
     ValueLossSpec,
     actor_loss,
     clipped_value_loss,
@@ -43,20 +42,40 @@ from client_app.trainer.compute import (
     resolve_precision,
 )
 from client_app.trainer.device import avoid_cudnn_attention, release_memory, resolve_device
-from client_app.trainer.engine import Batch, LossSpec, PolicyBatch, Role, StepResult, ValueBatch, micro_batches
+from client_app.trainer.engine import (
+    Batch,
+    LossSpec,
+    PolicyBatch,
+    Role,
+    StepResult,
+    ValueBatch,
+    micro_batches,
+    mini_batch_norm,
+)
 from client_app.trainer.lora import adapt, base_digest, merged_tensors
+from client_app.trainer.ranks import Ranks
 from client_app.trainer.weight_check import check_loadable
 from fl_app.config import Config
 from fl_app.weights import load_shards
 
 log = logging.getLogger("fedagent.trainer.builtin")
 
+# A policy step's loss terms, which add up over micro-batches (shares of the mini-batch loss);
+# the others (fractions, ppo_kl) are averaged over them.
+_ADDED = ("pg_loss", "entropy", "kl_loss")
+_AVERAGED = ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
+
 
 class BuiltinEngine:
     """`engine.Engine` (both of its parts) on torch + transformers."""
 
-    def __init__(self, cfg: Config, model_path: Path, reference_path: Path | None = None) -> None:
+    def __init__(
+        self, cfg: Config, model_path: Path, reference_path: Path | None = None, ranks: Ranks | None = None
+    ) -> None:
         self.cfg = cfg
+        self.ranks = ranks  # a lane over several ranks: policy gradients are summed over them
+        if ranks is not None and cfg.algo.spec.critic:
+            raise ValueError(f"algo.name={cfg.algo.name!r} trains a critic, which a lane over several ranks does not")
         self._compute: dict[str, ComputeCopy] = {}  # built once the starting weights are in (below)
         self.device = resolve_device(cfg.run.device)
         avoid_cudnn_attention(self.device)
@@ -181,6 +200,13 @@ class BuiltinEngine:
     # ------------------------------------------------------------------ fit bracket
 
     def begin_fit(self, reference_from_policy: bool) -> None:
+        """Fresh optimizers; over several ranks every rank first takes rank 0's weights (what the
+        service loaded there), so a fit starts on every rank from the same bits."""
+        if self.ranks is not None:
+            with torch.no_grad():
+                self.ranks.broadcast_weights({m: self.master_weights(m) for m in self.members})
+            for compute in self._compute.values():
+                compute.refresh()
         a = self.cfg.algo
         fused = True if self.device.type == "cuda" else None  # one kernel per step on CUDA; the CPU's default
         self.optimizers = {
@@ -241,11 +267,14 @@ class BuiltinEngine:
         self, batch: PolicyBatch, loss: ActorLossSpec, after_backward: Callable[[], None] | None
     ) -> StepResult:
         """Policy gradients micro-batch by micro-batch, every micro loss normalised by the whole
-        mini-batch (so the sum is the mini-batch loss whatever the micro size), then the step."""
+        mini-batch (so the sum is the mini-batch loss whatever the micro size), summed over the
+        lane's ranks when it spans several (`_across_ranks`), then the step."""
         rows = batch.rows
-        norm = _mini_batch_norm(rows, loss.horizon)
+        norm = batch.norm if batch.norm is not None else mini_batch_norm([sum(rw.mask) for rw in rows], loss.horizon)
         sums: dict[str, float] = defaultdict(float)
         parts = micro_batches(rows, self.cfg.algo.micro_batch_size, self.cfg.algo.micro_batch_tokens)
+        # over ranks the averaged terms are divided by every rank's micro-batch count, later
+        share = len(parts) if self.ranks is None else 1
         compute = self._compute["actor"]
         for part in parts:
             logits, labels, mask = self._response_logits(compute.module, [rows[i] for i in part])
@@ -268,11 +297,28 @@ class BuiltinEngine:
             out.loss.backward()
             compute.fold_grads()
             for k, v in out.metrics.items():
-                # shares of the mini-batch loss add up; fractions and ppo_kl are averaged
-                sums[k] += float(v) if k in ("pg_loss", "entropy", "kl_loss") else float(v) / len(parts)
+                if k not in _ADDED + _AVERAGED:
+                    raise KeyError(f"policy loss term {k!r} is neither added nor averaged over micro-batches")
+                sums[k] += float(v) if k in _ADDED else float(v) / share
+        if self.ranks is not None:
+            sums = self._across_ranks(sums, len(parts))
         if after_backward is not None:
             after_backward()
         return self._optimizer_step("actor", self.cfg.algo.grad_clip, dict(sums))
+
+    def _across_ranks(self, sums: Mapping[str, float], parts: int) -> defaultdict[str, float]:
+        """The policy gradients and loss terms of the whole mini-batch: every rank's summed (a
+        rank may hold none of its rows), the averaged terms over every rank's micro-batches.
+        The loss terms a 1-rank step reports are those some micro-batch produced."""
+        assert self.ranks is not None
+        keys = _ADDED + _AVERAGED
+        present = [float(k in sums) * parts for k in keys]  # micro-batches that produced each term
+        totals = self.ranks.sum_(list(self.params.values()), [sums.get(k, 0.0) for k in keys] + present)
+        out: defaultdict[str, float] = defaultdict(float)
+        for k, total, n in zip(keys, totals, totals[len(keys) :]):
+            if n > 0:
+                out[k] = total if k in _ADDED else total / n
+        return out
 
     def _critic_step(
         self, batch: ValueBatch, loss: ValueLossSpec, after_backward: Callable[[], None] | None
@@ -283,7 +329,7 @@ class BuiltinEngine:
         if self.critic is None:
             raise RuntimeError(f"algo.name={self.cfg.algo.name!r} trains no critic")
         rows = batch.rows
-        norm = _mini_batch_norm(rows, loss.horizon)
+        norm = mini_batch_norm([sum(rw.mask) for rw in rows], loss.horizon)
         sums: dict[str, float] = defaultdict(float)
         parts = micro_batches(rows, self.cfg.algo.critic.micro, self.cfg.algo.micro_batch_tokens)
         for part in parts:
@@ -378,11 +424,6 @@ class BuiltinEngine:
         self._members = {}
         self._compute = {}
         release_memory(self.device)
-
-
-def _mini_batch_norm(rows: Sequence[TrainRow], horizon: int | None) -> AggNorm:
-    """Loss denominators of a mini-batch: its generated tokens, its rows (as verl counts them), the horizon."""
-    return AggNorm(num_tokens=float(sum(sum(rw.mask) for rw in rows)), num_seqs=float(len(rows)), horizon=horizon)
 
 
 def _per_row(

@@ -26,7 +26,7 @@ from typing import Any, Literal, Protocol, overload
 
 import torch
 
-from client_app.algos import ActorLossSpec, ValueLossSpec
+from client_app.algos import ActorLossSpec, AggNorm, ValueLossSpec
 from client_app.critic import CriticStart
 from client_app.rollout import TrainRow
 
@@ -37,12 +37,15 @@ Role = Literal["policy", "reference", "critic"]
 @dataclass(frozen=True)
 class PolicyBatch:
     """One policy mini-batch: rows, and per row the rollout-time (old) log-probs, advantages and,
-    when the loss has a KL term, the reference's log-probs."""
+    when the loss has a KL term, the reference's log-probs. `norm`: the loss denominators of
+    the whole mini-batch when this rank holds only part of it (a lane over several ranks,
+    `ranks.RowLayout`); None: `mini_batch_norm` of these rows."""
 
     rows: Sequence[TrainRow]
     old_log_probs: Sequence[torch.Tensor]
     advantages: Sequence[torch.Tensor]
     ref_log_probs: Sequence[torch.Tensor] | None
+    norm: AggNorm | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,12 @@ class TrainingEngine(Protocol):
 class Engine(RolloutPolicy, TrainingEngine, Protocol):
     """Both parts, as every engine class implements them: what `make_engine` builds and the
     trainer holds (it hands the rollout engine one part and its loop the other)."""
+
+
+def mini_batch_norm(tokens: Sequence[int], horizon: int | None) -> AggNorm:
+    """Loss denominators of a mini-batch whose rows hold `tokens` generated tokens each: its
+    tokens, its rows (as verl counts them), the horizon."""
+    return AggNorm(num_tokens=float(sum(tokens)), num_seqs=float(len(tokens)), horizon=horizon)
 
 
 def length_order(rows: Sequence[TrainRow]) -> list[int]:

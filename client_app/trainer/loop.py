@@ -15,6 +15,11 @@ starts fresh optimizers (invariant 3), runs E RL iterations on fresh tasks of th
                      PPO-clip + KL + entropy loss, FedProx's gradient on the policy only (inv. 4)
   6. metrics         per iteration, summed or averaged over the fit
 
+A lane over several ranks (`run.lane_devices` > 1, builtin engine; `ranks.py`) runs this loop on
+every rank: each plays its block of the iteration's groups, every step is the 1-rank step on the
+same mini-batch with the gradients summed over the ranks, and rank 0 reports the metrics of
+all ranks' episodes and rows, as a 1-rank fit of them reports.
+
 Everything a fit allocates (optimizer state, grads, FedProx anchor, rollout buffers) is released
 before it returns, so a trainer serving hundreds of fits keeps a flat memory (invariant 24).
 The training engine does the tensor work: builtin (torch + transformers) or verl (FSDP2); the
@@ -25,10 +30,12 @@ separately) its rollout part (`engine.RolloutPolicy`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +45,7 @@ from client_app.algos import ActorLossSpec, FedProxAnchor, ValueLossSpec
 from client_app.critic import CriticStart
 from client_app.rollout import (
     Episode,
+    RolloutStats,
     TrainRow,
     derive_seed,
     draw_tasks,
@@ -49,8 +57,9 @@ from client_app.rollout import (
 from client_app.trainer.advantages import ADVANTAGES, step_group_stats, token_mean, uniform_groups
 from client_app.trainer.base import ClientTasks, EvalResult, FitResult
 from client_app.trainer.device import release_memory
-from client_app.trainer.engine import Engine, PolicyBatch, StepResult, TrainingEngine, ValueBatch
+from client_app.trainer.engine import Engine, PolicyBatch, StepResult, TrainingEngine, ValueBatch, mini_batch_norm
 from client_app.trainer.losses import loss_specs
+from client_app.trainer.ranks import Lead, Ranks, RowLayout, trainer_signature
 from client_app.trainer.rollouts import Rollouts
 from envs.client import SyncEnvClient
 from fl_app.calls import EvalCall, FitCall
@@ -95,11 +104,67 @@ def _merged(per_epoch: list[dict[str, float]]) -> dict[str, float]:
     return merged
 
 
-class RLTrainer:
-    """`base.Trainer` over a training engine, a rollout engine and an env service client."""
+@dataclass
+class Played:
+    """What an iteration's metrics are computed from: the episodes played (by one rank, or by
+    all of them merged in rank order), every row they gave (before the uniform-group filter),
+    the rows trained on, the rollout's stats and the phases' seconds."""
 
-    def __init__(self, cfg: Config, engine: Engine, model_path: Path, env_url: str | None) -> None:
-        self.cfg, self.engine = cfg, engine
+    episodes: list[Episode]
+    rows: list[TrainRow]
+    trained: int
+    stats: RolloutStats
+    seconds: dict[str, float]
+    first: int = 0  # the index of its first episode among the iteration's
+
+    def light(self) -> Played:
+        """What rank 0 needs of another rank's share for the metrics: no token ids, prompts or
+        observations; rows name their episode by its index in the iteration."""
+        episodes = [
+            dataclasses.replace(
+                e,
+                instruction="",
+                turns=[
+                    dataclasses.replace(t, prompt_ids=[], response_ids=[], observation="", valid_actions=[])
+                    for t in e.turns
+                ],
+            )
+            for e in self.episodes
+        ]
+        rows = [
+            dataclasses.replace(rw, prompt_ids=[], response_ids=[], mask=[], episode=rw.episode + self.first)
+            for rw in self.rows
+        ]
+        return Played(episodes, rows, self.trained, self.stats, self.seconds)
+
+    @staticmethod
+    def merged(shares: Sequence[Played]) -> Played:
+        """The ranks' shares as one iteration's: episodes and rows in rank order (task order),
+        counts summed, each phase's seconds the slowest rank's (the fit waits for it)."""
+        stats = RolloutStats(
+            generate_s=max(p.stats.generate_s for p in shares),
+            env_s=max(p.stats.env_s for p in shares),
+            tokens=sum(p.stats.tokens for p in shares),
+            steps=sum(p.stats.steps for p in shares),
+            wall_s=max(p.stats.wall_s for p in shares),
+        )
+        return Played(
+            [e for p in shares for e in p.episodes],
+            [rw for p in shares for rw in p.rows],
+            sum(p.trained for p in shares),
+            stats,
+            {k: max(p.seconds[k] for p in shares) for k in shares[0].seconds},
+        )
+
+
+class RLTrainer:
+    """`base.Trainer` over a training engine, a rollout engine and an env service client; with
+    `ranks`, one rank of a lane over several (rank 0, a `ranks.Lead`, drives the others)."""
+
+    def __init__(
+        self, cfg: Config, engine: Engine, model_path: Path, env_url: str | None, ranks: Ranks | None = None
+    ) -> None:
+        self.cfg, self.engine, self.ranks = cfg, engine, ranks
         self.algorithm = cfg.algo.spec
         self.policy_loss, self.value_loss = loss_specs(cfg)
         self.env: SyncEnvClient | None = None
@@ -139,8 +204,17 @@ class RLTrainer:
     def fit(self, call: FitCall, tasks: ClientTasks, on_iteration: IterationCallback | None = None) -> FitResult:
         """`call.local_epochs` RL iterations on the client's `tasks` from the loaded weights with
         fresh optimizers. `on_iteration(epoch, metrics)` runs after each iteration (the central
-        trainer validates there)."""
+        trainer validates there). Rank 0 of a lane over several ranks sends the fit to the others
+        (starting them afresh if a failure stopped them) and reports for all of them."""
         self._need_env()
+        if isinstance(self.ranks, Lead):
+            lead = self.ranks
+            lead.start(trainer_signature(self.cfg, self.engine))
+            command = ("fit", call, tasks, torch.get_num_threads())
+            return lead.run(command, lambda: self._fit_on_env(call, tasks, on_iteration))
+        return self._fit_on_env(call, tasks, on_iteration)
+
+    def _fit_on_env(self, call: FitCall, tasks: ClientTasks, on_iteration: IterationCallback | None) -> FitResult:
         with self._env_for(call, tasks) as (env, sessions):
             return self._fit(call, tasks, env, sessions, on_iteration)
 
@@ -183,11 +257,15 @@ class RLTrainer:
                 episodes_trained += n_episodes
                 if on_iteration is not None:
                     on_iteration(epoch, metrics)
+            if self.ranks is not None:
+                self.ranks.check_same_weights({m: self.engine.master_weights(m) for m in self.members})
         finally:
             self.engine.end_fit()
             if anchor is not None:
                 anchor.release()
             release_memory(self.engine.device)
+        if self.ranks is not None and not self.ranks.lead:
+            return FitResult(num_examples=0)  # rank 0 reports the fit
         metrics = _merged(per_epoch)
         metrics["tokens_per_s"] = metrics["rollout_tokens"] / max(metrics["rollout_generate_s"], 1e-9)
         metrics["rollout_tokens_per_s"] = metrics["tokens_per_s"]
@@ -218,8 +296,10 @@ class RLTrainer:
         )
 
     def close(self) -> None:
-        """Close the env client, the rollout engine and the training engine (the env service is
-        owned by whoever started it)."""
+        """Stop the lane's other ranks (rank 0), close the env client, the rollout engine and the
+        training engine (the env service is owned by whoever started it)."""
+        if isinstance(self.ranks, Lead):
+            self.ranks.stop()
         if self.env is not None:
             self.env.close()
             self.env = None
@@ -241,65 +321,91 @@ class RLTrainer:
     ) -> tuple[dict[str, float], int]:
         a, r = self.cfg.algo, self.cfg.rollout
         seed = (call.seed, call.round, call.client_id, epoch)
-        # 1. draw tasks, 2. rollout
+        # 1. draw tasks, 2. rollout (over ranks: this rank's block of whole groups, its share of sessions)
         tasks = draw_tasks(shard, a.tasks_per_step, call.seed, call.round, call.client_id, epoch)
+        lo, hi = (0, len(tasks)) if self.ranks is None else self.ranks.share(len(tasks))
+        first = lo * a.rollouts_per_task
         t0 = time.perf_counter()
         episodes, stats, sync_s = self._play(
-            group_specs(tasks, a.rollouts_per_task),
+            group_specs(tasks, a.rollouts_per_task)[first : hi * a.rollouts_per_task],
             r.temperature,
             derive_seed("sample", *seed),
             f"r{call.round} c{call.client_id} e{epoch}",
             env,
-            sessions,
+            sessions if self.ranks is None else max(1, sessions // self.ranks.world),
+            first,
         )
         rollout_s = time.perf_counter() - t0
         # 3. rows
         rows = training_rows(episodes, r.invalid_action_penalty)
-        uniform, n_groups = uniform_groups(rows)
-        step_stats = step_group_stats(rows, a) if self.algorithm.advantage == "step_group_relative" else {}
-        train_score = sum(rw.score for rw in rows) / max(len(rows), 1)
         t0 = time.perf_counter()
         # 4. advantages (+ the critic's pass), then the rows of all-equal groups out if asked
         advantages, critic_metrics = self._advantages(episodes, rows, derive_seed("critic-minibatch", *seed))
+        trained = rows
         if a.filter_uniform_groups:
+            uniform, _ = uniform_groups(rows)
             keep = [i for i, rw in enumerate(rows) if rw.group not in uniform]
-            rows, advantages = [rows[i] for i in keep], [advantages[i] for i in keep]
+            trained, advantages = [rows[i] for i in keep], [advantages[i] for i in keep]
         scoring_s = time.perf_counter() - t0
+        seconds = {"rollout_s": rollout_s, "rollout_sync_s": sync_s, "scoring_s": scoring_s}
+        layout = None
+        if self.ranks is not None:  # where every rank's rows sit: the first wait for the slowest rank
+            t0 = time.perf_counter()
+            layout = self.ranks.layout([sum(rw.mask) for rw in trained])
+            seconds["rank_wait_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         # 5. policy update (none when no row is left)
         update = (
-            self._policy_pass(rows, advantages, anchor, call.proximal_mu, derive_seed("minibatch", *seed))
-            if rows
+            self._policy_pass(trained, advantages, anchor, call.proximal_mu, derive_seed("minibatch", *seed), layout)
+            if (layout.total if layout is not None else trained)
             else {"optimizer_steps": 0.0, "skipped_steps": 0.0}
         )
-        update_s = time.perf_counter() - t0
+        seconds["update_s"] = time.perf_counter() - t0
+        played = Played(episodes, rows, len(trained), stats, seconds, first)
+        if self.ranks is not None:
+            shares = self.ranks.gather(played.light())
+            if shares is None:
+                return {}, 0  # rank 0 reports the iteration
+            played = Played.merged(shares)
         # 6. metrics
-        metrics = {
-            **episode_metrics(episodes, "train_"),
-            **outcome_shares(episodes, "train_"),
-            "train_score": train_score,
+        return self._metrics(played, update, critic_metrics), len(played.episodes)
+
+    def _metrics(self, played: Played, update: dict[str, float], critic: dict[str, float]) -> dict[str, float]:
+        """An iteration's metrics from what it played and its update's (and critic's) metrics."""
+        uniform, n_groups = uniform_groups(played.rows)
+        step = self.algorithm.advantage == "step_group_relative"
+        seconds = {k: played.seconds[k] for k in ("rollout_s", "rollout_sync_s", "scoring_s", "update_s")}
+        return {
+            **episode_metrics(played.episodes, "train_"),
+            **outcome_shares(played.episodes, "train_"),
+            "train_score": sum(rw.score for rw in played.rows) / max(len(played.rows), 1),
             "uniform_groups": len(uniform) / max(n_groups, 1),
-            "rows": float(len(rows)),
-            "rollout_s": rollout_s,
-            "rollout_sync_s": sync_s,
-            "scoring_s": scoring_s,
-            "update_s": update_s,
-            **stats.as_metrics("rollout_"),
+            "rows": float(played.trained),
+            **seconds,
+            **({"rank_wait_s": played.seconds["rank_wait_s"]} if "rank_wait_s" in played.seconds else {}),
+            **played.stats.as_metrics("rollout_"),
             **update,
-            **critic_metrics,
-            **step_stats,
+            **critic,
+            **(step_group_stats(played.rows, self.cfg.algo) if step else {}),
         }
-        return metrics, len(episodes)
 
     def _play(
-        self, specs: Any, temperature: float, seed: int, desc: str, env: SyncEnvClient | None = None, sessions: int = 0
+        self,
+        specs: Any,
+        temperature: float,
+        seed: int,
+        desc: str,
+        env: SyncEnvClient | None = None,
+        sessions: int = 0,
+        first_episode: int = 0,
     ) -> tuple[list[Episode], Any, float]:
-        """Play `specs` on `env` (default: the trainer's own, unperturbed env: validation)."""
+        """Play `specs` on `env` (default: the trainer's own, unperturbed env: validation);
+        `first_episode`: the index of specs[0] among the iteration's episodes (its seed)."""
         self._need_env()
         assert self.rollouts is not None and self.env is not None
         if env is None:
             env, sessions = self.env, self.max_sessions
-        return self.rollouts.play(env, specs, temperature, seed, sessions, desc)
+        return self.rollouts.play(env, specs, temperature, seed, sessions, desc, first_episode)
 
     def _advantages(
         self, episodes: Sequence[Episode], rows: Sequence[TrainRow], seed: int
@@ -327,10 +433,11 @@ class RLTrainer:
         anchor: FedProxAnchor | None,
         mu: float,
         seed: int,
+        layout: RowLayout | None = None,
     ) -> dict[str, float]:
         fedprox = (lambda: anchor.add_grad_(self.engine.parameters("actor"), mu)) if anchor is not None else None
         return policy_pass(
-            self.engine, self.policy_loss, rows, advantages, self.cfg.algo.mini_batch_size, seed, fedprox
+            self.engine, self.policy_loss, rows, advantages, self.cfg.algo.mini_batch_size, seed, fedprox, layout
         )
 
     def _need_env(self) -> None:
@@ -346,26 +453,31 @@ def policy_pass(
     mini: int,
     seed: int,
     after_backward: Callable[[], None] | None = None,
+    layout: RowLayout | None = None,
 ) -> dict[str, float]:
     """One pass of the policy over `rows`: rollout-time (and reference) log-probs, then one
-    optimizer step per mini-batch in a seeded order; `after_backward` (FedProx) in every step."""
+    optimizer step per mini-batch in a seeded order; `after_backward` (FedProx) in every step.
+    With a `layout` (a lane over several ranks) the pass runs over every rank's rows: each step
+    is the 1-rank step's mini-batch, of which this rank trains its own rows, normalised by the
+    whole mini-batch."""
     old = engine.score(rows, "policy")
     ref = engine.score(rows, "reference") if loss.kl_coef > 0 else None
-    return _mini_batch_pass(
-        len(rows),
-        mini,
-        seed,
-        lambda idx: engine.step(
+
+    def step(idx: list[int]) -> StepResult:
+        own = idx if layout is None else layout.local(idx)
+        return engine.step(
             PolicyBatch(
-                [rows[i] for i in idx],
-                [old[i] for i in idx],
-                [advantages[i] for i in idx],
-                [ref[i] for i in idx] if ref is not None else None,
+                [rows[i] for i in own],
+                [old[i] for i in own],
+                [advantages[i] for i in own],
+                [ref[i] for i in own] if ref is not None else None,
+                norm=None if layout is None else mini_batch_norm([layout.tokens[i] for i in idx], loss.horizon),
             ),
             loss,
             after_backward,
-        ),
-    )
+        )
+
+    return _mini_batch_pass(len(rows) if layout is None else layout.total, mini, seed, step)
 
 
 def critic_pass(

@@ -76,20 +76,25 @@ class Rollouts:
         return not isinstance(self.generator, BatchedGenerator)
 
     def play(
-        self, env: Any, specs: Sequence[EpisodeSpec], temperature: float, seed: int, max_sessions: int, desc: str
+        self,
+        env: Any,
+        specs: Sequence[EpisodeSpec],
+        temperature: float,
+        seed: int,
+        max_sessions: int,
+        desc: str,
+        first_episode: int = 0,
     ) -> tuple[list[Episode], RolloutStats, float]:
-        """Play `specs` to the end: (episodes, stats, seconds spent syncing weights)."""
+        """Play `specs` to the end: (episodes, stats, seconds spent syncing weights); specs[0] is
+        episode `first_episode` of its iteration (`run_episodes`)."""
+        settings = (self.settings, temperature, seed, max_sessions)
         if not self.syncs_weights:
             self.policy.generation_model()  # eval mode: rollout and update score the same policy
-            episodes, stats = run_episodes(
-                self.generator, env, specs, self.settings, temperature, seed, max_sessions, desc=desc
-            )
+            episodes, stats = run_episodes(self.generator, env, specs, *settings, desc, first_episode)
             return episodes, stats, 0.0
         try:
             sync_s = self.generator.load_weights(self.policy.policy_tensors())
-            episodes, stats = run_episodes(
-                self.generator, env, specs, self.settings, temperature, seed, max_sessions, desc=desc
-            )
+            episodes, stats = run_episodes(self.generator, env, specs, *settings, desc, first_episode)
         finally:
             self.generator.sleep()
         return episodes, stats, sync_s

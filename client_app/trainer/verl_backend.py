@@ -799,8 +799,11 @@ _Batch = TypeVar("_Batch", PolicyBatch, ValueBatch)
 
 
 def _subset(batch: _Batch, indices: Sequence[int]) -> _Batch:
-    """The batch's rows at `indices`, with their per-row tensors."""
-    picked = {
+    """The batch's rows at `indices`, with their per-row tensors (a policy batch's `norm`, set
+    only by a lane over several ranks, which this engine never runs, is not per row)."""
+    if getattr(batch, "norm", None) is not None:
+        raise ValueError("a mini-batch spread over several ranks reached the verl engine, which trains one rank")
+    picked: dict[str, Any] = {
         f.name: [value[i] for i in indices]
         for f in dataclasses.fields(batch)
         if (value := getattr(batch, f.name)) is not None

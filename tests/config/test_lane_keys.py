@@ -7,13 +7,23 @@ import pytest
 from fl_app.config import ConfigError, load_config
 
 
-def test_a_lane_of_several_gpus_is_refused_naming_the_fix():
-    with pytest.raises(
-        ConfigError,
-        match=r"run.lane_devices=2: no engine trains one fit over several ranks.*"
-        r"client-resources-num-gpus=1",
-    ):
-        load_config("tiny-shop-grpo", overrides={"run.lane_devices": 2})
+def test_a_lane_of_several_ranks_loads_for_the_builtin_engine():
+    cfg = load_config("tiny-shop-grpo", overrides={"run.lane_devices": 2})
+    assert cfg.run.lane_devices == 2 and load_config("tiny-shop-grpo").run.lane_devices == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"backend": "verl"}, r"run.lane_devices=2 with backend='verl'.*the builtin engine spans a lane's ranks"),
+        ({"algo.name": "ppo"}, r"run.lane_devices=2 with algo.name='ppo'.*without a critic"),
+        ({"algo.tasks_per_step": 1}, r"algo.tasks_per_step=1 gives fewer than 2; raise algo.tasks_per_step"),
+        ({"rollout.engine": "vllm", "run.device": "cuda"}, r"run.lane_devices=2 rolls out with rollout.engine: hf"),
+    ],
+)
+def test_a_lane_of_several_ranks_no_engine_can_train_as_one_fit_is_refused_naming_the_fix(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("tiny-shop-grpo", overrides={"run.lane_devices": 2, **overrides})
 
 
 def test_cpu_lanes_on_cuda_are_refused_and_default_to_one():
