@@ -117,7 +117,7 @@ def plot_seed_bands(arms: dict[str, list[Path]], out_png: Path, key: str = "val_
     """Per arm (label -> the metrics.jsonl of its seeds): the mean over seeds per round and a band
     from the lowest to the highest seed, so two arms are compared against their seed noise.
     Raises ValueError when an arm has no run or its runs validated different rounds."""
-    fig = Figure(figsize=(7, 4.2), dpi=100)
+    fig = Figure(figsize=(7, 4.2 + 0.25 * len(arms)), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     for label, paths in arms.items():
@@ -132,6 +132,6 @@ def plot_seed_bands(arms: dict[str, list[Path]], out_png: Path, key: str = "val_
     ax.set_xlabel("federated round (0 = initial model)")
     ax.set_ylabel(key.replace("_", " "))
     ax.grid(alpha=0.3)
-    ax.legend(loc="best")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize="small")  # below: labels can be long
     ax.set_title(title or f"{key}: mean over seeds, band = seed min..max")
     return _save(fig, out_png)

@@ -120,20 +120,38 @@ def plots(run: Run, out: Path) -> dict[str, str]:
 
 
 def arms(runs: Sequence[Run]) -> dict[str, list[Run]]:
-    """The runs grouped by their config without `NOT_THE_ARM`, each group labelled by the keys
-    whose values tell the groups apart (the run name when there is one group)."""
+    """The runs grouped by their config without `NOT_THE_ARM`, each group labelled by the fewest
+    keys whose values tell the groups apart (the run name when there is one group)."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
         key = json.dumps({k: v for k, v in run.config.items() if k not in NOT_THE_ARM}, sort_keys=True, default=str)
         groups.setdefault(key, []).append(run)
     configs = [g[0].config for g in groups.values()]
-    differ = sorted(k for k in {k for c in configs for k in c} if len({json.dumps(c.get(k)) for c in configs}) > 1)
+    keys = naming_keys(configs)
     labels = {}
     for i, g in enumerate(groups.values()):
         c = g[0].config
-        label = ", ".join(f"{k}={c.get(k)}" for k in differ if k not in NOT_THE_ARM)
+        label = ", ".join(f"{k}={c.get(k)}" for k in keys)
         labels[label or str(c.get("run.name") or f"arm {i}")] = g
     return labels
+
+
+def naming_keys(configs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The fewest keys, picked greedily (most distinct values first, then by name), whose values
+    tell every config apart: a LoRA arm beside a full one is `federation.update=lora`, not also
+    its rank, alpha and learning rate (those differ too, but name nothing new)."""
+
+    def value(c: Mapping[str, Any], k: str) -> str:
+        return json.dumps(c.get(k), sort_keys=True, default=str)
+
+    differ = [k for k in {k for c in configs for k in c} - set(NOT_THE_ARM) if len({value(c, k) for c in configs}) > 1]
+    differ.sort(key=lambda k: (-len({value(c, k) for c in configs}), k))
+    picked: list[str] = []
+    for k in differ:
+        if len({tuple(value(c, p) for p in picked) for c in configs}) == len(configs):
+            break
+        picked.append(k)
+    return sorted(picked)
 
 
 def compare(groups: Mapping[str, list[Run]], out: Path) -> dict[str, Any]:
@@ -180,13 +198,14 @@ def _print_one(s: Mapping[str, Any], made: Mapping[str, str]) -> None:
 
 
 def _print_arms(rep: Mapping[str, Any]) -> None:
-    print(f"{'arm':<40} {'runs':>4} {'final val':>15} {'best val':>15} {'wall/round s':>15}")
+    width = max([40, *(len(label) for label in rep["arms"])])
+    print(f"{'arm':<{width}} {'runs':>4} {'final val':>15} {'best val':>15} {'wall/round s':>15}")
     for label, row in rep["arms"].items():
         cells = [
             f"{_num(row[k]['mean'])}±{_num(row[k]['std'])}"
             for k in ("final_val_success", "best_val_success", "wall_s_per_round")
         ]
-        print(f"{label[:40]:<40} {len(row['runs']):>4} " + " ".join(f"{c:>15}" for c in cells))
+        print(f"{label:<{width}} {len(row['runs']):>4} " + " ".join(f"{c:>15}" for c in cells))
     print(f"band plot: {rep['bands.png']}")
 
 

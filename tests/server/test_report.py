@@ -13,7 +13,7 @@ import yaml
 from metrics_support import old_row
 
 from fl_app.accounting import client_entry, client_traffic, round_accounting
-from server_app.report import main, report
+from server_app.report import main, naming_keys, report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -104,3 +104,16 @@ def test_what_is_not_a_run_dir_is_refused_in_one_line(tmp_path, capsys):
     b = _run(tmp_path, "b", 1, [0.1, 0.2])  # validated other rounds: no band to draw
     assert main([str(a), str(b), "--out", str(tmp_path / "o")]) == 1
     assert "same rounds" in capsys.readouterr().err
+
+
+def test_arms_are_named_by_the_fewest_keys_that_tell_them_apart():
+    """A LoRA arm beside full and int8 ones differs in its update mode, rank, alpha and learning
+    rate; the update mode alone names the three (a label of every differing key hid them)."""
+    full = {"federation.update": "full", "federation.lora.rank": 8, "algo.lr": 2e-4, "run.seed": 0}
+    int8 = {**full, "federation.update": "delta-int8", "run.seed": 1}
+    lora = {**full, "federation.update": "lora", "federation.lora.rank": 4, "algo.lr": 1e-3}
+    assert naming_keys([full, int8, lora]) == ["federation.update"]
+    assert naming_keys([full, lora]) == ["algo.lr"]  # two values each: the first by name names both
+    assert naming_keys([full, {**full, "run.seed": 3}]) == []  # seeds name no arm
+    two = [{"a": 1, "b": 1}, {"a": 1, "b": 2}, {"a": 2, "b": 1}]
+    assert naming_keys(two) == ["a", "b"]
