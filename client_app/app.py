@@ -16,9 +16,10 @@ from flwr.clientapp import ClientApp
 
 from client_app.downloads import serve
 from client_app.failures import failure_reply
+from client_app.fleet_bytes import count_reply
 from client_app.lane import ServiceError, lane_services, serving_lane, stop_lanes
 from client_app.poison import poison_fit
-from fl_app.accounting import MESSAGE_DOWN, MESSAGE_UP, Meter, count_reply
+from fl_app.accounting import MESSAGE_DOWN, MESSAGE_UP, Meter
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall, Reply
 from fl_app.channel import arrays_key
 from fl_app.channel.open import node_channel

@@ -777,7 +777,7 @@ def _blamed(e: WeightsError, order: list[int]) -> int | None:
 
 def _shutdown_lanes(run: Run) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Stop every node's lane services: one entry per service stopped (fits, evals, its node and
-    log), and the shutdown calls' Flower message bytes each way (`fl_app.accounting.fleet_bytes`)."""
+    log), and the shutdown calls' Flower message bytes each way (`client_app.fleet_bytes`)."""
     msgs = [run.message(n, "query.shutdown", Call(**run.header)) for n in sorted(run.grid.get_node_ids())]
     seen = run.nodes
     out, messages = [], {"down": 0, "up": 0}

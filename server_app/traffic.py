@@ -9,7 +9,7 @@ The ServerApp cannot read that count (its Runtime API has no call that returns i
 the run as it was at start), so this reads it after the run through Flower's CLI, the supported
 path (`flwr ls --run-id ID --format json`, its `network-traffic`), writes it into summary.json
 as `flower_traffic` and prints it beside ours: `message_bytes`, the Flower messages of the run's
-calls as the Fleet API carries them (`fl_app.accounting.fleet_bytes`; Flower's outbound is our
+calls as the Fleet API carries them (`client_app.fleet_bytes`; Flower's outbound is our
 down, its inbound our up), and the weight bytes (`bytes_down`/`bytes_up`: with a weight store
 the store's, which Flower never sees). docs/deployment.md ("Traffic") gives measured numbers.
 

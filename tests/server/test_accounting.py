@@ -13,6 +13,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, Metadata, MetricRecord,
 from metrics_support import old_row
 from tb_support import events as _events
 
+from client_app.fleet_bytes import count_reply, fleet_bytes
 from fl_app.accounting import (
     CLIENT_PHASES,
     MESSAGE_DOWN,
@@ -20,8 +21,6 @@ from fl_app.accounting import (
     PHASES,
     client_entry,
     client_traffic,
-    count_reply,
-    fleet_bytes,
     phases_of,
     round0_accounting,
     round_accounting,
