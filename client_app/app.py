@@ -16,10 +16,10 @@ from flwr.clientapp import ClientApp
 
 from client_app.downloads import serve
 from client_app.failures import failure_reply
-from client_app.fleet_bytes import count_reply
+from client_app.fleet_bytes import UNCOUNTED, count_reply
 from client_app.lane import ServiceError, lane_services, serving_lane, stop_lanes
 from client_app.poison import poison_fit
-from fl_app.accounting import MESSAGE_DOWN, MESSAGE_UP, Meter
+from fl_app.accounting import Meter
 from fl_app.calls import RECORD, Call, EvalCall, FitCall, InitCall, Reply
 from fl_app.channel import arrays_key
 from fl_app.channel.open import node_channel
@@ -95,8 +95,6 @@ def shutdown(msg: Message, context: Context) -> Message:
     cfg = load_config(str(run_config.get("recipe") or "tiny-shop-grpo"), overrides=run_config)
     _, work = node_channel(call, cfg.run, f"node {context.node_id}")
     lanes = lane_services(context.run_id, run_config, cfg.run, work.path / "logs", Path(call.run_dir))
-    stopped = stop_lanes(lanes)  # zeros: another node stopped them
-    messages = {MESSAGE_DOWN: 0.0, MESSAGE_UP: 0.0}  # filled in by `count_reply`
-    content = RecordDict({"metrics": MetricRecord({**stopped, **messages})})
+    content = RecordDict({"metrics": MetricRecord({**stop_lanes(lanes), **UNCOUNTED})})  # zeros: stopped elsewhere
     content[RECORD] = ConfigRecord({RECORD: Reply(**lanes[0].where()).model_dump_json()})
     return count_reply(msg, Message(content=content, reply_to=msg))

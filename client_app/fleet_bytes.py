@@ -24,6 +24,8 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, 
 
 from fl_app.accounting import MESSAGE_DOWN, MESSAGE_UP
 
+UNCOUNTED = {MESSAGE_DOWN: 0.0, MESSAGE_UP: 0.0}  # what `count_reply` fills in (doubles, as the counts)
+
 
 def _objects(msg: Message) -> tuple[int, ObjectTree, list[str]]:
     """The bytes of every object of `msg` (content-addressed: an object twice in it travels once),
