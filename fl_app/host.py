@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,3 +95,10 @@ def single_threaded_blas() -> None:
     CPU kernels do not go through this BLAS.)
     """
     threadpool_limits(1, user_api="blas")
+
+
+def flwr_cli() -> str | None:
+    """Flower's `flwr` command of this environment (beside this Python: a venv's own, also when
+    it is not activated), else the one on PATH, else None."""
+    here = Path(sys.executable).with_name("flwr")
+    return str(here) if here.exists() else shutil.which("flwr")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_app.accounting import run_weight_bytes
+from fl_app.host import flwr_cli
 from fl_app.rundir import RunDir
 from server_app.errors import one_line
 
@@ -45,8 +45,7 @@ class TrafficError(Exception):
 
 def flwr_command() -> str:
     """The `flwr` CLI of this environment (beside this Python), else the one on PATH."""
-    here = Path(sys.executable).with_name("flwr")
-    found = str(here) if here.exists() else shutil.which("flwr")
+    found = flwr_cli()
     if found is None:
         raise TrafficError("no `flwr` command beside this Python or on PATH: install flwr (pip install flwr)")
     return found

@@ -34,12 +34,13 @@ from flwr.common.config import parse_config_args
 
 from envs.ports import choose_free_port
 from fl_app.config import ConfigError, load_config
+from fl_app.host import flwr_cli
 from server_app import report
 from server_app.local_superlink import stop_superlink
 
 ROOT = Path(__file__).resolve().parent.parent
 # this interpreter's flwr (a venv's), else the one on PATH (a --target site's bin dir)
-FLWR = str(Path(sys.executable).with_name("flwr")) if Path(sys.executable).with_name("flwr").exists() else "flwr"
+FLWR = flwr_cli() or "flwr"
 
 
 class SweepError(ValueError):
