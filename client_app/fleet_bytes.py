@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from uuid import UUID
 
-from flwr.app import Message
-from flwr.app.message import remove_content_from_message
-from flwr.common.serde import message_to_proto
+from flwr.app import Message, RecordDict
+from flwr.common.serde import error_to_proto, metadata_to_proto, recorddict_to_proto
 from flwr.proto.fleet_pb2 import (
     PullMessagesRequest,
     PullMessagesResponse,
@@ -35,8 +34,16 @@ def _objects(msg: Message) -> tuple[int, ObjectTree, list[str]]:
 
 
 def _head(msg: Message) -> ProtoMessage:
-    """`msg` as a Fleet request names it: its metadata (its id set, as when it is pushed)."""
-    head = message_to_proto(remove_content_from_message(msg))
+    """`msg` as a Fleet request names it: its metadata (its id set, as when it is pushed) and an
+    empty content, or its error. Built from a copy: Flower's `remove_content_from_message` resets
+    `delivered_at` on the message's own metadata, which in an in-process runtime is the
+    SuperLink's record of the call, so the call was handed out a second time."""
+    error = msg.has_error()
+    head = ProtoMessage(
+        metadata=metadata_to_proto(msg.metadata),
+        content=None if error else recorddict_to_proto(RecordDict()),
+        error=error_to_proto(msg.error) if error else None,
+    )
     head.metadata.message_id = head.metadata.message_id or msg.object_id
     return head
 

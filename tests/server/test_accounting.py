@@ -130,6 +130,17 @@ def test_fleet_bytes_count_each_object_once_and_a_reply_its_own_size_as_sent():
         count_reply(call, reply)  # counted already: the keys no longer hold the 0.0 placeholders
 
 
+def test_counting_a_call_leaves_its_metadata_as_the_superlink_holds_it():
+    """The call a ClientApp counts is, in an in-process runtime, the SuperLink's own record of it:
+    counting must not touch it. Before: `delivered_at` went back to "" and Flower handed the
+    same call to a second worker (a duplicate reply, logged as an error)."""
+    call = _call([np.ones(8, np.float32)])
+    call.metadata.delivered_at = "2026-12-07T00:00:00+00:00"
+    metrics = MetricRecord(client_traffic({"actor": 32}, {}, 0.1, 1.0))
+    count_reply(call, Message(RecordDict({"metrics": metrics}), reply_to=call))
+    assert call.metadata.delivered_at == "2026-12-07T00:00:00+00:00"
+
+
 def test_a_row_from_before_the_accounting_keys_still_has_phases_and_plots(tmp_path):
     ph = phases_of(old_row(1))
     assert ph is not None and ph["rollout"] == 6.0 and ph["other"] == pytest.approx(2.0)
