@@ -76,7 +76,7 @@ class FlowerRun:
         self.home = home
         # Unix socket paths are limited to 107 bytes: Ray's and ours live in a short dir.
         self.short = Path(tempfile.mkdtemp(prefix="fa-", dir="/tmp"))
-        self.env = private_flower_env(home, self.short)
+        self.env = private_flower_env(home, self.short, FLWR)
         self.port = int(self.env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"])
 
     def command(self, run_config: str, federation_config: str = "num-supernodes=2") -> list[str]:

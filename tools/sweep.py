@@ -39,15 +39,28 @@ from server_app import report
 from server_app.local_superlink import stop_superlink
 
 ROOT = Path(__file__).resolve().parent.parent
-# this interpreter's flwr (a venv's), else the one on PATH (a --target site's bin dir)
-FLWR = flwr_cli() or "flwr"
 
 
 class SweepError(ValueError):
     """An arm or option that cannot run; the message names it and the fix."""
 
 
-def private_flower_env(home: Path, short: Path) -> dict[str, str]:
+def flower_commands() -> str:
+    """This environment's `flwr` (a venv's, else the one on PATH), refused before any job starts
+    when it or the `flower-superlink` it starts is missing (a `pip install --target` dir has the
+    packages but may lack their console scripts)."""
+    flwr = flwr_cli()
+    superlink = flwr and (Path(flwr).with_name("flower-superlink").exists() or shutil.which("flower-superlink"))
+    if not flwr or not superlink:
+        missing = "flower-superlink" if flwr else "flwr"
+        raise SweepError(
+            f"no `{missing}` command beside this Python ({Path(sys.executable).parent}) or on PATH: "
+            "install flwr into this environment, or put the bin dir that holds Flower's console scripts on PATH"
+        )
+    return flwr
+
+
+def private_flower_env(home: Path, short: Path, flwr: str) -> dict[str, str]:
     """The environment of a `flwr run` that shares nothing with any other on the machine: its own
     FLWR_HOME and local SuperLink ports, Ray and runtime dirs under `short` (Unix socket paths
     are limited to 107 bytes), and `flwr`'s own interpreter first on PATH (flwr starts
@@ -65,7 +78,7 @@ def private_flower_env(home: Path, short: Path) -> dict[str, str]:
         "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
         "RAY_TMPDIR": str(short / "ray"),
         "FEDAGENT_RUNTIME_DIR": str(short / "rt"),
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        "PATH": os.pathsep.join([str(Path(flwr).parent), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
     }
 
 
@@ -145,13 +158,13 @@ def complete(run_dir: Path) -> bool:
 class Running:
     """One job's `flwr run` in its own process session and its own Flower."""
 
-    def __init__(self, job: Job, out: Path, threads: int, federation_config: str):
+    def __init__(self, job: Job, out: Path, threads: int, federation_config: str, flwr: str):
         self.job = job
         self.home = out / ".flwr" / job.name
         self.home.mkdir(parents=True, exist_ok=True)
         self.short = Path(tempfile.mkdtemp(prefix="fa-", dir="/tmp"))
-        env = private_flower_env(self.home, self.short) | {"FEDAGENT_CPU_THREADS": str(threads)}
-        cmd = [FLWR, "run", str(ROOT), "--run-config", job.run_config, "--stream"]
+        env = private_flower_env(self.home, self.short, flwr) | {"FEDAGENT_CPU_THREADS": str(threads)}
+        cmd = [flwr, "run", str(ROOT), "--run-config", job.run_config, "--stream"]
         if federation_config:
             cmd += ["--federation-config", federation_config]
         self.log = out / "logs" / f"{job.name}.log"
@@ -196,7 +209,7 @@ def summary_line(job: Job, ok: bool, seconds: float) -> str:
 
 
 def run_jobs(
-    planned: list[Job], out: Path, jobs: int, threads: int, federation_config: str, cores: Sequence[int]
+    planned: list[Job], out: Path, jobs: int, threads: int, federation_config: str, cores: Sequence[int], flwr: str
 ) -> list[Job]:
     """Run every job not yet complete, `jobs` at a time; returns the jobs whose run did not complete."""
     todo = [j for j in planned if not complete(j.run_dir)]
@@ -212,7 +225,7 @@ def run_jobs(
             while todo and len(running) < jobs:
                 job = todo.pop(0)
                 job.cores = free.pop(0) if free else []
-                running.append(Running(job, out, threads, federation_config))
+                running.append(Running(job, out, threads, federation_config, flwr))
             time.sleep(1.0)
             for r in [r for r in running if r.proc.poll() is not None]:
                 r.stop()
@@ -260,13 +273,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SweepError("--jobs and --threads must be at least 1, and --seeds name at least one seed")
         planned = plan(a.arm, seeds, a.run_config, a.out)
         cores = parse_cores(a.cores)
+        flwr = flower_commands()
     except (SweepError, ValueError) as e:
         print(f"tools.sweep: {e}", file=sys.stderr)
         return 2
     _stop_on_signals()
     pinned = "pinned" if core_slots(a.jobs, a.threads, cores) else "not pinned (more than the cores)"
     print(f"{len(planned)} runs, {a.jobs} at a time, {a.threads} threads each, {pinned}; logs in {a.out / 'logs'}")
-    failed = run_jobs(planned, a.out, a.jobs, a.threads, a.federation_config, cores)
+    failed = run_jobs(planned, a.out, a.jobs, a.threads, a.federation_config, cores, flwr)
     dirs = [str(j.run_dir) for j in planned if j not in failed]
     if len(dirs) > 1:
         report.main([*dirs, "--out", str(a.out / "report")])

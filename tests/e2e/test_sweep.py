@@ -32,6 +32,18 @@ def test_arms_are_resolved_before_anything_starts(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+def test_a_sweep_without_flower_s_commands_refuses_before_any_job(tmp_path, monkeypatch, capsys):
+    """As in a `pip install --target` dir without console scripts: no `flwr` beside this Python or
+    on PATH. Before: each job died at its start with a FileNotFoundError traceback."""
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python3"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    out = tmp_path / "s"
+    assert main(["--arm", f'a=recipe="{RECIPE}"', "--seeds", "0", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no `flwr` command beside this Python" in err and "on PATH" in err, err
+    assert not out.exists()
+
+
 def test_each_job_is_its_arm_with_the_common_keys_its_seed_and_its_own_run_dir(tmp_path):
     jobs = plan(
         [f'fedavg=recipe="{RECIPE}"', f'lr2=recipe="{RECIPE}" algo.lr=2e-4'],
