@@ -1,0 +1,393 @@
+"""One round of the published FedAgent protocol on one device, timed by phase, against FedAgent's
+~82 H100-minutes a round.
+
+    python -m bench.published_round --synthetic-catalog --json /tmp/round.json            # a whole round
+    python -m bench.published_round --synthetic-catalog --clients 1 --iterations 1 \\
+        --json /tmp/iteration.json       # one client's local iteration at paper scale, the round computed
+    python -m bench.published_round --model <HF model dir> --engine verl --rollout vllm --synthetic-catalog
+
+The recipe (default webshop-grpo-qwen2.5-1.5b) gives the round's shape: M clients sampled by the
+published rule, each on its own 100-task shard, E RL iterations of tasks x group episodes of up
+to max_turns turns, the prompt and reply caps, then FedAvg and validation on val_tasks tasks.
+The round runs as a lane runs it, on ONE persistent trainer (`client_app.trainer.make_trainer`,
+the recipe's engine or `--engine`, its rollout engine or `--rollout`): per client the global
+weights come through the run-dir channel (`load_shards`: transport), `load_weights` (load), `fit`
+(its own rollout / scoring / update seconds), `export_weights` (export), the upload written as
+shards (transport); then the streaming FedAvg over the uploads (aggregation) and the new global
+model's validation (its download, load and evaluation). Building the trainer and the env
+service is a lane's start, once per run, and is reported apart (`setup_s`).
+
+Where the device time cannot hold a whole round, `--clients C` (< M) and `--iterations I` (< E)
+measure part of it and the round is computed: the fit phases (and the fit's unnamed rest) scaled
+by M E / (C I), the per-client phases by M / C; aggregation always folds M uploads (the measured
+ones repeated) and validation runs once, so both are measured as a round runs them. The report
+says which it is (`round`: `measured` or `computed from ...`). The first iteration carries a
+lane's first-fit costs (compilation, CUDA graphs): `--warmup N` runs N untimed iterations first.
+
+`--model DIR` trains any Hugging Face model directory; without it a random-weight model of
+Qwen2.5-1.5B's shape (bench.rollout.QWEN15B) with the tiny model's tokenizer is written to
+`--model-dir`. Random weights rarely emit eos, so every reply runs to the length cap: the worst
+case, which the report says (`replies`); a real model's lengths need `--model`. The published
+WebShop catalog is not shipped: `--synthetic-catalog` plays the synthetic shop at the published
+catalog size (1,000 products) with the recipe's goal count, validation pool and search depth.
+
+Smaller runs (`--tasks`, `--group`, `--turns`, `--val-tasks`, `--device cpu`, recipe overrides
+`a.b=c`) keep every phase; the report says whether the shape is the recipe's (`at_recipe_scale`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.report import emit
+from bench.rollout import QWEN15B
+from bench.trainer_fits import random_qwen_dir
+from client_app.tiny_model import build_tiny_model
+from client_app.trainer import make_trainer
+from client_app.trainer.base import ClientTasks
+from client_app.trainer.device import resolve_device
+from client_app.trainer.loop import RLTrainer
+from envs.service import serve_in_subprocess
+from fl_app.accounting import CLIENT_PHASES
+from fl_app.aggregate import fedavg_manifests
+from fl_app.calls import EvalCall, FitCall
+from fl_app.config import Config, load_config
+from fl_app.weights import load_shards, save_shards
+from partitions.uniform import client_shard, round_clients, sampling_seed
+
+# FedAgent's WebShop GRPO run: ~24 h wall for T = 70 rounds on 4 x H100 (notes-fedagent-protocol.md
+# §1.3, from the repo's docs/reproducing.md "Compute budget"): 24 x 60 x 4 / 70 H100-minutes a round
+FEDAGENT = {"wall_h": 24.0, "gpus": 4, "rounds": 70}
+FEDAGENT_GPU_MIN_PER_ROUND = FEDAGENT["wall_h"] * 60 * FEDAGENT["gpus"] / FEDAGENT["rounds"]
+FIT_PHASES = ("rollout", "scoring", "update")  # per iteration, in the fit's own metrics
+PUBLISHED_PRODUCTS = 1000  # use_small: items_shuffle_1000 (notes-fedagent-protocol.md §6.1)
+MB = 2**20
+
+
+class PeakMemory:
+    """The device's used memory (every process: vLLM's pool, non-PyTorch allocations), sampled
+    every `every_s` on a thread, and PyTorch's own peak allocation; nothing on the CPU."""
+
+    def __init__(self, device: torch.device, every_s: float = 0.2) -> None:
+        self.cuda, self.every_s, self.device_used = device.type == "cuda", every_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            free, total = torch.cuda.mem_get_info()
+            self.device_used = max(self.device_used, total - free)
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[PeakMemory]:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self._thread.start()
+        try:
+            yield self
+        finally:
+            if self.cuda:
+                self._stop.set()
+                self._thread.join()
+
+    def report(self) -> dict[str, float] | None:
+        if not self.cuda:
+            return None
+        return {
+            "device_used_mb": round(self.device_used / MB),
+            "torch_max_allocated_mb": round(torch.cuda.max_memory_allocated() / MB),
+            "torch_max_reserved_mb": round(torch.cuda.max_memory_reserved() / MB),
+        }
+
+
+class Replies:
+    """Every training turn's prompt and reply length, recorded where the trainer plays episodes
+    (`Rollouts.play`, whichever rollout engine), so the trainer itself runs unchanged."""
+
+    def __init__(self, trainer: RLTrainer) -> None:
+        assert trainer.rollouts is not None
+        self.prompts: list[int] = []
+        self.replies: list[int] = []
+        self.recording = False
+        play = trainer.rollouts.play
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            episodes, stats, sync_s = play(*args, **kwargs)
+            if self.recording:
+                for e in episodes:
+                    self.prompts += [len(t.prompt_ids) for t in e.turns]
+                    self.replies += [len(t.response_ids) for t in e.turns]
+            return episodes, stats, sync_s
+
+        trainer.rollouts.play = recorded  # type: ignore[method-assign]
+
+    def report(self, cfg: Config) -> dict[str, Any]:
+        cap, prompt_cap = cfg.rollout.max_response_tokens, cfg.rollout.max_prompt_tokens
+        at_cap = sum(n >= cap for n in self.replies) / max(len(self.replies), 1)
+        return {
+            "turns": len(self.replies),
+            "reply_tokens_mean": round(statistics.fmean(self.replies or [0]), 1),
+            "reply_tokens_max": max(self.replies or [0]),
+            "reply_cap": cap,
+            "replies_at_cap": round(at_cap, 3),
+            "prompt_tokens_mean": round(statistics.fmean(self.prompts or [0]), 1),
+            "prompt_tokens_max": max(self.prompts or [0]),
+            "prompt_cap": prompt_cap,
+            "note": "worst case: replies run to the cap (random weights rarely emit eos)"
+            if at_cap > 0.5
+            else "the policy's own reply lengths",
+        }
+
+
+@contextlib.contextmanager
+def timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall seconds to `phases[name]`."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
+
+def recipe_dotlist(args: argparse.Namespace) -> list[str]:
+    """The bench's knobs as recipe overrides (validated like any recipe), the user's last."""
+    knobs = {
+        "run.device": args.device,
+        "backend": args.engine,
+        "rollout.engine": args.rollout,
+        "algo.tasks_per_step": args.tasks,
+        "algo.group_size": args.group,
+        "env.max_turns": args.turns,
+        "federation.val_tasks": args.val_tasks,
+        "model.path": args.model,
+    }
+    dotlist = [f"{k}={v}" for k, v in knobs.items() if v is not None]
+    if args.synthetic_catalog:
+        dotlist += ["env.params.data_dir=null", f"env.params.num_products={PUBLISHED_PRODUCTS}"]
+    return [*dotlist, *args.overrides]
+
+
+def check_catalog(cfg: Config, recipe: str) -> None:
+    """Fail before any build when the recipe's WebShop catalog is not on this machine."""
+    data_dir = cfg.env.params.get("data_dir")
+    if data_dir and not Path(data_dir).is_dir():
+        raise SystemExit(
+            f"recipe {recipe!r} plays the WebShop catalog in {data_dir}, which is not here: "
+            "pass --synthetic-catalog (the synthetic shop at the published catalog size)"
+        )
+
+
+def random_policy(args: argparse.Namespace, device: torch.device) -> Path:
+    """A random Qwen2.5-1.5B-shaped model with the tiny model's tokenizer (every shop word one
+    id, as bench.trainer_fits builds its 0.5B), written once to `--model-dir`."""
+    tiny = load_config("tiny-shop-grpo")
+    tokenizer = build_tiny_model(tiny.model.tiny, tiny.env, tiny.rollout)
+    return random_qwen_dir(args.model_dir, tokenizer, device, QWEN15B)
+
+
+def play_round(
+    cfg: Config, trainer: RLTrainer, args: argparse.Namespace, work: Path, replies: Replies
+) -> dict[str, Any]:
+    """Round 1 as a lane serves it: the measured clients' fits through the run-dir channel, the
+    FedAvg of M uploads and the validation; every phase's seconds and the measured wall (the
+    timed fits' turns recorded in `replies`)."""
+    fed = cfg.federation
+    shard_bytes = int(cfg.run.shard_max_mb * MB)
+    assert trainer.env is not None
+    info = trainer.env.info()
+    pool = range(int(info["val_size"]), int(info["num_tasks"]))
+    clients = round_clients(sampling_seed(cfg.run.seed, fed.sampling_seed), 1, fed.clients, fed.clients_per_round)
+    save_shards(trainer.export_weights(), work / "global-0", shard_bytes)  # round 0's model, as the server holds it
+    if args.warmup:  # the first client's fit, shorter and untimed
+        warm = FitCall(round=1, client_id=clients[0], local_epochs=args.warmup, seed=cfg.run.seed)
+        trainer.fit(warm, ClientTasks(client_shard(clients[0], fed.clients, fed.tasks_per_client, pool, cfg.run.seed)))
+    replies.recording = True
+    phases: dict[str, float] = {}
+    fits: list[dict[str, float]] = []
+    uploads: list[tuple[Path, float]] = []
+    t_round = time.perf_counter()
+    for cid in clients[: args.clients]:
+        tasks = ClientTasks(client_shard(cid, fed.clients, fed.tasks_per_client, pool, cfg.run.seed))
+        call = FitCall(round=1, client_id=cid, local_epochs=args.iterations, seed=cfg.run.seed)
+        with timed(phases, "transport"):
+            state = load_shards(work / "global-0")
+        with timed(phases, "load"):
+            trainer.load_weights(state)
+        del state
+        t0 = time.perf_counter()
+        result = trainer.fit(call, tasks)
+        fit_s = time.perf_counter() - t0
+        m = result.metrics
+        for p in FIT_PHASES:
+            phases[p] = phases.get(p, 0.0) + m[f"{p}_s"]
+        phases["fit_other"] = phases.get("fit_other", 0.0) + fit_s - sum(m[f"{p}_s"] for p in FIT_PHASES)
+        fits.append({"client": cid, "fit_s": round(fit_s, 3), "episodes": result.num_examples} | _fit_numbers(m))
+        up = work / f"upload-{cid}"
+        with timed(phases, "export"):
+            exported = trainer.export_weights()
+        with timed(phases, "transport"):
+            save_shards(exported, up, shard_bytes)
+        del exported
+        uploads.append((up, float(result.num_examples)))
+    inputs = [uploads[i % len(uploads)] for i in range(fed.clients_per_round)]  # M uploads, as the server folds
+    with timed(phases, "aggregation"):
+        fedavg_manifests(inputs, work / "global-1", shard_bytes)
+    replies.recording = False
+    with timed(phases, "validation"):
+        trainer.load_weights(load_shards(work / "global-1"))
+        val_metrics = trainer.evaluate(EvalCall(round=1, seed=cfg.run.seed), list(range(fed.val_tasks))).metrics
+    wall = time.perf_counter() - t_round
+    return {"clients": clients, "fits": fits, "phases": phases, "wall_s": wall, "val": val_metrics}
+
+
+def _fit_numbers(m: dict[str, float]) -> dict[str, float]:
+    keys = ("rollout_sync_s", "rollout_generate_s", "rollout_env_s", "rollout_tokens", "rows", "optimizer_steps")
+    return {k: round(float(m[k]), 3) for k in keys if k in m}
+
+
+def round_summary(cfg: Config, measured: dict[str, Any], clients: int, iterations: int) -> dict[str, Any]:
+    """The round's phases: measured, or computed from C clients x I iterations (fit phases x
+    M E / (C I), per-client phases x M / C; aggregation and validation as measured); the
+    bench's own glue outside every phase stays `other`."""
+    m_, e_ = cfg.federation.clients_per_round, cfg.federation.local_epochs
+    per_fit, per_client = m_ * e_ / (clients * iterations), m_ / clients
+    ph = measured["phases"]
+    other = measured["wall_s"] - sum(ph.values())
+    scale = {p: per_fit for p in (*FIT_PHASES, "fit_other")} | {p: per_client for p in ("transport", "load", "export")}
+    phases = {p: ph.get(p, 0.0) * scale.get(p, 1.0) for p in (*CLIENT_PHASES, "fit_other", "aggregation", "validation")}
+    phases["other"] = other
+    whole = clients == m_ and iterations == e_
+    return {
+        "round": "measured"
+        if whole
+        else f"computed from {clients} client(s) x {iterations} iteration(s) of the round's {m_} x {e_}",
+        "measured_wall_s": round(measured["wall_s"], 3),
+        "measured_phase_s": {p: round(v, 3) for p, v in ph.items()} | {"other": round(other, 3)},
+        "round_s": round(sum(phases.values()), 3),
+        "phase_s": {p: round(v, 3) for p, v in phases.items()},
+    }
+
+
+def at_scale(cfg: Config, recipe: Config) -> bool:
+    """Whether the round's shape is the recipe's: tasks, group, turns, caps and validation."""
+
+    def shape(c: Config) -> tuple:
+        r = c.rollout
+        return (
+            c.algo.tasks_per_step,
+            c.algo.rollouts_per_task,
+            c.env.max_turns,
+            r.max_prompt_tokens,
+            r.max_response_tokens,
+            c.federation.val_tasks,
+        )
+
+    return shape(cfg) == shape(recipe)
+
+
+def run(cfg: Config, recipe: Config, args: argparse.Namespace) -> dict[str, Any]:
+    """Build the lane (env service + trainer: `setup_s`), play the round, report."""
+    device = resolve_device(cfg.run.device)
+    memory = PeakMemory(device)
+    with (
+        tempfile.TemporaryDirectory(dir=args.work_dir) as tmp,
+        serve_in_subprocess(cfg.env.name, cfg.env.pool_size, cfg.env.params) as url,
+        memory.watch(),
+    ):
+        t0 = time.perf_counter()
+        trainer = make_trainer(cfg, url, run_dir=Path(tmp) / "lane")
+        setup_s = time.perf_counter() - t0
+        try:
+            replies = Replies(trainer)
+            params = sum(p.numel() for _, p in trainer.engine.parameters("actor"))
+            measured = play_round(cfg, trainer, args, Path(tmp), replies)
+        finally:
+            trainer.close()
+    summary = round_summary(cfg, measured, args.clients, args.iterations)
+    gpus = cfg.run.lane_devices if device.type == "cuda" else 0
+    gpu_min = summary["round_s"] / 60 * gpus
+    return {
+        "recipe": args.recipe,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "model": cfg.model.path,
+        "trained_params_m": round(params / 1e6, 1),
+        "engine": cfg.backend,
+        "rollout_engine": cfg.rollout.engine,
+        "overrides": args.overrides,
+        "shape": {
+            "clients_per_round": cfg.federation.clients_per_round,
+            "local_epochs": cfg.federation.local_epochs,
+            "tasks": cfg.algo.tasks_per_step,
+            "group": cfg.algo.rollouts_per_task,
+            "max_turns": cfg.env.max_turns,
+            "max_prompt_tokens": cfg.rollout.max_prompt_tokens,
+            "max_response_tokens": cfg.rollout.max_response_tokens,
+            "val_tasks": cfg.federation.val_tasks,
+            "measured_clients": args.clients,
+            "measured_iterations": args.iterations,
+            "warmup_iterations": args.warmup,
+        },
+        "at_recipe_scale": at_scale(cfg, recipe),
+        "setup_s": round(setup_s, 3),
+        **summary,
+        "fits": measured["fits"],
+        "clients": measured["clients"],
+        "val_success": measured["val"].get("success"),
+        "replies": replies.report(cfg),
+        "peak_memory": memory.report(),
+        "gpus": gpus,
+        "gpu_minutes_per_round": round(gpu_min, 2),
+        "fedagent_h100_minutes_per_round": round(FEDAGENT_GPU_MIN_PER_ROUND, 1),
+        "vs_fedagent": round(gpu_min / FEDAGENT_GPU_MIN_PER_ROUND, 3) if gpus else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.published_round", description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", default="webshop-grpo-qwen2.5-1.5b")
+    ap.add_argument("--model", type=Path, help="a Hugging Face model directory (default: random Qwen2.5-1.5B shape)")
+    ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen1.5b-random")
+    ap.add_argument("--engine", choices=("builtin", "verl"), help="training engine (default: the recipe's backend)")
+    ap.add_argument("--rollout", choices=("hf", "vllm"), help="rollout engine (default: the recipe's)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cuda")
+    ap.add_argument("--clients", type=int, help="clients measured (default: the recipe's clients_per_round, M)")
+    ap.add_argument("--iterations", type=int, help="iterations per measured client (default: local_epochs, E)")
+    ap.add_argument("--warmup", type=int, default=0, help="untimed iterations first (a lane's first-fit costs)")
+    ap.add_argument("--tasks", type=int, help="algo.tasks_per_step")
+    ap.add_argument("--group", type=int, help="algo.group_size")
+    ap.add_argument("--turns", type=int, help="env.max_turns")
+    ap.add_argument("--val-tasks", type=int, help="federation.val_tasks")
+    ap.add_argument("--synthetic-catalog", action="store_true", help="the synthetic shop at 1,000 products")
+    ap.add_argument("--work-dir", type=Path, help="where the round's shards go (default: a temp dir)")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("overrides", nargs="*", help="recipe overrides, a.b=c")
+    args = ap.parse_args(argv)
+    recipe = load_config(args.recipe)
+    cfg = load_config(args.recipe, dotlist=recipe_dotlist(args))
+    check_catalog(cfg, args.recipe)
+    fed = cfg.federation
+    args.clients = args.clients or fed.clients_per_round
+    args.iterations = args.iterations or fed.local_epochs
+    if not (0 < args.clients <= fed.clients_per_round and 0 < args.iterations <= fed.local_epochs):
+        ap.error(f"--clients must lie in [1, {fed.clients_per_round}] and --iterations in [1, {fed.local_epochs}]")
+    if args.model is None:
+        args.model = random_policy(args, resolve_device(cfg.run.device))
+        cfg = load_config(args.recipe, dotlist=recipe_dotlist(args))
+    return emit(run(cfg, recipe, args), args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
