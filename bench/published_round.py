@@ -7,22 +7,28 @@
     python -m bench.published_round --model <HF model dir> --engine verl --rollout vllm --synthetic-catalog
 
 The recipe (default webshop-grpo-qwen2.5-1.5b) gives the round's shape: M clients sampled by the
-published rule, each on its own 100-task shard, E RL iterations of tasks x group episodes of up
-to max_turns turns, the prompt and reply caps, then FedAvg and validation on val_tasks tasks.
-The round runs as a lane runs it, on ONE persistent trainer (`client_app.trainer.make_trainer`,
-the recipe's engine or `--engine`, its rollout engine or `--rollout`): per client the global
-weights come through the run-dir channel (`load_shards`: transport), `load_weights` (load), `fit`
-(its own rollout / scoring / update seconds), `export_weights` (export), the upload written as
-shards (transport); then the streaming FedAvg over the uploads (aggregation) and the new global
-model's validation (its download, load and evaluation). Building the trainer and the env
-service is a lane's start, once per run, and is reported apart (`setup_s`).
+published rule, each on its partition shard, E RL iterations of tasks x group episodes of up to
+max_turns turns, the prompt and reply caps, then FedAvg and validation on val_tasks tasks. The
+round runs on a real lane (`client_app.service.TrainerService`: its env service and ONE
+persistent trainer, the recipe's engines or `--engine` / `--rollout`), with the calls the server
+sends it and the run dir as the weight channel, as a simulation on one machine runs it: the
+lane exports round 0's model (untimed), serves each client's fit (its own load, rollout,
+scoring, update and export seconds: reading the global shards, once per round as a lane keeps
+its last read, and writing the upload), then the server's streaming FedAvg of the M uploads
+into the round's checkpoint (aggregation) and the lane's validation of it. The phases are the
+run's own arithmetic (`fl_app.accounting.round_accounting`, metrics.jsonl's `phase_s`):
+transport is 0 (the run dir is on this machine: the shards' reads and writes are the lane's
+load and export) and the lane's seconds outside its named phases are `other` (`lane_unnamed_s`).
+Starting the lane is once per run and reported apart (`setup_s`).
 
 Where the device time cannot hold a whole round, `--clients C` (< M) and `--iterations I` (< E)
-measure part of it and the round is computed: the fit phases (and the fit's unnamed rest) scaled
-by M E / (C I), the per-client phases by M / C; aggregation always folds M uploads (the measured
-ones repeated) and validation runs once, so both are measured as a round runs them. The report
-says which it is (`round`: `measured` or `computed from ...`). The first iteration carries a
-lane's first-fit costs (compilation, CUDA graphs): `--warmup N` runs N untimed iterations first.
+measure part of it and the round is computed (`round` says which): each client's rollout,
+scoring and update seconds and its lane time outside load and export x E / I, and M clients
+cycling through the C measured ones (with C = 1 the second client reads the global again
+instead of reusing the lane's read: a slight over-count); aggregation always folds M uploads (the
+measured ones repeated) and validation runs once, so both are measured at the round's size. The
+first iteration carries a lane's first-fit costs (compilation, CUDA graphs): `--warmup N` runs
+an untimed fit of N iterations first.
 
 `--model DIR` trains any Hugging Face model directory; without it a random-weight model of
 Qwen2.5-1.5B's shape (bench.rollout.QWEN15B) with the tiny model's tokenizer is written to
@@ -47,25 +53,23 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from bench.report import emit
 from bench.rollout import QWEN15B
 from bench.trainer_fits import random_qwen_dir
+from client_app.service import Dirs, TrainerService
 from client_app.tiny_model import build_tiny_model
-from client_app.trainer import make_trainer
-from client_app.trainer.base import ClientTasks
 from client_app.trainer.device import resolve_device
 from client_app.trainer.loop import RLTrainer
-from envs.service import serve_in_subprocess
-from fl_app.accounting import CLIENT_PHASES
+from fl_app.accounting import client_entry, round_accounting
 from fl_app.aggregate import fedavg_manifests
-from fl_app.calls import EvalCall, FitCall
-from fl_app.config import Config, load_config
-from fl_app.weights import load_shards, save_shards
-from partitions.uniform import client_shard, round_clients, sampling_seed
+from fl_app.calls import Call, EvalCall, FitCall, InitCall
+from fl_app.channel import WeightsRef
+from fl_app.config import Config, load_config, recipe_sha256
+from partitions.uniform import round_clients, sampling_seed
 
 # FedAgent's WebShop GRPO run: ~24 h wall for T = 70 rounds on 4 x H100 (notes-fedagent-protocol.md
 # §1.3, from the repo's docs/reproducing.md "Compute budget"): 24 x 60 x 4 / 70 H100-minutes a round
@@ -74,6 +78,7 @@ FEDAGENT_GPU_MIN_PER_ROUND = FEDAGENT["wall_h"] * 60 * FEDAGENT["gpus"] / FEDAGE
 FIT_PHASES = ("rollout", "scoring", "update")  # per iteration, in the fit's own metrics
 PUBLISHED_PRODUCTS = 1000  # use_small: items_shuffle_1000 (notes-fedagent-protocol.md §6.1)
 MB = 2**20
+C = TypeVar("C", bound=Call)
 
 
 class PeakMemory:
@@ -151,16 +156,6 @@ class Replies:
         }
 
 
-@contextlib.contextmanager
-def timed(phases: dict[str, float], name: str) -> Iterator[None]:
-    """Add the block's wall seconds to `phases[name]`."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
-
-
 def recipe_dotlist(args: argparse.Namespace) -> list[str]:
     """The bench's knobs as recipe overrides (validated like any recipe), the user's last."""
     knobs = {
@@ -197,86 +192,103 @@ def random_policy(args: argparse.Namespace, device: torch.device) -> Path:
     return random_qwen_dir(args.model_dir, tokenizer, device, QWEN15B)
 
 
-def play_round(
-    cfg: Config, trainer: RLTrainer, args: argparse.Namespace, work: Path, replies: Replies
-) -> dict[str, Any]:
-    """Round 1 as a lane serves it: the measured clients' fits through the run-dir channel, the
-    FedAvg of M uploads and the validation; every phase's seconds and the measured wall (the
-    timed fits' turns recorded in `replies`)."""
+def _call(svc: TrainerService, kind: type[C], **fields: Any) -> C:
+    """A call as the server sends it to a lane: its run, its recipe's digest, a ref for the actor
+    (the service reads the local dirs it is handed, as after the ClientApp's `Channel.get`)."""
+    refs = {} if kind is InitCall else {"actor": WeightsRef(inline=False, nbytes=0)}
+    return kind(run_id=svc.run_id, recipe_sha256=recipe_sha256(svc.cfg), weights=refs, **fields)
+
+
+def play_round(svc: TrainerService, args: argparse.Namespace, replies: Replies) -> dict[str, Any]:
+    """Round 1 as the server and one lane play it: round 0's model exported by the lane (untimed),
+    the measured clients' fits (the service's own load, fit and export, the uploads in the run
+    dir as a shared-disk run keeps them), the FedAvg of M uploads into the round's checkpoint,
+    the validation of the new model; the lane's metrics per client, the server's timings and
+    the measured wall (the timed fits' turns recorded in `replies`)."""
+    cfg, work = svc.cfg, svc.run_dir
     fed = cfg.federation
-    shard_bytes = int(cfg.run.shard_max_mb * MB)
-    assert trainer.env is not None
-    info = trainer.env.info()
-    pool = range(int(info["val_size"]), int(info["num_tasks"]))
+    start = {"actor": str(work / "round-0")}
+    svc.init(_call(svc, InitCall), Dirs(weights_out=start))
     clients = round_clients(sampling_seed(cfg.run.seed, fed.sampling_seed), 1, fed.clients, fed.clients_per_round)
-    save_shards(trainer.export_weights(), work / "global-0", shard_bytes)  # round 0's model, as the server holds it
+
+    def fit(cid: int, epochs: int, out: str) -> dict[str, Any]:
+        call = _call(svc, FitCall, round=1, client_id=cid, local_epochs=epochs, seed=cfg.run.seed)
+        return svc.fit(call, Dirs(weights_in=start, weights_out={"actor": str(work / out)}))
+
     if args.warmup:  # the first client's fit, shorter and untimed
-        warm = FitCall(round=1, client_id=clients[0], local_epochs=args.warmup, seed=cfg.run.seed)
-        trainer.fit(warm, ClientTasks(client_shard(clients[0], fed.clients, fed.tasks_per_client, pool, cfg.run.seed)))
+        fit(clients[0], args.warmup, "warm-up")
     replies.recording = True
-    phases: dict[str, float] = {}
-    fits: list[dict[str, float]] = []
-    uploads: list[tuple[Path, float]] = []
+    server = {"transport": 0.0, "checkpoint": 0.0}  # the run dir is the channel; FedAvg writes the checkpoint
     t_round = time.perf_counter()
+    per_client, uploads = {}, []
     for cid in clients[: args.clients]:
-        tasks = ClientTasks(client_shard(cid, fed.clients, fed.tasks_per_client, pool, cfg.run.seed))
-        call = FitCall(round=1, client_id=cid, local_epochs=args.iterations, seed=cfg.run.seed)
-        with timed(phases, "transport"):
-            state = load_shards(work / "global-0")
-        with timed(phases, "load"):
-            trainer.load_weights(state)
-        del state
-        t0 = time.perf_counter()
-        result = trainer.fit(call, tasks)
-        fit_s = time.perf_counter() - t0
-        m = result.metrics
-        for p in FIT_PHASES:
-            phases[p] = phases.get(p, 0.0) + m[f"{p}_s"]
-        phases["fit_other"] = phases.get("fit_other", 0.0) + fit_s - sum(m[f"{p}_s"] for p in FIT_PHASES)
-        fits.append({"client": cid, "fit_s": round(fit_s, 3), "episodes": result.num_examples} | _fit_numbers(m))
-        up = work / f"upload-{cid}"
-        with timed(phases, "export"):
-            exported = trainer.export_weights()
-        with timed(phases, "transport"):
-            save_shards(exported, up, shard_bytes)
-        del exported
-        uploads.append((up, float(result.num_examples)))
-    inputs = [uploads[i % len(uploads)] for i in range(fed.clients_per_round)]  # M uploads, as the server folds
-    with timed(phases, "aggregation"):
-        fedavg_manifests(inputs, work / "global-1", shard_bytes)
+        reply = fit(cid, args.iterations, f"upload-{cid}")
+        per_client[cid] = reply["metrics"]
+        uploads.append((work / f"upload-{cid}", float(reply["num_examples"])))
+    server["train"] = time.perf_counter() - t_round
     replies.recording = False
-    with timed(phases, "validation"):
-        trainer.load_weights(load_shards(work / "global-1"))
-        val_metrics = trainer.evaluate(EvalCall(round=1, seed=cfg.run.seed), list(range(fed.val_tasks))).metrics
+    inputs = [uploads[i % len(uploads)] for i in range(fed.clients_per_round)]  # M uploads, as the server folds
+    t0 = time.perf_counter()
+    fedavg_manifests(inputs, work / "round-1", int(cfg.run.shard_max_mb * MB))
+    server["aggregation"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    val = svc.evaluate(
+        _call(svc, EvalCall, round=1, seed=cfg.run.seed), Dirs(weights_in={"actor": str(work / "round-1")})
+    )
+    server["validation"] = time.perf_counter() - t0
     wall = time.perf_counter() - t_round
-    return {"clients": clients, "fits": fits, "phases": phases, "wall_s": wall, "val": val_metrics}
+    return {"clients": clients, "per_client": per_client, "server": server, "wall_s": wall, "val": val["metrics"]}
+
+
+def scaled_entry(metrics: dict[str, float], fit_scale: float) -> dict[str, Any]:
+    """A client's `per_client` entry (`client_entry`) with its fit's iterations scaled by
+    `fit_scale`: the rollout, scoring and update seconds, and the lane's time outside load and
+    export (the fit's unnamed rest scales with its iterations too)."""
+    entry = client_entry(metrics)
+    ph = entry["phases"]
+    in_fit = entry["lane_s"] - ph["load"] - ph["export"]
+    for p in FIT_PHASES:
+        ph[p] *= fit_scale
+    entry["lane_s"] = ph["load"] + ph["export"] + in_fit * fit_scale
+    return entry
 
 
 def _fit_numbers(m: dict[str, float]) -> dict[str, float]:
-    keys = ("rollout_sync_s", "rollout_generate_s", "rollout_env_s", "rollout_tokens", "rows", "optimizer_steps")
+    """What a lane's fit reply says of its phases, rollout and update (the rest is its metrics)."""
+    keys = (
+        *("fit_total_s", "load_s", "load_reused", "rollout_s", "rollout_sync_s", "rollout_generate_s"),
+        *("rollout_env_s", "scoring_s", "update_s", "export_s", "rollout_tokens", "rows", "optimizer_steps"),
+    )
     return {k: round(float(m[k]), 3) for k in keys if k in m}
 
 
 def round_summary(cfg: Config, measured: dict[str, Any], clients: int, iterations: int) -> dict[str, Any]:
-    """The round's phases: measured, or computed from C clients x I iterations (fit phases x
-    M E / (C I), per-client phases x M / C; aggregation and validation as measured); the
-    bench's own glue outside every phase stays `other`."""
+    """The round's phases by the run's own arithmetic (`round_accounting`, metrics.jsonl's
+    `phase_s`): as measured, and for the recipe's round, computed where only C clients x I
+    iterations ran: each client's fit phases x E / I, the M clients cycling through the measured
+    ones (aggregation and validation as measured: they ran at the round's size)."""
     m_, e_ = cfg.federation.clients_per_round, cfg.federation.local_epochs
-    per_fit, per_client = m_ * e_ / (clients * iterations), m_ / clients
-    ph = measured["phases"]
-    other = measured["wall_s"] - sum(ph.values())
-    scale = {p: per_fit for p in (*FIT_PHASES, "fit_other")} | {p: per_client for p in ("transport", "load", "export")}
-    phases = {p: ph.get(p, 0.0) * scale.get(p, 1.0) for p in (*CLIENT_PHASES, "fit_other", "aggregation", "validation")}
-    phases["other"] = other
+    server, wall = measured["server"], measured["wall_s"]
+    per_client = measured["per_client"]
+    entries = {cid: client_entry(m) for cid, m in per_client.items()}
+    as_measured = round_accounting(entries, server, {}, wall)["phase_s"]
+    lane_rest = sum(e["lane_s"] - sum(e["phases"].values()) for e in entries.values())
+    ids = list(per_client)
+    full = {k: scaled_entry(per_client[ids[k % len(ids)]], e_ / iterations) for k in range(m_)}
+    busy = sum(e["lane_s"] + e["phases"]["transport"] for e in full.values())
+    glue = as_measured["other"] - lane_rest + as_measured["dispatch"]  # the bench's own seconds between phases
+    round_wall = busy + sum(server[p] for p in ("transport", "aggregation", "checkpoint", "validation")) + glue
+    computed = round_accounting(full, server | {"train": busy}, {}, round_wall)["phase_s"]
     whole = clients == m_ and iterations == e_
     return {
         "round": "measured"
         if whole
-        else f"computed from {clients} client(s) x {iterations} iteration(s) of the round's {m_} x {e_}",
-        "measured_wall_s": round(measured["wall_s"], 3),
-        "measured_phase_s": {p: round(v, 3) for p, v in ph.items()} | {"other": round(other, 3)},
-        "round_s": round(sum(phases.values()), 3),
-        "phase_s": {p: round(v, 3) for p, v in phases.items()},
+        else f"computed from {clients} client(s) x {iterations} iteration(s) of {m_} x {e_}",
+        "measured_wall_s": round(wall, 3),
+        "measured_phase_s": {p: round(v, 3) for p, v in as_measured.items()},
+        "lane_unnamed_s": round(lane_rest, 3),
+        "round_s": round(round_wall, 3),
+        "phase_s": {p: round(v, 3) for p, v in computed.items()},
     }
 
 
@@ -298,23 +310,21 @@ def at_scale(cfg: Config, recipe: Config) -> bool:
 
 
 def run(cfg: Config, recipe: Config, args: argparse.Namespace) -> dict[str, Any]:
-    """Build the lane (env service + trainer: `setup_s`), play the round, report."""
+    """Start a lane (`TrainerService`: env service + trainer, `setup_s`), play the round, report."""
     device = resolve_device(cfg.run.device)
     memory = PeakMemory(device)
-    with (
-        tempfile.TemporaryDirectory(dir=args.work_dir) as tmp,
-        serve_in_subprocess(cfg.env.name, cfg.env.pool_size, cfg.env.params) as url,
-        memory.watch(),
-    ):
-        t0 = time.perf_counter()
-        trainer = make_trainer(cfg, url, run_dir=Path(tmp) / "lane")
-        setup_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp, memory.watch():
+        svc = TrainerService(cfg, run_id=1, lane="cpu" if device.type == "cpu" else "0", run_dir=Path(tmp))
         try:
-            replies = Replies(trainer)
-            params = sum(p.numel() for _, p in trainer.engine.parameters("actor"))
-            measured = play_round(cfg, trainer, args, Path(tmp), replies)
+            t0 = time.perf_counter()
+            svc.start()
+            setup_s = time.perf_counter() - t0
+            assert isinstance(svc.trainer, RLTrainer)
+            replies = Replies(svc.trainer)
+            params = sum(p.numel() for _, p in svc.trainer.engine.parameters("actor"))
+            measured = play_round(svc, args, replies)
         finally:
-            trainer.close()
+            svc.close()
     summary = round_summary(cfg, measured, args.clients, args.iterations)
     gpus = cfg.run.lane_devices if device.type == "cuda" else 0
     gpu_min = summary["round_s"] / 60 * gpus
@@ -343,7 +353,7 @@ def run(cfg: Config, recipe: Config, args: argparse.Namespace) -> dict[str, Any]
         "at_recipe_scale": at_scale(cfg, recipe),
         "setup_s": round(setup_s, 3),
         **summary,
-        "fits": measured["fits"],
+        "fits": {str(cid): _fit_numbers(m) for cid, m in measured["per_client"].items()},
         "clients": measured["clients"],
         "val_success": measured["val"].get("success"),
         "replies": replies.report(cfg),
