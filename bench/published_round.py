@@ -185,8 +185,8 @@ def check_catalog(cfg: Config, recipe: str) -> None:
 
 
 def random_policy(args: argparse.Namespace, device: torch.device) -> Path:
-    """A random Qwen2.5-1.5B-shaped model with the tiny model's tokenizer (every shop word one
-    id, as bench.trainer_fits builds its 0.5B), written once to `--model-dir`."""
+    """A random Qwen2.5-1.5B-shaped model with the tiny default's tokenizer (as bench.trainer_fits
+    builds its 0.5B; the prompts' token counts are that tokenizer's), written once to `--model-dir`."""
     tiny = load_config("tiny-shop-grpo")
     tokenizer = build_tiny_model(tiny.model.tiny, tiny.env, tiny.rollout)
     return random_qwen_dir(args.model_dir, tokenizer, device, QWEN15B)
@@ -293,11 +293,15 @@ def round_summary(cfg: Config, measured: dict[str, Any], clients: int, iteration
 
 
 def at_scale(cfg: Config, recipe: Config) -> bool:
-    """Whether the round's shape is the recipe's: tasks, group, turns, caps and validation."""
+    """Whether the round's shape is the recipe's: federation, tasks, group, turns, caps, validation."""
 
     def shape(c: Config) -> tuple:
-        r = c.rollout
+        r, f = c.rollout, c.federation
         return (
+            f.clients,
+            f.clients_per_round,
+            f.local_epochs,
+            f.tasks_per_client,
             c.algo.tasks_per_step,
             c.algo.rollouts_per_task,
             c.env.max_turns,
