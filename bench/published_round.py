@@ -217,6 +217,7 @@ def play_round(svc: TrainerService, args: argparse.Namespace, replies: Replies) 
 
     if args.warmup:  # the first client's fit, shorter and untimed
         fit(clients[0], args.warmup, "warm-up")
+        svc._last_read.clear()  # a round's first fit reads its global model: not the warm-up's kept read
     replies.recording = True
     server = {"transport": 0.0, "checkpoint": 0.0}  # the run dir is the channel; FedAvg writes the checkpoint
     t_round = time.perf_counter()
