@@ -26,7 +26,7 @@ Arms (`--arms`, comma-separated; all by default):
   io       the engine's load_weights + export_weights, and save_shards / load_shards of the
            model, next to a raw write / read of the same bytes
 
-`--model` is a local Hugging Face directory; `bench.trainer_fits.qwen05b_dir` writes a random
+`--model` is a local Hugging Face directory; `bench.trainer_fits.random_qwen_dir` writes a random
 Qwen2.5-0.5B-shaped one (`--make-qwen05b DIR`). A random policy never ends a turn early, so
 every turn generates the whole budget: the rollout arms measure the engines, not the policy.
 """
@@ -369,12 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown arms {sorted(arms - set(ARMS))}; choose from {ARMS}")
     device = resolve_device(args.device)
     if args.make_qwen05b:
-        from bench.trainer_fits import qwen05b_dir
+        from bench.trainer_fits import random_qwen_dir
         from client_app.tiny_model import build_tiny_model
 
         tiny_cfg = load_config(args.recipe)
         tok = args.tokenizer or build_tiny_model(tiny_cfg.model.tiny, tiny_cfg.env, tiny_cfg.rollout)
-        args.model = qwen05b_dir(args.make_qwen05b, tok, device)
+        args.model = random_qwen_dir(args.make_qwen05b, tok, device)
     if args.model is None:
         ap.error("--model or --make-qwen05b is required")
     report: dict[str, Any] = {

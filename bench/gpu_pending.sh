@@ -17,8 +17,8 @@ step() {
   echo "=== $(date +%T) end $name rc=$? $((SECONDS - t0)) s" >> "$R/chain.log"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$R/chain.log"
-step model 120 python3 -c "import sys, torch; from pathlib import Path; from bench.trainer_fits import qwen05b_dir; \
-qwen05b_dir(Path(sys.argv[1]), Path(sys.argv[2]), torch.device('cuda'))" "$Q05" "$TOK"
+step model 120 python3 -c "import sys, torch; from pathlib import Path; from bench.trainer_fits import random_qwen_dir; \
+random_qwen_dir(Path(sys.argv[1]), Path(sys.argv[2]), torch.device('cuda'))" "$Q05" "$TOK"
 # 1. verl over builtin on the same rows (0.5B), fastest of 3 passes each (x1.28 on one H100,
 #    2026-12-06; run it on the code before a change too, from a `git archive`, to compare)
 step engines 420 python3 -m bench.engines --model "$Q05" --device cuda --arms update,hf,verl \

@@ -45,6 +45,10 @@ QWEN05B: dict[str, Any] = dict(  # Qwen2Config keyword arguments (ints, floats a
     rms_norm_eps=1e-6,
     max_position_embeddings=32768,
 )
+# Qwen2.5-1.5B(-Instruct)'s shape: 28 layers, width 1536, 12/2 heads, tied 151,936-row embedding
+QWEN15B: dict[str, Any] = QWEN05B | dict(
+    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12
+)
 
 
 def build_policy(size: str, model_dir: str, cfg, device: torch.device):

@@ -35,7 +35,9 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -53,21 +55,22 @@ MB = 2**20
 TASKS_PER_CLIENT = 100
 
 
-def qwen05b_dir(out: Path, tokenizer_dir: Path, device: torch.device) -> Path:
-    """A Hugging Face directory: random Qwen2.5-0.5B-shaped weights (seed 0) + `tokenizer_dir`'s tokenizer."""
+def random_qwen_dir(out: Path, tokenizer_dir: Path, device: torch.device, shape: Mapping[str, Any] = QWEN05B) -> Path:
+    """A Hugging Face directory: random Qwen2 weights (seed 0) of `shape` (Qwen2Config keywords,
+    default Qwen2.5-0.5B's) + `tokenizer_dir`'s tokenizer; an existing one is reused."""
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     if (out / "config.json").exists():
         return out
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    if len(tok) > QWEN05B["vocab_size"]:
+    if len(tok) > shape["vocab_size"]:
         raise ValueError(
-            f"the tokenizer in {tokenizer_dir} has {len(tok)} ids; the 0.5B embedding has {QWEN05B['vocab_size']} rows"
+            f"the tokenizer in {tokenizer_dir} has {len(tok)} ids; the embedding has {shape['vocab_size']} rows"
         )
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN05B, eos_token_id=eos, pad_token_id=pad, bos_token_id=None))
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, eos_token_id=eos, pad_token_id=pad, bos_token_id=None))
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
     model.float().save_pretrained(out)
     tok.save_pretrained(out)
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.model.path = args.model
     elif args.size == "qwen0.5b":
         tiny = build_tiny_model(cfg.model.tiny, cfg.env, cfg.rollout)
-        cfg.model.path = str(qwen05b_dir(args.model_dir, tiny, resolve_device(args.device)))
+        cfg.model.path = str(random_qwen_dir(args.model_dir, tiny, resolve_device(args.device)))
     report = {
         "recipe": args.recipe,
         "size": args.size,

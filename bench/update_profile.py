@@ -250,11 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--syncs counts host-device synchronisations: it needs --device cuda")
     device = resolve_device(args.device)
     if args.make_qwen05b:
-        from bench.trainer_fits import qwen05b_dir
+        from bench.trainer_fits import random_qwen_dir
         from client_app.tiny_model import build_tiny_model
 
         tiny = load_config("tiny-shop-grpo")
-        args.model = qwen05b_dir(args.make_qwen05b, build_tiny_model(tiny.model.tiny, tiny.env, tiny.rollout), device)
+        tokenizer = build_tiny_model(tiny.model.tiny, tiny.env, tiny.rollout)
+        args.model = random_qwen_dir(args.make_qwen05b, tokenizer, device)
     if args.model is None:
         ap.error("--model or --make-qwen05b is required")
     args.peak = args.peak or peak_tflops(device)

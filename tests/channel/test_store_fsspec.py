@@ -21,15 +21,20 @@ from fl_app.channel.remote import WeightStoreUnreachable
 from fl_app.channel.run_dir import DirStore
 from fl_app.weights import WeightsError, load_shards, save_shards
 
-s3fs = pytest.importorskip("s3fs", reason="the test extra's s3fs (GPU wheel sets leave it out)")
-
 SHARD = 8 << 10
 KEY = "rounds/round-0000/actor"
+
+
+def s3fs() -> Any:
+    """The test extra's s3fs, imported by the tests that need it: the GPU wheel sets leave it out,
+    and there the file:// tests (here and in test_weight_channel_run.py) still run."""
+    return pytest.importorskip("s3fs", reason="the test extra's s3fs (GPU wheel sets leave it out)")
 
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict[str, Any]]:
     """storage_options for a fresh moto S3 server on a private-band loopback port, bucket 'weights'."""
+    filesystem = s3fs().S3FileSystem
     port = choose_free_port()
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
@@ -52,7 +57,7 @@ def s3() -> Iterator[dict[str, Any]]:
             "skip_instance_cache": True,
             "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "eu-west-1"},
         }
-        s3fs.S3FileSystem(**opts).mkdir("weights")
+        filesystem(**opts).mkdir("weights")
         yield opts
     finally:
         proc.terminate()
@@ -93,7 +98,7 @@ def test_s3_entries_are_immutable_and_appear_only_with_their_manifest(s3, tmp_pa
     assert store.publish(first.root, KEY).sha256 == first.sha256  # the same bytes: a no-op
     with pytest.raises(WeightsError, match="immutable"):
         store.publish(save_shards(model(2), tmp_path / "b", SHARD).root, KEY)
-    fs = s3fs.S3FileSystem(**s3)
+    fs = s3fs().S3FileSystem(**s3)
     fs.rm("weights/run-b/rounds/round-0000/actor/manifest.json")  # shards without a manifest
     assert not store.exists(KEY)
     with pytest.raises(WeightsError, match="no complete entry"):
@@ -109,7 +114,7 @@ def test_s3_a_corrupt_or_partial_download_is_redone_and_verified(s3, tmp_path):
     (slot_dir / first.file).write_bytes(b"\0" * (first.bytes // 2))  # a cut-off download left garbage
     got = store.fetch(KEY, m.sha256, tmp_path / "cache")
     assert same_bits(load_shards(got), model(3))
-    fs = s3fs.S3FileSystem(**s3)
+    fs = s3fs().S3FileSystem(**s3)
     path = f"weights/run-c/{KEY}/{m.shards[1].file}"
     data = bytearray(fs.cat_file(path))
     data[-2] ^= 0x40
@@ -145,6 +150,10 @@ def test_file_urls_through_fsspec_and_open_store(tmp_path):
     # open_store reads a shared disk in place: a DirStore, whose fetch is the entry's own dir
     opened = open_store(f"file://{shared}", run_dir=tmp_path / "run", max_shard_bytes=SHARD)
     assert isinstance(opened, DirStore) and opened.fetch(KEY, m.sha256, tmp_path / "c2").root == shared / KEY
+
+
+def test_open_store_opens_an_s3_url_as_an_fsspec_store(tmp_path):
+    s3fs()  # fsspec resolves the s3 protocol through it
     assert isinstance(
         open_store("s3://weights/x", run_dir=tmp_path, max_shard_bytes=SHARD, storage_options={"anon": True}),
         FsspecWeightStore,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from flower_harness import ROOT, flower, run_config, run_status
-from test_store_fsspec import s3  # noqa: F401  (the moto S3 server fixture, used by name)
+from test_store_fsspec import s3, s3fs  # noqa: F401  (s3: the moto S3 server fixture, used by name)
 
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest
@@ -51,7 +51,6 @@ def test_a_file_url_store_gives_the_same_bits(fl, tmp_path):
 def test_an_s3_store_gives_the_same_bits(tmp_path, request, monkeypatch):
     """Server and nodes reach the object store through the driver's usual environment (never the
     run config); set before the local SuperLink starts, as an operator's environment would be."""
-    s3fs = pytest.importorskip("s3fs", reason="the test extra's s3fs (GPU wheel sets leave it out)")
     opts = request.getfixturevalue("s3")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", opts["key"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", opts["secret"])
@@ -63,6 +62,6 @@ def test_an_s3_store_gives_the_same_bits(tmp_path, request, monkeypatch):
         # another run (other seed: other uploads under the same keys) into the same prefix: its own run-<id>
         _complete(fr, STORE, tmp_path / "s3-again", seed=1, **{"run.weight_store": '"s3://weights/runs"'})
     assert _digests(tmp_path / "disk", 1) == _digests(tmp_path / "s3", 1) != _digests(tmp_path / "s3-again", 1)
-    uploads = s3fs.S3FileSystem(**opts).find("weights/runs")
+    uploads = s3fs().S3FileSystem(**opts).find("weights/runs")
     assert any("/clients/client-" in u for u in uploads), uploads[:20]  # the nodes uploaded there
     assert any(u.endswith("round-0001/actor/manifest.json") for u in uploads), uploads[:20]
