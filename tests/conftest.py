@@ -12,6 +12,16 @@ import pytest
 from client_app.runtime_dir import ENV_VAR
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (the README's `-n 2`) the workers share the machine's cores: each
+    computes on one torch thread. Two OpenMP pools as wide as the machine spin against each
+    other (a 0.5 s test took 10 s); the services a test starts choose their own threads."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def private_runtime_dir() -> Iterator[None]:
     """Lanes started by tests keep their sockets, pid and lock files in a directory of this test
