@@ -1159,18 +1159,16 @@ class Config(_Strict):
 
     def _check_lane_ranks(self) -> None:
         """Fail closed on a lane over several ranks (`run.lane_devices` > 1) that no engine here
-        trains as one fit: verl's engine, a critic (GAE whitens over the whole batch), vLLM
-        rollouts, or fewer task groups than ranks."""
+        trains as one fit: a critic (GAE whitens over the whole batch), vLLM rollouts, verl's
+        LoRA adapters (not run over ranks), or fewer task groups than ranks."""
         k, algo = self.run.lane_devices, self.algo
         if k == 1:
             return
         lane = f"run.lane_devices={k}"
-        if self.backend != "builtin":
+        if self.backend == "verl" and self.federation.update == "lora":
             raise ValueError(
-                f"{lane} with backend={self.backend!r}: the verl engine trains a lane on one rank (its fast "
-                "optimizer steps each shard's local tensor); the builtin engine spans a lane's ranks. Set "
-                "backend: builtin, or run.lane_devices: 1 with one GPU per lane (--federation-config "
-                '"client-resources-num-gpus=1")'
+                f"{lane} with backend: verl and federation.update: lora: the verl engine spans a lane's ranks "
+                "with full weights only; set backend: builtin, or run.lane_devices: 1"
             )
         if algo.spec.critic:
             raise ValueError(
