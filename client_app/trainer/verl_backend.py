@@ -71,8 +71,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from client_app.critic import CriticStart, resolve_start_critic, seeded_value_head
 from client_app.algos import AggNorm
+from client_app.critic import CriticStart, resolve_start_critic, seeded_value_head
 from client_app.rollout import TrainRow, derive_seed
 from client_app.runtime_dir import remove_at_exit
 from client_app.trainer import verl_config, verl_head
