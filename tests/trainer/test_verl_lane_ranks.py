@@ -82,6 +82,7 @@ def two_rank_lane(cfg: Any, url: str, initial_path: Path, out: Path) -> None:
             result = trainer.fit(CALL, ClientTasks(SHARD))
             results[name] = (trainer.export_weights(), result.num_examples, result.metrics)
         results["eval"] = trainer.evaluate(EvalCall(round=1, seed=0), VALIDATION)
+        results["eval_one"] = trainer.evaluate(EvalCall(round=1, seed=0), VALIDATION[:1])  # rank 1 plays none
         (victim,) = lead.pids
         before = {p.pid for p in psutil.Process().children(recursive=True)}
 
@@ -159,11 +160,15 @@ def test_a_verl_fit_over_two_gloo_ranks_is_the_one_rank_fit_each_rank_holding_ha
 
 
 def test_a_verl_lane_over_two_ranks_validates_the_one_rank_episodes(one_rank, two_ranks):
+    """Each rank plays a block of the tasks, rank 1's empty for one task: rank 0 then decodes
+    alone (no decoding step waits for the other rank, which only joins the phase's gather)."""
     alone, spread = one_rank[3], two_ranks["eval"]
     assert spread.num_examples == alone.num_examples == len(VALIDATION)
     assert spread.outcomes == alone.outcomes
     for key in ("success", "reward", "turns", "invalid_action_rate"):
         assert spread.metrics[key] == alone.metrics[key], key
+    one = two_ranks["eval_one"]
+    assert one.num_examples == 1 and one.outcomes == {VALIDATION[0]: alone.outcomes[VALIDATION[0]]}
 
 
 def test_a_killed_verl_rank_fails_the_fit_naming_it_leaves_no_process_and_the_lane_refuses_more(two_ranks):
