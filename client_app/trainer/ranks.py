@@ -393,9 +393,12 @@ class Lead(Ranks):
             lines.append(
                 f"lane rank {rank} of {self.world} (pid {pid}) {_exit_reason(code)}" + (f": {error}" if error else "")
             )
-        return RankFailure(
-            "; ".join(lines) + ". The lane stopped its other ranks and starts them afresh at the next fit"
+        then = (
+            "; its verl engine's modules span them, so the trainer service must restart"
+            if spans_engine(self.cfg)
+            else " and starts them afresh at the next fit"
         )
+        return RankFailure("; ".join(lines) + f". The lane stopped its other ranks{then}")
 
     def _reported(self, rank: int) -> str:
         key = f"error/{rank}"

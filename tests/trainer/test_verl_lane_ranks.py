@@ -174,6 +174,7 @@ def test_a_verl_lane_over_two_ranks_validates_the_one_rank_episodes(one_rank, tw
 def test_a_killed_verl_rank_fails_the_fit_naming_it_leaves_no_process_and_the_lane_refuses_more(two_ranks):
     (victim,) = two_ranks["pids"]
     assert f"lane rank 1 of 2 (pid {victim}) was killed by SIGKILL" in two_ranks["killed"]
+    assert two_ranks["killed"].endswith("its verl engine's modules span them, so the trainer service must restart")
     left, alive, pids = two_ranks["left"]
     assert left == [] and not alive and pids == [], "a rank was left behind"
     assert "the process group they span lost its ranks" in two_ranks["after"]
