@@ -561,16 +561,19 @@ class VerlEngine:
         device a call, collectives that over k ranks would pair with another rank's other calls."""
         from verl.workers.utils.padding import no_padding_2_padding
 
-        out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
         engine = worker.engine
         keys = {"calculate_entropy": False, "compute_loss": False}
+        scored: list[tuple[list[int], torch.Tensor]] = []
         with engine.eval_mode(), torch.no_grad(), _phase(engine.module, self.sharded):  # one gather for every pass
             for part in micro_batches(rows, micro, self.cfg.algo.micro_batch_tokens):
                 td = self._batch([rows[i] for i in part], engine_keys={**keys, "micro_batch_size_per_gpu": len(part)})
                 _, output = engine.forward_step(td, loss_function=None, forward_only=True)
-                padded = no_padding_2_padding(output["model_output"][key], td).float().cpu()
-                for b, i in enumerate(part):
-                    out[i] = padded[b, : len(rows[i].response_ids)].clone()
+                scored.append((part, no_padding_2_padding(output["model_output"][key], td).float()))
+        out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        for part, padded in scored:  # to the host after the last pass: no pass waits for the device
+            on_host = padded.cpu()
+            for b, i in enumerate(part):
+                out[i] = on_host[b, : len(rows[i].response_ids)].clone()
         return out
 
     # ------------------------------------------------------------------ steps
