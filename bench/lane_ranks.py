@@ -2,9 +2,11 @@
 
     python -m bench.lane_ranks                          # the default recipe on the CPU
     python -m bench.lane_ranks --arms 1x1,2x1,4x1 algo.tasks_per_step=4
+    python -m bench.lane_ranks --arms 1x1,2x1 --no-grad-sync backend=verl   # verl's FSDP2 over the ranks
 
 *fit*: the recipe (tiny-shop-grpo, CPU; trailing `a.b=c` arguments override it), one lane
-trainer per arm, the same initial weights, one fit of client 0 in round 1. An arm `KxT` is a
+trainer per arm, each in a process of its own (rank 0 of a verl lane holds torch's default
+process group), the same initial weights, one fit of client 0 in round 1. An arm `KxT` is a
 lane of K ranks with T torch threads each (a CPU lane's service gives each rank its share of
 the cores divided by K). Per arm: build (rank processes included), the fit's wall and its phases
 (rollout, scoring, the wait for the slowest rank, update) as the fit reports them, and the rows
@@ -47,8 +49,10 @@ def bench_config(overrides: list[str], ranks: int) -> Config:
     return load_config("tiny-shop-grpo", dotlist=["run.device=cpu", f"run.lane_devices={ranks}", *overrides])
 
 
-def fit_arm(overrides: list[str], ranks: int, threads: int, env_url: str, initial: Any) -> dict[str, float]:
+def fit_arm(overrides: list[str], ranks: int, threads: int, env_url: str, initial_path: str, out: str) -> None:
+    """One fit arm, in its own process: its metrics as JSON in `out`."""
     cfg = bench_config(overrides, ranks)
+    initial = torch.load(initial_path)
     torch.set_num_threads(threads)  # rank 0's; the fit hands it to the other ranks
     t0 = time.perf_counter()
     trainer = make_trainer(cfg, env_url)
@@ -63,7 +67,8 @@ def fit_arm(overrides: list[str], ranks: int, threads: int, env_url: str, initia
         fit_s = time.perf_counter() - t0
     finally:
         trainer.close()
-    return {
+    result = {
+        "backend": cfg.backend,
         "ranks": ranks,
         "threads_per_rank": threads,
         "build_s": build_s,
@@ -72,6 +77,18 @@ def fit_arm(overrides: list[str], ranks: int, threads: int, env_url: str, initia
         "rows": m["rows"],
         "tokens": m["rollout_tokens"],
     }
+    Path(out).write_text(json.dumps(result))
+
+
+def in_process(target: Any, *args: Any) -> dict[str, Any]:
+    """`target(*args, out)` in a spawned process; what it wrote to `out`."""
+    out = Path(tempfile.mkdtemp()) / "arm.json"
+    proc = multiprocessing.get_context("spawn").Process(target=target, args=(*args, str(out)))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"{target.__name__}{args[1:3]} exited with code {proc.exitcode}")
+    return json.loads(out.read_text())
 
 
 def grad_sync_rank(rank: int, port: int, model_dir: str, steps: int, out: str) -> None:
@@ -135,19 +152,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arms", default="1x1,1x2,2x1", help="the fit arms, KxT: K ranks of T torch threads each")
     ap.add_argument("--steps", type=int, default=20, help="grad-sync steps per arm")
+    ap.add_argument("--no-grad-sync", action="store_true", help="skip the grad-sync arms (builtin's gradient sum)")
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("overrides", nargs="*", help="recipe overrides a.b=c")
     args = ap.parse_args()
     base = bench_config(args.overrides, 1)
-    results: dict[str, Any] = {"grad_sync": grad_sync(base, args.steps), "fit": []}
-    print(json.dumps(results["grad_sync"]))
+    results: dict[str, Any] = {"fit": []}
+    if not args.no_grad_sync:
+        results["grad_sync"] = grad_sync(base, args.steps)
+        print(json.dumps(results["grad_sync"]))
     with serve_in_subprocess(base.env.name, base.env.pool_size, base.env.params) as env_url:
+        initial = Path(tempfile.mkdtemp()) / "initial.pt"
         first = make_trainer(base, env_url)
-        initial = first.export_weights()
+        torch.save(first.export_weights(), initial)
         first.close()
         for arm in args.arms.split(","):
             k, t = (int(x) for x in arm.split("x"))
-            results["fit"].append(fit_arm(args.overrides, k, t, env_url, initial))
+            results["fit"].append(in_process(fit_arm, args.overrides, k, t, env_url, str(initial)))
             print(json.dumps(results["fit"][-1]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -273,6 +273,10 @@ class BatchedGenerator:
                 eos_token_id=self.eos_ids,
                 use_cache=True,
                 logits_processor=LogitsProcessorList(processors),
+                # transformers would sync the decoding steps of an FSDP module's ranks (an
+                # all-reduce a step, paired with whatever the other ranks call): a lane's ranks
+                # play different episodes, and their forwards need no collective (`verl_backend._gather`)
+                synced_gpus=False,
             )
         return [cut_at_eos(row, self.eos_ids) for row in seqs[:, width:].tolist()]
 

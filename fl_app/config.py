@@ -837,7 +837,7 @@ class RunCfg(_Strict):
         1,
         ge=1,
         json_schema_extra=NODE_LOCAL,
-        description="Devices per lane, one rank each: a lane is the device set of one trainer service (`CUDA_VISIBLE_DEVICES`: this many GPUs), and it serves one fit at a time. Above 1 the lane's fit is data parallel over that many ranks (builtin engine; docs/trainer.md, \"A lane over k ranks\"): NCCL over the lane's GPUs, or on a CPU lane (`run.device: cpu`, no GPU) that many gloo processes sharing the lane's cores. Each rank plays a block of whole task groups and every optimizer step sums the ranks' gradients, so the fit equals the 1-rank fit up to fp32 summation order (invariant 43). In simulation give each virtual client this many GPUs with `--federation-config \"client-resources-num-gpus=N\"`; in deployment start one SuperNode per lane with its `CUDA_VISIBLE_DEVICES` (docs/deployment.md). Above 1 it needs `backend: builtin`, an algorithm without a critic, `rollout.engine: hf` and `algo.tasks_per_step` >= it (refused at load otherwise).",
+        description="Devices per lane, one rank each: a lane is the device set of one trainer service (`CUDA_VISIBLE_DEVICES`: this many GPUs), and it serves one fit at a time. Above 1 the lane's fit is data parallel over that many ranks (either engine; docs/trainer.md, \"A lane over k ranks\"): NCCL over the lane's GPUs, or on a CPU lane (`run.device: cpu`, no GPU) that many gloo processes sharing the lane's cores. Each rank plays a block of whole task groups and every optimizer step sums the ranks' gradients, so the fit equals the 1-rank fit up to fp32 summation order (invariant 43); the verl engine shards each model's fp32 masters and AdamW state over the ranks (FSDP2), the builtin engine holds whole weights on each. In simulation give each virtual client this many GPUs with `--federation-config \"client-resources-num-gpus=N\"`; in deployment start one SuperNode per lane with its `CUDA_VISIBLE_DEVICES` (docs/deployment.md). Above 1 it needs an algorithm without a critic, `rollout.engine: hf`, full weights on the verl engine (no `federation.update: lora`) and `algo.tasks_per_step` >= it (refused at load otherwise).",
     )
     cpu_lanes: int = Field(
         1,
@@ -1159,18 +1159,16 @@ class Config(_Strict):
 
     def _check_lane_ranks(self) -> None:
         """Fail closed on a lane over several ranks (`run.lane_devices` > 1) that no engine here
-        trains as one fit: verl's engine, a critic (GAE whitens over the whole batch), vLLM
-        rollouts, or fewer task groups than ranks."""
+        trains as one fit: a critic (GAE whitens over the whole batch), vLLM rollouts, verl's
+        LoRA adapters (not run over ranks), or fewer task groups than ranks."""
         k, algo = self.run.lane_devices, self.algo
         if k == 1:
             return
         lane = f"run.lane_devices={k}"
-        if self.backend != "builtin":
+        if self.backend == "verl" and self.federation.update == "lora":
             raise ValueError(
-                f"{lane} with backend={self.backend!r}: the verl engine trains a lane on one rank (its fast "
-                "optimizer steps each shard's local tensor); the builtin engine spans a lane's ranks. Set "
-                "backend: builtin, or run.lane_devices: 1 with one GPU per lane (--federation-config "
-                '"client-resources-num-gpus=1")'
+                f"{lane} with backend: verl and federation.update: lora: the verl engine spans a lane's ranks "
+                "with full weights only; set backend: builtin, or run.lane_devices: 1"
             )
         if algo.spec.critic:
             raise ValueError(

@@ -69,6 +69,8 @@ _AVERAGED = ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
 class BuiltinEngine:
     """`engine.Engine` (both of its parts) on torch + transformers."""
 
+    sharded = False  # every rank of a lane holds whole weights
+
     def __init__(
         self, cfg: Config, model_path: Path, reference_path: Path | None = None, ranks: Ranks | None = None
     ) -> None:
@@ -311,14 +313,8 @@ class BuiltinEngine:
         rank may hold none of its rows), the averaged terms over every rank's micro-batches.
         The loss terms a 1-rank step reports are those some micro-batch produced."""
         assert self.ranks is not None
-        keys = _ADDED + _AVERAGED
-        present = [float(k in sums) * parts for k in keys]  # micro-batches that produced each term
-        totals = self.ranks.sum_(list(self.params.values()), [sums.get(k, 0.0) for k in keys] + present)
-        out: defaultdict[str, float] = defaultdict(float)
-        for k, total, n in zip(keys, totals, totals[len(keys) :]):
-            if n > 0:
-                out[k] = total if k in _ADDED else total / n
-        return out
+        terms = {k: (v, parts) for k, v in sums.items()}
+        return defaultdict(float, self.ranks.sum_terms(terms, _ADDED, _AVERAGED, list(self.params.values())))
 
     def _critic_step(
         self, batch: ValueBatch, loss: ValueLossSpec, after_backward: Callable[[], None] | None

@@ -95,6 +95,9 @@ class TrainingEngine(Protocol):
 
     critic_start: CriticStart | None  # where the starting critic came from; None without a critic
     base_sha256: str  # federation.update: lora: the frozen base's digest (client_app/trainer/lora.py); else ""
+    # its weights are spread over the lane's ranks (verl's FSDP2 over k ranks): every call that
+    # reads or writes them (load, export, score, step, generation) is made on every rank at once
+    sharded: bool
 
     @property
     def members(self) -> tuple[str, ...]:

@@ -15,10 +15,11 @@ starts fresh optimizers (invariant 3), runs E RL iterations on fresh tasks of th
                      PPO-clip + KL + entropy loss, FedProx's gradient on the policy only (inv. 4)
   6. metrics         per iteration, summed or averaged over the fit
 
-A lane over several ranks (`run.lane_devices` > 1, builtin engine; `ranks.py`) runs this loop on
-every rank: each plays its block of the iteration's groups, every step is the 1-rank step on the
-same mini-batch with the gradients summed over the ranks, and rank 0 reports the metrics of
-all ranks' episodes and rows, as a 1-rank fit of them reports.
+A lane over several ranks (`run.lane_devices` > 1; `ranks.py`) runs this loop on every rank:
+each plays its block of the iteration's groups, every step is the 1-rank step on the same
+mini-batch with the gradients summed over the ranks, and rank 0 reports the metrics of all
+ranks' episodes and rows, as a 1-rank fit of them reports. An engine that shards its weights
+over the ranks (`sharded`: verl's FSDP2) also loads, exports and validates on every rank.
 
 Everything a fit allocates (optimizer state, grads, FedProx anchor, rollout buffers) is released
 before it returns, so a trainer serving hundreds of fits keeps a flat memory (invariant 24).
@@ -37,7 +38,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -69,6 +70,7 @@ from fl_app.outcomes import outcome_key
 log = logging.getLogger("fedagent.trainer")
 
 IterationCallback = Callable[[int, dict[str, float]], None]
+T = TypeVar("T")
 # Fit metrics that add up over local epochs (with every `*_s` timing); the rest are averaged.
 _SUMMED = frozenset(
     {
@@ -193,13 +195,24 @@ class RLTrainer:
         return self.engine.base_sha256
 
     def load_weights(self, state: Any, member: str = "actor") -> None:
-        self.engine.load_weights(state, member)
+        """Into the engine; over ranks that shard it, every rank takes its shard of rank 0's
+        `state` (the others pass none)."""
+        self._on_every_rank("load_weights", ({}, member), lambda: self.engine.load_weights(state, member))
 
     def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
-        return self.engine.export_weights(member)
+        return self._on_every_rank("export_weights", (member,), lambda: self.engine.export_weights(member))
 
     def master_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
-        return self.engine.master_weights(member)
+        return self._on_every_rank("master_weights", (member,), lambda: self.engine.master_weights(member))
+
+    def _on_every_rank(self, method: str, args: tuple[Any, ...], work: Callable[[], T]) -> T:
+        """`work` here; when this is rank 0 of ranks that shard the engine's weights (`sharded`),
+        every other rank makes the same call with `args` at once (a load, an export or a
+        validation takes all of them: FSDP2 gathers and scatters over the ranks)."""
+        if not (isinstance(self.ranks, Lead) and self.engine.sharded):
+            return work()
+        self.ranks.start()  # running; or the error of a lane whose ranks were lost
+        return self.ranks.run(("call", method, args, torch.get_num_threads()), work)
 
     def fit(self, call: FitCall, tasks: ClientTasks, on_iteration: IterationCallback | None = None) -> FitResult:
         """`call.local_epochs` RL iterations on the client's `tasks` from the loaded weights with
@@ -257,7 +270,7 @@ class RLTrainer:
                 episodes_trained += n_episodes
                 if on_iteration is not None:
                     on_iteration(epoch, metrics)
-            if self.ranks is not None:
+            if self.ranks is not None and not self.engine.sharded:  # a sharded engine holds one copy
                 self.ranks.check_same_weights({m: self.engine.master_weights(m) for m in self.members})
         finally:
             self.engine.end_fit()
@@ -274,15 +287,35 @@ class RLTrainer:
 
     def evaluate(self, call: EvalCall, task_indices: Sequence[int]) -> EvalResult:
         """One episode per validation task at rollout.val_temperature. Scores are the raw env
-        rewards: the training-only invalid-action penalty never applies (invariant 10)."""
+        rewards: the training-only invalid-action penalty never applies (invariant 10). Over
+        ranks that shard the engine every rank plays a block of the tasks (as a fit's), and rank
+        0 reports them all; otherwise rank 0 plays them alone."""
         if not task_indices:
             raise ValueError("no validation tasks: pass the fixed validation set")
+        return self._on_every_rank("evaluate", (call, task_indices), lambda: self._evaluate(call, task_indices))
+
+    def _evaluate(self, call: EvalCall, task_indices: Sequence[int]) -> EvalResult:
+        self._need_env()
+        assert self.env is not None
+        specs = group_specs(list(task_indices), 1)
+        spread = self.ranks if self.ranks is not None and self.engine.sharded else None
+        lo, hi = (0, len(specs)) if spread is None else spread.share(len(specs))
+        sessions = self.max_sessions if spread is None else max(1, self.max_sessions // spread.world)
         episodes, stats, sync_s = self._play(
-            group_specs(list(task_indices), 1),
+            specs[lo:hi],
             self.cfg.rollout.val_temperature,
             derive_seed("eval", call.seed),
             "validate",
+            self.env,
+            sessions,
+            lo,
         )
+        if spread is not None:
+            shares = spread.gather(Played(episodes, [], 0, stats, {"rollout_sync_s": sync_s}, lo).light())
+            if shares is None:
+                return EvalResult(num_examples=0)  # rank 0 reports the validation
+            played = Played.merged(shares)
+            episodes, stats, sync_s = played.episodes, played.stats, played.seconds["rollout_sync_s"]
         return EvalResult(
             num_examples=len(episodes),
             metrics={
@@ -399,8 +432,9 @@ class RLTrainer:
         sessions: int = 0,
         first_episode: int = 0,
     ) -> tuple[list[Episode], Any, float]:
-        """Play `specs` on `env` (default: the trainer's own, unperturbed env: validation);
-        `first_episode`: the index of specs[0] among the iteration's episodes (its seed)."""
+        """Play `specs` on `env` (default: the trainer's own, unperturbed env, all its sessions)
+        in at most `sessions` sessions; `first_episode`: the index of specs[0] among the
+        iteration's episodes (its seed)."""
         self._need_env()
         assert self.rollouts is not None and self.env is not None
         if env is None:

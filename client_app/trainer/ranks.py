@@ -1,4 +1,4 @@
-"""A lane over k ranks: data parallelism inside one lane for the builtin engine (issue 41).
+"""A lane over k ranks: data parallelism inside one lane, for either engine (issue 41).
 
 With `run.lane_devices: k > 1` a lane's trainer is k processes under torch.distributed: gloo on
 the CPU; on CUDA one GPU per rank, NCCL for tensors and gloo beside it for small objects. Rank 0
@@ -20,10 +20,17 @@ stops them by PID on every path. One fit over k ranks (`loop.RLTrainer`):
   * rank 0 computes the fit's metrics from every rank's episodes and rows, checks that every
     rank ends the fit with its weights, and exports them as a 1-rank lane does.
 
+The verl engine shards its models over the ranks (FSDP2 over torch's default process group,
+world k, formed over the lane's store: `spans_engine`): the ranks join before it is built, every
+call that reads or writes its weights (load, export, validation) runs on all of them
+(`RLTrainer`, a "call" command), and each step's gradients are FSDP2's reduce-scatter instead
+of `Ranks.sum_`.
+
 A rank that dies or fails fails the fit with an error naming it (gloo notices a closed peer at
 once; every collective has `RANK_TIMEOUT_S`); rank 0 then stops the other ranks and starts fresh
-ones at the next fit. The lane's process groups are its own (`Ranks.connect`), never torch's
-default group, so a process may hold both (verl's engine initialises the default one).
+ones at the next fit (builtin; verl's modules span the lost group, so its lane refuses every later
+call until its service restarts). The lane's own groups (`Ranks.connect`) are never torch's
+default group, so a process may hold both.
 """
 
 from __future__ import annotations
@@ -87,6 +94,8 @@ class Ranks:
         self.rank, self.world, self.device = rank, world, device
         self._cpu: Any = None  # dist.ProcessGroupGloo
         self._cuda: Any = None  # ProcessGroupNCCL on a CUDA lane
+        self.store: dist.Store | None = None  # the rendezvous (an engine's own group forms over it too)
+        self.timeout_s = RANK_TIMEOUT_S
 
     @property
     def lead(self) -> bool:
@@ -94,6 +103,7 @@ class Ranks:
 
     def connect(self, store: dist.Store, timeout_s: float) -> None:
         """Form the lane's groups over `store` (every rank calls it; it returns when all have)."""
+        self.store, self.timeout_s = store, timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), self.rank, self.world, timeout)
         if self.device.type == "cuda":
@@ -189,6 +199,26 @@ class Ranks:
         self.all_reduce(summed)
         return summed.tolist()
 
+    def sum_terms(
+        self,
+        terms: Mapping[str, tuple[float, int]],
+        added: Sequence[str],
+        averaged: Sequence[str],
+        params: Sequence[torch.nn.Parameter] = (),
+    ) -> dict[str, float]:
+        """A step's loss terms over the ranks, from each rank's (sum over its micro-batches,
+        micro-batches that produced it): an `added` term is the ranks' total, an `averaged` one
+        the mean over every rank's micro-batches; a term no rank produced is left out. `params`'
+        gradients are summed in the same exchange (`sum_`)."""
+        keys = (*added, *averaged)
+        values = [terms.get(k, (0.0, 0))[0] for k in keys] + [float(terms.get(k, (0.0, 0))[1]) for k in keys]
+        totals = self.sum_(params, values)
+        out: dict[str, float] = {}
+        for k, total, n in zip(keys, totals, totals[len(keys) :]):
+            if n > 0:
+                out[k] = total if k in added else total / n
+        return out
+
     def check_same_weights(self, members: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Fail when a rank ends a fit with other weights than rank 0 (every step is the same
         summed gradient on the same weights, so they must be equal bit for bit): a per-tensor
@@ -231,9 +261,19 @@ def bind_device(rank: int, device: torch.device) -> torch.device:
 
 
 def trainer_signature(cfg: Config, engine: Any) -> tuple[Any, ...]:
-    """What must be equal on every rank for their steps to be one fit's."""
-    shapes = tuple((m, tuple((n, tuple(t.shape)) for n, t in engine.master_weights(m).items())) for m in engine.members)
+    """What must be equal on every rank for their steps to be one fit's: read without a
+    collective (rank 0 computes it alone, at every fit's start), from the trained parameters'
+    global shapes (the exchanged tensors)."""
+    shapes = tuple((m, tuple((n, tuple(p.shape)) for n, p in engine.parameters(m))) for m in engine.members)
     return recipe_sha256(cfg), shapes, engine.base_sha256
+
+
+def spans_engine(cfg: Config) -> bool:
+    """Whether the training engine's own process group spans the lane's ranks (verl: FSDP2
+    shards its models over them), so the ranks join before it is built and every call that reads
+    or writes its weights runs on all of them; the builtin engine holds whole weights on every
+    rank and only its fits run on all ranks."""
+    return cfg.backend == "verl"
 
 
 def _die_with(parent: int) -> None:
@@ -272,24 +312,32 @@ class Lead(Ranks):
         self.cfg, self.env_url, self.run_dir, self.timeout_s = cfg, env_url, run_dir, timeout_s
         self._ranks: list[_Rank] = []
         self._store: dist.TCPStore | None = None
+        self._spent = False  # an engine spanning the ranks lost them (`spans_engine`): no restart
 
     @property
     def pids(self) -> list[int]:
         """The PIDs of the ranks this lane runs now (1..k-1)."""
         return [r.proc.pid for r in self._ranks]
 
-    def start(self, signature: tuple[Any, ...]) -> None:
-        """Start ranks 1..k-1 unless they run, wait until each built its trainer (or died: its
-        error), form the process group and check they built rank 0's trainer."""
+    def start(self, signature: tuple[Any, ...] | None = None) -> None:
+        """Start ranks 1..k-1 unless they run, wait until each is ready (built its trainer, or
+        for an engine that spans them, joined: `spans_engine`) or died (its error), form the
+        lane's groups and, given rank 0's `signature`, check they built its trainer."""
         if self._ranks:
             return
+        if self._spent:
+            raise RankFailure(
+                f"this lane's verl engine shards its models over {self.world} ranks, and the process group "
+                "they span lost its ranks at an earlier failure: fresh ranks cannot join it. The trainer "
+                "service must restart (its lane restarts a service that exits)"
+            )
         try:
             self._start(signature)
         except BaseException:
             self.stop()
             raise
 
-    def _start(self, signature: tuple[Any, ...]) -> None:
+    def _start(self, signature: tuple[Any, ...] | None) -> None:
         self._store = store = dist.TCPStore(
             "127.0.0.1", 0, self.world, True, datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False
         )
@@ -310,14 +358,15 @@ class Lead(Ranks):
                     raise RankFailure(f"lane rank {rank} did not build its trainer within {START_TIMEOUT_S:.0f} s")
                 time.sleep(_POLL_S)
         self.connect(store, self.timeout_s)
-        self.check_same_trainer(signature)
+        if signature is not None:
+            self.check_same_trainer(signature)
 
-    def run(self, command: tuple[Any, ...], work: Callable[[], T]) -> T:
-        """Send `command` to ranks 1..k-1, then do rank 0's part (`work`). On any failure the
-        other ranks are stopped (a collective they wait in would never complete) and start
-        afresh at the next command; a rank that died or failed is named in the error."""
+    def run(self, command: tuple[Any, ...] | None, work: Callable[[], T]) -> T:
+        """Send `command` (if any) to ranks 1..k-1, then do rank 0's part (`work`). On any
+        failure the other ranks are stopped (a collective they wait in would never complete) and
+        start afresh at the next command; a rank that died or failed is named in the error."""
         try:
-            for r in self._ranks:
+            for r in self._ranks if command is not None else ():
                 _send(r.stdin, command)
             return work()
         except BaseException as e:
@@ -344,9 +393,12 @@ class Lead(Ranks):
             lines.append(
                 f"lane rank {rank} of {self.world} (pid {pid}) {_exit_reason(code)}" + (f": {error}" if error else "")
             )
-        return RankFailure(
-            "; ".join(lines) + ". The lane stopped its other ranks and starts them afresh at the next fit"
+        then = (
+            "; its verl engine's modules span them, so the trainer service must restart"
+            if spans_engine(self.cfg)
+            else " and starts them afresh at the next fit"
         )
+        return RankFailure("; ".join(lines) + f". The lane stopped its other ranks{then}")
 
     def _reported(self, rank: int) -> str:
         key = f"error/{rank}"
@@ -361,6 +413,7 @@ class Lead(Ranks):
         or not answer at all), SIGKILL after 3 s."""
         timeout_s = 10.0 if graceful else 3.0
         ranks, self._ranks = self._ranks, []
+        self._spent = self._spent or (bool(ranks) and spans_engine(self.cfg))
         if not graceful:
             self.disconnect()  # closes rank 0's end: a rank waiting in a collective fails at once
         for r in ranks:
@@ -398,10 +451,13 @@ def _receive(stream: IO[bytes]) -> Any:
 
 
 def worker_main() -> int:
-    """Rank r > 0: build the trainer rank 0 built, join the process group, then run every fit
-    rank 0 sends until it says close or its pipe closes. An error is reported to rank 0 (through
-    the rendezvous store) and ends the process: rank 0 then fails the fit naming it."""
+    """Rank r > 0: build the trainer rank 0 built, join the lane's groups (before the build when
+    the engine's own group spans them: `spans_engine`), then run every command rank 0 sends (a
+    fit, or a call of the trainer's that every rank makes) until it says close or its pipe
+    closes. An error is reported to rank 0 (through the rendezvous store) and ends the process:
+    rank 0 then fails the fit naming it."""
     from client_app.trainer import make_trainer
+    from client_app.trainer.device import resolve_device
 
     stdin = sys.stdin.buffer
     start = _receive(stdin)
@@ -413,16 +469,24 @@ def worker_main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     store = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=timeout_s))
     try:
-        trainer = make_trainer(cfg, env_url, run_dir, rank=rank)
-        ranks = trainer.ranks
-        assert ranks is not None
-        store.set(f"ready/{rank}", "1")
-        ranks.connect(store, timeout_s)
+        ranks = Ranks(rank, world, bind_device(rank, resolve_device(cfg.run.device)))
+        joined = spans_engine(cfg)
+        if joined:
+            store.set(f"ready/{rank}", "1")
+            ranks.connect(store, timeout_s)
+        trainer = make_trainer(cfg, env_url, run_dir, ranks=ranks)
+        if not joined:
+            store.set(f"ready/{rank}", "1")
+            ranks.connect(store, timeout_s)
         ranks.check_same_trainer(trainer_signature(cfg, trainer.engine))
         while (command := _receive(stdin)) is not None and command[0] != "close":
-            _, call, tasks, threads = command
+            kind, *args, threads = command
             torch.set_num_threads(threads)
-            trainer.fit(call, tasks)
+            if kind == "fit":
+                trainer.fit(*args)
+            else:  # ("call", method, arguments): a call every rank makes with rank 0
+                method, arguments = args
+                getattr(trainer, method)(*arguments)
         trainer.close()
     except BaseException as e:
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}"[:4000])

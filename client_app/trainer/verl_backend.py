@@ -1,7 +1,8 @@
 """The verl training engine: verl 0.9.1's FSDP2 engine behind `engine.Engine`.
 
 Built once per lane, in the lane service's own process (no Ray: verl's `TrainingWorker` is
-constructed in-process over a process group this module starts, world size 1):
+constructed in-process over a process group this module starts: world size 1, or over a lane of
+k ranks, world k, each rank's engine holding 1/k of every model and its optimizer state):
 
   * the actor: `verl.workers.engine_workers.TrainingWorker` over `verl_head.ResponseHeadEngine`
     (verl's `FSDPEngineWithLMHead`, the LM head applied at response positions only; strategy
@@ -21,6 +22,16 @@ dict); `begin_fit` drops the AdamW state and rebuilds the LR schedule (invariant
 `export_weights` reads fp32 full tensors straight from the engine
 (`engine.get_per_tensor_param()`), never through verl's model merger (it casts to bf16: field
 log 2026-07-23).
+
+Over k ranks (`run.lane_devices`, `ranks.py`; `sharded`) every call that reads or writes the
+weights runs on every rank at once (the loop forwards it): a load broadcasts rank 0's full
+tensors and each rank keeps its shard (`broadcast_from_rank0`), an export gathers them (rank 0
+keeps them), every scoring, generation or step phase starts with an explicit all-gather on
+every rank (`_gather`: a rank with no row of a phase still takes part), a step's loss is
+normalised by the whole mini-batch over all ranks (`PolicyBatch.norm`, verl's `dp_size`
+convention against FSDP2's averaging reduce-scatter), a rank holding none of a mini-batch's
+rows backpropagates a zero-weighted row to join the reduce-scatter, and the clip uses the norm
+over every rank's shards (`verl_head.LocalShards.clip_`).
 
 A train step is what verl's `BaseEngine.train_batch` does for one mini-batch (zero_grad, verl's
 `forward_step` and a backward per micro-batch with verl's `ppo_loss` / `value_loss`, clip +
@@ -48,18 +59,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
-from itertools import groupby
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from client_app.algos import AggNorm
 from client_app.critic import CriticStart, resolve_start_critic, seeded_value_head
 from client_app.rollout import TrainRow, derive_seed
 from client_app.runtime_dir import remove_at_exit
@@ -74,6 +86,9 @@ from client_app.trainer.verl_rows import no_padding_batch
 from client_app.trainer.weight_check import check_loadable
 from fl_app.config import Config
 from fl_app.weights import load_shards
+
+if TYPE_CHECKING:
+    from client_app.trainer.ranks import Ranks
 
 log = logging.getLogger("fedagent.trainer.verl")
 # verl's per-micro-batch actor metrics -> ours (shares of the mini-batch loss are summed over
@@ -91,20 +106,33 @@ _METRICS = {
 # ---------------------------------------------------------------------------------- runtime seams
 
 
-def ensure_process_group(device: str) -> None:
-    """A world-size-1 process group for verl's FSDP2 engine (gloo on CPU; gloo + nccl on CUDA),
-    rendezvous through a private file (no port). verl's Worker reads the rank env vars: they
-    are set to this single rank. An existing group of world size 1 is reused."""
+def ensure_process_group(device: str, ranks: Ranks | None = None) -> None:
+    """The process group verl's FSDP2 engine spans (gloo on CPU; gloo + nccl on CUDA): world size
+    1, rendezvous through a private file (no port), an existing one reused; or this rank of a
+    lane over k ranks (`ranks`), world k over the lane's rendezvous store, in a process that
+    holds no other group. verl's Worker reads the rank env vars: they are set to this rank."""
     import torch.distributed as dist
 
+    rank, world = (0, 1) if ranks is None else (ranks.rank, ranks.world)
+    backend = "cpu:gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
     if dist.is_initialized():
-        if dist.get_world_size() != 1:
+        if world > 1 or dist.get_world_size() != 1:
             raise RuntimeError(
-                f"a process group of world size {dist.get_world_size()} already exists; the verl "
-                "backend runs one rank per lane service"
+                f"a process group of world size {dist.get_world_size()} already exists in this process; the "
+                f"verl engine shards over a group of world size {world} of its own (a lane's rank 0 is its "
+                "trainer service's process)"
             )
+    elif ranks is not None:
+        if ranks.store is None:
+            raise RuntimeError("the lane's ranks have not joined: the verl engine's process group forms over them")
+        dist.init_process_group(
+            backend=backend,
+            store=dist.PrefixStore("verl", ranks.store),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=ranks.timeout_s),
+        )
     else:
-        backend = "cpu:gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
         fd, store = tempfile.mkstemp(prefix=f"fedagent-verl-pg-{os.getpid()}-")
         os.close(fd)
         os.unlink(store)  # the file store creates it; a leftover file would hold a stale rendezvous
@@ -112,10 +140,10 @@ def ensure_process_group(device: str) -> None:
         remove_at_exit(Path(store))
         dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=0, world_size=1)
     for key, value in (
-        ("WORLD_SIZE", "1"),
-        ("RANK", "0"),
-        ("LOCAL_RANK", "0"),
-        ("LOCAL_WORLD_SIZE", "1"),
+        ("WORLD_SIZE", str(world)),
+        ("RANK", str(rank)),
+        ("LOCAL_RANK", str(rank)),
+        ("LOCAL_WORLD_SIZE", str(world)),
         ("MASTER_ADDR", "127.0.0.1"),
         ("MASTER_PORT", "0"),
     ):
@@ -221,11 +249,18 @@ class VerlEngine:
     offload_reference: bool = False
 
     def __init__(
-        self, cfg: Config, model_path: Path, run_dir: Path | str | None = None, reference_path: Path | None = None
+        self,
+        cfg: Config,
+        model_path: Path,
+        run_dir: Path | str | None = None,
+        reference_path: Path | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
         if cfg.backend != "verl":
             raise ValueError(f"VerlEngine needs backend=verl, got backend={cfg.backend!r}")
         self.cfg = cfg
+        self.ranks = ranks  # a lane over several ranks: the engine shards its models over them
+        self.sharded = ranks is not None
         self.device = resolve_device(cfg.run.device)
         self.amp_dtype = cuda_autocast(self.device)  # over FSDP's fp32 module
         avoid_cudnn_attention(self.device)
@@ -236,10 +271,10 @@ class VerlEngine:
         self.verl_cfg = verl_config.compose(cfg, self.model_path, self.device.type)
         verl_config.check_resolved(cfg, self.verl_cfg)
         self.resolved_config_path = verl_config.write_resolved(self.verl_cfg, Path(run_dir)) if run_dir else None
-        # 2. verl's runtime on this device, one rank
+        # 2. verl's runtime on this device, over this lane's ranks (one, or k)
         if self.device.type == "cpu":
             arm_cpu()
-        ensure_process_group(self.device.type)
+        ensure_process_group(self.device.type, ranks)
         verl_head.register(self.device.type)  # the LM engine that scores response positions only
         # 3. the workers
         from verl.utils.config import omega_conf_to_dataclass
@@ -297,7 +332,7 @@ class VerlEngine:
         if self.ref is not None and reference_path is not None and Path(reference_path) != self.model_path:
             from client_app.models import hf_parameters  # model.reference: backbone under a warm start
 
-            _inject(self.ref.engine.module, hf_parameters(Path(reference_path)), "actor")
+            _inject(self.ref.engine.module, hf_parameters(Path(reference_path)), "actor", sharded=self.sharded)
         if cfg.model.init_from:
             self._load_start(cfg.model.init_from, "actor")
         if self.critic is not None and self.critic_start is not None:
@@ -414,7 +449,7 @@ class VerlEngine:
         """The policy's current backbone (under lora: its frozen base) under a value head seeded
         as builtin seeds it (`client_app.critic.seeded_value_head`): the same fresh critic on
         both engines."""
-        actor = _export(self.engine, self._plain["actor"])
+        actor = _export(self.engine, self._plain["actor"], sharded=self.sharded)
         critic = self._critic().engine
         shape = tuple(dict(critic.module.named_parameters())["score.weight"].shape)
         head = seeded_value_head(shape, critic.model_config.hf_config, derive_seed("value-head", self.cfg.run.seed))
@@ -423,16 +458,19 @@ class VerlEngine:
     def _load_plain(self, state: Mapping[str, torch.Tensor], member: str) -> None:
         """A plain model's weights (a starting checkpoint, a fresh critic) into `member`: under
         lora its frozen base (+ the critic's head), the adapters left as they are."""
-        _inject(self._engine(member).module, state, member, self._plain[member])
+        _inject(self._engine(member).module, state, member, self._plain[member], sharded=self.sharded)
 
     @torch.no_grad()
     def load_weights(self, state: Mapping[str, torch.Tensor], member: str = "actor") -> None:
-        _inject(self._engine(member).module, state, member, self._names[member])
+        """Over k ranks: rank 0's `state` into every rank's shards (the others pass none)."""
+        _inject(self._engine(member).module, state, member, self._names[member], sharded=self.sharded)
 
     def export_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
         """fp32 full tensors straight from the engine (`get_per_tensor_param`), detached CPU
-        copies, one per parameter (a tied LM head is exported once, as its embedding)."""
-        return _export(self._engine(member), self._names[member])
+        copies, one per parameter (a tied LM head is exported once, as its embedding). Over k
+        ranks every rank gathers them with the others, and only rank 0 keeps them (the others
+        return none)."""
+        return _export(self._engine(member), self._names[member], sharded=self.sharded)
 
     def master_weights(self, member: str = "actor") -> dict[str, torch.Tensor]:
         """FSDP2 shards its masters: a full tensor exists only as `export_weights` gathers it."""
@@ -440,8 +478,12 @@ class VerlEngine:
 
     def generation_model(self) -> torch.nn.Module:
         """The actor; it stays gathered over a rollout's decoding steps (one gather, not one a
-        step) until the scoring after it, or a load, frees it (`_reshard`)."""
-        return self.engine.module.eval()
+        step) until the scoring after it, or a load, frees it (`_reshard`). Over k ranks it is
+        gathered here, on every rank (one plays fewer decoding steps, or none)."""
+        module = self.engine.module.eval()
+        if self.sharded:
+            _gather(module)
+        return module
 
     def policy_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         """(name, fp32 full tensor) pairs, lazily: verl's own under full weights; under lora the
@@ -485,7 +527,7 @@ class VerlEngine:
             engine.lr_scheduler = get_constant_schedule_with_warmup(optimizer=optimizer, num_warmup_steps=0)
             engine.checkpoint_manager.lr_scheduler = engine.lr_scheduler
         if reference_from_policy and self.ref is not None:
-            _inject(self.ref.engine.module, self._plain_policy(), "actor")
+            _inject(self.ref.engine.module, self._plain_policy(), "actor", sharded=self.sharded)
 
     def _plain_policy(self) -> dict[str, torch.Tensor]:
         """The policy as a plain model: its weights, or under lora the adapters merged in."""
@@ -513,25 +555,25 @@ class VerlEngine:
         return self._row_outputs(rows, worker, "log_probs", self.cfg.algo.micro_batch_size)
 
     def _row_outputs(self, rows: Sequence[TrainRow], worker: Any, key: str, micro: int) -> list[torch.Tensor]:
-        from verl.utils import tensordict_utils as tu
+        """Each micro-batch (rows of similar length within the token budget, as builtin scores
+        them) through the engine's `forward_step`, what verl's `infer_batch` runs per
+        micro-batch, without its bookkeeping: a token count, a metric gather and a wait for the
+        device a call, collectives that over k ranks would pair with another rank's other calls."""
         from verl.workers.utils.padding import no_padding_2_padding
 
+        engine = worker.engine
+        keys = {"calculate_entropy": False, "compute_loss": False}
+        scored: list[tuple[list[int], torch.Tensor]] = []
+        with engine.eval_mode(), torch.no_grad(), _phase(engine.module, self.sharded):  # one gather for every pass
+            for part in micro_batches(rows, micro, self.cfg.algo.micro_batch_tokens):
+                td = self._batch([rows[i] for i in part], engine_keys={**keys, "micro_batch_size_per_gpu": len(part)})
+                _, output = engine.forward_step(td, loss_function=None, forward_only=True)
+                scored.append((part, no_padding_2_padding(output["model_output"][key], td).float()))
         out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-        # rows of similar length within the token budget, as builtin scores them; consecutive
-        # micro-batches of one size go to verl in one call, which cuts them back in order (each
-        # call costs verl's bookkeeping and a wait for the device)
-        runs = groupby(micro_batches(rows, micro, self.cfg.algo.micro_batch_tokens), key=len)
-        with _phase(worker.engine.module):  # one gather for every pass, freed at the end
-            for size, parts in runs:
-                indices = [i for part in parts for i in part]
-                td = self._batch(
-                    [rows[i] for i in indices],
-                    engine_keys={"micro_batch_size_per_gpu": size, "calculate_entropy": False, "compute_loss": False},
-                )
-                result = worker.infer_batch(td)
-                padded = no_padding_2_padding(tu.get(result, key), td).float()
-                for b, i in enumerate(indices):
-                    out[i] = padded[b, : len(rows[i].response_ids)].clone()
+        for part, padded in scored:  # to the host after the last pass: no pass waits for the device
+            on_host = padded.cpu()
+            for b, i in enumerate(part):
+                out[i] = on_host[b, : len(rows[i].response_ids)].clone()
         return out
 
     # ------------------------------------------------------------------ steps
@@ -541,11 +583,9 @@ class VerlEngine:
         `ValueBatch`) per micro-batch, `after_backward` (FedProx: the policy), clip + AdamW."""
         if isinstance(batch, PolicyBatch):
             self._check_loss(loss, self.policy_loss, "policy")
-            tds = [
-                self._batch(part.rows, old=part.old_log_probs, advantages=part.advantages, ref=part.ref_log_probs)
-                for part in self._micro_batches(batch, self.cfg.algo.micro_batch_size)
-            ]
-            return _step(self.engine, self.loss_fn, tds, _policy_metrics, after_backward)
+            if not batch.rows and self.sharded:  # none of the mini-batch's rows: join its reduce-scatter
+                return self._policy_step(self._idle_batch(), batch.norm, after_backward, idle=True)
+            return self._policy_step(batch, batch.norm, after_backward)
         if self.critic is None:
             raise RuntimeError(f"algo.name={self.cfg.algo.name!r} trains no critic")
         self._check_loss(loss, self.value_loss, "value")
@@ -554,6 +594,45 @@ class VerlEngine:
             for part in self._micro_batches(batch, self.cfg.algo.critic.micro)
         ]
         return _step(self.critic.engine, self.critic_loss_fn, tds, _critic_metrics, after_backward)
+
+    def _policy_step(
+        self, batch: PolicyBatch, norm: AggNorm | None, after_backward: Callable[[], None] | None, idle: bool = False
+    ) -> StepResult:
+        """The policy's step on `batch` (`idle`: a zero-weighted row, no metrics of its own),
+        normalised by `norm` (the whole mini-batch over k ranks) or its own rows; over k ranks
+        the loss terms are then those of every rank's rows."""
+        tds = [
+            self._batch(part.rows, old=part.old_log_probs, advantages=part.advantages, ref=part.ref_log_probs)
+            for part in self._micro_batches(batch, self.cfg.algo.micro_batch_size)
+        ]
+        loss_fn = partial(_zero_weighted, self.loss_fn) if idle else self.loss_fn
+        result = _step(self.engine, loss_fn, tds, _policy_metrics, after_backward, norm)
+        if self.ranks is None:
+            return result
+        own = ({}, 0) if idle else (result.metrics, len(tds))
+        return dataclasses.replace(result, metrics=self._policy_terms(*own))
+
+    def _policy_terms(self, metrics: Mapping[str, float], n: int) -> dict[str, float]:
+        """The mini-batch's loss terms over every rank (`Ranks.sum_terms`), from this rank's
+        `metrics` of its `n` micro-batches: its added terms hold dp_size x its share (verl's
+        normalisation), the averaged ones their mean over its micro-batches."""
+        assert self.ranks is not None
+        k = self.ranks.world
+        terms = {}
+        for name, how in _METRICS.values():
+            if name in metrics:
+                terms[name] = (metrics[name] / k, n) if how == "sum" else (metrics[name] * n, n)
+        added = tuple(name for name, how in _METRICS.values() if how == "sum")
+        averaged = tuple(name for name, how in _METRICS.values() if how == "mean")
+        return self.ranks.sum_terms(terms, added, averaged)
+
+    def _idle_batch(self) -> PolicyBatch:
+        """One one-token row (a pad after a pad) with zero advantages and log-probs: what a rank
+        holding none of a mini-batch's rows backpropagates, at weight 0, so that FSDP2's
+        reduce-scatter of the step runs on every rank."""
+        row = TrainRow([self.pad_id], [self.pad_id], [1], 0.0, 0, 0)
+        zero = [torch.zeros(1)]
+        return PolicyBatch([row], zero, zero, zero if self.policy_loss.kl_coef > 0 else None)
 
     @staticmethod
     def _check_loss(loss: LossSpec, built: LossSpec, what: str) -> None:
@@ -629,22 +708,31 @@ def load_causal_lm_tokenizer(path: Path) -> Any:
 
 
 def _inject(
-    module: torch.nn.Module, state: Mapping[str, torch.Tensor], member: str, names: Sequence[str] | None = None
+    module: torch.nn.Module,
+    state: Mapping[str, torch.Tensor],
+    member: str,
+    names: Sequence[str] | None = None,
+    sharded: bool = False,
 ) -> None:
     """Copy full fp32 tensors of `member`'s architecture into an FSDP2 module in place
     (set_model_state_dict; a tied LM head follows its embedding): every parameter, or exactly
-    `names` (the adapters, or a plain model's under them), the others left as they are."""
+    `names` (the adapters, or a plain model's under them), the others left as they are. Over k
+    ranks (`sharded`, every rank at once) rank 0's `state` is broadcast and each rank keeps its
+    shard; the others' `state` is not read."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    wanted = None if names is None else set(names)
-    shapes = {n: tuple(p.shape) for n, p in module.named_parameters() if wanted is None or n in wanted}
-    check_loadable(state, shapes, member)
-    full: dict[str, Any] = dict(state)
-    for key, alias in _tied_aliases(module).items():
-        if alias in full:
-            full[key] = full[alias]
+    full: dict[str, Any] = {}
+    if not sharded or torch.distributed.get_rank() == 0:
+        wanted = None if names is None else set(names)
+        shapes = {n: tuple(p.shape) for n, p in module.named_parameters() if wanted is None or n in wanted}
+        check_loadable(state, shapes, member)
+        full = dict(state)
+        for key, alias in _tied_aliases(module).items():
+            if alias in full:
+                full[key] = full[alias]
     _reshard(module)  # into the shards (gathered copies are plain tensors, not DTensors)
-    set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, strict=True))
+    options = StateDictOptions(full_state_dict=True, strict=True, broadcast_from_rank0=sharded)
+    set_model_state_dict(module, full, options=options)
 
 
 def _tied_aliases(module: torch.nn.Module) -> dict[str, str]:
@@ -657,17 +745,22 @@ def _tied_aliases(module: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _export(engine: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
+def _export(engine: Any, names: Sequence[str], sharded: bool = False) -> dict[str, torch.Tensor]:
+    """`names`' full fp32 tensors, gathered (over k ranks, `sharded`, on every rank at once:
+    only rank 0 keeps them, the others return none)."""
     wanted = set(names)
+    keep = not sharded or torch.distributed.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     _reshard(engine.module)
     generator, _peft = engine.get_per_tensor_param()
-    for name, tensor in generator:
-        if name not in wanted:
+    for name, tensor in generator:  # every rank takes part in every tensor's gather
+        if name not in wanted or not keep:
             continue  # a tied alias: exported once under the parameter's own name
         if tensor.dtype != torch.float32:
             raise TypeError(f"verl engine returned {name} as {tensor.dtype}; the export must be fp32 (invariant 1)")
         out[name] = tensor.detach().to("cpu", copy=True)
+    if not keep:
+        return {}
     missing = wanted - set(out)
     if missing:
         raise RuntimeError(f"verl engine did not export {sorted(missing)[:5]}")
@@ -680,6 +773,7 @@ def _step(
     tds: Sequence[Any],
     metrics: Callable[[Mapping[str, Any]], dict[str, float]],
     after_backward: Callable[[], None] | None = None,
+    norm: AggNorm | None = None,
 ) -> StepResult:
     """One optimizer step on one mini-batch given as its micro-batches, what verl's
     `BaseEngine.train_batch` does (zero_grad, verl's `forward_step` and a backward per
@@ -690,14 +784,17 @@ def _step(
     mini-batch's. That count is the host's, so the step calls `forward_step` itself rather than
     `forward_backward_batch`, which would count the tokens again on the device and wait for the
     sum (one all-reduce and one synchronisation a micro-batch). The LR is constant, so the
-    schedule is never stepped."""
+    schedule is never stepped. `norm`: the denominators of a mini-batch spread over k ranks
+    (each holds part of its rows), with verl's dp_size k, against which FSDP2's reduce-scatter
+    averages: the gradients add up to the whole mini-batch's."""
     from verl.utils.py_functional import append_to_dict
 
     whole = partial(
         _over_mini_batch,
         loss_fn,
-        num_tokens=sum(int(td["loss_mask"].sum()) for td in tds),  # on the host: the rows are still there
-        num_rows=sum(len(td) for td in tds),
+        # on the host: the rows are still there
+        num_tokens=sum(int(td["loss_mask"].sum()) for td in tds) if norm is None else int(norm.num_tokens),
+        num_rows=sum(len(td) for td in tds) if norm is None else int(norm.num_seqs),
         dp_size=engine.get_data_parallel_size(),
     )
     raw: dict[str, Any] = {}
@@ -705,7 +802,7 @@ def _step(
     with engine.train_mode():
         engine.optimizer_zero_grad()
         try:
-            with _phase(module):  # the step updates the shards
+            with _phase(module, gather=engine.get_data_parallel_size() > 1):  # the step updates the shards
                 for i, td in enumerate(tds):
                     # FSDP2 reduces the gradients once, after the last backward, as verl defers it
                     # over the micro-batches of one call, and keeps the parameters gathered until then
@@ -773,15 +870,34 @@ def _reset_iteration(module: torch.nn.Module) -> None:
                 gathered.grad = None
 
 
+def _gather(module: torch.nn.Module) -> None:
+    """All-gather every FSDP2 unit of `module` now (a no-op for a gathered one): over k ranks
+    each phase begins so on every rank, so a rank with no pass in it still joins the gathers."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.unshard()
+
+
 @contextlib.contextmanager
-def _phase(module: torch.nn.Module) -> Iterator[None]:
-    """A phase of passes that gathers `module` once: freed at the end, reset if a pass raised."""
+def _phase(module: torch.nn.Module, gather: bool = False) -> Iterator[None]:
+    """A phase of passes that gathers `module` once (`gather`: here, on every rank of k):
+    freed at the end, reset if a pass raised."""
     try:
+        if gather:
+            _gather(module)
         yield
     except BaseException:
         _reshard(module, aborted=True)
         raise
     _reshard(module)
+
+
+def _zero_weighted(loss_fn: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """`loss_fn`'s loss times 0: an idle rank's row, whose gradient is exactly zero."""
+    loss, metrics = loss_fn(*args, **kwargs)
+    return loss * 0.0, metrics
 
 
 def _over_mini_batch(
@@ -799,14 +915,12 @@ _Batch = TypeVar("_Batch", PolicyBatch, ValueBatch)
 
 
 def _subset(batch: _Batch, indices: Sequence[int]) -> _Batch:
-    """The batch's rows at `indices`, with their per-row tensors (a policy batch's `norm`, set
-    only by a lane over several ranks, which this engine never runs, is not per row)."""
-    if getattr(batch, "norm", None) is not None:
-        raise ValueError("a mini-batch spread over several ranks reached the verl engine, which trains one rank")
+    """The batch's rows at `indices`, with their per-row tensors (a policy batch's `norm` is the
+    whole mini-batch's, not per row: kept)."""
     picked: dict[str, Any] = {
         f.name: [value[i] for i in indices]
         for f in dataclasses.fields(batch)
-        if (value := getattr(batch, f.name)) is not None
+        if (value := getattr(batch, f.name)) is not None and f.name != "norm"
     }
     return dataclasses.replace(batch, **picked)
 

@@ -24,10 +24,11 @@ has not yet moved, and reaches the device as indices: selecting them with boolea
 device, as verl's losses also slice each row by lengths read there, makes the host wait for the
 device at every such step, and a GPU pass is bound by host time.
 
-For the same reason, on one rank (every lane's engine) AdamW and the gradient clip step the
-shards' local tensors (`LocalShards`) rather than FSDP2's DTensor parameters: on one rank a
-DTensor holds its whole tensor locally, so the arithmetic is the same, without DTensor's
-per-op dispatch over every parameter at every step.
+For the same reason AdamW and the gradient clip step the shards' local tensors (`LocalShards`)
+rather than FSDP2's DTensor parameters, without DTensor's per-op dispatch over every parameter
+at every step. AdamW is elementwise, so stepping each shard is stepping the tensor, on one rank
+(a DTensor holds its whole tensor there) as on k; the clip needs the norm of the whole gradient,
+which over k ranks is the square root of the ranks' summed squared shard norms.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ class HostLayout:
 
 
 class LocalShards:
-    """A one-rank FSDP2 module's parameters as the plain tensors its DTensor shards hold (the
-    same storage: stepping these steps the module). FSDP2 reduces each gradient into the
+    """An FSDP2 module's trained parameters as the plain tensors this rank's DTensor shards hold
+    (the same storage: stepping these steps the module). FSDP2 reduces each gradient into the
     DTensor's own `.grad`; `take_grads` hands each tensor its local part before a step. A shard
     whose storage has moved since (a `model.to()`, an offload) would leave the optimizer
     stepping a dead copy: that is an error."""
@@ -120,6 +121,20 @@ class LocalShards:
     def zero_grad(self) -> None:
         for param, tensor in zip(self.params, self.tensors):
             param.grad = tensor.grad = None
+
+    def clip_(self, max_norm: float) -> float:
+        """Clip the gradients to `max_norm` by the norm of the whole gradient, returned: on one
+        rank torch's `clip_grad_norm_`; over k ranks each rank's squared shard norm is summed
+        over the engine's process group first, so every rank clips by the same global norm (and
+        skips the same non-finite step)."""
+        if torch.distributed.get_world_size() == 1:
+            return torch.nn.utils.clip_grad_norm_(self.tensors, max_norm=max_norm).item()
+        grads = [t.grad for t in self.tensors if t.grad is not None]
+        squared = torch.nn.utils.get_total_norm(grads).pow(2)
+        torch.distributed.all_reduce(squared)
+        norm = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(self.tensors, max_norm, norm)
+        return norm.item()
 
 
 def engine_class() -> type[Any]:
@@ -150,14 +165,14 @@ def _build_engine_class() -> type[Any]:
             self.module.get_output_embeddings().register_forward_pre_hook(self._select)
 
         def _build_optimizer(self, module: torch.nn.Module) -> Any:
-            """verl's optimizer, over the shards' local tensors (`LocalShards`): one rank, and a
+            """verl's optimizer, over this rank's shards' local tensors (`LocalShards`), and a
             step that is clip + AdamW only (no fp16 loss scaler, no QAT: the backend sets neither)."""
             from verl.workers.config.optimizer import build_optimizer
 
-            if torch.distributed.get_world_size() > 1 or self.scaler is not None or self._qat_enabled:
+            if self.scaler is not None or self._qat_enabled:
                 raise RuntimeError(
-                    "the verl engine steps one rank's shards with clip + AdamW only: a process group of "
-                    f"{torch.distributed.get_world_size()}, an fp16 loss scaler or QAT cannot be armed here"
+                    "the verl engine steps its shards with clip + AdamW only: an fp16 loss scaler or QAT "
+                    "cannot be armed here"
                 )
             self._shards = LocalShards(module)
             return build_optimizer(self._shards.tensors, self.optimizer_config)
@@ -172,8 +187,7 @@ def _build_engine_class() -> type[Any]:
             if self._shards is None:
                 return super().optimizer_step()
             self._shards.take_grads()
-            tensors = self._shards.tensors
-            norm = torch.nn.utils.clip_grad_norm_(tensors, max_norm=self.optimizer_config.clip_grad).item()
+            norm = self._shards.clip_(self.optimizer_config.clip_grad)
             if math.isfinite(norm):
                 self.optimizer.step()
             else:

@@ -7,15 +7,20 @@ import pytest
 from fl_app.config import ConfigError, load_config
 
 
-def test_a_lane_of_several_ranks_loads_for_the_builtin_engine():
-    cfg = load_config("tiny-shop-grpo", overrides={"run.lane_devices": 2})
+@pytest.mark.parametrize("backend", ["builtin", "verl"])
+def test_a_lane_of_several_ranks_loads_for_either_engine(backend):
+    cfg = load_config("tiny-shop-grpo", overrides={"run.lane_devices": 2, "backend": backend})
     assert cfg.run.lane_devices == 2 and load_config("tiny-shop-grpo").run.lane_devices == 1
 
 
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"backend": "verl"}, r"run.lane_devices=2 with backend='verl'.*the builtin engine spans a lane's ranks"),
+        (
+            {"backend": "verl", "federation.update": "lora"},
+            r"run.lane_devices=2 with backend: verl and federation.update: lora.*full weights only",
+        ),
+        ({"backend": "verl", "algo.name": "ppo"}, r"run.lane_devices=2 with algo.name='ppo'.*without a critic"),
         ({"algo.name": "ppo"}, r"run.lane_devices=2 with algo.name='ppo'.*without a critic"),
         ({"algo.tasks_per_step": 1}, r"algo.tasks_per_step=1 gives fewer than 2; raise algo.tasks_per_step"),
         ({"rollout.engine": "vllm", "run.device": "cuda"}, r"run.lane_devices=2 rolls out with rollout.engine: hf"),
