@@ -479,9 +479,13 @@ class VerlEngine:
     def generation_model(self) -> torch.nn.Module:
         """The actor; it stays gathered over a rollout's decoding steps (one gather, not one a
         step) until the scoring after it, or a load, frees it (`_reshard`). Over k ranks it is
-        gathered here, on every rank (one plays fewer decoding steps, or none)."""
+        gathered whole here, on every rank, and its layers kept so over the rollout
+        (`_per_layer` off): ranks play different numbers of turns and decoding steps (one none),
+        so per-layer gathers inside `generate` would not pair up. The rollout is where such a
+        lane's memory peaks: the gathered model plus the KV cache."""
         module = self.engine.module.eval()
         if self.sharded:
+            _per_layer(module, False)
             _gather(module)
         return module
 
@@ -549,6 +553,8 @@ class VerlEngine:
                 raise RuntimeError(f"algo.name={self.cfg.algo.name!r} has no critic, so rows have no values")
             _reshard(self.engine.module)  # a rollout leaves the actor gathered: never two models at once
             return self._row_outputs(rows, self.critic, "values", self.cfg.algo.critic.micro)
+        if self.sharded:
+            _reshard(self.engine.module)  # k ranks: the rollout's gathered actor is freed before any pass
         worker = self.actor if role == "policy" else self.ref
         if worker is None:
             raise RuntimeError("no reference model: algo.kl_coef is 0, so nothing needs the reference's log-probs")
@@ -558,17 +564,24 @@ class VerlEngine:
         """Each micro-batch (rows of similar length within the token budget, as builtin scores
         them) through the engine's `forward_step`, what verl's `infer_batch` runs per
         micro-batch, without its bookkeeping: a token count, a metric gather and a wait for the
-        device a call, collectives that over k ranks would pair with another rank's other calls."""
+        device a call, collectives that over k ranks would pair with another rank's other calls.
+        Over k ranks every layer is gathered per pass, so every rank runs as many passes as the
+        rank with the most micro-batches: the others pad with passes of a one-token row whose
+        output is dropped (`_padding`)."""
         from verl.workers.utils.padding import no_padding_2_padding
 
         engine = worker.engine
         keys = {"calculate_entropy": False, "compute_loss": False}
+        parts = micro_batches(rows, micro, self.cfg.algo.micro_batch_tokens)
+        tds = [self._batch([rows[i] for i in p], engine_keys={**keys, "micro_batch_size_per_gpu": len(p)}) for p in parts]
+        pads = [self._batch(self._idle_batch().rows, engine_keys=keys) for _ in range(self._padding(len(tds)))]
         scored: list[tuple[list[int], torch.Tensor]] = []
-        with engine.eval_mode(), torch.no_grad(), _phase(engine.module, self.sharded):  # one gather for every pass
-            for part in micro_batches(rows, micro, self.cfg.algo.micro_batch_tokens):
-                td = self._batch([rows[i] for i in part], engine_keys={**keys, "micro_batch_size_per_gpu": len(part)})
+        with engine.eval_mode(), torch.no_grad(), _phase(engine.module, per_layer=self.sharded):
+            for part, td in zip(parts, tds):
                 _, output = engine.forward_step(td, loss_function=None, forward_only=True)
                 scored.append((part, no_padding_2_padding(output["model_output"][key], td).float()))
+            for td in pads:
+                engine.forward_step(td, loss_function=None, forward_only=True)
         out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
         for part, padded in scored:  # to the host after the last pass: no pass waits for the device
             on_host = padded.cpu()
@@ -583,8 +596,6 @@ class VerlEngine:
         `ValueBatch`) per micro-batch, `after_backward` (FedProx: the policy), clip + AdamW."""
         if isinstance(batch, PolicyBatch):
             self._check_loss(loss, self.policy_loss, "policy")
-            if not batch.rows and self.sharded:  # none of the mini-batch's rows: join its reduce-scatter
-                return self._policy_step(self._idle_batch(), batch.norm, after_backward, idle=True)
             return self._policy_step(batch, batch.norm, after_backward)
         if self.critic is None:
             raise RuntimeError(f"algo.name={self.cfg.algo.name!r} trains no critic")
@@ -596,40 +607,53 @@ class VerlEngine:
         return _step(self.critic.engine, self.critic_loss_fn, tds, _critic_metrics, after_backward)
 
     def _policy_step(
-        self, batch: PolicyBatch, norm: AggNorm | None, after_backward: Callable[[], None] | None, idle: bool = False
+        self, batch: PolicyBatch, norm: AggNorm | None, after_backward: Callable[[], None] | None
     ) -> StepResult:
-        """The policy's step on `batch` (`idle`: a zero-weighted row, no metrics of its own),
-        normalised by `norm` (the whole mini-batch over k ranks) or its own rows; over k ranks
-        the loss terms are then those of every rank's rows."""
+        """The policy's step on `batch`, normalised by `norm` (the whole mini-batch over k ranks)
+        or its own rows; over k ranks the loss terms are then those of every rank's rows, and a
+        rank with fewer micro-batches (or none of the mini-batch's rows) pads with zero-weighted
+        ones up to the most any rank has (`_padding`), so that every rank's per-layer gathers and
+        reduce-scatters pair up; `pad_micro_batches` counts them over the ranks."""
         tds = [
             self._batch(part.rows, old=part.old_log_probs, advantages=part.advantages, ref=part.ref_log_probs)
             for part in self._micro_batches(batch, self.cfg.algo.micro_batch_size)
         ]
-        loss_fn = partial(_zero_weighted, self.loss_fn) if idle else self.loss_fn
-        result = _step(self.engine, loss_fn, tds, _policy_metrics, after_backward, norm)
+        idle = self._idle_batch()
+        pads = [
+            self._batch(idle.rows, old=idle.old_log_probs, advantages=idle.advantages, ref=idle.ref_log_probs)
+            for _ in range(self._padding(len(tds)))
+        ]
+        result = _step(self.engine, self.loss_fn, tds, _policy_metrics, after_backward, norm, pads)
         if self.ranks is None:
             return result
-        own = ({}, 0) if idle else (result.metrics, len(tds))
-        return dataclasses.replace(result, metrics=self._policy_terms(*own))
+        return dataclasses.replace(result, metrics=self._policy_terms(result.metrics, len(tds), len(pads)))
 
-    def _policy_terms(self, metrics: Mapping[str, float], n: int) -> dict[str, float]:
+    def _padding(self, n: int) -> int:
+        """How many passes a rank of `n` micro-batches adds so that every rank of k runs as many
+        as the one with the most (the counts exchanged first); 0 on one rank."""
+        if self.ranks is None:
+            return 0
+        return max(self.ranks.all_gather(n)) - n
+
+    def _policy_terms(self, metrics: Mapping[str, float], n: int, pads: int) -> dict[str, float]:
         """The mini-batch's loss terms over every rank (`Ranks.sum_terms`), from this rank's
         `metrics` of its `n` micro-batches: its added terms hold dp_size x its share (verl's
-        normalisation), the averaged ones their mean over its micro-batches."""
+        normalisation), the averaged ones their mean over its micro-batches; and the `pads`
+        zero-weighted micro-batches of every rank (`pad_micro_batches`)."""
         assert self.ranks is not None
         k = self.ranks.world
-        terms = {}
+        terms = {"pad_micro_batches": (float(pads), 1)}
         for name, how in _METRICS.values():
             if name in metrics:
                 terms[name] = (metrics[name] / k, n) if how == "sum" else (metrics[name] * n, n)
-        added = tuple(name for name, how in _METRICS.values() if how == "sum")
+        added = ("pad_micro_batches", *(name for name, how in _METRICS.values() if how == "sum"))
         averaged = tuple(name for name, how in _METRICS.values() if how == "mean")
         return self.ranks.sum_terms(terms, added, averaged)
 
     def _idle_batch(self) -> PolicyBatch:
-        """One one-token row (a pad after a pad) with zero advantages and log-probs: what a rank
-        holding none of a mini-batch's rows backpropagates, at weight 0, so that FSDP2's
-        reduce-scatter of the step runs on every rank."""
+        """One one-token row (a pad after a pad) with zero advantages and log-probs: a padding
+        pass (`_padding`), backpropagated at weight 0 in a step, so that FSDP2's gathers and
+        reduce-scatters run as often on every rank."""
         row = TrainRow([self.pad_id], [self.pad_id], [1], 0.0, 0, 0)
         zero = [torch.zeros(1)]
         return PolicyBatch([row], zero, zero, zero if self.policy_loss.kl_coef > 0 else None)
@@ -774,6 +798,7 @@ def _step(
     metrics: Callable[[Mapping[str, Any]], dict[str, float]],
     after_backward: Callable[[], None] | None = None,
     norm: AggNorm | None = None,
+    pads: Sequence[Any] = (),
 ) -> StepResult:
     """One optimizer step on one mini-batch given as its micro-batches, what verl's
     `BaseEngine.train_batch` does (zero_grad, verl's `forward_step` and a backward per
@@ -786,7 +811,14 @@ def _step(
     sum (one all-reduce and one synchronisation a micro-batch). The LR is constant, so the
     schedule is never stepped. `norm`: the denominators of a mini-batch spread over k ranks
     (each holds part of its rows), with verl's dp_size k, against which FSDP2's reduce-scatter
-    averages: the gradients add up to the whole mini-batch's."""
+    averages: the gradients add up to the whole mini-batch's.
+
+    One rank (one unit): the unit stays gathered over the micro-batches and its gradients are
+    reduced once, after the last backward. k ranks (`dp_size` > 1: per-layer units): each
+    layer is gathered for its forward and its backward, and its gradient reduce-scattered into
+    the shards as each backward ends (the whole model's gathered weights or unsharded gradient
+    never exist); `pads`, zero-weighted micro-batches without metrics, then run after this
+    rank's own so that its gathers and reduce-scatters pair with every other rank's."""
     from verl.utils.py_functional import append_to_dict
 
     whole = partial(
@@ -799,19 +831,23 @@ def _step(
     )
     raw: dict[str, Any] = {}
     module = engine.module
+    per_layer = engine.get_data_parallel_size() > 1
+    passes = [(td, whole, True) for td in tds] + [(td, partial(_zero_weighted, whole), False) for td in pads]
     with engine.train_mode():
         engine.optimizer_zero_grad()
         try:
-            with _phase(module, gather=engine.get_data_parallel_size() > 1):  # the step updates the shards
-                for i, td in enumerate(tds):
-                    # FSDP2 reduces the gradients once, after the last backward, as verl defers it
-                    # over the micro-batches of one call, and keeps the parameters gathered until then
-                    last = i == len(tds) - 1
-                    module.set_requires_gradient_sync(last)
-                    module.set_reshard_after_backward(last)
-                    loss, out = engine.forward_step(td, loss_function=whole, forward_only=False)
+            with _phase(module, per_layer=per_layer):  # the step updates the shards
+                for i, (td, loss_fn, reported) in enumerate(passes):
+                    if not per_layer:
+                        # FSDP2 reduces the gradients once, after the last backward, as verl defers it
+                        # over the micro-batches of one call, and keeps the parameters gathered until then
+                        last = i == len(passes) - 1
+                        module.set_requires_gradient_sync(last)
+                        module.set_reshard_after_backward(last)
+                    loss, out = engine.forward_step(td, loss_function=loss_fn, forward_only=False)
                     loss.backward()
-                    append_to_dict(raw, out["metrics"])
+                    if reported:
+                        append_to_dict(raw, out["metrics"])
         finally:
             module.set_requires_gradient_sync(True)
             module.set_reshard_after_backward(True)
@@ -823,10 +859,11 @@ def _step(
 
 
 def _reshard(module: torch.nn.Module, aborted: bool = False) -> None:
-    """Free every FSDP2 unit's gathered parameters. The engine's units keep them gathered after
-    a forward (`reshard_after_forward: false`: on one rank a gather per pass buys nothing), so
-    a phase of passes (a rollout, a scoring sweep, a step's micro-batches) gathers once; it ends
-    here, before the shards are read or written (a load, an export, an optimizer step).
+    """Free every FSDP2 unit's gathered parameters. On one rank the engine's unit keeps them
+    gathered after a forward (`reshard_after_forward: false`: there a gather per pass buys
+    nothing), so a phase of passes (a rollout, a scoring sweep, a step's micro-batches) gathers
+    once; over k ranks a rollout gathers every layer once (`generation_model`). That ends here, before the shards are read or
+    written (a load, an export, an optimizer step).
 
     A pass that raised (`aborted`, or a unit FSDP2 will not reshard: a forward it still thinks
     is running, e.g. an interrupted rollout) leaves FSDP2 mid-iteration: a gathered unit that
@@ -871,8 +908,8 @@ def _reset_iteration(module: torch.nn.Module) -> None:
 
 
 def _gather(module: torch.nn.Module) -> None:
-    """All-gather every FSDP2 unit of `module` now (a no-op for a gathered one): over k ranks
-    each phase begins so on every rank, so a rank with no pass in it still joins the gathers."""
+    """All-gather every FSDP2 unit of `module` now (a no-op for a gathered one): over k ranks a
+    rollout begins so on every rank, so a rank with no decoding step still joins the gathers."""
     from torch.distributed.fsdp import FSDPModule
 
     for unit in module.modules():
@@ -880,13 +917,22 @@ def _gather(module: torch.nn.Module) -> None:
             unit.unshard()
 
 
+def _per_layer(module: Any, on: bool) -> None:
+    """Whether every FSDP2 unit of `module` (the root included: verl asks it to reshard too, so
+    FSDP2 does not keep it gathered after a forward) frees its parameters after each forward (on:
+    training passes over k ranks) or keeps them gathered (off: a rollout)."""
+    module.set_reshard_after_forward(on)
+
+
 @contextlib.contextmanager
-def _phase(module: torch.nn.Module, gather: bool = False) -> Iterator[None]:
-    """A phase of passes that gathers `module` once (`gather`: here, on every rank of k):
-    freed at the end, reset if a pass raised."""
+def _phase(module: torch.nn.Module, per_layer: bool = False) -> Iterator[None]:
+    """A phase of passes: on one rank `module` is gathered once (by its first pass) and freed at
+    the end; over k ranks (`per_layer`) a rollout's gathered copy is freed first and each layer
+    is gathered per pass (`_per_layer`). Reset if a pass raised."""
     try:
-        if gather:
-            _gather(module)
+        if per_layer:
+            _reshard(module)
+            _per_layer(module, True)
         yield
     except BaseException:
         _reshard(module, aborted=True)

@@ -40,7 +40,8 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
     a, r = cfg.algo, cfg.rollout
     on_cpu = device == "cpu"
     packed = has_flash_attn(device)
-    one_unit = _one_unit_class(model_path)
+    per_layer = cfg.run.lane_devices > 1
+    one_unit = None if per_layer else _one_unit_class(model_path)
     actor = "actor_rollout_ref.actor"
     out = [
         # model
@@ -56,8 +57,9 @@ def recipe_overrides(cfg: Config, model_path: Path, device: str) -> list[str]:
         f"{actor}.use_torch_compile={not on_cpu}",
         f"{actor}.fsdp_config.use_torch_compile={not on_cpu}",
         *_wrap(f"{actor}.fsdp_config", one_unit),  # the reference is built from the actor's config
-        # one rank: a unit stays gathered over a phase's passes (VerlEngine reshards it at the end)
-        f"{actor}.fsdp_config.reshard_after_forward=False",
+        # one rank: its one unit stays gathered over a phase's passes (VerlEngine reshards it at
+        # the end); k ranks: each decoder layer is gathered for its pass and freed after it
+        f"{actor}.fsdp_config.reshard_after_forward={per_layer}",
         # optimizer: AdamW, constant LR, no warmup, rebuilt per fit by the backend (invariant 3)
         f"{actor}.optim.lr={a.lr}",
         f"{actor}.optim.weight_decay={a.weight_decay}",
@@ -180,7 +182,12 @@ def _one_unit_class(model_path: Path) -> str | None:
     leaves one unit with work in it: on an H100 a 0.5B policy pass took 0.79x the time
     (docs/benchmarks.md). verl still wraps untied input and output embeddings as units of their
     own; a model without a rotary embedding, or whose config does not load here, keeps verl's
-    per-layer wrap (verl then reports what is wrong with it)."""
+    per-layer wrap (verl then reports what is wrong with it).
+
+    Not over k ranks (`run.lane_devices` > 1): there one unit would gather the whole model on
+    every rank for every pass and hold its whole unsharded gradient, so a model that fits only
+    as k shards would not train; verl's per-layer units (`reshard_after_forward: true`) keep one
+    layer gathered at a time and reduce-scatter its gradient as its backward ends."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -28,11 +28,13 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 from trainer_support import SMALL_ENV_PARAMS, env_url, model_dir, one_torch_thread, small_config  # noqa: F401
 
 from client_app.trainer import make_trainer
 from client_app.trainer.base import ClientTasks
 from client_app.trainer.ranks import Lead, RankFailure
+from client_app.trainer.verl_backend import _sharded
 from fl_app.calls import EvalCall, FitCall
 
 pytest.importorskip("verl")
@@ -55,6 +57,13 @@ def lane_config(model_dir: Path, ranks: int) -> Any:
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def units(trainer: Any) -> tuple[int, int]:
+    """(the actor's FSDP2 units that hold parameters, those left gathered)."""
+    module = trainer.engine.engine.module
+    found = [m for m in module.modules() if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group]
+    return len(found), sum(not _sharded(m) for m in found)
 
 
 def rel(a: float, b: float) -> float:
@@ -80,6 +89,7 @@ def two_rank_lane(cfg: Any, url: str, initial_path: Path, out: Path) -> None:
         for name in ("fit", "again"):
             trainer.load_weights(initial)
             result = trainer.fit(CALL, ClientTasks(SHARD))
+            results[f"{name}_units"] = units(trainer)  # the fit's last phase is a step
             results[name] = (trainer.export_weights(), result.num_examples, result.metrics)
         results["eval"] = trainer.evaluate(EvalCall(round=1, seed=0), VALIDATION)
         results["eval_one"] = trainer.evaluate(EvalCall(round=1, seed=0), VALIDATION[:1])  # rank 1 plays none
@@ -113,10 +123,11 @@ def one_rank(env_url, model_dir):  # noqa: F811
     try:
         initial = trainer.export_weights()
         result = trainer.fit(CALL, ClientTasks(SHARD))
+        after_fit = units(trainer)
         fitted = trainer.export_weights()
         trainer.load_weights(initial)
         validation = trainer.evaluate(EvalCall(round=1, seed=0), VALIDATION)
-        return initial, fitted, result, validation
+        return initial, fitted, result, validation, after_fit
     finally:
         trainer.close()
 
@@ -137,7 +148,7 @@ def two_ranks(one_rank, env_url, model_dir, tmp_path_factory):  # noqa: F811
 
 
 def test_a_verl_fit_over_two_gloo_ranks_is_the_one_rank_fit_each_rank_holding_half(one_rank, two_ranks):
-    initial, w1, r1, _ = one_rank
+    initial, w1, r1, *_ = one_rank
     local, total, stepped = two_ranks["numel"]
     print(f"rank 0 holds {local} of {total} parameters ({local / total:.3f}); its optimizer steps {stepped}")
     assert stepped == local and abs(local / total - 0.5) < 0.02
@@ -157,6 +168,26 @@ def test_a_verl_fit_over_two_gloo_ranks_is_the_one_rank_fit_each_rank_holding_ha
     assert {k: v for k, v in m3.items() if not k.endswith(timing)} == {
         k: v for k, v in m2.items() if not k.endswith(timing)
     }
+
+
+def test_a_verl_lane_over_two_ranks_trains_layer_by_layer_padding_the_rank_with_fewer_micro_batches(
+    one_rank, two_ranks
+):
+    """Over 2 ranks the actor is one FSDP2 unit per decoder layer (+ the root, with the
+    embeddings and the final norm; one rank: the root alone), each freed after its pass: none
+    is left gathered after a fit's last step. Its gathers pair up only if every
+    rank runs as many passes: the rank with fewer micro-batches in a mini-batch pads with
+    zero-weighted ones, and the fit still equals the 1-rank fit (the first test). Without the
+    padding the ranks' all-gathers fall out of step and the fit fails at the collective timeout."""
+    layers = {name.split(".")[2] for name in one_rank[0] if name.startswith("model.layers.")}
+    assert one_rank[4] == (1, 0), "one rank keeps one FSDP2 unit"
+    count, gathered = two_ranks["fit_units"]
+    assert count == len(layers) + 1 > 1 and gathered == 0, (two_ranks["fit_units"], len(layers))
+    assert two_ranks["again_units"] == (count, 0)
+    pads = two_ranks["fit"][2]["pad_micro_batches"]
+    print(f"2 ranks: {count} FSDP2 units; {pads:.2f} zero-weighted micro-batches a step")
+    assert pads > 0, "no mini-batch gave the ranks different micro-batch counts: the padding is untested"
+    assert "pad_micro_batches" not in one_rank[2].metrics
 
 
 def test_a_verl_lane_over_two_ranks_validates_the_one_rank_episodes(one_rank, two_ranks):
