@@ -573,7 +573,10 @@ class VerlEngine:
         engine = worker.engine
         keys = {"calculate_entropy": False, "compute_loss": False}
         parts = micro_batches(rows, micro, self.cfg.algo.micro_batch_tokens)
-        tds = [self._batch([rows[i] for i in p], engine_keys={**keys, "micro_batch_size_per_gpu": len(p)}) for p in parts]
+        tds = [
+            self._batch([rows[i] for i in part], engine_keys={**keys, "micro_batch_size_per_gpu": len(part)})
+            for part in parts
+        ]
         pads = [self._batch(self._idle_batch().rows, engine_keys=keys) for _ in range(self._padding(len(tds)))]
         scored: list[tuple[list[int], torch.Tensor]] = []
         with engine.eval_mode(), torch.no_grad(), _phase(engine.module, per_layer=self.sharded):
@@ -862,8 +865,8 @@ def _reshard(module: torch.nn.Module, aborted: bool = False) -> None:
     """Free every FSDP2 unit's gathered parameters. On one rank the engine's unit keeps them
     gathered after a forward (`reshard_after_forward: false`: there a gather per pass buys
     nothing), so a phase of passes (a rollout, a scoring sweep, a step's micro-batches) gathers
-    once; over k ranks a rollout gathers every layer once (`generation_model`). That ends here, before the shards are read or
-    written (a load, an export, an optimizer step).
+    once; over k ranks a rollout gathers every layer once (`generation_model`). That ends here,
+    before the shards are read or written (a load, an export, an optimizer step).
 
     A pass that raised (`aborted`, or a unit FSDP2 will not reshard: a forward it still thinks
     is running, e.g. an interrupted rollout) leaves FSDP2 mid-iteration: a gathered unit that
