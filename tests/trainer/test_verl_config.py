@@ -181,3 +181,16 @@ def test_resolved_config_is_written_to_the_run_dir(model_dir, tmp_path):  # noqa
     back = OmegaConf.load(path)
     assert back.actor_rollout_ref.actor.optim.lr == 3e-5 and back.actor_rollout_ref.actor.kl_loss_type == "k3"
     assert "${" not in path.read_text()  # resolved: no interpolation left
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_one_rank_keeps_one_gathered_unit_and_k_ranks_get_verls_per_layer_units(model_dir, ranks):  # noqa: F811
+    """One rank names the rotary embedding as the wrapped class (one unit with work, gathered
+    over a phase); over k ranks verl's per-decoder-layer wrap stays and each unit reshards
+    after its forward, so a rank never holds the whole gathered model in a training pass."""
+    cfg, c = _composed(model_dir, [*RECIPE, f"run.lane_devices={ranks}", "rollout.engine=hf"])
+    verl_config.check_resolved(cfg, c)
+    fsdp = c.actor_rollout_ref.actor.fsdp_config
+    assert fsdp.reshard_after_forward is (ranks > 1)
+    wrapped = fsdp.get("wrap_policy", {}).get("transformer_layer_cls_to_wrap")
+    assert wrapped == (None if ranks > 1 else ["Qwen2RotaryEmbedding"])
