@@ -26,11 +26,13 @@ log 2026-07-23).
 Over k ranks (`run.lane_devices`, `ranks.py`; `sharded`) every call that reads or writes the
 weights runs on every rank at once (the loop forwards it): a load broadcasts rank 0's full
 tensors and each rank keeps its shard (`broadcast_from_rank0`), an export gathers them (rank 0
-keeps them), every scoring, generation or step phase starts with an explicit all-gather on
-every rank (`_gather`: a rank with no row of a phase still takes part), a step's loss is
-normalised by the whole mini-batch over all ranks (`PolicyBatch.norm`, verl's `dp_size`
-convention against FSDP2's averaging reduce-scatter), a rank holding none of a mini-batch's
-rows backpropagates a zero-weighted row to join the reduce-scatter, and the clip uses the norm
+keeps them); the models are FSDP2 units per decoder layer (`verl_config`), each gathered for
+its pass and freed after it, so every rank runs as many scoring and step passes as the rank
+with the most micro-batches (`_padding`: the others pad with zero-weighted one-token rows, a
+rank holding none of a mini-batch's rows included), while a rollout gathers the whole actor
+once on every rank (`generation_model`: ranks play different numbers of decoding steps); a
+step's loss is normalised by the whole mini-batch over all ranks (`PolicyBatch.norm`, verl's
+`dp_size` convention against FSDP2's averaging reduce-scatter), and the clip uses the norm
 over every rank's shards (`verl_head.LocalShards.clip_`).
 
 A train step is what verl's `BaseEngine.train_batch` does for one mini-batch (zero_grad, verl's
