@@ -22,16 +22,6 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
-FIRST = ("e2e", "trainer", "client")  # the areas with the longest modules (real runs, services, ranks)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest areas first, each module's tests in their order: two workers that take whole
-    files (`--dist loadfile`) otherwise end with one of them alone on the last long module."""
-    rank = {area: i for i, area in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.parent.name, len(FIRST)))
-
-
 @pytest.fixture(autouse=True, scope="session")
 def private_runtime_dir() -> Iterator[None]:
     """Lanes started by tests keep their sockets, pid and lock files in a directory of this test
