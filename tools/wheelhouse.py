@@ -8,8 +8,10 @@ before pip ever sees it.
 
     build    (online machine) pip download, --no-deps and --only-binary, for the target's Python,
              implementation and manylinux platforms; skip what the target already has
-             (--target-freeze: its `pip list --format=freeze`); pure-Python sdists are built into
-             wheels here; writes manifest.json (name, version, sha256, size per wheel)
+             (--target-freeze: its `pip list --format=freeze`); a requirement with no wheel is
+             built from its sdist: pure-Python results with this interpreter, compiled ones with
+             --build-python (the target's Python version, glibc no newer than the target's);
+             writes manifest.json (name, version, sha256, size, how it was made, per wheel)
     split    cut a wheelhouse into tar parts below a size limit; a wheel larger than a part is
              cut across parts; parts.json holds each part's sha256 and the wheelhouse manifest
     join     check every part (missing, corrupt), reassemble, check every wheel's sha256
@@ -28,12 +30,15 @@ Standard library + `packaging` only (pip vendors it; every image with pip has it
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import json
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -80,16 +85,27 @@ class Target:
             compatible_tags(version, interpreter=interpreter, platforms=self.platforms)
         )
 
+    def glibc(self) -> tuple[int, int] | None:
+        """The newest glibc among the target's manylinux tags (None: no manylinux tag named)."""
+        found = [(2, int(p.split("_")[2])) for p in self.platforms if p.startswith("manylinux_2_")]
+        return max(found, default=None)
+
+    def arch(self) -> str | None:
+        """The architecture of the target's `linux_<arch>` tag (None: no such tag named)."""
+        return next((p.removeprefix("linux_") for p in self.platforms if p.startswith("linux_")), None)
+
 
 def manylinux_platforms(glibc: str, arch: str) -> tuple[str, ...]:
-    """Every manylinux tag a glibc `glibc` machine accepts, newest first (pip matches tags
-    exactly, so a download for `manylinux_2_28` alone would miss wheels tagged 2_17)."""
+    """Every Linux platform tag a glibc `glibc` machine's pip accepts, newest first (pip matches
+    tags exactly, so a download for `manylinux_2_28` alone would miss wheels tagged 2_17), and
+    last the plain `linux_<arch>` that packaging.tags.platform_tags() yields after them: the tag
+    of wheels built from sdists by --build-python (PyPI hosts none)."""
     major, minor = (int(x) for x in glibc.split("."))
     if major != 2 or minor < 5:
         raise WheelhouseError(f"--glibc {glibc}: expected 2.N with N >= 5 (e.g. 2.28; `ldd --version` on the target)")
     tags = [f"manylinux_2_{n}_{arch}" for n in range(minor, 4, -1)]
     legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
-    return tuple(tags + [f"{name}_{arch}" for n, name in legacy.items() if minor >= n])
+    return tuple(tags + [f"{name}_{arch}" for n, name in legacy.items() if minor >= n] + [f"linux_{arch}"])
 
 
 @dataclass
@@ -101,6 +117,10 @@ class Wheel:
     size: int
     source: str  # download | sdist-build | local
     requirement: str
+    # sdist-build only: the interpreter (path, version, glibc, machine) and, for a wheel whose
+    # setup declared it pure while it carries compiled libraries, those files and its file name
+    # before the retag
+    build: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -191,6 +211,66 @@ def _tail(proc: subprocess.CompletedProcess, lines: int = 6) -> str:
     return "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-lines:])
 
 
+@dataclass(frozen=True)
+class Builder:
+    """The interpreter that builds sdists into wheels. By default this one, and only pure-Python
+    results are kept (they run anywhere); one named with --build-python may compile, because
+    `for_target` checked that it is the target's CPython version on the target's architecture
+    with a glibc no newer than the target's, so what it links against exists there."""
+
+    python: str
+    version: str  # e.g. 3.12.1
+    glibc: str  # "" off glibc Linux
+    machine: str
+    compiles: bool = False
+    isolation: bool = False  # pip's build isolation: fetch the sdist's build requirements
+
+    @classmethod
+    def probe(cls, python: str, compiles: bool = False, isolation: bool = False) -> Builder:
+        code = (
+            "import json, platform as p; "
+            "print(json.dumps([p.python_implementation(), p.python_version(), p.libc_ver()[1], p.machine()]))"
+        )
+        try:
+            proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+        except OSError as e:
+            raise WheelhouseError(f"build interpreter {python} does not run ({e}); name a Python executable") from None
+        if proc.returncode != 0:
+            raise WheelhouseError(f"build interpreter {python} failed to start:\n{_tail(proc)}")
+        impl, version, glibc, machine = json.loads(proc.stdout)
+        if impl != "CPython":
+            raise WheelhouseError(f"build interpreter {python} is {impl}; name a CPython interpreter")
+        return cls(python, version, glibc, machine, compiles, isolation)
+
+    @classmethod
+    def for_target(cls, python: str, target: Target, isolation: bool = False) -> Builder:
+        """`python` (--build-python) if what it compiles runs on `target`; else the reason and the fix."""
+        b = cls.probe(python, compiles=True, isolation=isolation)
+        glibc, arch = target.glibc(), target.arch()
+        if b.version.rsplit(".", 1)[0] != target.python_version:
+            raise WheelhouseError(
+                f"--build-python {python} is Python {b.version}, the target is {target.python_version} "
+                f"(--python-version): name a CPython {target.python_version} interpreter"
+            )
+        if glibc is None or arch is None:
+            raise WheelhouseError(
+                "--build-python needs the target's glibc and architecture: give --glibc and --arch, or "
+                "--platform tags that include manylinux_2_N_<arch> and linux_<arch>"
+            )
+        if b.machine != arch:
+            raise WheelhouseError(f"--build-python {python} runs on {b.machine}, the target on {arch}: build on {arch}")
+        if not b.glibc or tuple(int(x) for x in b.glibc.split(".")[:2]) > glibc:
+            raise WheelhouseError(
+                f"--build-python {python} runs on glibc {b.glibc or '(none)'}, the target has {glibc[0]}.{glibc[1]} "
+                "(--glibc): what it compiles may need symbols the target lacks; build on a machine "
+                f"or container with glibc <= {glibc[0]}.{glibc[1]}"
+            )
+        return b
+
+    def record(self) -> dict[str, str]:
+        return {"python": self.python, "version": self.version, "glibc": self.glibc, "machine": self.machine}
+
+
 def build(
     requirements: Sequence[str],
     out: Path,
@@ -198,8 +278,9 @@ def build(
     have: dict[str, str] | None = None,
     skip: Iterable[str] = (),
     pip_index_args: Sequence[str] = (),
+    builder: Builder | None = None,
 ) -> Manifest:
-    """Download (or build, for pure-Python sdists) one wheel per requirement for `target` into `out`.
+    """Download (or build from sdists, with `builder`) one wheel per requirement for `target` into `out`.
 
     A requirement line is a pip requirement (`flwr==1.42.0`) or a path to a local .whl.
     `have` (the target's installed versions) drops requirements the target already satisfies;
@@ -207,15 +288,16 @@ def build(
     target accepts, and each project may appear once: pip would refuse two versions anyway.
     """
     _fresh_dir(out, "wheelhouse")
+    builder = builder or Builder.probe(sys.executable)
     skip = {canonicalize_name(s) for s in skip}
     manifest = Manifest(target)
     wanted: list[Requirement] = []
-    local: list[Path] = []
+    files: dict[Path, tuple[str, str, dict[str, str]]] = {}
     for line in requirements:
         if line.endswith(".whl"):
             if not Path(line).is_file():
                 raise WheelhouseError(f"local wheel {line} does not exist")
-            local.append(Path(line))
+            files[Path(line)] = ("local", Path(line).name, {})
             continue
         try:
             req = Requirement(line)
@@ -228,11 +310,11 @@ def build(
             wanted.append(req)
     with tempfile.TemporaryDirectory(dir=out, prefix=".staging-") as tmp:
         staging = Path(tmp)
-        files = {p: ("local", p.name) for p in local}
-        files |= {p: (source, str(req)) for req, (p, source) in _fetch(wanted, staging, target, pip_index_args).items()}
+        for req, (p, source, made) in _fetch(wanted, staging, target, pip_index_args, builder).items():
+            files[p] = (source, str(req), made)
         accepted = target.tags()
         seen: dict[str, str] = {}
-        for path, (source, requirement) in sorted(files.items(), key=lambda kv: kv[0].name):
+        for path, (source, requirement, made) in sorted(files.items(), key=lambda kv: kv[0].name):
             name, version, _build, tags = parse_wheel_filename(path.name)
             if not tags & accepted:
                 raise WheelhouseError(
@@ -252,6 +334,7 @@ def build(
                     (out / path.name).stat().st_size,
                     source,
                     requirement,
+                    made,
                 )
             )
     _write_json(out / MANIFEST, manifest.to_json())
@@ -259,10 +342,10 @@ def build(
 
 
 def _fetch(
-    reqs: Sequence[Requirement], staging: Path, target: Target, pip_index_args: Sequence[str]
-) -> dict[Requirement, tuple[Path, str]]:
-    """{requirement: (wheel path, source)}: one pip download for all; a requirement pip names as
-    having no wheel for the target is built from its sdist (pure-Python results only) and the
+    reqs: Sequence[Requirement], staging: Path, target: Target, pip_index_args: Sequence[str], builder: Builder
+) -> dict[Requirement, tuple[Path, str, dict[str, str]]]:
+    """{requirement: (wheel path, source, how it was built)}: one pip download for all; a
+    requirement pip names as having no wheel for the target is built from its sdist and the
     download repeated without it (files already downloaded are kept)."""
     base = [
         "download",
@@ -278,18 +361,18 @@ def _fetch(
         str(staging / "dl"),
     ]
     pending, errors = list(reqs), []
-    found: dict[Requirement, tuple[Path, str]] = {}
+    found: dict[Requirement, tuple[Path, str, dict[str, str]]] = {}
     while pending:
         proc = _pip([*base, *map(str, pending)])
         if proc.returncode == 0:
-            found |= {r: (_one_wheel(staging / "dl", r), "download") for r in pending}
+            found |= {r: (_one_wheel(staging / "dl", r), "download", {}) for r in pending}
             break
         failed = _named_failure(proc, pending)
         if failed is None:
             raise WheelhouseError(f"pip download failed (exit {proc.returncode}):\n{_tail(proc)}")
         pending.remove(failed)
         try:
-            found[failed] = (_build_pure(failed, staging, pip_index_args, proc), "sdist-build")
+            found[failed] = _build_sdist(failed, staging, pip_index_args, proc, builder, target)
         except WheelhouseError as e:
             errors.append(str(e))
     if errors:
@@ -307,27 +390,73 @@ def _named_failure(proc: subprocess.CompletedProcess, pending: Sequence[Requirem
     return None
 
 
-def _build_pure(
-    req: Requirement, staging: Path, pip_index_args: Sequence[str], download: subprocess.CompletedProcess
-) -> Path:
-    """Build `req` from its sdist with this environment's build backend; only a pure-Python
-    wheel (py3-none-any) can serve another interpreter and platform."""
+def _build_sdist(
+    req: Requirement,
+    staging: Path,
+    pip_index_args: Sequence[str],
+    download: subprocess.CompletedProcess,
+    builder: Builder,
+    target: Target,
+) -> tuple[Path, str, dict[str, str]]:
+    """Build `req` from its sdist with `builder`'s pip. A pure-Python result (py3-none-any, no
+    compiled file) serves any target; a compiled one only from a `compiles` builder, and one
+    whose setup calls itself pure while shipping a compiled library (jericho's libfrotz.so,
+    fast-downward's libdownward.so, loaded with ctypes) is retagged `linux_<arch>`."""
     out = staging / f"sdist-{canonicalize_name(req.name)}"
-    proc = _pip(
-        ["wheel", "--no-deps", "--no-binary=:all:", "--no-build-isolation", *pip_index_args, "-w", str(out), str(req)]
-    )
+    isolation = [] if builder.isolation else ["--no-build-isolation"]
+    args = ["wheel", "--no-deps", f"--no-binary={canonicalize_name(req.name)}", *isolation, *pip_index_args]
+    proc = _pip([*args, "-w", str(out), str(req)], builder.python)
     if proc.returncode != 0:
+        hint = "" if builder.isolation else " (if it lacks the build backend, e.g. setuptools: pass --build-isolation)"
         raise WheelhouseError(
-            f"{req}: no wheel for the target ({_tail(download, 1)}) and its sdist did not build here:\n{_tail(proc)}"
+            f"{req}: no wheel for the target ({_tail(download, 1)}) and its sdist did not build with "
+            f"{builder.python}{hint}:\n{_tail(proc)}"
         )
     path = _one_wheel(out, req)
-    if any(t.abi != "none" or t.platform != "any" for t in parse_wheel_filename(path.name)[3]):
+    tags = parse_wheel_filename(path.name)[3]
+    compiled = _compiled_files(path)
+    made = builder.record()
+    if not compiled and all(t.abi == "none" and t.platform == "any" for t in tags):
+        return path, "sdist-build", made
+    if not builder.compiles:
         raise WheelhouseError(
-            f"{req}: only an sdist exists, and building it here gave the platform wheel "
-            f"{path.name} for THIS machine; build it on a machine like the target and pass "
-            "the .whl path"
+            f"{req}: only an sdist exists, and building it here gave {path.name}, compiled for THIS machine"
+            + (f" ({', '.join(compiled[:3])})" if compiled else "")
+            + f"; pass --build-python naming a CPython {target.python_version} on a Linux machine like "
+            "the target (same architecture, glibc no newer), or a .whl built there"
         )
-    return path
+    made["compiled"] = ", ".join(compiled)
+    if all(t.platform == "any" for t in tags):
+        made["retagged_from"] = path.name
+        path = _retag(path, f"linux_{builder.machine}")
+    return path, "sdist-build", made
+
+
+def _compiled_files(wheel: Path) -> list[str]:
+    """Members of `wheel` that are ELF binaries (extension modules, shared libraries, programs)."""
+    with zipfile.ZipFile(wheel) as zf:
+        return [i.filename for i in zf.infolist() if not i.is_dir() and zf.open(i).read(4) == b"\x7fELF"]
+
+
+def _retag(wheel: Path, platform: str) -> Path:
+    """`wheel` with platform tag `platform` in its file name, WHEEL file and RECORD (what
+    `wheel tags --platform-tag` does); the original file is removed."""
+    *head, pys, abis, _ = wheel.name.removesuffix(".whl").split("-")
+    new = wheel.with_name("-".join([*head, pys, abis, platform]) + ".whl")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(new, "w") as dst:
+        meta = next(n for n in src.namelist() if n.count("/") == 1 and n.endswith(".dist-info/WHEEL"))
+        record = meta.removesuffix("WHEEL") + "RECORD"
+        lines = [ln for ln in src.read(meta).decode().splitlines() if not ln.startswith("Tag:")]
+        tags = [f"Tag: {py}-{abi}-{platform}" for py in pys.split(".") for abi in abis.split(".")]
+        wheel_text = "\n".join([*lines, *tags, ""]).encode()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(wheel_text).digest()).rstrip(b"=").decode()
+        rows = src.read(record).decode().splitlines()
+        rows = [f"{meta},sha256={digest},{len(wheel_text)}" if r.split(",")[0] == meta else r for r in rows]
+        replaced = {meta: wheel_text, record: "\n".join([*rows, ""]).encode()}
+        for info in src.infolist():  # same order, compression and file modes
+            dst.writestr(info, replaced.get(info.filename) or src.read(info))
+    wheel.unlink()
+    return new
 
 
 def _one_wheel(directory: Path, req: Requirement) -> Path:
@@ -529,6 +658,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--skip", action="append", default=[], help="never bring this project (the target's own torch)")
     b.add_argument("--find-links", action="append", default=[], help="passed to pip")
     b.add_argument("--no-index", action="store_true", help="passed to pip (offline builds from --find-links)")
+    b.add_argument(
+        "--build-python",
+        help="CPython of the target's version (glibc <= the target's, same arch) that builds sdists with compiled code",
+    )
+    b.add_argument(
+        "--build-isolation",
+        action="store_true",
+        help="let pip fetch each sdist's build requirements (default: use the build interpreter's own)",
+    )
     s = sub.add_parser("split", help="cut a wheelhouse into tar parts below a size limit")
     s.add_argument("wheelhouse", type=Path)
     s.add_argument("-o", "--out", type=Path, required=True)
@@ -546,19 +684,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "build":
             platforms = tuple(args.platform) or manylinux_platforms(args.glibc, args.arch)
+            target = Target(args.python_version, args.implementation, platforms)
+            builder = (
+                Builder.for_target(args.build_python, target, args.build_isolation)
+                if args.build_python
+                else Builder.probe(sys.executable, isolation=args.build_isolation)
+            )
             index_args = [a for d in args.find_links for a in ("--find-links", d)] + (
                 ["--no-index"] if args.no_index else []
             )
             m = build(
                 read_requirements(args.requirement, args.requirements),
                 args.out,
-                Target(args.python_version, args.implementation, platforms),
+                target,
                 read_freeze(args.target_freeze) if args.target_freeze else None,
                 args.skip,
                 index_args,
+                builder,
             )
             for sk in m.skipped:
                 print(f"skipped {sk['requirement']}: {sk['reason']}")
+            for w in m.wheels:
+                if w.source == "sdist-build":
+                    print(f"built {w.file} from its sdist with {w.build['python']} (Python {w.build['version']})")
             print(f"{len(m.wheels)} wheels, {m.total_bytes / MiB:.1f} MiB -> {args.out}")
         elif args.cmd == "split":
             index = split(args.wheelhouse, args.out, int(args.max_mib * MiB))
