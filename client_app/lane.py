@@ -7,7 +7,9 @@ node on a lane goes to the same long-lived service (`client_app.service`), found
 socket named after (run id, lane) in the node's private runtime dir (`client_app.runtime_dir`:
 shared by a host's simulation actors, one per SuperNode in deployment). A file lock makes
 concurrent first messages start exactly one service, and concurrent shutdowns stop it exactly
-once; a service that died is restarted, and the reason (its log tail) is reported.
+once; a service that died is restarted, and the reason (its log tail) is reported. A service
+that answers a call and then exits (its lane lost its ranks: `"exits": true` in the error body)
+is waited for before the call's error is raised, so the next call starts a fresh one.
 
 Errors cross the process boundary with their message: the service answers a failed request
 with `{"error": {"type", "message"}}` and `LaneService.request` raises `ServiceRequestError`
@@ -34,6 +36,7 @@ from client_app.runtime_dir import SERVICE_MODULE, NodeOwner, node_owner, open_l
 from fl_app.config import RunCfg
 
 START_TIMEOUT_S = 1800.0  # first start may build the tiny model (minutes on 2 cores)
+EXIT_TIMEOUT_S = 120.0  # a service that said it exits closes its trainer and env service first
 REQUEST_TIMEOUT_S = 24 * 3600.0
 
 
@@ -153,16 +156,17 @@ def _file_lock(path: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def error_of(response: httpx.Response) -> tuple[str, str]:
-    """(type, message) of a failed service response, whatever shape its body has."""
+def error_of(response: httpx.Response) -> tuple[str, str, bool]:
+    """(type, message, whether the service exits after it) of a failed service response,
+    whatever shape its body has."""
     try:
         body = response.json()
     except ValueError:
-        return "HTTPError", response.text[:2000] or response.reason_phrase
+        return "HTTPError", response.text[:2000] or response.reason_phrase, False
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict):
-        return str(err.get("type", "Error")), str(err.get("message", ""))
-    return "HTTPError", json.dumps(body)[:2000]
+        return str(err.get("type", "Error")), str(err.get("message", "")), err.get("exits") is True
+    return "HTTPError", json.dumps(body)[:2000], False
 
 
 class LaneService:
@@ -294,7 +298,7 @@ class LaneService:
 
     def request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         start = time.time()
-        self.ensure_started()
+        pid = int(self.ensure_started()["pid"])
         try:
             with self._client(REQUEST_TIMEOUT_S) as c:
                 r = c.post(path, json=body)
@@ -305,7 +309,11 @@ class LaneService:
                 f"{self.log_path}); the log ends:\n{self._log_tail()}"
             ) from e
         if r.status_code != 200:
-            raise ServiceRequestError(path, r.status_code, *error_of(r))
+            error_type, message, exits = error_of(r)
+            deadline = time.monotonic() + EXIT_TIMEOUT_S
+            while exits and _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            raise ServiceRequestError(path, r.status_code, error_type, message)
         return r.json()
 
     def shutdown(self, timeout_s: float = 60.0) -> dict[str, Any] | None:

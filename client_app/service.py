@@ -18,6 +18,11 @@ carries must resolve inside the run dir or the node's weight cache (`fl_app.path
 else the request is refused (403). A failed request is answered with the exception's type and
 message (`{"error": {"type", "message"}}`; 4xx for a bad request, 500 for a service failure),
 so the caller's error names the root cause instead of a bare `Internal Server Error`.
+
+A lane over several ranks that lost them at a failure (`Trainer.lost`) serves no more calls: the
+service answers the failed call (its body says `"exits": true`, so the caller waits for the exit)
+and exits with code 1, its log naming the lost rank; its lane then starts a fresh service at the
+next call, as for any service that crashed.
 """
 
 from __future__ import annotations
@@ -183,6 +188,7 @@ class TrainerService:
         self.last_request = time.monotonic()
         self.fits = 0
         self.evals = 0
+        self.lost: str | None = None  # why the trainer's lane lost its ranks: the service exits (code 1)
         # per member, the last weights read: (its manifest, verified CPU state); see read()
         self._last_read: dict[str, tuple[Manifest, dict[str, torch.Tensor]]] = {}
         cuda = resolve_device(cfg.run.device).type == "cuda"
@@ -549,23 +555,19 @@ def _dir_bytes(path: Path) -> int:
 REQUEST_ERRORS: tuple[tuple[type[Exception], int], ...] = ((PathEscapeError, 403), (WeightsError, 422))
 
 
-def error_response(status: int, exc: BaseException | str, error_type: str | None = None) -> JSONResponse:
-    """The one error body every failed request gets: the exception's type and message."""
-    return JSONResponse(
-        status_code=status, content={"error": {"type": error_type or type(exc).__name__, "message": str(exc)}}
-    )
+def error_response(
+    status: int, exc: BaseException | str, error_type: str | None = None, exits: bool = False
+) -> JSONResponse:
+    """The one error body every failed request gets: the exception's type and message, and
+    `exits` when the service exits after this answer (its lane lost its ranks)."""
+    error: dict[str, Any] = {"type": error_type or type(exc).__name__, "message": str(exc)}
+    if exits:
+        error["exits"] = True
+    return JSONResponse(status_code=status, content={"error": error})
 
 
 def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())[:2000]
-
-
-def _refusal(status: int) -> Any:
-    async def handler(request: Request, exc: Exception) -> JSONResponse:
-        log.warning("%s %s refused: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-        return error_response(status, exc)
-
-    return handler
 
 
 T = TypeVar("T")
@@ -623,23 +625,40 @@ def create_app(
         return work(*args)
 
     async def on_compute(work: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(compute, shared, work, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(compute, shared, work, *args)
+        except Exception:
+            if svc.lost is None and svc.trainer is not None and (lost := svc.trainer.lost) is not None:
+                svc.lost = lost
+                log.error("the lane lost its ranks (%s): exiting after this answer", lost)
+                stop.set()  # the watchdog stops the server once the answer is sent
+            raise
+
+    def answer(status: int, exc: BaseException | str, error_type: str | None = None) -> JSONResponse:
+        return error_response(status, exc, error_type, exits=svc.lost is not None)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(422, _validation_message(exc), "RequestValidationError")
+        return answer(422, _validation_message(exc), "RequestValidationError")
 
     @app.exception_handler(Refused)
     async def refused(_: Request, exc: Refused) -> JSONResponse:
-        return error_response(exc.status, exc)
+        return answer(exc.status, exc)
+
+    def refusal(status: int) -> Any:
+        async def handler(request: Request, exc: Exception) -> JSONResponse:
+            log.warning("%s %s refused: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+            return answer(status, exc)
+
+        return handler
 
     for kind, status in REQUEST_ERRORS:
-        app.add_exception_handler(kind, _refusal(status))
+        app.add_exception_handler(kind, refusal(status))
 
     @app.exception_handler(Exception)
     async def failed(_: Request, exc: Exception) -> JSONResponse:
         # Starlette logs the traceback into the service log after this answer is sent
-        return error_response(500, exc)
+        return answer(500, exc)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -780,6 +799,9 @@ def main(argv: list[str] | None = None) -> int:
         compute.shutdown()
         sock.unlink(missing_ok=True)
         log.info("stopped after %d fits, %d evaluations", svc.fits, svc.evals)
+    if svc.lost is not None:
+        log.error("exiting with code 1: the lane lost its ranks (%s)", svc.lost)
+        return 1
     return 0
 
 

@@ -97,8 +97,25 @@ def single_threaded_blas() -> None:
     threadpool_limits(1, user_api="blas")
 
 
-def flwr_cli() -> str | None:
+class FlowerMissing(RuntimeError):
+    """A Flower command a tool runs is not installed here; the message names it and the fix."""
+
+
+def require_flwr(*beside: str) -> str:
     """Flower's `flwr` command of this environment (beside this Python: a venv's own, also when
-    it is not activated), else the one on PATH, else None."""
+    it is not activated; else the one on PATH), and every command of `beside` that `flwr` starts
+    itself (e.g. `flower-superlink`: beside it, else on PATH). FlowerMissing names the first one
+    missing: a `pip install --target` dir has the packages but may lack their console scripts."""
     here = Path(sys.executable).with_name("flwr")
-    return str(here) if here.exists() else shutil.which("flwr")
+    flwr = str(here) if here.exists() else shutil.which("flwr")
+    missing = (
+        "flwr"
+        if flwr is None
+        else next((c for c in beside if not (Path(flwr).with_name(c).exists() or shutil.which(c))), None)
+    )
+    if flwr is None or missing is not None:
+        raise FlowerMissing(
+            f"no `{missing}` command beside this Python ({here.parent}) or on PATH: install flwr into this "
+            "environment (pip install flwr), or put the bin dir that holds Flower's console scripts on PATH"
+        )
+    return flwr

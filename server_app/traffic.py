@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_app.accounting import run_weight_bytes
-from fl_app.host import flwr_cli
+from fl_app.host import FlowerMissing, require_flwr
 from fl_app.rundir import RunDir
 from server_app.errors import one_line
 
@@ -43,20 +43,12 @@ class TrafficError(Exception):
     """The run dir or Flower's count cannot be read; the message says why and what to do."""
 
 
-def flwr_command() -> str:
-    """The `flwr` CLI of this environment (beside this Python), else the one on PATH."""
-    found = flwr_cli()
-    if found is None:
-        raise TrafficError("no `flwr` command beside this Python or on PATH: install flwr (pip install flwr)")
-    return found
-
-
 def read_flower_traffic(run_id: int, superlink: str | None = None, timeout_s: float = 120.0) -> dict[str, Any]:
     """Flower's count of run `run_id` (`flwr ls --run-id ID --format json`, the SuperLink
     connection `superlink` or the default one of $FLWR_HOME): its inbound and outbound bytes.
     A run that has not finished is refused (its count still grows), and so is a run Flower
     counted nothing for (a simulation)."""
-    cmd = [flwr_command(), "ls", *([superlink] if superlink else []), "--run-id", str(run_id), "--format", "json"]
+    cmd = [require_flwr(), "ls", *([superlink] if superlink else []), "--run-id", str(run_id), "--format", "json"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     try:
         out = json.loads(p.stdout)
@@ -142,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         rep = record(a.run_dir, a.superlink)
-    except (TrafficError, subprocess.TimeoutExpired) as e:
+    except (TrafficError, FlowerMissing, subprocess.TimeoutExpired) as e:
         print(f"server_app.traffic: {e}", file=sys.stderr)
         return UNREADABLE
     if a.json:

@@ -34,7 +34,7 @@ from flwr.common.config import parse_config_args
 
 from envs.ports import choose_free_port
 from fl_app.config import ConfigError, load_config
-from fl_app.host import flwr_cli
+from fl_app.host import FlowerMissing, require_flwr
 from server_app import report
 from server_app.local_superlink import stop_superlink
 
@@ -43,21 +43,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 class SweepError(ValueError):
     """An arm or option that cannot run; the message names it and the fix."""
-
-
-def flower_commands() -> str:
-    """This environment's `flwr` (a venv's, else the one on PATH), refused before any job starts
-    when it or the `flower-superlink` it starts is missing (a `pip install --target` dir has the
-    packages but may lack their console scripts)."""
-    flwr = flwr_cli()
-    superlink = flwr and (Path(flwr).with_name("flower-superlink").exists() or shutil.which("flower-superlink"))
-    if not flwr or not superlink:
-        missing = "flower-superlink" if flwr else "flwr"
-        raise SweepError(
-            f"no `{missing}` command beside this Python ({Path(sys.executable).parent}) or on PATH: "
-            "install flwr into this environment, or put the bin dir that holds Flower's console scripts on PATH"
-        )
-    return flwr
 
 
 def private_flower_env(home: Path, short: Path, flwr: str) -> dict[str, str]:
@@ -273,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SweepError("--jobs and --threads must be at least 1, and --seeds name at least one seed")
         planned = plan(a.arm, seeds, a.run_config, a.out)
         cores = parse_cores(a.cores)
-        flwr = flower_commands()
-    except (SweepError, ValueError) as e:
+        flwr = require_flwr("flower-superlink")  # refused before any job starts
+    except (SweepError, FlowerMissing, ValueError) as e:
         print(f"tools.sweep: {e}", file=sys.stderr)
         return 2
     _stop_on_signals()

@@ -59,6 +59,12 @@ class Trainer(Protocol):
         """`federation.update: lora`: the digest of the frozen base its adapters add to; "" otherwise."""
         ...
 
+    @property
+    def lost(self) -> str | None:
+        """Why this trainer serves no more calls (its lane over several ranks lost them at a
+        failure), or None: its service then exits, and its lane starts a fresh one."""
+        ...
+
     def load_weights(self, state: Mapping[str, torch.Tensor], member: str = "actor") -> None:
         """Copy fp32 weights into the live `member` model in place (no rebuild)."""
         ...

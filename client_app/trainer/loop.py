@@ -194,6 +194,10 @@ class RLTrainer:
     def base_sha256(self) -> str:
         return self.engine.base_sha256
 
+    @property
+    def lost(self) -> str | None:
+        return self.ranks.lost if isinstance(self.ranks, Lead) else None
+
     def load_weights(self, state: Any, member: str = "actor") -> None:
         """Into the engine; over ranks that shard it, every rank takes its shard of rank 0's
         `state` (the others pass none)."""
@@ -218,7 +222,7 @@ class RLTrainer:
         """`call.local_epochs` RL iterations on the client's `tasks` from the loaded weights with
         fresh optimizers. `on_iteration(epoch, metrics)` runs after each iteration (the central
         trainer validates there). Rank 0 of a lane over several ranks sends the fit to the others
-        (starting them afresh if a failure stopped them) and reports for all of them."""
+        and reports for all of them; after a failure that stopped them it refuses (`ranks.Lead.lost`)."""
         self._need_env()
         if isinstance(self.ranks, Lead):
             lead = self.ranks

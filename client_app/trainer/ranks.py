@@ -27,10 +27,13 @@ call that reads or writes its weights (load, export, validation) runs on all of 
 of `Ranks.sum_`.
 
 A rank that dies or fails fails the fit with an error naming it (gloo notices a closed peer at
-once; every collective has `RANK_TIMEOUT_S`); rank 0 then stops the other ranks and starts fresh
-ones at the next fit (builtin; verl's modules span the lost group, so its lane refuses every later
-call until its service restarts). The lane's own groups (`Ranks.connect`) are never torch's
-default group, so a process may hold both.
+once; every collective has `RANK_TIMEOUT_S`); rank 0 then stops the other ranks, and the lane is
+lost (`Lead.lost`): it refuses every later call, and its trainer service answers the failed call
+and exits, so its lane starts a fresh service at the next call, as for any crashed service. One
+rule for both engines: verl's modules span the lost group, so fresh ranks could not join them,
+and for the builtin engine a fresh service costs about what fresh ranks do (each builds the
+trainer). The lane's own groups (`Ranks.connect`) are never torch's default group, so a process
+may hold both.
 """
 
 from __future__ import annotations
@@ -312,7 +315,12 @@ class Lead(Ranks):
         self.cfg, self.env_url, self.run_dir, self.timeout_s = cfg, env_url, run_dir, timeout_s
         self._ranks: list[_Rank] = []
         self._store: dist.TCPStore | None = None
-        self._spent = False  # an engine spanning the ranks lost them (`spans_engine`): no restart
+        self._lost: str | None = None  # the failure that stopped the ranks: this lane serves no more
+
+    @property
+    def lost(self) -> str | None:
+        """Why this lane lost its ranks (the failure that stopped them), or None while it can serve."""
+        return self._lost
 
     @property
     def pids(self) -> list[int]:
@@ -325,15 +333,15 @@ class Lead(Ranks):
         lane's groups and, given rank 0's `signature`, check they built its trainer."""
         if self._ranks:
             return
-        if self._spent:
+        if self._lost is not None:
             raise RankFailure(
-                f"this lane's verl engine shards its models over {self.world} ranks, and the process group "
-                "they span lost its ranks at an earlier failure: fresh ranks cannot join it. The trainer "
-                "service must restart (its lane restarts a service that exits)"
+                f"this lane lost its {self.world} ranks at an earlier failure ({self._lost}); it serves no more "
+                "calls: the trainer service exits, and its lane starts a fresh one at the next call"
             )
         try:
             self._start(signature)
-        except BaseException:
+        except BaseException as e:
+            self._lost = f"{type(e).__name__}: {e}"
             self.stop()
             raise
 
@@ -352,8 +360,8 @@ class Lead(Ranks):
         deadline = time.monotonic() + START_TIMEOUT_S
         for rank in range(1, self.world):
             while not store.check([f"ready/{rank}"]):
-                if (failure := self.failure()) is not None:
-                    raise failure
+                if (dead := self.dead()) is not None:
+                    raise _lost_ranks(dead)
                 if time.monotonic() > deadline:
                     raise RankFailure(f"lane rank {rank} did not build its trainer within {START_TIMEOUT_S:.0f} s")
                 time.sleep(_POLL_S)
@@ -364,21 +372,22 @@ class Lead(Ranks):
     def run(self, command: tuple[Any, ...] | None, work: Callable[[], T]) -> T:
         """Send `command` (if any) to ranks 1..k-1, then do rank 0's part (`work`). On any
         failure the other ranks are stopped (a collective they wait in would never complete) and
-        start afresh at the next command; a rank that died or failed is named in the error."""
+        the lane is `lost`; a rank that died or failed is named in the error."""
         try:
             for r in self._ranks if command is not None else ():
                 _send(r.stdin, command)
             return work()
         except BaseException as e:
-            failure = self.failure(wait_s=2.0)
+            dead = self.dead(wait_s=2.0)
+            self._lost = dead or f"rank 0 failed: {type(e).__name__}: {e}"
             self.stop(graceful=False)
-            if failure is not None:
-                raise failure from e
+            if dead is not None:
+                raise _lost_ranks(dead) from e
             raise
 
-    def failure(self, wait_s: float = 0.0) -> RankFailure | None:
-        """A RankFailure naming the ranks that exited (waiting up to `wait_s` for one to), with
-        the error each reported; None while all run."""
+    def dead(self, wait_s: float = 0.0) -> str | None:
+        """The ranks that exited (waiting up to `wait_s` for one to), each with how it ended and
+        the error it reported; None while all run."""
         deadline = time.monotonic() + wait_s
         while True:
             dead = [(i + 1, r.proc.pid, code) for i, r in enumerate(self._ranks) if (code := r.proc.poll()) is not None]
@@ -393,12 +402,7 @@ class Lead(Ranks):
             lines.append(
                 f"lane rank {rank} of {self.world} (pid {pid}) {_exit_reason(code)}" + (f": {error}" if error else "")
             )
-        then = (
-            "; its verl engine's modules span them, so the trainer service must restart"
-            if spans_engine(self.cfg)
-            else " and starts them afresh at the next fit"
-        )
-        return RankFailure("; ".join(lines) + f". The lane stopped its other ranks{then}")
+        return "; ".join(lines)
 
     def _reported(self, rank: int) -> str:
         key = f"error/{rank}"
@@ -407,13 +411,12 @@ class Lead(Ranks):
         return self._store.get(key).decode(errors="replace")
 
     def stop(self, graceful: bool = True) -> None:
-        """Stop ranks 1..k-1 by PID and leave the process group; a later `start` begins afresh.
+        """Stop ranks 1..k-1 by PID and leave the process group.
         `graceful`: a close command first (an idle rank closes its trainer and exits; 10 s), then
         SIGTERM, then SIGKILL; after a failure at once SIGTERM (a rank may wait in a collective,
         or not answer at all), SIGKILL after 3 s."""
         timeout_s = 10.0 if graceful else 3.0
         ranks, self._ranks = self._ranks, []
-        self._spent = self._spent or (bool(ranks) and spans_engine(self.cfg))
         if not graceful:
             self.disconnect()  # closes rank 0's end: a rank waiting in a collective fails at once
         for r in ranks:
@@ -434,6 +437,14 @@ class Lead(Ranks):
                     continue
         self.disconnect()
         self._store = None
+
+
+def _lost_ranks(dead: str) -> RankFailure:
+    """The error of a call that lost the lane's ranks (`dead` names them)."""
+    return RankFailure(
+        f"{dead}. The lane stopped its other ranks and serves no more calls: the trainer service exits, and its "
+        "lane starts a fresh one at the next call"
+    )
 
 
 def _send(stream: IO[bytes], obj: Any) -> None:

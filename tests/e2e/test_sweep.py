@@ -42,6 +42,12 @@ def test_a_sweep_without_flower_s_commands_refuses_before_any_job(tmp_path, monk
     err = capsys.readouterr().err
     assert "no `flwr` command beside this Python" in err and "on PATH" in err, err
     assert not out.exists()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "flwr").touch()  # flwr without the flower-superlink it starts
+    assert main(["--arm", f'a=recipe="{RECIPE}"', "--seeds", "0", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no `flower-superlink` command beside this Python" in err and "pip install flwr" in err, err
+    assert not out.exists()
 
 
 def test_each_job_is_its_arm_with_the_common_keys_its_seed_and_its_own_run_dir(tmp_path):

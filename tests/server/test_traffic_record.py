@@ -5,6 +5,7 @@ itself, in a real deployment: tests/e2e/test_flower_traffic.py."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -30,6 +31,19 @@ def test_a_run_dir_without_our_count_is_refused_in_one_line_and_left_alone(tmp_p
     err = capsys.readouterr().err
     assert why in err and err.count("\n") == 1, err
     assert (rd.summary_path.read_bytes() if summary is not None else None) == before
+
+
+def test_without_flower_s_command_a_run_s_count_is_unreadable_in_one_line_and_left_alone(tmp_path, monkeypatch, capsys):
+    """As in a `pip install --target` dir without console scripts: no `flwr` beside this Python or on PATH."""
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python3"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    rd = RunDir(tmp_path / "r")
+    rd.write_summary({"status": "complete", "run_id": 5, "message_bytes": {"down": 10, "up": 5}})
+    before = rd.summary_path.read_bytes()
+    assert main([str(rd.path)]) == UNREADABLE
+    err = capsys.readouterr().err
+    assert "no `flwr` command beside this Python" in err and "pip install flwr" in err and err.count("\n") == 1, err
+    assert rd.summary_path.read_bytes() == before
 
 
 def test_the_counts_agree_only_within_the_tolerance_each_way():

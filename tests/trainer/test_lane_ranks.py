@@ -1,7 +1,8 @@
 """A lane over k ranks (invariant 43): the builtin engine's fit, data parallel over 2 gloo ranks on
 the CPU, is the 1-rank fit of the same episodes up to fp32 summation order, the same bits every
-time, and a rank that dies fails the fit naming it and leaves no process behind. Real env
-service, real (random-weight) Qwen2 policy, real rank processes.
+time, and a rank that dies fails the fit naming it, leaves no process behind, and the lane refuses
+every later call (its service exits: tests/client/test_lane_ranks_service.py). Real env service,
+real (random-weight) Qwen2 policy, real rank processes.
 
 Tolerances (the 2-core CPU box, 2026-12-06): the 2-rank fit's weights were within 4e-6 (1 local
 epoch) and 1.0e-5 (2) of the 1-rank fit's, which moved them by up to 4.8e-3 and 9.2e-3; its
@@ -15,9 +16,11 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,7 @@ from client_app.trainer.base import ClientTasks
 from client_app.trainer.builtin import BuiltinEngine
 from client_app.trainer.loop import RLTrainer, policy_pass
 from client_app.trainer.losses import loss_specs
-from client_app.trainer.ranks import Lead, RankFailure, Ranks, RowLayout, trainer_signature
+from client_app.trainer.ranks import Lead, RankFailure, Ranks, RowLayout
 from fl_app.calls import FitCall
 
 WEIGHT_TOL = 1e-4
@@ -143,13 +146,23 @@ def one_rank(env_url, model_dir):  # noqa: F811
         trainer.close()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(env_url, model_dir):  # noqa: F811
+def two_rank_lane(env_url: str, model_dir: Path) -> Iterator[RLTrainer]:  # noqa: F811
     trainer = make_trainer(lane_config(model_dir, 2), env_url, rank_timeout_s=RANK_TIMEOUT_S)
     yield trainer
     pids = trainer.ranks.pids if isinstance(trainer.ranks, Lead) else []
     trainer.close()
     assert not [p for p in pids if psutil.pid_exists(p)], "closing the lane left a rank running"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(env_url, model_dir):  # noqa: F811
+    yield from two_rank_lane(env_url, model_dir)
+
+
+@pytest.fixture
+def fresh_two_ranks(env_url, model_dir):  # noqa: F811
+    """A lane of its own: a failure spends a lane (`Lead.lost`)."""
+    yield from two_rank_lane(env_url, model_dir)
 
 
 def fit(trainer: RLTrainer, initial: dict[str, torch.Tensor], on_iteration: Any = None) -> Any:
@@ -177,7 +190,7 @@ def test_a_fit_over_two_gloo_ranks_is_the_one_rank_fit_and_the_same_bits_every_t
     }
 
 
-def test_a_rank_killed_mid_fit_fails_the_fit_naming_it_and_the_next_fit_starts_the_lane_afresh(one_rank, two_ranks):
+def test_a_rank_killed_mid_fit_fails_the_fit_naming_it_and_the_lane_refuses_every_later_call(one_rank, two_ranks):
     initial = one_rank[0]
     assert isinstance(two_ranks.ranks, Lead)
     (victim,) = two_ranks.ranks.pids
@@ -187,20 +200,20 @@ def test_a_rank_killed_mid_fit_fails_the_fit_naming_it_and_the_next_fit_starts_t
         if epoch == 0:  # rank 1 is playing iteration 1 now; rank 0 meets its death at the next collective
             os.kill(victim, signal.SIGKILL)
 
-    with pytest.raises(RankFailure, match=rf"lane rank 1 of 2 \(pid {victim}\) was killed by SIGKILL"):
+    named = rf"lane rank 1 of 2 \(pid {victim}\) was killed by SIGKILL"
+    with pytest.raises(RankFailure, match=named + r".* serves no more calls: the trainer service exits"):
         fit(two_ranks, initial, kill_rank_1)
     assert two_ranks.ranks.pids == [] and not psutil.pid_exists(victim)
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before - {victim}, "a rank was left behind"
-    w, _ = fit(two_ranks, initial)  # new rank processes, the same fit
-    (fresh,) = two_ranks.ranks.pids
-    assert fresh != victim
-    again, _ = fit(two_ranks, initial)
-    assert all(torch.equal(again[n], w[n]) for n in w)
+    assert two_ranks.lost is not None and re.search(named, two_ranks.lost)
+    with pytest.raises(RankFailure, match=r"this lane lost its 2 ranks at an earlier failure \(" + named):
+        fit(two_ranks, initial)  # no fresh ranks: the service restarts instead
+    assert two_ranks.ranks.pids == [], "a lost lane started ranks again"
 
 
-def test_a_rank_that_stops_answering_fails_the_fit_at_the_collective_timeout_and_is_killed(one_rank, two_ranks):
+def test_a_rank_that_stops_answering_fails_the_fit_at_the_collective_timeout_and_is_killed(one_rank, fresh_two_ranks):
+    two_ranks = fresh_two_ranks
     assert isinstance(two_ranks.ranks, Lead)
-    two_ranks.ranks.start(trainer_signature(two_ranks.cfg, two_ranks.engine))  # running (or started afresh)
     (victim,) = two_ranks.ranks.pids
 
     def freeze_rank_1(epoch: int, _metrics: dict[str, float]) -> None:
@@ -214,3 +227,4 @@ def test_a_rank_that_stops_answering_fails_the_fit_at_the_collective_timeout_and
     print(f"a silent rank failed the fit after {waited:.1f} s (collective timeout {RANK_TIMEOUT_S} s)")
     assert waited < RANK_TIMEOUT_S + 30
     assert two_ranks.ranks.pids == [] and not psutil.pid_exists(victim), "the silent rank was left behind"
+    assert two_ranks.lost is not None and "within the collective timeout" in two_ranks.lost
