@@ -2,12 +2,13 @@
 trainer service, env service and tiny model (issue 4's must-shows, scaled to minutes).
 
 One module, so the tests that need an uninterrupted two-round run read the same one (a run
-costs about a minute on the 2-core box): the resumed run and the served weight store are
-compared with it, and so is the run on three CPU lanes (issue 41, items 1 and 3: two
-simulation actors, `client-resources-num-cpus=1` on the box's 2 cores, each round's two fits
-on two lanes at once, the third idle, the one-lane run's bits; invariant 39). Every run here
-pins each trainer to one torch thread (`FEDAGENT_CPU_THREADS=1`): the thread count changes the
-order of fp32 reductions, and a lane's share of the cores depends on how many lanes run."""
+costs 30-40 s on the 2-core box, most of it starting Flower's runtime and the trainer lane,
+whatever its rounds): the resumed run and the served weight store are compared with it, and so
+is the run on three CPU lanes (issue 41, items 1 and 3: two simulation actors,
+`client-resources-num-cpus=1` on the box's 2 cores, each round's two fits on two lanes at once,
+the third idle, the one-lane run's bits; invariant 39). Every run here pins each trainer to one
+torch thread (`FEDAGENT_CPU_THREADS=1`): the thread count changes the order of fp32 reductions,
+and a lane's share of the cores depends on how many lanes run."""
 
 from __future__ import annotations
 
