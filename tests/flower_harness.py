@@ -517,17 +517,24 @@ class Deployment:
                     return proc.pid
         raise AssertionError(f"no SuperNode runs on {name}: " + self.log(name)[-3000:])
 
-    def service_pids(self) -> dict[str, list[int]]:
-        """Trainer service pids by runtime scope (one scope per SuperNode)."""
+    def service_pids(self, run_id: int | str = "*") -> dict[str, list[int]]:
+        """Trainer service pids by runtime scope (one scope per SuperNode), of run `run_id` (every
+        run's by default: a deployment may serve several)."""
         rt = self.short / "rt"
         out: dict[str, list[int]] = {}
-        for p in sorted(rt.rglob("svc-*.pid")) if rt.exists() else []:
+        for p in sorted(rt.rglob(f"svc-{run_id}-*.pid")) if rt.exists() else []:
             out.setdefault(p.parent.name, []).append(int(p.read_text()))
         return out
 
-    def log(self, name: str) -> str:
+    def log(self, name: str, since: dict[str, int] | None = None) -> str:
+        """Host `name`'s log; with `since` (a `log_marks()`), only what it wrote after that mark."""
         p = self.logs / f"{name}.log"
-        return p.read_text(errors="replace") if p.exists() else ""
+        text = p.read_text(errors="replace") if p.exists() else ""
+        return text[(since or {}).get(name, 0) :]
+
+    def log_marks(self) -> dict[str, int]:
+        """Where every host's log ends now: `log(name, since=...)` reads one run's part of it."""
+        return {name: len(self.log(name)) for name in self.procs}
 
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):

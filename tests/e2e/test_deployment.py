@@ -3,7 +3,9 @@
 services, env services and tiny model.
 
 - loopback: two SuperNodes on one host (and one lane) get one persistent trainer service each,
-  which serves every message of its node and stops with the run;
+  which serves every message of its node and stops with the run; Flower's count of a run's
+  traffic agrees with ours (issue 38). One deployment serves both runs: each test reads its own
+  run's services and its part of the logs;
 - network + mount namespaces: each SuperNode on a host of its own (veth, private addresses)
   without the server's disk; TLS with a CA made here and SuperNode authentication;
 - faults: a SuperNode killed mid-round; the round still completes, the failure is in the
@@ -17,14 +19,18 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
-from flower_harness import ROOT, deployment, netns_unavailable, run_config, run_status
+from flower_harness import ROOT, Deployment, deployment, netns_unavailable, run_config, run_status
 
+from fl_app.accounting import run_weight_bytes
 from fl_app.rundir import RunDir
+from server_app.traffic import TOLERANCE, agrees, compare
 
 FIXTURES = ROOT / "tests" / "fixtures"
 INLINE, STORE, HTTP = (FIXTURES / f"e2e-{k}recipe.yaml" for k in ("", "store-", "http-"))
@@ -61,29 +67,69 @@ def _one_service_per_node(d, summary: dict, rounds: int, nodes: int = 2) -> None
     assert len(services) == nodes and len({s["node"] for s in services}) == nodes, services
     assert sum(s["fits"] for s in services) == 2 * rounds  # 2 clients per round
     assert sorted(s["evals"] for s in services) == [0] * (nodes - 1) + [rounds + 1]
-    scopes = d.service_pids()
+    scopes = d.service_pids(summary["run_id"])
     assert len(scopes) == nodes and all(len(p) == 1 for p in scopes.values()), scopes  # never restarted
     assert all(_gone(pid) for pids in scopes.values() for pid in pids)  # stopped with the run
     assert len(summary["nodes"]) == nodes and all("service-log" in n for n in summary["nodes"].values())
 
 
-def test_two_supernodes_on_one_host_get_one_persistent_service_each(tmp_path):
+@pytest.fixture(scope="module")
+def loopback(tmp_path_factory) -> Iterator[Deployment]:
+    """A SuperLink and two SuperNodes on this host (process isolation: `python -m client_app.node`),
+    shared by the loopback runs: a deployment takes seconds to start and its nodes to warm up."""
+    with deployment(tmp_path_factory.mktemp("loopback"), nodes=2) as d:
+        yield d
+
+
+def test_two_supernodes_on_one_host_get_one_persistent_service_each(loopback, tmp_path):
     """Before: 8 service processes for 8 messages, summary `services: []`, and two SuperNodes on one
     host shared (and killed) one service. The store path (a shared disk here) carries the weights."""
-    run_dir = tmp_path / "runs" / "r"
-    with deployment(tmp_path, nodes=2) as d:
-        p = d.run(run_config(STORE, run_dir, rounds=2), timeout_s=1800)
-        summary = _complete(d, p, run_dir)
-        _one_service_per_node(d, summary, rounds=2)
-        logs = d.log("n0") + d.log("n1") + p.stdout + p.stderr
-        assert "Traceback" not in logs and "ClientAppException" not in logs, logs[-4000:]
-        # every message was served by a fork of the node's warm SuperExec, none by a new process
-        assert logs.count("forked as pid") >= 2 * 2 + 3 and "Start `flwr-clientapp` process" not in logs
-        assert all(proc.poll() is None for name, proc in d.procs.items())  # the nodes outlive the run
+    d, run_dir = loopback, tmp_path / "runs" / "r"
+    mark = d.log_marks()
+    p = d.run(run_config(STORE, run_dir, rounds=2), timeout_s=1800)
+    summary = _complete(d, p, run_dir)
+    _one_service_per_node(d, summary, rounds=2)
+    logs = d.log("n0", since=mark) + d.log("n1", since=mark) + p.stdout + p.stderr
+    assert "Traceback" not in logs and "ClientAppException" not in logs, logs[-4000:]
+    # every message was served by a fork of the node's warm SuperExec, none by a new process
+    assert logs.count("forked as pid") >= 2 * 2 + 3 and "Start `flwr-clientapp` process" not in logs
+    assert all(proc.poll() is None for name, proc in d.procs.items())  # the nodes outlive the run
     for node in summary["nodes"].values():  # both CPU trainers share the host's cores
         assert "CPU trainer services on this host 2" in Path(node["service-log"]).read_text(), node
     rows = RunDir(run_dir).read_metrics()
     assert [r["round"] for r in rows] == [0, 1, 2] and not any("failed" in r for r in rows)
+
+
+def test_flower_s_count_of_a_deployment_run_agrees_with_our_message_bytes(loopback, tmp_path):
+    """Issue 38: Flower counts every object and head of every message a SuperNode pulls and
+    pushes; ours (`fleet_bytes`, per call and shutdown) counts the same messages: within 5% each
+    way. `python -m server_app.traffic` reads Flower's count of the run through `flwr ls` and
+    records it in summary.json beside ours. The tiny recipe, 1 round, weights inline in the
+    messages: the weights alone (what `bytes_down`/`bytes_up` count) miss the calls' records and
+    the arrays' framing, and do not agree: the check can fail."""
+    d, run_dir = loopback, tmp_path / "runs" / "r"
+    p = d.run(run_config(INLINE, run_dir, rounds=1), timeout_s=1200)
+    assert run_status(run_dir).returncode == 0, p.stdout[-3000:] + p.stderr[-2000:] + d.log("superlink")[-2000:]
+    t = subprocess.run(
+        [sys.executable, "-m", "server_app.traffic", str(run_dir), "--json"],
+        env=d.env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert t.returncode == 0, t.stdout + t.stderr
+    rep = json.loads(t.stdout)
+    summary = _summary(run_dir)
+    flower = summary["flower_traffic"]
+    assert flower["run_id"] == summary["run_id"] and flower["status"] == "finished:completed", flower
+    print(json.dumps(rep["messages"], indent=1))
+    for way, c in rep["messages"].items():
+        assert abs(c["rel"]) <= TOLERANCE, (way, c)
+    weights = run_weight_bytes(RunDir(run_dir).read_metrics())
+    assert not agrees(compare(weights, flower)), compare(weights, flower)
+    # every inline call carried its weights: the messages hold them and more
+    assert all(m > w for m, w in zip(summary["message_bytes"].values(), weights.values(), strict=True))
 
 
 @pytest.mark.slow

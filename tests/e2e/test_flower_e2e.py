@@ -1,5 +1,14 @@
 """The real thing: `flwr run` against a private local SuperLink, the real ServerApp, ClientApp,
-trainer service, env service and tiny model (issue 4's must-shows, scaled to minutes)."""
+trainer service, env service and tiny model (issue 4's must-shows, scaled to minutes).
+
+One module, so the tests that need an uninterrupted two-round run read the same one (a run
+costs 30-40 s on the 2-core box, most of it starting Flower's runtime and the trainer lane,
+whatever its rounds): the resumed run and the served weight store are compared with it, and so
+is the run on three CPU lanes (issue 41, items 1 and 3: two simulation actors,
+`client-resources-num-cpus=1` on the box's 2 cores, each round's two fits on two lanes at once,
+the third idle, the one-lane run's bits; invariant 39). Every run here pins each trainer to one
+torch thread (`FEDAGENT_CPU_THREADS=1`): the thread count changes the order of fp32 reductions,
+and a lane's share of the cores depends on how many lanes run."""
 
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import pytest
 import torch
 from flower_harness import ROOT, flower, run_config, run_status, sigkill
 
+from fl_app.host import CPU_THREADS_VAR
 from fl_app.provenance import code_root, code_sha256
 from fl_app.rundir import RunDir
 from fl_app.weights import Manifest, load_shards
@@ -19,6 +29,7 @@ from server_app.local_superlink import find_superlink
 
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
 HTTP = ROOT / "tests" / "fixtures" / "e2e-http-recipe.yaml"
+TWO_ACTORS = "num-supernodes=2 client-resources-num-cpus=1"
 
 
 def _rc(run_dir: Path, **extra: object) -> str:
@@ -33,6 +44,7 @@ def _service_pids(fr) -> list[int]:
 @pytest.fixture(scope="module")
 def fl(tmp_path_factory):
     with flower(tmp_path_factory.mktemp("flwr")) as fr:
+        fr.env[CPU_THREADS_VAR] = "1"
         yield fr
 
 
@@ -177,15 +189,15 @@ def test_bf16_unrepresentable_value_survives_client_aggregation_and_reload(two_r
 
 
 def test_resume_continues_after_the_last_round_on_disk_and_matches_uninterrupted(fl, two_rounds, tmp_path):
-    """rounds=2 then rounds=3 on the same dir == an uninterrupted rounds=3 run, bit for bit."""
-    p = fl.run(_rc(two_rounds, rounds=3), timeout_s=900)
-    assert "resuming after round 2" in p.stdout, p.stdout[-4000:]
-    fresh = tmp_path / "fresh"
-    p2 = fl.run(_rc(fresh, rounds=3), timeout_s=900)
-    assert p2.returncode == 0
-    resumed = Manifest.from_dir(RunDir(two_rounds).member_dir(3))
-    uninterrupted = Manifest.from_dir(RunDir(fresh).member_dir(3))
-    assert [s.digest for s in resumed.shards] == [s.digest for s in uninterrupted.shards]
+    """rounds=1 then rounds=2 on the same dir == the uninterrupted rounds=2 run, bit for bit."""
+    stopped = tmp_path / "stopped"
+    for rounds in (1, 2):
+        p = fl.run(_rc(stopped, rounds=rounds), timeout_s=900)
+        assert run_status(stopped).returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "resuming after round 1" in p.stdout, p.stdout[-4000:]
+    for rnd in (1, 2):
+        resumed, uninterrupted = (Manifest.from_dir(RunDir(d).member_dir(rnd)) for d in (stopped, two_rounds))
+        assert [s.digest for s in resumed.shards] == [s.digest for s in uninterrupted.shards], rnd
 
 
 @pytest.mark.slow
@@ -240,6 +252,57 @@ def test_the_served_weight_store_gives_the_inline_runs_bits(fl, two_rounds, tmp_
     assert [c["bytes_down"] for c in rows[1]["per_client"].values()] == [{"actor": 0}] * 2
     assert [c["bytes_up"] for c in rows[1]["per_client"].values()] == [{"actor": files(1)}] * 2
     assert rows[1]["bytes_down"] == {"actor": files(1)}
+
+
+# ---- several CPU lanes (issue 41, items 1 and 3) -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def three_lanes(fl, tmp_path_factory) -> tuple[Path, str]:
+    """run dir and output of the two-round run on 3 CPU lanes, served by two actors at once."""
+    run_dir = tmp_path_factory.mktemp("lanes3") / "r"
+    p = fl.run(_rc(run_dir, rounds=2, **{"run.cpu_lanes": 3}), timeout_s=1500, federation_config=TWO_ACTORS)
+    status = run_status(run_dir)
+    assert p.returncode == 0 and status.returncode == 0, status.stdout + p.stdout[-4000:] + p.stderr[-4000:]
+    return run_dir, p.stdout + p.stderr
+
+
+def test_a_round_s_fits_run_at_once_on_two_cpu_lanes_and_the_third_is_idle(three_lanes):
+    """A lane serves one fit at a time; two fits of a round overlap (a round's first fits may
+    not: the second actor may still be importing); the lane nobody needed is idle."""
+    run_dir, output = three_lanes
+    overlapped = 0
+    for row in RunDir(run_dir, total_rounds=2).read_metrics()[1:]:
+        (a, b) = row["per_client"].values()
+        assert a["devices"] == b["devices"] == ["cpu"] and {a["lane"], b["lane"]} <= {"cpu0", "cpu1"}
+        if max(a["lane_span"][0], b["lane_span"][0]) < min(a["lane_span"][1], b["lane_span"][1]):
+            assert a["lane"] != b["lane"], row["per_client"]
+            overlapped += 1
+    assert overlapped, "no round ran its two fits at once"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (served,) = summary["lanes"]["served"].values()
+    assert sorted(served) == ["cpu0", "cpu1"] and sum(lane["fits"] for lane in served.values()) == 4
+    assert list(summary["lanes"]["idle"].values()) == [["cpu2"]]
+    assert "lanes idle" in output and "clients_per_round=2 is below the 3 lanes" in output, output[-4000:]
+    assert sum(s["stopped"] for s in summary["services"]) == 2  # both lanes that served stopped once
+
+
+def test_the_lanes_a_fit_ran_on_do_not_change_the_global_models(two_rounds, three_lanes):
+    for rnd in (1, 2):
+        one, three = (Manifest.from_dir(RunDir(d).member_dir(rnd)) for d in (two_rounds, three_lanes[0]))
+        assert [s.digest for s in one.shards] == [s.digest for s in three.shards], rnd
+
+
+def test_one_cpu_lane_is_the_lane_cpu_and_idles_nothing(two_rounds, three_lanes):
+    """The default: every fit on the one lane `cpu`; the round walls of both runs are printed."""
+    for n, run_dir in ((1, two_rounds), (3, three_lanes[0])):
+        rows = RunDir(run_dir, total_rounds=2).read_metrics()[1:]
+        print(f"\n{n} CPU lane(s): round walls {[round(r['wall_s'], 1) for r in rows]} s")
+        if n == 1:
+            assert all(f["lane"] == "cpu" for r in rows for f in r["per_client"].values())
+    summary = json.loads((two_rounds / "summary.json").read_text())
+    assert list(summary["lanes"]["served"].values()) == [{"cpu": {"fits": 4, "devices": ["cpu"]}}]
+    assert summary["lanes"]["idle"] == {}
 
 
 @pytest.mark.slow  # 33 s; test_aggregate.py holds server_lr to its definition bit for bit

@@ -1,6 +1,6 @@
 """`python -m server_app.traffic` (issue 38): Flower's count is recorded only beside a count of
 ours to compare it with, and the comparison fails past the tolerance either way. The agreement
-itself, in a real deployment: tests/e2e/test_flower_traffic.py."""
+itself, in a real deployment: tests/e2e/test_deployment.py."""
 
 from __future__ import annotations
 
