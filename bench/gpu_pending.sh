@@ -4,6 +4,8 @@
 #          on the GPU (docs/weight-store.md; the full-weight arm is docs/models.md's GiGPO sweep, same shape)
 #   poison cores 4-15 meanwhile: one poisoned client of four, clean and trimmed mean x 3 attacks, seeds
 #          0-2, 9 rounds, one core each (docs/architecture.md, "Measured: one poisoned client of four")
+#   smollm-round  after gpu: the published round's shape with the warm-started SmolLM2's own lengths
+#          (docs/benchmarks.md, "The published round on one GPU")
 #   lora   core 0 after gpu: tiny-shop-grpo-lora seed 1, 9 rounds (docs/weight-store.md's CPU table)
 # Needs 16 cores, the builtin + smollm + verl wheel sets on PYTHONPATH (flwr on PATH) and, to skip
 # the tiny model's build, its cache under FEDAGENT_CACHE_DIR. Start it detached so it outlives the
@@ -33,6 +35,11 @@ step warm 600 python3 -m client_app.models warm-start --recipe smollm-shop-grpo
 step gpu 1500 python3 -m tools.sweep --jobs 4 --threads 1 --cores 0-3 --seeds 0,1 --out "$R/smollm" \
   --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.25" \
   --arm lora='recipe="smollm-shop-grpo-lora"' --arm int8='recipe="smollm-shop-grpo" federation.update="delta-int8"'
+# the published round's shape played by the warm-started SmolLM2 (real reply and prompt lengths);
+# after the GPU sweep, so that its phases are its own
+POLICY=$(sed -n 's/^policy: //p' "$R/warm.log")
+step smollm-round 900 python3 -m bench.published_round --synthetic-catalog --model "$POLICY" --clients 1 \
+  --iterations 1 --json "$R/smollm-round.json" &
 step lora 900 python3 -m tools.sweep --jobs 1 --threads 1 --cores 0 --seeds 1 --run-config rounds=9 --out "$R/cpu" \
   --arm lora='recipe="tiny-shop-grpo-lora"'
 wait
