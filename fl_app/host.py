@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import platform
 import shutil
@@ -101,6 +102,14 @@ class FlowerMissing(RuntimeError):
     """A Flower command a tool runs is not installed here; the message names it and the fix."""
 
 
+def flwr_requirement() -> str:
+    """The Flower this project pins (its installed metadata), for an install command to print."""
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        pins = [r.split(";")[0].strip() for r in importlib.metadata.requires("fedagent-flower") or []]
+        return next((r for r in pins if r.startswith("flwr")), "flwr[simulation]")
+    return "flwr[simulation]"
+
+
 def require_flwr(*beside: str) -> str:
     """Flower's `flwr` command of this environment (beside this Python: a venv's own, also when
     it is not activated; else the one on PATH), and every command of `beside` that `flwr` starts
@@ -115,7 +124,8 @@ def require_flwr(*beside: str) -> str:
     )
     if flwr is None or missing is not None:
         raise FlowerMissing(
-            f"no `{missing}` command beside this Python ({here.parent}) or on PATH: install flwr into this "
-            "environment (pip install flwr), or put the bin dir that holds Flower's console scripts on PATH"
+            f"no `{missing}` command beside this Python ({here.parent}) or on PATH: install the project's Flower "
+            f"into this environment (pip install '{flwr_requirement()}'), or put the bin dir that holds Flower's "
+            "console scripts on PATH"
         )
     return flwr

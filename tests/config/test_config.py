@@ -61,6 +61,15 @@ def test_empty_string_keeps_the_recipe_value():
     assert load_config(overrides={"rounds": "", "seed": ""}).federation.rounds == load_config().federation.rounds
 
 
+def test_the_install_command_a_missing_flower_prints_is_pyproject_s_pin():
+    """`require_flwr`'s fix names the Flower pyproject pins (read from the installed metadata), so
+    a user who follows it gets the version the app was verified with, not the newest."""
+    from fl_app.host import flwr_requirement
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert flwr_requirement() == next(d for d in deps if d.startswith("flwr")) == "flwr[simulation]==1.42.0"
+
+
 def test_pyproject_declares_every_recipe_key_as_a_run_config_key():
     """Flower accepts `--run-config k=v` only for keys declared in pyproject (issue #14 item 3:
     every recipe key reachable, not just a handful): the section is the generated one."""

@@ -46,7 +46,8 @@ def test_a_sweep_without_flower_s_commands_refuses_before_any_job(tmp_path, monk
     (tmp_path / "bin" / "flwr").touch()  # flwr without the flower-superlink it starts
     assert main(["--arm", f'a=recipe="{RECIPE}"', "--seeds", "0", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "no `flower-superlink` command beside this Python" in err and "pip install flwr" in err, err
+    assert "no `flower-superlink` command beside this Python" in err, err
+    assert "pip install 'flwr[simulation]==1.42.0'" in err, err
     assert not out.exists()
 
 

@@ -42,7 +42,8 @@ def test_without_flower_s_command_a_run_s_count_is_unreadable_in_one_line_and_le
     before = rd.summary_path.read_bytes()
     assert main([str(rd.path)]) == UNREADABLE
     err = capsys.readouterr().err
-    assert "no `flwr` command beside this Python" in err and "pip install flwr" in err and err.count("\n") == 1, err
+    assert "no `flwr` command beside this Python" in err and err.count("\n") == 1, err
+    assert "pip install 'flwr[simulation]==1.42.0'" in err, err
     assert rd.summary_path.read_bytes() == before
 
 
