@@ -104,10 +104,11 @@ class FlowerMissing(RuntimeError):
 
 def flwr_requirement() -> str:
     """The Flower this project pins (its installed metadata), for an install command to print."""
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        pins = [r.split(";")[0].strip() for r in importlib.metadata.requires("fedagent-flower") or []]
-        return next((r for r in pins if r.startswith("flwr")), "flwr[simulation]")
-    return "flwr[simulation]"
+    try:
+        requires = importlib.metadata.requires("fedagent-flower") or []
+    except importlib.metadata.PackageNotFoundError:
+        requires = []
+    return next((r.split(";")[0].strip() for r in requires if r.startswith("flwr")), "flwr[simulation]")
 
 
 def require_flwr(*beside: str) -> str:
