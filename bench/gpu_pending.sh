@@ -9,10 +9,11 @@
 #           once on the GPU (docs/weight-store.md; the full-weight arm is docs/models.md's GiGPO sweep, same shape)
 #   smollm-round  after gpu: the published round's shape with the warm-started SmolLM2's own lengths
 #           (docs/benchmarks.md, "The published round on one GPU")
-#   lora    core 0 after gpu: tiny-shop-grpo-lora seed 1, 9 rounds (docs/weight-store.md's CPU table)
 # vllm (the same sets, plus the vLLM + verl set in a second site dir after the first on PYTHONPATH):
 #   engines  smollm-shop-grpo on builtin + HF and on verl + vLLM, seeds 0-2, 6 runs at once (docs/models.md)
 #   lora-sync  tests/trainer/test_verl_vllm.py's on_verl_lora arm (docs/verl.md)
+#   vllm-round  the published round with vLLM rollouts (random Qwen2.5-1.5B shape; docs/benchmarks.md)
+#   rollout-ratio  its rollouts on HF and vLLM against vLLM's fixed-shape rate, and the device's peak
 #
 # Needs flwr on PATH, the sets on PYTHONPATH and, to skip the tiny model's build, its cache under
 # FEDAGENT_CACHE_DIR. Start it detached so it outlives the call that started it, then poll
@@ -49,15 +50,17 @@ if [ "$STAGE" = arms ]; then
   # after the GPU sweep, so that the round's phases are its own
   POLICY=$(sed -n 's/^policy: //p' "$R/warm.log")
   step smollm-round 900 python3 -m bench.published_round --synthetic-catalog --model "$POLICY" --clients 1 \
-    --iterations 1 --json "$R/smollm-round.json" &
-  step lora 900 python3 -m tools.sweep --jobs 1 --threads 1 --cores 0 --seeds 1 --run-config rounds=9 --out "$R/cpu" \
-    --arm lora='recipe="tiny-shop-grpo-lora"'
+    --iterations 1 --json "$R/smollm-round.json"
 else
   step engines 1800 python3 -m tools.sweep --jobs 6 --threads 2 --cores 0-11 --seeds 0,1,2 --out "$R/engines" \
     --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.16" \
     --arm builtin-hf='recipe="smollm-shop-grpo"' \
     --arm verl-vllm='recipe="smollm-shop-grpo" backend="verl" rollout.engine="vllm" rollout.gpu_memory_utilization=0.08'
   step lora-sync 600 python3 -m pytest -m gpu tests/trainer/test_verl_vllm.py -k on_verl_lora -p no:cacheprovider -q -rA
+  step vllm-round 900 python3 -m bench.published_round --synthetic-catalog --rollout vllm --clients 1 --iterations 1 \
+    --json "$R/vllm-round.json" rollout.gpu_memory_utilization=0.15
+  step rollout-ratio 900 python3 -m bench.engines --model /tmp/qwen1.5b-random --recipe webshop-grpo-qwen2.5-1.5b \
+    --arms peak,hf,vllm --episodes 64 --turns 15 --gpu-memory-utilization 0.3 --json "$R/rollout-ratio.json"
 fi
 wait
 touch "$R/DONE"
