@@ -17,7 +17,8 @@
 #   rollout-ratio  its rollouts on HF and vLLM against vLLM's fixed-shape rate, and the device's peak
 # alfworld (the arms sets, plus the ALFWorld set in a second site dir; docs/offline-gpu.md):
 #   games   the pinned default set (120 games), 12 generator processes
-#   curve   smollm-alfworld-grpo, seeds 0 and 1, both at once on the GPU (docs/models.md)
+#   curve   smollm-alfworld-grpo and smollm-alfworld-gigpo, seeds 0 and 1, 4 runs at once on the GPU
+#           (docs/models.md; GRPO against GiGPO on ALFWorld, docs/trainer.md)
 #   gpu-tests  meanwhile on cores 8-15: `pytest -m gpu tests/` on this wheel set (vLLM's tests skip)
 #
 # Needs flwr on PATH, the sets on PYTHONPATH and, to skip the tiny model's build, its cache under
@@ -62,15 +63,17 @@ if [ "$STAGE" = arms ]; then
     --iterations 1 --json "$R/smollm-round.json"
 elif [ "$STAGE" = alfworld ]; then
   step gpu-tests 1500 taskset -c 8-15 python3 -m pytest -m gpu tests/ -p no:cacheprovider -q -rfEs &
-  step curve 1500 python3 -m tools.sweep --jobs 2 --threads 4 --cores 0-7 --seeds 0,1 --out "$R/alfworld" \
-    --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.5" \
-    --arm grpo='recipe="smollm-alfworld-grpo"'
+  step curve 1500 python3 -m tools.sweep --jobs 4 --threads 2 --cores 0-7 --seeds 0,1 --out "$R/alfworld" \
+    --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.25" \
+    --arm grpo='recipe="smollm-alfworld-grpo"' --arm gigpo='recipe="smollm-alfworld-gigpo"'
 else
+  step lora-sync 600 taskset -c 12-15 python3 -m pytest -m gpu tests/trainer/test_verl_vllm.py -k on_verl_lora \
+    -p no:cacheprovider -q -rA &
   step engines 1800 python3 -m tools.sweep --jobs 6 --threads 2 --cores 0-11 --seeds 0,1,2 --out "$R/engines" \
     --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.16" \
     --arm builtin-hf='recipe="smollm-shop-grpo"' \
     --arm verl-vllm='recipe="smollm-shop-grpo" backend="verl" rollout.engine="vllm" rollout.gpu_memory_utilization=0.08'
-  step lora-sync 600 python3 -m pytest -m gpu tests/trainer/test_verl_vllm.py -k on_verl_lora -p no:cacheprovider -q -rA
+  # the rest after the sweep, so that their timings are their own; the random 1.5B model comes from the first
   step vllm-round 900 python3 -m bench.published_round --synthetic-catalog --rollout vllm --clients 1 --iterations 1 \
     --json "$R/vllm-round.json" rollout.gpu_memory_utilization=0.15
   step rollout-ratio 900 python3 -m bench.engines --model /tmp/qwen1.5b-random --recipe webshop-grpo-qwen2.5-1.5b \
