@@ -637,6 +637,11 @@ class FederationCfg(_Strict):
         gt=0,
         description="Anomaly flag for an update unrelated to every peer, on by default: a client whose largest |cosine| to another client's update, times sqrt(parameters) (`peer_z` in the metrics row), is below this is flagged. A random direction's cosine to an update is ~N(0, 1/parameters), so such an update is neither aligned nor opposed to any peer by more than chance (noise sent in place of an update). On the tiny default (4 clients a round) the clean updates' peer_z was 8.8 or more, noise of an update's norm reached 2.7 (docs/architecture.md, \"What the scores can tell apart\"). null turns it off. Needs 3 or more clients and a member of at least (4 x flag_unrelated_z)^2 parameters (below that no cosine can tell an update from noise).",
     )
+    flag_shrink_z: float | None = Field(
+        None,
+        gt=0,
+        description="Anomaly flag for an update that grows the model's rows, off unless set: a client whose `shrink_z` (metrics row) is below minus this is flagged. Each row of every matrix votes whether the update moved most of its coordinates toward 0 (shrank) or away (grew); shrink_z = (shrank - grew) / sqrt(shrank + grew). AdamW's decoupled weight decay shrinks the rows a round's gradient barely touches (most token embeddings), so a clean update's rows mostly shrink and a sign-flipped one's grow. On the tiny default (4 clients a round, 3 seeds x 5 rounds) 59 of 60 clean updates had shrink_z 12.3 or more, but one, whose gradient moved every token's row, grew them (-29.3): at 5 it is flagged and its flip is not (docs/architecture.md, \"Telling a sign flip apart\"). Off by default for that, and because it reads how the clients' training moves the weights: it needs a weight decay on every trained member (refused at load otherwise). Needs no peers: it applies with any number of clients.",
+    )
     quant: QuantCfg = Field(default_factory=QuantCfg)
     eval_every: int = Field(
         1,
@@ -1308,6 +1313,13 @@ class Config(_Strict):
                     "round must reply; set federation.min_clients_per_round below federation.clients_per_round, "
                     "or federation.over_select > 0"
                 )
+        decays = [self.algo.weight_decay] + ([self.algo.critic.weight_decay] if self.algo.spec.critic else [])
+        if f.flag_shrink_z is not None and not all(decays):
+            raise ValueError(
+                "federation.flag_shrink_z reads the rows AdamW's weight decay shrinks, but a trained member has "
+                "none (algo.weight_decay or algo.critic.weight_decay is 0): clean updates' rows need not shrink "
+                'then (docs/architecture.md, "Telling a sign flip apart"); set a weight decay or drop the flag'
+            )
         if f.update in COMPRESSED and faults.poison.kind != "none":
             raise ValueError(
                 f"faults.poison rewrites a client's fp32 export, but federation.update={f.update!r} uploads a "

@@ -21,10 +21,12 @@ whole with the same bits; each upload must be in the recipe's mode and block (`R
 and a delta from this round's w.
 
 Scores: per piece, the deltas' Gram matrix G_ij += d_i . d_j (fp32 per piece, summed over
-pieces in float64; scores only, the weights never leave fp32). From it, with no second pass:
+pieces in float64; scores only, the weights never leave fp32) and each update's row votes
+(`shrink_z`, below). From the Gram, with no second pass:
 the update norm ||d_i|| = sqrt(G_ii), the cosine to the round's (num-examples weighted) mean
 update, the median of the cosines to the other clients (`cos_peers`) and `peer_z`, the largest
-|cosine| to another client times sqrt(n), n the member's parameters. Flags (3 or more clients):
+|cosine| to another client times sqrt(n), n the member's parameters. Flags (the first three need
+3 or more clients):
 - *norm*: ||d_i|| above `flag_norm_ratio` x the round's median norm (a scaled update);
 - *unrelated* (on by default): `peer_z` below `flag_unrelated_z`. A random direction's cosine to
   a fixed update is ~N(0, 1/n), so an update that is neither aligned nor opposed to any peer by
@@ -37,7 +39,15 @@ update, the median of the cosines to the other clients (`cos_peers`) and `peer_z
   sqrt(n), for models whose clean updates are measured to agree. Off by default because clean
   updates need not agree: on the tiny default clean updates point as often away from their
   peers as a sign-flipped one does, so no bound on the signed cosines tells a flip from a clean
-  update there (same section).
+  update there (same section);
+- *shrink* (off unless a recipe sets `flag_shrink_z`): `shrink_z` below -`flag_shrink_z`. Each
+  row of every matrix votes shrank or grew (`RowVotes`); a flip grows the rows its clean update
+  shrank. It reads one update and w, no peer: a poisoned peer cannot move it, and it applies
+  with any number of clients. Off by default, and no recipe sets it: on the tiny default 59 of
+  60 clean updates (3 seeds) scored 12.3 or more, but one, whose gradient moved every token's
+  row, grew them (-29.3), so it was flagged and its flip would not be (docs/architecture.md,
+  "Telling a sign flip apart"). Where training grows the rows that vote (tests/channel/
+  test_robust.py's model without weight decay), every clean update would be flagged.
 The cosine to the mean is recorded, not used to flag: a x100 update is most of the mean itself.
 `cos_peers` is robust to one bad client of 3 or more: a clean client's median runs over at
 least two values, most of them clean. The Gram's diagonal is also the non-finite check: a
@@ -91,6 +101,7 @@ class Rule:
     flag_norm_ratio: float = 3.0
     flag_cosine_z: float | None = None
     flag_unrelated_z: float | None = 5.0
+    flag_shrink_z: float | None = None
     update: Update = "full"  # what clients upload (fl_app.quant: the COMPRESSED modes)
     block: int = 64
 
@@ -104,6 +115,7 @@ class Rule:
             f.flag_norm_ratio,
             f.flag_cosine_z,
             f.flag_unrelated_z,
+            f.flag_shrink_z,
             f.update,
             f.quant.block,
         )
@@ -150,6 +162,7 @@ class Scores:
     cos_mean: list[float]
     cos_peers: list[float | None]
     peer_z: list[float | None]  # the largest |cosine| to another client, x sqrt(parameters)
+    shrink_z: list[float]  # the rows' sign test: (shrank - grew) / sqrt(shrank + grew), `RowVotes`
     flagged: list[bool]
     cos: list[list[float]]  # cos[i][j]: client i's update against client j's (i != j)
 
@@ -162,11 +175,22 @@ class Scores:
                 "cos_mean": m,
                 "cos_peers": p,
                 "peer_z": z,
+                "shrink_z": sz,
                 "flagged": f,
                 "cos": {str(ids[j]): v for j, v in enumerate(row) if j != i},
             }
-            for i, (c, n, m, p, z, f, row) in enumerate(
-                zip(ids, self.norm, self.cos_mean, self.cos_peers, self.peer_z, self.flagged, self.cos, strict=True)
+            for i, (c, n, m, p, z, sz, f, row) in enumerate(
+                zip(
+                    ids,
+                    self.norm,
+                    self.cos_mean,
+                    self.cos_peers,
+                    self.peer_z,
+                    self.shrink_z,
+                    self.flagged,
+                    self.cos,
+                    strict=True,
+                )
             )
         }
 
@@ -181,8 +205,11 @@ def _cos(dot: float, a: float, b: float) -> float:
 UNRELATED_POWER = 4.0  # the unrelated rule needs sqrt(n) >= 4 z: its cosine bound z / sqrt(n) at most 0.25
 
 
-def scores_from_gram(gram: np.ndarray, factors: Sequence[float], rule: Rule, numel: int) -> Scores:
-    """Norms, cosines and flags from the updates' Gram matrix over `numel` coordinates (module doc)."""
+def scores_from_gram(
+    gram: np.ndarray, factors: Sequence[float], rule: Rule, numel: int, shrink_z: Sequence[float]
+) -> Scores:
+    """Norms, cosines and flags from the updates' Gram matrix over `numel` coordinates and the
+    updates' row votes `shrink_z` (module doc)."""
     k = len(factors)
     norm = [math.sqrt(max(float(gram[i, i]), 0.0)) for i in range(k)]
     f = np.asarray(factors, dtype=np.float64)
@@ -199,7 +226,9 @@ def scores_from_gram(gram: np.ndarray, factors: Sequence[float], rule: Rule, num
     ]
     median_norm = statistics.median(norm)
 
-    def flag(n: float, p: float | None, z: float | None) -> bool:
+    def flag(n: float, p: float | None, z: float | None, shrink: float) -> bool:
+        if rule.flag_shrink_z is not None and shrink < -rule.flag_shrink_z:  # one update's own evidence: no peer
+            return True
         if k < 3 or p is None or z is None:
             return False
         if n > rule.flag_norm_ratio * median_norm:
@@ -209,17 +238,68 @@ def scores_from_gram(gram: np.ndarray, factors: Sequence[float], rule: Rule, num
             return True
         return rule.flag_cosine_z is not None and p * root_n < rule.flag_cosine_z
 
-    flagged = [flag(n, p, z) for n, p, z in zip(norm, cos_peers, peer_z, strict=True)]
-    return Scores(norm, cos_mean, cos_peers, peer_z, flagged, cos)
+    flagged = [flag(n, p, z, sz) for n, p, z, sz in zip(norm, cos_peers, peer_z, shrink_z, strict=True)]
+    return Scores(norm, cos_mean, cos_peers, peer_z, list(shrink_z), flagged, cos)
+
+
+class RowVotes:
+    """Per client, the rows of every matrix its update shrank and those it grew: a row votes by
+    the sign of sum_j sign(d_j w_j) over its coordinates (below 0: most moved toward 0), fed
+    piece by piece in each tensor's order. On the tiny default most rows are token embeddings a
+    round barely uses, and AdamW's decoupled decay moves each of their coordinates by -c w_j,
+    so a clean update's rows mostly shrink and a sign-flipped one's grow (without the decay
+    they shrank less, and not always). One vote a row, not a count of coordinates: the few
+    rows a client's gradient moves far (the tokens it used) mostly grow, and counted coordinate
+    by coordinate they can cancel the shrinking rest (docs/architecture.md, "Telling a sign
+    flip apart")."""
+
+    def __init__(self, k: int) -> None:
+        self.shrank = np.zeros(k, dtype=np.int64)
+        self.grew = np.zeros(k, dtype=np.int64)
+        self.open: dict[str, tuple[int, torch.Tensor]] = {}  # tensor -> (coordinates of its open row, their sums)
+
+    def add(self, info: TensorInfo, signs: torch.Tensor) -> None:
+        """One piece of `info`'s tensor: `signs` is k x n, sign(d w) per coordinate."""
+        if len(info.shape) < 2:
+            return
+        width, n = info.shape[-1], signs.shape[1]
+        seen, acc = self.open.pop(info.name, (0, torch.zeros(signs.shape[0], dtype=signs.dtype)))
+        i = min(width - seen, n) if seen else 0
+        if i:
+            acc = acc + signs[:, :i].sum(1)
+            seen += i
+        if seen == width:
+            self._vote(acc[:, None])
+            seen = 0
+        rows = (n - i) // width
+        if rows:
+            self._vote(signs[:, i : i + rows * width].reshape(signs.shape[0], rows, width).sum(2))
+        rest = signs[:, i + rows * width :]
+        if rest.shape[1]:
+            acc = (acc if seen else torch.zeros_like(acc)) + rest.sum(1)
+            seen += rest.shape[1]
+        if seen:
+            self.open[info.name] = (seen, acc)
+
+    def _vote(self, sums: torch.Tensor) -> None:
+        self.shrank += (sums < 0).sum(1).numpy()
+        self.grew += (sums > 0).sum(1).numpy()
+
+    def z(self) -> list[float]:
+        """Per client, (shrank - grew) / sqrt(shrank + grew): ~N(0, 1) for rows unrelated to their
+        values, large and positive where a clean update shrinks its rows (0 without a voting row)."""
+        votes = self.shrank + self.grew
+        return [float(s - g) / math.sqrt(v) if v else 0.0 for s, g, v in zip(self.shrank, self.grew, votes)]
 
 
 class _Pass:
-    """The combine of one pass over (live clients..., w): the Gram of the updates (`gram`), and
-    the output piece from `rule_fn` when the pass writes."""
+    """The combine of one pass over (live clients..., w): the Gram of the updates (`gram`) and
+    their row votes (`rows`), and the output piece from `rule_fn` when the pass writes."""
 
     def __init__(self, k: int, gram: bool, rule_fn: RuleFn | None) -> None:
         self.k, self.rule_fn = k, rule_fn
         self.gram = np.zeros((k, k), dtype=np.float64) if gram else None
+        self.rows = RowVotes(k)
         self.numel = 0  # floating coordinates seen
         self.scratch = torch.empty(0)
 
@@ -246,6 +326,7 @@ class _Pass:
                 raise NonFinitePiece(repr(name))
             self.gram += g.numpy()
             self.numel += w.numel()
+            self.rows.add(info, d.mul_(w).sign_())  # the scratch is done with d
         if outs and self.rule_fn is not None:
             (acc,) = outs
             self.rule_fn(self, acc, clients, w, info)
@@ -440,7 +521,7 @@ def _aggregate(rnd: _Round, weights: list[float], rule: Rule, eta: float, out_di
         first = _Pass(k, gram=True, rule_fn=None)
         rnd.run(first, None)
         assert first.gram is not None
-        scores = scores_from_gram(first.gram, factors, rule, first.numel)
+        scores = scores_from_gram(first.gram, factors, rule, first.numel, first.rows.z())
         bound = rule.clip_multiple * statistics.median(scores.norm)
         kept = [min(1.0, bound / n) if n > 0 else 1.0 for n in scores.norm]
         w_factor = eta * sum(f * (1.0 - s) for f, s in zip(factors, kept)) + (1.0 - eta)
@@ -457,7 +538,7 @@ def _aggregate(rnd: _Round, weights: list[float], rule: Rule, eta: float, out_di
     one = _Pass(k, gram=True, rule_fn=rule_fn)
     out = rnd.run(one, out_dir)
     assert out is not None and one.gram is not None
-    return out, scores_from_gram(one.gram, factors, rule, one.numel)
+    return out, scores_from_gram(one.gram, factors, rule, one.numel, one.rows.z())
 
 
 def flagged_clients(scores: RoundScores) -> list[int]:

@@ -26,8 +26,8 @@ from fl_app.calls import RECORD, Reply
 from fl_app.channel import Channel, WeightsRef
 from fl_app.channel.run_dir import DirStore
 from fl_app.config import ConfigError, PoisonCfg, load_config
-from fl_app.robust import NETWORK_MAX, Rule, aggregate_refs, sorting_network
-from fl_app.weights import load_shards, save_shards
+from fl_app.robust import NETWORK_MAX, RowVotes, Rule, aggregate_refs, sorting_network
+from fl_app.weights import TensorInfo, load_shards, save_shards
 from partitions.uniform import sample_clients, sampling_seed
 from server_app.strategy import StreamingAggregator
 
@@ -167,10 +167,90 @@ def test_scores_match_a_torch_reference_and_zero_weight_clients_are_not_scored(t
         pairs = [float(cos(dj, dk, dim=0)) for k, dk in enumerate(d) if k != j]
         assert scores.cos_peers[j] == pytest.approx(statistics.median(pairs), abs=1e-5)
         assert scores.peer_z[j] == pytest.approx(max(map(abs, pairs)) * math.sqrt(d[0].numel()), rel=1e-4)
+        assert scores.shrink_z[j] == pytest.approx(_shrink_z(states[live[j]], w), abs=1e-9)
         row = scores.row(live)[str(live[j])]["cos"]  # every pairwise cosine, by the peer's id
         assert list(row) == [str(c) for c in live if c != live[j]]
         assert list(row.values()) == pytest.approx(pairs, abs=1e-5)
     assert not any(scores.flagged)
+
+
+def _shrink_z(x: dict[str, torch.Tensor], w: dict[str, torch.Tensor]) -> float:
+    """`shrink_z` by its definition on whole tensors: each row of every matrix votes shrank/grew."""
+    sums = [-torch.sign((x[k] - w[k]) * w[k]).flatten(0, -2).sum(1) for k in w if w[k].dim() >= 2]
+    rows = torch.cat(sums)
+    shrank, grew = int((rows > 0).sum()), int((rows < 0).sum())
+    return (shrank - grew) / math.sqrt(shrank + grew)
+
+
+def test_row_votes_are_the_whole_rows_votes_however_pieces_cut_the_rows():
+    rnd = torch.Generator().manual_seed(0)
+    for shape in [(7, 5), (3, 4, 6), (1, 9), (12, 1)]:
+        n = math.prod(shape)
+        signs = torch.randint(-1, 2, (3, n), generator=rnd).float()
+        for cuts in [[], [1], [4, 5, 11], list(range(1, n))]:
+            votes = RowVotes(3)
+            for a, b in itertools.pairwise([0, *[c for c in cuts if c < n], n]):
+                votes.add(TensorInfo("t", shape, "F32"), signs[:, a:b])
+            rows = signs.view(3, -1, shape[-1]).sum(2)
+            assert votes.shrank.tolist() == (rows < 0).sum(1).tolist(), (shape, cuts)
+            assert votes.grew.tolist() == (rows > 0).sum(1).tolist(), (shape, cuts)
+            assert not votes.open
+
+
+VOCAB, USED, WIDTH = 512, 24, 32
+
+
+def _lm(seed: int) -> dict[str, torch.Tensor]:
+    """A tiny language model: token embeddings (a vocabulary of which a client's data uses few
+    tokens), a mixing matrix and an output head over the tokens used."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "emb": torch.randn(VOCAB, WIDTH, generator=g) * 0.02,
+        "mix": torch.randn(WIDTH, WIDTH, generator=g) / WIDTH**0.5,
+        "head": torch.randn(USED, WIDTH, generator=g) * 0.02,
+    }
+
+
+def _lm_trained(w: dict[str, torch.Tensor], seed: int, weight_decay: float = 0.01) -> dict[str, torch.Tensor]:
+    """A client's local AdamW steps (decoupled weight decay, as the trainers') on next-token
+    prediction over the tokens its data uses: the other embedding rows get no gradient, only
+    the decay."""
+    p = {k: v.clone().requires_grad_() for k, v in w.items()}
+    opt = torch.optim.AdamW(p.values(), lr=1e-2, weight_decay=weight_decay)
+    nxt = torch.randperm(USED, generator=torch.Generator().manual_seed(1234))  # the shared task
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(10):
+        x = torch.randint(0, USED, (64,), generator=g)
+        loss = torch.nn.functional.cross_entropy(torch.tanh(p["emb"][x] @ p["mix"]) @ p["head"].t(), nxt[x])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in p.items()}
+
+
+@pytest.mark.parametrize("agg", ["fedavg", "median"])
+def test_a_sign_flipped_update_is_flagged_by_its_rows_growing_and_no_clean_one(tmp_path, agg):
+    w, rule = _lm(0), Rule(agg, flag_shrink_z=5.0)
+    prev = save_shards(w, tmp_path / "global", SHARD).root
+    for victim in range(4):
+        states = [_lm_trained(w, 10 * victim + s) for s in range(4)]
+        states[victim] = poisoned(w, states[victim], PoisonCfg(kind="sign_flip"), 0)
+        ch = _channel(tmp_path / str(victim), inline=victim % 2 == 0)
+        items = _items(tmp_path / str(victim), ch, states, [8.0] * 4)
+        _, scores = aggregate_refs(items, ch, tmp_path / f"out{victim}", prev, rule)
+        assert scores.flagged == [i == victim for i in range(4)], (victim, scores)
+        assert all(z > 5 for i, z in enumerate(scores.shrink_z) if i != victim), scores.shrink_z
+        _, off = aggregate_refs(items, ch, tmp_path / f"off{victim}", prev, Rule(agg))
+        assert not any(off.flagged), (victim, off)  # only the row votes tell this flip apart
+    ch = _channel(tmp_path / "alone", inline=True)
+    _, one = aggregate_refs(_items(tmp_path / "alone", ch, states[3:], [8.0]), ch, tmp_path / "one", prev, rule)
+    assert one.flagged == [True]  # victim 3's flip alone: the rule needs no peers
+    undecayed = [_lm_trained(w, 100 + s, weight_decay=0.0) for s in range(4)]
+    ch = _channel(tmp_path / "nowd", inline=True)
+    items = _items(tmp_path / "nowd", ch, undecayed, [8.0] * 4)
+    _, scores = aggregate_refs(items, ch, tmp_path / "nowd-out", prev, rule)
+    # without decay only the trained rows vote, and learning grows them: why the rule is off unless a recipe sets it
+    assert all(z < -5 for z in scores.shrink_z) and all(scores.flagged), scores.shrink_z
 
 
 @pytest.mark.parametrize("kind", ["scale", "sign_flip", "noise"])
@@ -356,3 +436,11 @@ def test_recipe_load_refuses_a_robust_aggregator_the_round_cannot_feed():
         load_config("tiny-shop-grpo", overrides={"federation.trim_fraction": 0.5})
     with pytest.raises(ConfigError, match="faults.poison.clients is set but faults.poison.kind=none"):
         load_config("tiny-shop-grpo", overrides={"faults.poison.clients": "[3]"})
+
+
+def test_recipe_load_refuses_the_shrink_flag_where_a_trained_member_has_no_weight_decay():
+    signflip = load_config("tiny-shop-grpo-4clients-poison-signflip", overrides={"federation.flag_shrink_z": 5.0})
+    assert signflip.federation.flag_shrink_z == 5.0 and load_config("tiny-shop-grpo").federation.flag_shrink_z is None
+    for member in ("algo.weight_decay", "algo.critic.weight_decay"):
+        with pytest.raises(ConfigError, match="flag_shrink_z reads the rows AdamW's weight decay shrinks"):
+            load_config("tiny-shop-ppo", overrides={"federation.flag_shrink_z": 5.0, member: 0.0})
