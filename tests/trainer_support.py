@@ -88,6 +88,28 @@ def small_config(model_dir: Path, **sections: dict[str, Any]) -> Config:
     return Config.model_validate(data)
 
 
+# A lane over k ranks (tests/trainer/test_lane_ranks.py, test_verl_lane_ranks.py): the shard, the call
+# and what must be the same episodes and rows, exactly, whatever the number of ranks.
+LANE_SHARD = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))[:60]
+LANE_CALL = FitCall(round=1, client_id=3, local_epochs=2, seed=0)
+PLAYED = ("rows", "rollout_tokens", "rollout_steps", "train_score", "train_turns", "train_invalid_action_rate")
+
+
+def lane_config(model_dir: Path, ranks: int, backend: str = "builtin") -> Config:
+    """3 tasks x 2 episodes: 2 rank blocks of unequal size (2 tasks and 1)."""
+    cfg = small_config(model_dir, algo={"tasks_per_step": 3}, run={"lane_devices": ranks})
+    return cfg.model_copy(update={"backend": backend})
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Tiny matmuls on 2 shared cores: a second intra-op thread buys little and takes the core

@@ -29,11 +29,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from trainer_support import (  # noqa: F401
-    SMALL_ENV_PARAMS,
+    LANE_CALL,
+    LANE_SHARD,
+    PLAYED,
     env_url,
+    lane_config,
+    max_diff,
     model_dir,
     one_torch_thread,
     random_rows,
+    rel,
     small_config,
 )
 
@@ -43,29 +48,10 @@ from client_app.trainer.builtin import BuiltinEngine
 from client_app.trainer.loop import RLTrainer, policy_pass
 from client_app.trainer.losses import loss_specs
 from client_app.trainer.ranks import Lead, RankFailure, Ranks, RowLayout
-from fl_app.calls import FitCall
 
 WEIGHT_TOL = 1e-4
 RANK_TIMEOUT_S = 10  # the lanes' collective timeout here: ranks wait < 1 s for each other's rollouts
 REL_TOL = 1e-4
-SHARD = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))[:60]
-CALL = FitCall(round=1, client_id=3, local_epochs=2, seed=0)
-# what must be the same episodes and rows, exactly, whatever the number of ranks
-PLAYED = ("rows", "rollout_tokens", "rollout_steps", "train_score", "train_turns", "train_invalid_action_rate")
-
-
-def lane_config(model_dir: Path, ranks: int) -> Any:
-    """3 tasks x 2 episodes: 2 rank blocks of unequal size (2 tasks and 1)."""
-    return small_config(model_dir, algo={"tasks_per_step": 3}, run={"lane_devices": ranks})
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[n] - b[n]).abs().max()) for n in a)
-
-
-def rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
 # ---------------------------------------------------------------- one pass over the same rows
@@ -140,7 +126,7 @@ def one_rank(env_url, model_dir):  # noqa: F811
     trainer = make_trainer(lane_config(model_dir, 1), env_url)
     try:
         initial = trainer.export_weights()
-        result = trainer.fit(CALL, ClientTasks(SHARD))
+        result = trainer.fit(LANE_CALL, ClientTasks(LANE_SHARD))
         return initial, trainer.export_weights(), result
     finally:
         trainer.close()
@@ -167,7 +153,7 @@ def fresh_two_ranks(env_url, model_dir):  # noqa: F811
 
 def fit(trainer: RLTrainer, initial: dict[str, torch.Tensor], on_iteration: Any = None) -> Any:
     trainer.load_weights(initial)
-    result = trainer.fit(CALL, ClientTasks(SHARD), on_iteration)
+    result = trainer.fit(LANE_CALL, ClientTasks(LANE_SHARD), on_iteration)
     return trainer.export_weights(), result
 
 

@@ -30,34 +30,30 @@ import psutil
 import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
-from trainer_support import SMALL_ENV_PARAMS, env_url, model_dir, one_torch_thread, small_config  # noqa: F401
+from trainer_support import (  # noqa: F401
+    LANE_CALL,
+    LANE_SHARD,
+    PLAYED,
+    env_url,
+    lane_config,
+    max_diff,
+    model_dir,
+    one_torch_thread,
+    rel,
+)
 
 from client_app.trainer import make_trainer
 from client_app.trainer.base import ClientTasks
 from client_app.trainer.ranks import Lead, RankFailure
 from client_app.trainer.verl_backend import _sharded
-from fl_app.calls import EvalCall, FitCall
+from fl_app.calls import EvalCall
 
 pytest.importorskip("verl")
 
 WEIGHT_TOL = 1e-4
 REL_TOL = 1e-4
 RANK_TIMEOUT_S = 120  # the lane's collective timeout: a rank's verl build on 2 busy cores
-SHARD = list(range(SMALL_ENV_PARAMS["val_size"], SMALL_ENV_PARAMS["num_goals"]))[:60]
-CALL = FitCall(round=1, client_id=3, local_epochs=2, seed=0)
 VALIDATION = list(range(5))  # 3 tasks on rank 0, 2 on rank 1
-PLAYED = ("rows", "rollout_tokens", "rollout_steps", "train_score", "train_turns", "train_invalid_action_rate")
-
-
-def lane_config(model_dir: Path, ranks: int) -> Any:
-    """3 tasks x 2 episodes: 2 rank blocks of unequal size (2 tasks and 1)."""
-    cfg = small_config(model_dir, algo={"tasks_per_step": 3}, run={"lane_devices": ranks})
-    return cfg.model_copy(update={"backend": "verl"})
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
 def units(trainer: Any) -> tuple[int, int]:
@@ -65,10 +61,6 @@ def units(trainer: Any) -> tuple[int, int]:
     module = trainer.engine.engine.module
     found = [m for m in module.modules() if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group]
     return len(found), sum(not _sharded(m) for m in found)
-
-
-def rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
 def two_rank_lane(cfg: Any, url: str, initial_path: Path, out: Path) -> None:
@@ -89,7 +81,7 @@ def two_rank_lane(cfg: Any, url: str, initial_path: Path, out: Path) -> None:
         )
         for name in ("fit", "again"):
             trainer.load_weights(initial)
-            result = trainer.fit(CALL, ClientTasks(SHARD))
+            result = trainer.fit(LANE_CALL, ClientTasks(LANE_SHARD))
             results[f"{name}_units"] = units(trainer)  # the fit's last phase is a step
             results[name] = (trainer.export_weights(), result.num_examples, result.metrics)
         results["eval"] = trainer.evaluate(EvalCall(round=1, seed=0), VALIDATION)
@@ -103,7 +95,7 @@ def two_rank_lane(cfg: Any, url: str, initial_path: Path, out: Path) -> None:
 
         trainer.load_weights(initial)
         try:
-            trainer.fit(CALL, ClientTasks(SHARD), kill_rank_1)
+            trainer.fit(LANE_CALL, ClientTasks(LANE_SHARD), kill_rank_1)
         except RankFailure as e:
             results["killed"] = str(e)
         left = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -120,10 +112,10 @@ def two_rank_lane(cfg: Any, url: str, initial_path: Path, out: Path) -> None:
 @pytest.fixture(scope="module")
 def one_rank(env_url, model_dir):  # noqa: F811
     """The 1-rank verl lane: (initial weights, fitted weights, fit, validation)."""
-    trainer = make_trainer(lane_config(model_dir, 1), env_url)
+    trainer = make_trainer(lane_config(model_dir, 1, "verl"), env_url)
     try:
         initial = trainer.export_weights()
-        result = trainer.fit(CALL, ClientTasks(SHARD))
+        result = trainer.fit(LANE_CALL, ClientTasks(LANE_SHARD))
         after_fit = units(trainer)
         fitted = trainer.export_weights()
         trainer.load_weights(initial)
@@ -138,7 +130,7 @@ def two_ranks(one_rank, env_url, model_dir, tmp_path_factory):  # noqa: F811
     tmp = tmp_path_factory.mktemp("lane")
     torch.save(one_rank[0], tmp / "initial.pt")
     lead = multiprocessing.get_context("spawn").Process(
-        target=two_rank_lane, args=(lane_config(model_dir, 2), env_url, tmp / "initial.pt", tmp / "out.pt")
+        target=two_rank_lane, args=(lane_config(model_dir, 2, "verl"), env_url, tmp / "initial.pt", tmp / "out.pt")
     )
     lead.start()
     lead.join(600)
