@@ -625,7 +625,7 @@ class FederationCfg(_Strict):
     flag_norm_ratio: float = Field(
         3.0,
         gt=1,
-        description="Anomaly flag: a client whose update norm exceeds this multiple of the round's median norm is flagged (the metrics row's `flagged`; recorded, not dropped). Needs 3 or more clients.",
+        description="Anomaly flag: a client whose update norm exceeds this multiple of the round's median norm is flagged (the metrics row's `flagged`; recorded; dropped only with `drop_flagged`). Needs 3 or more clients.",
     )
     flag_cosine_z: float | None = Field(
         None,
@@ -641,6 +641,10 @@ class FederationCfg(_Strict):
         None,
         gt=0,
         description="Anomaly flag for an update that grows the model's rows, off unless set: a client whose `shrink_z` (metrics row) is below minus this is flagged. Each row of every matrix votes whether the update moved most of its coordinates toward 0 (shrank) or away (grew); shrink_z = (shrank - grew) / sqrt(shrank + grew). AdamW's decoupled weight decay shrinks the rows a round's gradient barely touches (most token embeddings), so a clean update's rows mostly shrink and a sign-flipped one's grow. On the tiny default (4 clients a round, 3 seeds x 5 rounds) 59 of 60 clean updates had shrink_z 12.3 or more, but one, whose gradient moved every token's row, grew them (-29.3): at 5 it is flagged and its flip is not (docs/architecture.md, \"Telling a sign flip apart\"). Off by default for that, and because it reads how the clients' training moves the weights: it needs a weight decay on every trained member (refused at load otherwise). Needs no peers: it applies with any number of clients.",
+    )
+    drop_flagged: bool = Field(
+        False,
+        description="Leave the round's flagged clients out of its aggregate (off: flags are recorded, not acted on). A first, read-only pass scores every update; the aggregator then runs over the unflagged ones: `fedavg` and `clipped` over their num-examples weights, `trimmed_mean` with its trim first spent on the clients dropped whole (floor(trim_fraction x clients) - dropped per side, 0: their plain mean), `median` over the rest. Each member is scored and filtered on its own; the metrics row names the clients left out (`excluded`, and `excluded` in each one's `update_scores`). A round whose every client is flagged fails. Costs one more read of the uploads. Needs 3 or more clients a round (the peer rules' minimum).",
     )
     quant: QuantCfg = Field(default_factory=QuantCfg)
     eval_every: int = Field(
@@ -1155,6 +1159,12 @@ class Config(_Strict):
             raise ValueError(
                 f"federation.aggregator=median over a round of {least} clients is their mean (clients_per_round="
                 f"{f.clients_per_round}, min_clients_per_round={f.min_clients_per_round}): it needs 3 or more"
+            )
+        if f.drop_flagged and least < 3:
+            raise ValueError(
+                f"federation.drop_flagged drops what the peer rules flag, and they need 3 or more clients a round "
+                f"(clients_per_round={f.clients_per_round}, min_clients_per_round={f.min_clients_per_round}): "
+                "raise them or set drop_flagged=false"
             )
         if f.aggregator == "clipped" and least < 2:
             raise ValueError(

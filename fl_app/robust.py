@@ -48,6 +48,9 @@ update, the median of the cosines to the other clients (`cos_peers`) and `peer_z
   row, grew them (-29.3), so it was flagged and its flip would not be (docs/architecture.md,
   "Telling a sign flip apart"). Where training grows the rows that vote (tests/channel/
   test_robust.py's model without weight decay), every clean update would be flagged.
+Flags are recorded; with `drop_flagged` they also act: a read-only first pass scores the round,
+and the aggregator then runs over the unflagged clients alone (the trim first spent on those
+dropped whole: one dropped of four, trimmed one per side, leaves the plain mean of three).
 The cosine to the mean is recorded, not used to flag: a x100 update is most of the mean itself.
 `cos_peers` is robust to one bad client of 3 or more: a clean client's median runs over at
 least two values, most of them clean. The Gram's diagonal is also the non-finite check: a
@@ -63,7 +66,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -102,6 +105,7 @@ class Rule:
     flag_cosine_z: float | None = None
     flag_unrelated_z: float | None = 5.0
     flag_shrink_z: float | None = None
+    drop_flagged: bool = False
     update: Update = "full"  # what clients upload (fl_app.quant: the COMPRESSED modes)
     block: int = 64
 
@@ -116,6 +120,7 @@ class Rule:
             f.flag_cosine_z,
             f.flag_unrelated_z,
             f.flag_shrink_z,
+            f.drop_flagged,
             f.update,
             f.quant.block,
         )
@@ -165,11 +170,12 @@ class Scores:
     shrink_z: list[float]  # the rows' sign test: (shrank - grew) / sqrt(shrank + grew), `RowVotes`
     flagged: list[bool]
     cos: list[list[float]]  # cos[i][j]: client i's update against client j's (i != j)
+    excluded: list[bool] | None = None  # `drop_flagged`: left out of the aggregate (None: nothing was dropped)
 
     def row(self, ids: Sequence[int]) -> dict[str, dict[str, Any]]:
         """client id -> its scores, as the round's metrics row holds them; `cos` gives every
         pairwise cosine, so a flag rule can be tried on a finished run's rows."""
-        return {
+        rows = {
             str(c): {
                 "norm": n,
                 "cos_mean": m,
@@ -193,6 +199,9 @@ class Scores:
                 )
             )
         }
+        for c, out in zip(ids, self.excluded or ()):
+            rows[str(c)]["excluded"] = out
+        return rows
 
 
 RoundScores = dict[str, dict[str, dict[str, Any]]]  # member -> client id -> `Scores.row`
@@ -444,6 +453,19 @@ class _Round:
             outs = stream_manifests(self.manifests, self.labels, combine, out_dirs, self.shard_bytes)
         return outs[0] if outs else None
 
+    def client_labels(self) -> list[str]:
+        """The live clients' labels, in input order."""
+        entries: list[tuple[int, Any]] = self.states if self.states is not None else self.manifests or []
+        return [self.labels[i] for i, _ in entries[:-1]]
+
+    def only(self, keep: Sequence[int]) -> _Round:
+        """This round over its live clients at positions `keep` (w stays last)."""
+
+        def pick(xs: list[tuple[int, Any]] | None) -> list[tuple[int, Any]] | None:
+            return None if xs is None else [*(xs[i] for i in keep), xs[-1]]
+
+        return _Round(self.labels, self.shard_bytes, pick(self.states), pick(self.manifests))
+
 
 def aggregate_refs(
     items: Sequence[tuple[WeightsRef, Mapping[str, torch.Tensor], float]],
@@ -515,32 +537,51 @@ def aggregate_manifests(
 
 
 def _aggregate(rnd: _Round, weights: list[float], rule: Rule, eta: float, out_dir: Path) -> tuple[Manifest, Scores]:
-    """The rule's pass(es) over one member's live clients (their num-examples `weights`)."""
+    """The rule's pass(es) over one member's live clients (their num-examples `weights`): one pass
+    that writes the aggregate and scores beside it, or, for `clipped` (which needs the norms) and
+    `drop_flagged` (which needs the flags), a read-only scoring pass and a second that writes."""
     k, factors = len(weights), weight_factors(weights)
-    if rule.aggregator == "clipped":
-        first = _Pass(k, gram=True, rule_fn=None)
-        rnd.run(first, None)
-        assert first.gram is not None
-        scores = scores_from_gram(first.gram, factors, rule, first.numel, first.rows.z())
-        bound = rule.clip_multiple * statistics.median(scores.norm)
-        kept = [min(1.0, bound / n) if n > 0 else 1.0 for n in scores.norm]
-        w_factor = eta * sum(f * (1.0 - s) for f, s in zip(factors, kept)) + (1.0 - eta)
-        out = rnd.run(
-            _Pass(k, gram=False, rule_fn=_Fold([eta * f * s for f, s in zip(factors, kept)], w_factor)), out_dir
-        )
-        assert out is not None
-        return out, scores
-    rule_fn: RuleFn
+    trim = rule.trim(k) if rule.aggregator in ("trimmed_mean", "median") else 0
+    if rule.aggregator != "clipped" and not rule.drop_flagged:
+        one = _Pass(k, gram=True, rule_fn=_writer(rule, weights, [], trim, eta))
+        out = rnd.run(one, out_dir)
+        assert out is not None and one.gram is not None
+        return out, scores_from_gram(one.gram, factors, rule, one.numel, one.rows.z())
+    first = _Pass(k, gram=True, rule_fn=None)
+    rnd.run(first, None)
+    assert first.gram is not None
+    scores = scores_from_gram(first.gram, factors, rule, first.numel, first.rows.z())
+    keep = list(range(k))
+    if rule.drop_flagged:
+        keep = [i for i, f in enumerate(scores.flagged) if not f]
+        if not keep:
+            raise WeightsError(
+                f"every client of the round was flagged ({', '.join(rnd.client_labels())}): "
+                "federation.drop_flagged leaves nothing to aggregate; see the round's update_scores"
+            )
+        scores = replace(scores, excluded=list(scores.flagged))
+        # the trim is there for the bad values; the ones dropped whole have spent that much of it
+        trim = (len(keep) - 1) // 2 if rule.aggregator == "median" else max(0, trim - (k - len(keep)))
+    writer = _writer(rule, [weights[i] for i in keep], [scores.norm[i] for i in keep], trim, eta)
+    out = rnd.only(keep).run(_Pass(len(keep), gram=False, rule_fn=writer), out_dir)
+    assert out is not None
+    return out, scores
+
+
+def _writer(rule: Rule, weights: list[float], norms: list[float], trim: int, eta: float) -> RuleFn:
+    """The pass's output for these clients (their num-examples weights and update norms; `trim`
+    values per side for the coordinate-wise rules) with server learning rate `eta`."""
     if rule.aggregator == "fedavg":
-        rule_fn = _Fold(*server_step_factors(weights, eta, has_previous=True))
-    else:
-        rule_fn = _Trimmed(k, rule.trim(k), eta)
-    one = _Pass(k, gram=True, rule_fn=rule_fn)
-    out = rnd.run(one, out_dir)
-    assert out is not None and one.gram is not None
-    return out, scores_from_gram(one.gram, factors, rule, one.numel, one.rows.z())
+        return _Fold(*server_step_factors(weights, eta, has_previous=True))
+    if rule.aggregator == "clipped":
+        factors, bound = weight_factors(weights), rule.clip_multiple * statistics.median(norms)
+        kept = [min(1.0, bound / n) if n > 0 else 1.0 for n in norms]
+        w_factor = eta * sum(f * (1.0 - s) for f, s in zip(factors, kept)) + (1.0 - eta)
+        return _Fold([eta * f * s for f, s in zip(factors, kept)], w_factor)
+    return _Trimmed(len(weights), trim, eta)
 
 
-def flagged_clients(scores: RoundScores) -> list[int]:
-    """The clients any member's scores flag (member -> client id -> scores, as `Scores.row`)."""
-    return sorted({int(c) for rows in scores.values() for c, row in rows.items() if row["flagged"]})
+def flagged_clients(scores: RoundScores, key: str = "flagged") -> list[int]:
+    """The clients any member's scores flag (member -> client id -> scores, as `Scores.row`), or
+    mark with another boolean `key` (`excluded`)."""
+    return sorted({int(c) for rows in scores.values() for c, row in rows.items() if row.get(key)})

@@ -593,6 +593,8 @@ def _rounds(run: Run, start: int | None) -> dict[str, Any]:
         row["aggregate_s"] = time.perf_counter() - t_agg
         server["aggregation"] = row["aggregate_s"] - server.get("checkpoint", 0.0)
         row["update_scores"], row["flagged"] = scores, flagged_clients(scores)
+        if cfg.federation.drop_flagged:
+            row["excluded"] = flagged_clients(scores, "excluded")
         if failures:
             row["failed"] = [f.as_dict() for f in failures]
             row["dropped"] = sorted(set(sampled) - set(replies) - set(outcome.spare))

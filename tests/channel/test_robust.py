@@ -27,7 +27,7 @@ from fl_app.channel import Channel, WeightsRef
 from fl_app.channel.run_dir import DirStore
 from fl_app.config import ConfigError, PoisonCfg, load_config
 from fl_app.robust import NETWORK_MAX, RowVotes, Rule, aggregate_refs, sorting_network
-from fl_app.weights import TensorInfo, load_shards, save_shards
+from fl_app.weights import TensorInfo, WeightsError, load_shards, save_shards
 from partitions.uniform import sample_clients, sampling_seed
 from server_app.strategy import StreamingAggregator
 
@@ -278,6 +278,50 @@ def test_a_poisoned_update_is_flagged_and_no_clean_one(tmp_path, kind, agg):
     assert not any(scores.flagged), scores
 
 
+@pytest.mark.parametrize("agg", AGGREGATORS)
+def test_drop_flagged_aggregates_the_unflagged_clients_and_names_the_rest(tmp_path, agg):
+    w = _net(0)
+    prev = save_shards(w, tmp_path / "global", SHARD).root
+    clean = [_trained(w, s) for s in range(4)]
+    weights = [3.0, 5.0, 1.0, 9.0]
+    rule = Rule(agg, drop_flagged=True)
+    ch = _channel(tmp_path / "clean", inline=False)
+    items = _items(tmp_path / "clean", ch, clean, weights)
+    kept, scores = aggregate_refs(items, ch, tmp_path / "kept", prev, rule)
+    plain, _ = aggregate_refs(items, ch, tmp_path / "plain", prev, Rule(agg))
+    assert scores.excluded == [False] * 4 and kept.sha256 == plain.sha256  # nothing flagged: the same bits
+    for kind, victim in (("scale", 1), ("noise", 2)):
+        states = list(clean)
+        states[victim] = poisoned(w, clean[victim], PoisonCfg(kind=kind), noise_seed(0, 1, victim, "actor"))
+        root = tmp_path / kind
+        ch = _channel(root, inline=kind == "noise")
+        m, scores = aggregate_refs(_items(root, ch, states, weights), ch, root / "out", prev, rule)
+        assert scores.flagged == scores.excluded == [i == victim for i in range(4)], (kind, scores)
+        assert all(row["excluded"] == (c == str(victim)) for c, row in scores.row(range(4)).items())
+        rest = [i for i in range(4) if i != victim]
+        # the trim was there for the dropped client's values: the rest's plain mean (median: theirs)
+        want = aggregate_reference(agg, w, [clean[i] for i in rest], [weights[i] for i in rest], rule)
+        got = load_shards(m.root)
+        for k, t in want.items():
+            torch.testing.assert_close(got[k].double(), t, rtol=1e-5, atol=1e-6)
+        if agg in ("fedavg", "median"):  # elementwise as a round of the rest alone: its bits (clipped's norms
+            # are summed over pieces that the number of clients sizes)
+            ch3 = _channel(root / "rest", inline=True)
+            alone, _ = aggregate_refs(
+                _items(root / "rest", ch3, [clean[i] for i in rest], [weights[i] for i in rest]),
+                ch3,
+                root / "alone",
+                prev,
+                Rule(agg),
+            )
+            assert alone.sha256 == m.sha256
+    noise = [poisoned(w, clean[i], PoisonCfg(kind="noise"), noise_seed(0, 1, i, "actor")) for i in range(4)]
+    ch = _channel(tmp_path / "all", inline=True)
+    with pytest.raises(WeightsError, match=r"every client of the round was flagged \(input 0, .*drop_flagged"):
+        aggregate_refs(_items(tmp_path / "all", ch, noise, weights), ch, tmp_path / "none", prev, rule)
+    assert not (tmp_path / "none").exists()
+
+
 def test_poisoned_updates_are_what_their_kind_says_and_reproducible():
     w = _net(0)
     x = _trained(w, 1)
@@ -430,6 +474,9 @@ def test_recipe_load_refuses_a_robust_aggregator_the_round_cannot_feed():
             "tiny-shop-grpo",
             overrides={**base, "federation.aggregator": "trimmed_mean", "federation.min_clients_per_round": 3},
         )
+    with pytest.raises(ConfigError, match="drop_flagged drops what the peer rules flag.*3 or more"):
+        load_config("tiny-shop-grpo", overrides={"federation.drop_flagged": True})
+    load_config("tiny-shop-grpo", overrides={**base, "federation.drop_flagged": True})
     with pytest.raises(ConfigError, match="median over a round of 2 clients is their mean"):
         load_config("tiny-shop-grpo", overrides={"federation.aggregator": "median"})
     with pytest.raises(ConfigError, match="trim_fraction"):
