@@ -28,9 +28,11 @@ update, the median of the cosines to the other clients (`cos_peers`) and `peer_z
 |cosine| to another client times sqrt(n), n the member's parameters. Flags (the first three need
 3 or more clients):
 - *norm*: ||d_i|| above `flag_norm_ratio` x the round's median norm (a scaled update);
-- *unrelated* (on by default): `peer_z` below `flag_unrelated_z`. A random direction's cosine to
-  a fixed update is ~N(0, 1/n), so an update that is neither aligned nor opposed to any peer by
-  more than chance allows carries nothing the others learnt (noise in place of an update). On
+- *unrelated* (on by default): `peer_z`, and from round 2 |`step_z`| (the cosine to the server's
+  last step w - w_before, x sqrt(n), read in the same pass), both below `flag_unrelated_z`. A
+  random direction's cosine to a fixed update is ~N(0, 1/n), so an update that is neither
+  aligned nor opposed to any peer, nor to what the federation learnt last round, by more than
+  chance allows carries nothing the others learnt (noise in place of an update). On
   the tiny default the clean updates' `peer_z` was 8.8 or more and noise of an update's norm
   reached 2.7 (docs/architecture.md, "What the scores can tell apart"). It needs a member of at
   least (4 z)^2 parameters (400 at z = 5): on fewer, even a perfectly aligned update's z is
@@ -76,7 +78,6 @@ import torch
 from fl_app.aggregate import (
     PIECE_BYTES,
     PREVIOUS,
-    Combine,
     NonFinitePiece,
     _fold,
     _labels,
@@ -157,6 +158,7 @@ class Rule:
 
 
 FEDAVG = Rule()  # the default: FedAvg, scored
+BEFORE = "the global model a round earlier"  # the step score's input, in errors
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,7 @@ class Scores:
     flagged: list[bool]
     cos: list[list[float]]  # cos[i][j]: client i's update against client j's (i != j)
     excluded: list[bool] | None = None  # `drop_flagged`: left out of the aggregate (None: nothing was dropped)
+    step_z: list[float | None] | None = None  # cos to the server's last step x sqrt(parameters); None at round 1
 
     def row(self, ids: Sequence[int]) -> dict[str, dict[str, Any]]:
         """client id -> its scores, as the round's metrics row holds them; `cos` gives every
@@ -201,6 +204,8 @@ class Scores:
         }
         for c, out in zip(ids, self.excluded or ()):
             rows[str(c)]["excluded"] = out
+        for c, z in zip(ids, self.step_z or ()):
+            rows[str(c)]["step_z"] = z
         return rows
 
 
@@ -215,10 +220,17 @@ UNRELATED_POWER = 4.0  # the unrelated rule needs sqrt(n) >= 4 z: its cosine bou
 
 
 def scores_from_gram(
-    gram: np.ndarray, factors: Sequence[float], rule: Rule, numel: int, shrink_z: Sequence[float]
+    gram: np.ndarray,
+    factors: Sequence[float],
+    rule: Rule,
+    numel: int,
+    shrink_z: Sequence[float],
+    to_step: np.ndarray | None = None,
+    step_sq: float = 0.0,
 ) -> Scores:
-    """Norms, cosines and flags from the updates' Gram matrix over `numel` coordinates and the
-    updates' row votes `shrink_z` (module doc)."""
+    """Norms, cosines and flags from the updates' Gram matrix over `numel` coordinates, the
+    updates' row votes `shrink_z` and, where the round had a previous server step s, their dot
+    products with it (`to_step`) and its squared norm (module doc)."""
     k = len(factors)
     norm = [math.sqrt(max(float(gram[i, i]), 0.0)) for i in range(k)]
     f = np.asarray(factors, dtype=np.float64)
@@ -233,9 +245,15 @@ def scores_from_gram(
     peer_z: list[float | None] = [
         max(abs(cos[i][j]) for j in range(k) if j != i) * root_n if k > 1 else None for i in range(k)
     ]
+    step_norm = math.sqrt(max(step_sq, 0.0))
+    step_z: list[float | None] = (
+        [_cos(float(to_step[i]), norm[i], step_norm) * root_n for i in range(k)]
+        if to_step is not None and step_norm > 0
+        else [None] * k
+    )
     median_norm = statistics.median(norm)
 
-    def flag(n: float, p: float | None, z: float | None, shrink: float) -> bool:
+    def flag(n: float, p: float | None, z: float | None, shrink: float, step: float | None) -> bool:
         if rule.flag_shrink_z is not None and shrink < -rule.flag_shrink_z:  # one update's own evidence: no peer
             return True
         if k < 3 or p is None or z is None:
@@ -243,12 +261,13 @@ def scores_from_gram(
         if n > rule.flag_norm_ratio * median_norm:
             return True
         unrelated = rule.flag_unrelated_z
-        if unrelated is not None and root_n >= UNRELATED_POWER * unrelated and z < unrelated:
+        related = z if step is None else max(z, abs(step))
+        if unrelated is not None and root_n >= UNRELATED_POWER * unrelated and related < unrelated:
             return True
         return rule.flag_cosine_z is not None and p * root_n < rule.flag_cosine_z
 
-    flagged = [flag(n, p, z, sz) for n, p, z, sz in zip(norm, cos_peers, peer_z, shrink_z, strict=True)]
-    return Scores(norm, cos_mean, cos_peers, peer_z, list(shrink_z), flagged, cos)
+    flagged = [flag(*x) for x in zip(norm, cos_peers, peer_z, shrink_z, step_z, strict=True)]
+    return Scores(norm, cos_mean, cos_peers, peer_z, list(shrink_z), flagged, cos, step_z=step_z)
 
 
 class RowVotes:
@@ -302,12 +321,16 @@ class RowVotes:
 
 
 class _Pass:
-    """The combine of one pass over (live clients..., w): the Gram of the updates (`gram`) and
-    their row votes (`rows`), and the output piece from `rule_fn` when the pass writes."""
+    """The combine of one pass over (live clients..., w[, w_before]): the Gram of the updates
+    (`gram`), their row votes (`rows`) and, with the global model a round earlier as the last
+    input (`step`), each update's dot product with the server's last step w - w_before and that
+    step's squared norm; and the output piece from `rule_fn` when the pass writes."""
 
-    def __init__(self, k: int, gram: bool, rule_fn: RuleFn | None) -> None:
+    def __init__(self, k: int, gram: bool, rule_fn: RuleFn | None, step: bool = False) -> None:
         self.k, self.rule_fn = k, rule_fn
         self.gram = np.zeros((k, k), dtype=np.float64) if gram else None
+        self.to_step = np.zeros(k, dtype=np.float64) if step else None
+        self.step_sq = 0.0
         self.rows = RowVotes(k)
         self.numel = 0  # floating coordinates seen
         self.scratch = torch.empty(0)
@@ -319,7 +342,7 @@ class _Pass:
         return self.scratch[: self.k * n].view(self.k, n)
 
     def __call__(self, info: TensorInfo, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-        *clients, w = ins
+        *clients, w = ins[:-1] if self.to_step is not None else ins
         name = info.name
         if not w.is_floating_point():  # carried, not averaged: every client holds the same values
             for acc in outs:
@@ -335,6 +358,10 @@ class _Pass:
                 raise NonFinitePiece(repr(name))
             self.gram += g.numpy()
             self.numel += w.numel()
+            if self.to_step is not None:
+                s = w - ins[-1]
+                self.to_step += torch.mv(d, s).numpy()
+                self.step_sq += float(torch.dot(s, s))
             self.rows.add(info, d.mul_(w).sign_())  # the scratch is done with d
         if outs and self.rule_fn is not None:
             (acc,) = outs
@@ -435,22 +462,27 @@ class _Trimmed:
 
 @dataclass
 class _Round:
-    """One member's live clients and the round's global model (last), in memory or as manifests."""
+    """One member's live clients and the round's global model (last), in memory or as manifests,
+    and the global model a round earlier (`before`, the origin of the server's last step) where
+    there is one."""
 
     labels: list[str]
     shard_bytes: int
     states: list[tuple[int, Mapping[str, torch.Tensor]]] | None = None
     manifests: list[tuple[int, Manifest]] | None = None
+    before: tuple[int, Any] | None = None
 
-    def run(self, combine: Combine, out_dir: Path | None) -> Manifest | None:
-        """One pass of `combine`; writes `out_dir` unless it is None."""
+    def run(self, p: _Pass, out_dir: Path | None) -> Manifest | None:
+        """One pass of `p` (`before` last where `p` scores against the server's step); writes
+        `out_dir` unless it is None."""
         out_dirs = [] if out_dir is None else [out_dir]
+        extra = [self.before] if p.to_step is not None and self.before is not None else []
         if self.states is not None:
-            states = combine_states(self.states, self.labels, combine, len(out_dirs))
+            states = combine_states([*self.states, *extra], self.labels, p, len(out_dirs))
             outs = [save_shards(o, d, self.shard_bytes) for o, d in zip(states, out_dirs)]
         else:
             assert self.manifests is not None
-            outs = stream_manifests(self.manifests, self.labels, combine, out_dirs, self.shard_bytes)
+            outs = stream_manifests([*self.manifests, *extra], self.labels, p, out_dirs, self.shard_bytes)
         return outs[0] if outs else None
 
     def client_labels(self) -> list[str]:
@@ -475,12 +507,14 @@ def aggregate_refs(
     rule: Rule,
     names: Sequence[str] | None = None,
     server_lr: float = 1.0,
+    before: Path | None = None,
 ) -> tuple[Manifest, Scores]:
     """One member of a round's replies (ref, inline state, num-examples) aggregated by `rule`
     into the fresh weights dir `out_dir`, stepping from `previous` (the round's global weights
     dir) with server learning rate `server_lr`, and the live clients' scores (zero-weight
-    clients are skipped: neither read nor scored). NaN/Inf uploads raise NonFiniteWeightsError
-    naming them; nothing is written."""
+    clients are skipped: neither read nor scored), against the server's last step too where
+    `before` (the global weights dir a round earlier) is given. NaN/Inf uploads raise
+    NonFiniteWeightsError naming them; nothing is written."""
     weights, labels = [w for _, _, w in items], _labels(names, len(items))
     metas = [rule.check_upload(r, label) for (r, _, _), label in zip(items, labels)]
     if not replies_inline(items):
@@ -488,14 +522,16 @@ def aggregate_refs(
         for (m, _), (r, _, _), label in zip(ms, items, labels):
             if m.update != r.update:
                 raise WeightsError(f"{label}: the store entry's update metadata is not its reply's; re-upload it")
-        return aggregate_manifests(ms, previous, out_dir, channel.shard_bytes, rule, server_lr, names)
+        return aggregate_manifests(ms, previous, out_dir, channel.shard_bytes, rule, server_lr, names, before)
     live = [i for i, f in enumerate(weight_factors(weights)) if f != 0]
     w = load_shards(previous)
     states = [
         _model_of(channel.state(r, a), meta, w, previous, label) for (r, a, _), meta, label in zip(items, metas, labels)
     ]
-    rnd = _Round([*labels, PREVIOUS], channel.shard_bytes)
+    rnd = _Round([*labels, PREVIOUS, BEFORE], channel.shard_bytes)
     rnd.states = [*((i, states[i]) for i in live), (len(items), w)]
+    if before is not None:
+        rnd.before = (len(items) + 1, load_shards(before))
     return _aggregate(rnd, [weights[i] for i in live], rule, server_lr, out_dir)
 
 
@@ -523,6 +559,7 @@ def aggregate_manifests(
     rule: Rule,
     server_lr: float = 1.0,
     names: Sequence[str] | None = None,
+    before: Path | None = None,
 ) -> tuple[Manifest, Scores]:
     """`aggregate_refs` over sharded uploads (manifest, num-examples), streamed from disk."""
     weights = [w for _, w in inputs]
@@ -531,8 +568,10 @@ def aggregate_manifests(
         w = previous if isinstance(previous, Manifest) else Manifest.from_dir(previous)
     else:
         w = step_from_manifest(previous, inputs[live[0]][0], "the aggregator and the anomaly scores read it")
-    rnd = _Round([*_labels(names, len(inputs)), PREVIOUS], shard_bytes)
+    rnd = _Round([*_labels(names, len(inputs)), PREVIOUS, BEFORE], shard_bytes)
     rnd.manifests = [*((i, inputs[i][0]) for i in live), (len(inputs), w)]
+    if before is not None:
+        rnd.before = (len(inputs) + 1, step_from_manifest(before, w, "the unrelated rule's step score reads it"))
     return _aggregate(rnd, [weights[i] for i in live], rule, server_lr, out_dir)
 
 
@@ -542,15 +581,16 @@ def _aggregate(rnd: _Round, weights: list[float], rule: Rule, eta: float, out_di
     `drop_flagged` (which needs the flags), a read-only scoring pass and a second that writes."""
     k, factors = len(weights), weight_factors(weights)
     trim = rule.trim(k) if rule.aggregator in ("trimmed_mean", "median") else 0
+    step = rnd.before is not None
     if rule.aggregator != "clipped" and not rule.drop_flagged:
-        one = _Pass(k, gram=True, rule_fn=_writer(rule, weights, [], trim, eta))
+        one = _Pass(k, gram=True, rule_fn=_writer(rule, weights, [], trim, eta), step=step)
         out = rnd.run(one, out_dir)
         assert out is not None and one.gram is not None
-        return out, scores_from_gram(one.gram, factors, rule, one.numel, one.rows.z())
-    first = _Pass(k, gram=True, rule_fn=None)
+        return out, scores_from_gram(one.gram, factors, rule, one.numel, one.rows.z(), one.to_step, one.step_sq)
+    first = _Pass(k, gram=True, rule_fn=None, step=step)
     rnd.run(first, None)
     assert first.gram is not None
-    scores = scores_from_gram(first.gram, factors, rule, first.numel, first.rows.z())
+    scores = scores_from_gram(first.gram, factors, rule, first.numel, first.rows.z(), first.to_step, first.step_sq)
     keep = list(range(k))
     if rule.drop_flagged:
         keep = [i for i, f in enumerate(scores.flagged) if not f]

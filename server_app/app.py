@@ -69,7 +69,7 @@ from fl_app.provenance import check_server_code
 from fl_app.robust import RoundScores, Rule, flagged_clients
 from fl_app.rundir import RunDir
 from fl_app.server_opt import ServerOptimizer
-from fl_app.weights import Manifest, WeightsError, save_shards
+from fl_app.weights import MANIFEST_NAME, Manifest, WeightsError, save_shards
 from partitions.report import write_partition_report
 from partitions.uniform import sampling_seed
 from server_app.dispatch import Abandoned, Close, RoundDispatch, RoundOutcome, request_one
@@ -715,11 +715,14 @@ def aggregate_train(
     rd, opt = run.rd, run.server_opt
     out_dirs = {m: rd.member_dir(rnd, m) for m in rd.members}
     previous = {m: rd.member_dir(rnd - 1, m) for m in rd.members}
+    before = {
+        m: d for m in rd.members if rnd >= 2 and (d := rd.member_dir(rnd - 2, m)).joinpath(MANIFEST_NAME).exists()
+    }
     if opt is None:
-        manifests, train_metrics, scores = _average(run, rnd, replies, failures, out_dirs, previous)
+        manifests, train_metrics, scores = _average(run, rnd, replies, failures, out_dirs, previous, before)
     else:
         mean_dirs = {m: rd.mean_dir(rnd, m) for m in rd.members}
-        _, train_metrics, scores = _average(run, rnd, replies, failures, mean_dirs, previous)
+        _, train_metrics, scores = _average(run, rnd, replies, failures, mean_dirs, previous, before)
     if opt is None and not run.w.delta:
         return manifests, train_metrics, scores
     t0 = time.perf_counter()
@@ -740,17 +743,24 @@ def _average(
     failures: list[ClientFailure],
     out_dirs: dict[str, Path],
     previous: dict[str, Path],
+    before: dict[str, Path],
 ) -> tuple[dict[str, Manifest], dict[str, float], RoundScores]:
     """The aggregator's combination of the replies into `out_dirs`, and the updates' scores
-    against `previous` (the round's global model). A reply the aggregator refuses (one naming a
-    key that is not its client's own upload of this round, an entry that does not resolve, a
-    non-finite upload) is a failed client: dropped (and the aggregate recomputed without it)
-    when the round can afford it, else the round fails closed."""
+    against `previous` (the round's global model) and the server's step to it from `before`. A
+    reply the aggregator refuses (one naming a key that is not its client's own upload of this
+    round, an entry that does not resolve, a non-finite upload) is a failed client: dropped (and
+    the aggregate recomputed without it) when the round can afford it, else the round fails
+    closed."""
     while True:
         order = sorted(replies)
         try:
             return run.aggregator.aggregate_train(
-                {c: replies[c] for c in order}, run.w.channel, out_dirs, lambda c: run.w.client_keys(rnd, c), previous
+                {c: replies[c] for c in order},
+                run.w.channel,
+                out_dirs,
+                lambda c: run.w.client_keys(rnd, c),
+                previous,
+                before,
             )
         except WeightsError as e:
             client = _blamed(e, order)

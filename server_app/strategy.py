@@ -136,11 +136,14 @@ class StreamingAggregator:
         out_dirs: Mapping[str, Path],
         upload_keys: Callable[[int], Mapping[str, str]],
         previous_dirs: Mapping[str, Path],
+        before_dirs: Mapping[str, Path] | None = None,
     ) -> tuple[dict[str, Manifest], dict[str, float], RoundScores]:
         """Aggregate every member of `replies` (client id -> its successful reply, in client order)
         into its `out_dirs[member]`, all members with the same `num-examples` weights;
         `upload_keys(client)` is member -> the key that client may upload under (anything else
-        is `ClientRefused`); `previous_dirs` hold the round's global model (the updates' origin).
+        is `ClientRefused`); `previous_dirs` hold the round's global model (the updates' origin),
+        `before_dirs` the one a round earlier, where there is one (the server's last step, which
+        the scores read).
         Returns the manifests, the weighted train metrics and per member the clients' anomaly
         scores (member -> client id -> `fl_app.robust.Scores.row`)."""
         done = {c: accepted_reply(c, m, channel, upload_keys(c)) for c, m in replies.items()}
@@ -154,7 +157,14 @@ class StreamingAggregator:
             ]
             names = [f"client {c} ({member})" for c in replies]
             manifests[member], got = aggregate_refs(
-                items, channel, out_dir, previous_dirs[member], self.rule, names, self.server_lr
+                items,
+                channel,
+                out_dir,
+                previous_dirs[member],
+                self.rule,
+                names,
+                self.server_lr,
+                (before_dirs or {}).get(member),
             )
             scored = [c for (c, _), (_, _, w) in zip(replies.items(), items) if w > 0]  # zero-weight: not read
             scores[member] = got.row(scored)

@@ -154,7 +154,10 @@ def test_scores_match_a_torch_reference_and_zero_weight_clients_are_not_scored(t
     states, weights = [_trained(w, s) for s in range(4)], [2.0, 0.0, 3.0, 5.0]
     prev = save_shards(w, tmp_path / "global", SHARD).root
     ch = _channel(tmp_path, inline=False)
-    _, scores = aggregate_refs(_items(tmp_path, ch, states, weights), ch, tmp_path / "out", prev, Rule())
+    earlier = _net(1)  # the server's last step ran from it to w
+    before = save_shards(earlier, tmp_path / "before", SHARD).root
+    items = _items(tmp_path, ch, states, weights)
+    _, scores = aggregate_refs(items, ch, tmp_path / "out", prev, Rule(), before=before)
     live = [0, 2, 3]
     d = [torch.cat([(states[i][k].double() - w[k].double()).flatten() for k in w if k != "ids"]) for i in live]
     f = torch.tensor([weights[i] for i in live], dtype=torch.float64)
@@ -168,10 +171,38 @@ def test_scores_match_a_torch_reference_and_zero_weight_clients_are_not_scored(t
         assert scores.cos_peers[j] == pytest.approx(statistics.median(pairs), abs=1e-5)
         assert scores.peer_z[j] == pytest.approx(max(map(abs, pairs)) * math.sqrt(d[0].numel()), rel=1e-4)
         assert scores.shrink_z[j] == pytest.approx(_shrink_z(states[live[j]], w), abs=1e-9)
+        step = torch.cat([(w[k].double() - earlier[k].double()).flatten() for k in w if k != "ids"])
+        assert scores.step_z[j] == pytest.approx(float(cos(dj, step, dim=0)) * math.sqrt(d[0].numel()), rel=1e-4)
         row = scores.row(live)[str(live[j])]["cos"]  # every pairwise cosine, by the peer's id
         assert list(row) == [str(c) for c in live if c != live[j]]
         assert list(row.values()) == pytest.approx(pairs, abs=1e-5)
     assert not any(scores.flagged)
+    _, first = aggregate_refs(items, ch, tmp_path / "first", prev, Rule())  # round 1: no step before it
+    assert first.step_z == [None] * 3 and all(r["step_z"] is None for r in first.row(live).values())
+    assert first.peer_z == scores.peer_z
+
+
+def test_an_update_along_the_server_s_last_step_is_not_unrelated_though_its_peers_are(tmp_path):
+    """The unrelated rule reads the server's last step as one more reference: an update that
+    carries it on is related to what the federation learnt even where no peer's update is (on
+    the tiny default, late-round clean updates as unrelated to their 2-3 peers as noise are
+    aligned with the last step; docs/architecture.md, "What the scores can tell apart")."""
+    earlier = _net(0)
+    w = _trained(earlier, 7)  # the server's last step: real training from `earlier`
+    carried_on = {k: w[k] + 0.5 * (w[k] - earlier[k]) if w[k].is_floating_point() else w[k] for k in w}
+    noise = [poisoned(w, _trained(w, s), PoisonCfg(kind="noise"), noise_seed(0, 2, s, "actor")) for s in (1, 2, 3)]
+    prev = save_shards(w, tmp_path / "global", SHARD).root
+    before = save_shards(earlier, tmp_path / "before", SHARD).root
+    for inline in (True, False):
+        root = tmp_path / str(inline)
+        ch = _channel(root, inline)
+        items = _items(root, ch, [carried_on, *noise], [8.0] * 4)
+        _, alone = aggregate_refs(items, ch, root / "alone", prev, Rule())
+        assert alone.flagged == [True] * 4  # no peer relates to it: by the peers alone, it looks like noise
+        _, scores = aggregate_refs(items, ch, root / "out", prev, Rule(), before=before)
+        assert scores.step_z[0] == pytest.approx(math.sqrt(sum(t.numel() for k, t in w.items() if k != "ids")))
+        assert scores.flagged == [False, True, True, True], scores
+        assert all(abs(z) < 5 for z in scores.step_z[1:])
 
 
 def _shrink_z(x: dict[str, torch.Tensor], w: dict[str, torch.Tensor]) -> float:
