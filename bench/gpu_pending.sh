@@ -11,8 +11,8 @@
 #   smollm-round  after gpu: the published round's shape with the warm-started SmolLM2's own lengths
 #           (docs/benchmarks.md, "The published round on one GPU")
 # vllm (the same sets, plus the vLLM + verl set in a second site dir after the first on PYTHONPATH):
-#   engines  smollm-shop-grpo on verl + vLLM, seeds 0-2, beside builtin + HF seed 2: 4 runs at once (docs/models.md)
-#   lora-sync  tests/trainer/test_verl_vllm.py's on_verl_lora arm (docs/verl.md)
+#   engines  smollm-shop-grpo on verl + vLLM, seeds 1 and 2 at once (docs/models.md)
+#   lora-sync  tests/trainer/test_verl_vllm.py's on_verl_lora arm, alone, before the sweep (docs/verl.md)
 #   vllm-round  the published round with vLLM rollouts (random Qwen2.5-1.5B shape; docs/benchmarks.md)
 #   rollout-ratio  its rollouts on HF and vLLM against vLLM's fixed-shape rate, and the device's peak
 # alfworld (the arms sets, plus the ALFWorld set in a second site dir; docs/offline-gpu.md):
@@ -67,17 +67,13 @@ elif [ "$STAGE" = alfworld ]; then
     --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.25" \
     --arm grpo='recipe="smollm-alfworld-grpo"' --arm gigpo='recipe="smollm-alfworld-gigpo"'
 else
-  step lora-sync 600 taskset -c 12-15 python3 -m pytest -m gpu tests/trainer/test_verl_vllm.py -k on_verl_lora \
-    -p no:cacheprovider -q -rA &
-  # builtin seeds 0-1 are docs/models.md's GiGPO sweep (same warm start, same shape); seed 2 runs beside
-  F="num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.25"
-  step engines-builtin 1800 python3 -m tools.sweep --jobs 1 --threads 3 --cores 9-11 --seeds 2 \
-    --out "$R/engines" --federation-config "$F" --arm builtin-hf='recipe="smollm-shop-grpo"' &
-  B=$!
-  step engines-verl 1800 python3 -m tools.sweep --jobs 3 --threads 3 --cores 0-8 --seeds 0,1,2 \
-    --out "$R/engines-verl" --federation-config "$F" \
+  # alone: its memory test reads the whole device's used memory (beside the sweep it moved 94 MB)
+  step lora-sync 600 python3 -m pytest -m gpu tests/trainer/test_verl_vllm.py -k on_verl_lora -p no:cacheprovider -q -rA
+  # seed 0 and builtin + HF's seeds 0-2 ran on 2026-12-07 (docs/models.md); the lock that lets lanes
+  # start vLLM together is new since
+  step engines-verl 1800 python3 -m tools.sweep --jobs 2 --threads 4 --cores 0-7 --seeds 1,2 --out "$R/engines-verl" \
+    --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.25" \
     --arm verl-vllm='recipe="smollm-shop-grpo" backend="verl" rollout.engine="vllm" rollout.gpu_memory_utilization=0.08'
-  wait $B
   # the rest after the sweep, so that their timings are their own; the random 1.5B model comes from the first
   step vllm-round 900 python3 -m bench.published_round --synthetic-catalog --rollout vllm --clients 1 --iterations 1 \
     --json "$R/vllm-round.json" rollout.gpu_memory_utilization=0.15

@@ -26,12 +26,15 @@ does not depend on its batch.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gc
 import importlib.util
 import logging
 import os
+import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,37 @@ def arm_vllm_env() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if importlib.util.find_spec("flashinfer") is None:
         os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+
+
+def gpu_key() -> str:
+    """This process's GPU as the node knows it (its UUID: CUDA_VISIBLE_DEVICES numbers differ
+    between processes); "cpu" without one."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+@contextlib.contextmanager
+def engine_start_lock(gpu: str) -> Iterator[None]:
+    """One vLLM engine start at a time on the GPU `gpu`, across the node's processes. vLLM sizes
+    its KV cache by profiling the GPU's free memory, and refuses to start when another process
+    frees memory meanwhile; the lanes of a simulation (several virtual clients on one GPU) start
+    together, and each puts its engine to sleep right after its start, freeing gigabytes. On one
+    H100, two of three verl + vLLM lanes started at once failed that way ("Error in memory
+    profiling"). An flock: the kernel releases it if its holder dies."""
+    path = Path(tempfile.gettempdir()) / f"fedagent-vllm-start-{gpu}.lock"
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            t0 = time.perf_counter()
+            log.info("waiting for another vLLM engine start on this GPU (%s)", path)
+            fcntl.flock(f, fcntl.LOCK_EX)
+            log.info("waited %.1f s for the other vLLM engine start", time.perf_counter() - t0)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class VllmGenerator:
@@ -81,19 +115,20 @@ class VllmGenerator:
         self.max_new_tokens = max_new_tokens
         self.eos_ids = list(turn_end_ids_of(tokenizer.eos_token_id, str(model_path)))
         t0 = time.perf_counter()
-        self.llm = LLM(
-            model=str(model_path),
-            skip_tokenizer_init=True,
-            dtype="bfloat16",
-            seed=seed,
-            enable_sleep_mode=True,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            tensor_parallel_size=1,
-        )
+        with engine_start_lock(gpu_key()):  # through the first sleep: the memory it frees is the start's
+            self.llm = LLM(
+                model=str(model_path),
+                skip_tokenizer_init=True,
+                dtype="bfloat16",
+                seed=seed,
+                enable_sleep_mode=True,
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len,
+                tensor_parallel_size=1,
+            )
+            self.awake = True
+            self.sleep()
         self.startup_s = time.perf_counter() - t0
-        self.awake = True
-        self.sleep()
         log.info("vLLM engine for %s ready in %.1f s (asleep until the first weight sync)", model_path, self.startup_s)
 
     def sleep(self) -> None:

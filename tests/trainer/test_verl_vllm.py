@@ -53,6 +53,88 @@ def test_multiprocess_vllm_engine_is_refused(monkeypatch):
         arm_vllm_env()
 
 
+def _held(gpu: str) -> bool:
+    """Whether another open file holds `engine_start_lock(gpu)`'s flock (flock conflicts between
+    open files, in one process as across processes)."""
+    import fcntl
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / f"fedagent-vllm-start-{gpu}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+def test_vllm_engines_start_one_at_a_time_on_a_gpu_across_processes(tmp_path, monkeypatch):
+    """A lane's vLLM start waits for another process's start on the same GPU (vLLM's memory
+    profiling fails when a neighbour frees memory meanwhile), and not for one on another GPU."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from client_app.trainer.vllm_rollout import engine_start_lock
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    log = tmp_path / "times"
+    script = (
+        "import sys, time\n"
+        "from client_app.trainer.vllm_rollout import engine_start_lock\n"
+        "out = open(sys.argv[1], 'a', buffering=1)\n"
+        "with engine_start_lock('gpu-b'):\n"
+        "    out.write(f'b {time.time()}\\n')\n"
+        "    with engine_start_lock('gpu-a'):\n"
+        "        out.write(f'a {time.time()}\\n')\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    with engine_start_lock("gpu-a"):
+        p = subprocess.Popen([sys.executable, "-c", script, str(log)], cwd=root)  # TMPDIR: tmp_path
+        try:
+            deadline = time.monotonic() + 120
+            while not (log.exists() and log.read_text().startswith("b ")):  # another GPU: no wait
+                assert p.poll() is None and time.monotonic() < deadline, "the other GPU's lock never came"
+                time.sleep(0.05)
+            time.sleep(0.5)
+            assert _held("gpu-a") and "a " not in log.read_text()  # still waiting for this GPU's
+            released = time.time()
+        except BaseException:
+            p.kill()
+            raise
+    assert p.wait(timeout=60) == 0
+    got = float(log.read_text().split("a ")[1])
+    assert got >= released, (got, released)
+    assert not _held("gpu-a") and not _held("gpu-b")
+
+
+def test_the_vllm_engine_is_built_and_put_to_sleep_under_the_start_lock(tmp_path, monkeypatch):
+    import sys
+    import tempfile
+    import types
+
+    from client_app.trainer import vllm_rollout
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen: list[tuple[str, bool]] = []
+
+    class LLM:  # vLLM needs a GPU: this records whether the start lock is held at each step
+        def __init__(self, **kwargs):
+            seen.append(("start", _held(vllm_rollout.gpu_key())))
+
+        def sleep(self, level=1):
+            seen.append(("sleep", _held(vllm_rollout.gpu_key())))
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    gen = vllm_rollout.VllmGenerator(tmp_path, types.SimpleNamespace(eos_token_id=2), 8, 64, 0.4, 0)
+    assert seen == [("start", True), ("sleep", True)] and not gen.awake
+    assert not _held(vllm_rollout.gpu_key())  # released once asleep
+
+
 class RecordingLLM:
     """Stands in for `vllm.LLM` (vLLM needs a GPU) to record the order of sleep-mode calls."""
 
