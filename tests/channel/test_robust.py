@@ -140,6 +140,7 @@ def test_fedavg_through_the_scoring_pass_gives_fedavg_s_bits(tmp_path):
     w = _net(0)
     states, weights = [_trained(w, s) for s in range(3)], [12.0, 30.0, 7.0]
     prev = save_shards(w, tmp_path / "global", SHARD).root
+    save_shards(_net(1), tmp_path / "before", SHARD)
     for inline in (True, False):
         for eta in (1.0, 0.7):
             ch = _channel(tmp_path / f"{inline}{eta}", inline)
@@ -147,6 +148,11 @@ def test_fedavg_through_the_scoring_pass_gives_fedavg_s_bits(tmp_path):
             ours, _ = aggregate_refs(items, ch, tmp_path / f"r{inline}{eta}", prev, Rule(), server_lr=eta)
             theirs = fedavg_refs(items, ch, tmp_path / f"f{inline}{eta}", previous=prev, server_lr=eta)
             assert ours.sha256 == theirs.sha256
+            # scored against the server's last step too (its origin read as one more input): the same bits
+            stepped, scores = aggregate_refs(
+                items, ch, tmp_path / f"s{inline}{eta}", prev, Rule(), server_lr=eta, before=prev.parent / "before"
+            )
+            assert stepped.sha256 == theirs.sha256 and None not in scores.step_z
 
 
 def test_scores_match_a_torch_reference_and_zero_weight_clients_are_not_scored(tmp_path):
@@ -452,7 +458,8 @@ def status_kb(field):
 
 agg, out, shard = sys.argv[1], sys.argv[2], int(sys.argv[3])
 ms = [Manifest.from_dir(Path(p)) for p in sys.argv[4:]]  # the clients, then w
-rnd = _Round([f"input {i}" for i in range(len(ms))], shard, manifests=list(enumerate(ms)))
+rnd = _Round([f"input {i}" for i in range(len(ms) + 1)], shard, manifests=list(enumerate(ms)))
+rnd.before = (len(ms), ms[0])  # scored against a server step too: one more streamed input
 _aggregate(rnd, [1.0] * (len(ms) - 1), Rule(agg), 1.0, Path(out + "-warm-up"))
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
 before = status_kb("VmRSS")
