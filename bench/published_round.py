@@ -39,19 +39,24 @@ catalog size (1,000 products) with the recipe's goal count, validation pool and 
 
 Smaller runs (`--tasks`, `--group`, `--turns`, `--val-tasks`, `--device cpu`, recipe overrides
 `a.b=c`) keep every phase; the report says whether the shape is the recipe's (`at_recipe_scale`).
+
+`--json` holds what is measured as it is measured (`"complete": false`, the `stage` reached, each
+finished fit's numbers and the server's seconds so far), so a run cut short (device time ending
+during validation) keeps its fits; the whole report replaces it at the end (`"complete": true`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import platform
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -199,12 +204,18 @@ def _call(svc: TrainerService, kind: type[C], **fields: Any) -> C:
     return kind(run_id=svc.run_id, recipe_sha256=recipe_sha256(svc.cfg), weights=refs, **fields)
 
 
-def play_round(svc: TrainerService, args: argparse.Namespace, replies: Replies) -> dict[str, Any]:
+Progress = Callable[[str, dict[int, dict[str, float]], dict[str, float]], None]  # stage, fits, server s
+
+
+def play_round(
+    svc: TrainerService, args: argparse.Namespace, replies: Replies, progress: Progress | None = None
+) -> dict[str, Any]:
     """Round 1 as the server and one lane play it: round 0's model exported by the lane (untimed),
     the measured clients' fits (the service's own load, fit and export, the uploads in the run
     dir as a shared-disk run keeps them), the FedAvg of M uploads into the round's checkpoint,
     the validation of the new model; the lane's metrics per client, the server's timings and
-    the measured wall (the timed fits' turns recorded in `replies`)."""
+    the measured wall (the timed fits' turns recorded in `replies`); `progress` hears of each
+    stage with what is measured so far."""
     cfg, work = svc.cfg, svc.run_dir
     fed = cfg.federation
     start = {"actor": str(work / "round-0")}
@@ -221,17 +232,22 @@ def play_round(svc: TrainerService, args: argparse.Namespace, replies: Replies) 
     replies.recording = True
     server = {"transport": 0.0, "checkpoint": 0.0}  # the run dir is the channel; FedAvg writes the checkpoint
     t_round = time.perf_counter()
-    per_client, uploads = {}, []
+    per_client: dict[int, dict[str, float]] = {}
+    uploads: list[tuple[Path, float]] = []
+    report = progress or (lambda stage, fits, server: None)
     for cid in clients[: args.clients]:
+        report(f"fitting client {cid}", {c: _fit_numbers(m) for c, m in per_client.items()}, server)
         reply = fit(cid, args.iterations, f"upload-{cid}")
         per_client[cid] = reply["metrics"]
         uploads.append((work / f"upload-{cid}", float(reply["num_examples"])))
     server["train"] = time.perf_counter() - t_round
+    report("aggregation", {c: _fit_numbers(m) for c, m in per_client.items()}, server)
     replies.recording = False
     inputs = [uploads[i % len(uploads)] for i in range(fed.clients_per_round)]  # M uploads, as the server folds
     t0 = time.perf_counter()
     fedavg_manifests(inputs, work / "round-1", int(cfg.run.shard_max_mb * MB))
     server["aggregation"] = time.perf_counter() - t0
+    report("validation", {c: _fit_numbers(m) for c, m in per_client.items()}, server)
     t0 = time.perf_counter()
     val = svc.evaluate(
         _call(svc, EvalCall, round=1, seed=cfg.run.seed), Dirs(weights_in={"actor": str(work / "round-1")})
@@ -327,13 +343,21 @@ def run(cfg: Config, recipe: Config, args: argparse.Namespace) -> dict[str, Any]
             assert isinstance(svc.trainer, RLTrainer)
             replies = Replies(svc.trainer)
             params = sum(p.numel() for _, p in svc.trainer.engine.parameters("actor"))
-            measured = play_round(svc, args, replies)
+
+            def progress(stage: str, fits: dict[int, dict[str, float]], server: dict[str, float]) -> None:
+                if args.json:
+                    so_far = {"complete": False, "stage": stage, "recipe": args.recipe, "setup_s": round(setup_s, 3)}
+                    so_far |= {"fits": {str(c): f for c, f in fits.items()}, "server_s": server}
+                    args.json.write_text(json.dumps(so_far, indent=1))
+
+            measured = play_round(svc, args, replies, progress)
         finally:
             svc.close()
     summary = round_summary(cfg, measured, args.clients, args.iterations)
     gpus = cfg.run.lane_devices if device.type == "cuda" else 0
     gpu_min = summary["round_s"] / 60 * gpus
     return {
+        "complete": True,
         "recipe": args.recipe,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,

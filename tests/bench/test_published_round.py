@@ -11,23 +11,44 @@ import pytest
 from trainer_support import random_model_dir
 
 from bench.published_round import FEDAGENT_GPU_MIN_PER_ROUND, main
+from client_app.service import TrainerService
 
 # the bench's own seconds between the phases (building calls, listing uploads): the run's phases
 # and the lane's unnamed rest must cover the rest of the measured wall
 GLUE_SHARE = 0.05
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    tmp = tmp_path_factory.mktemp("round")
+def _argv(tmp: Path, out: Path) -> list[str]:
     model = random_model_dir(tmp / "policy", max_positions=256)
-    out = tmp / "round.json"
     argv = ["--model", str(model), "--device", "cpu", "--synthetic-catalog", "--clients", "1", "--iterations", "1"]
     argv += ["--tasks", "2", "--group", "2", "--turns", "2", "--val-tasks", "2", "--work-dir", str(tmp)]
     argv += ["--json", str(out), "rollout.max_response_tokens=4", "rollout.max_prompt_tokens=128"]
-    argv += ["run.compile=false", "env.pool_size=4"]
-    assert main(argv) == 0
+    return argv + ["run.compile=false", "env.pool_size=4"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("round")
+    out = tmp / "round.json"
+    assert main(_argv(tmp, out)) == 0
     return json.loads(out.read_text())
+
+
+def test_a_round_cut_off_in_validation_keeps_its_measured_fits(tmp_path: Path, monkeypatch) -> None:
+    """Device time that ends during validation (an error there, here) leaves the JSON with the
+    stage it reached and every finished fit's numbers."""
+
+    def ended(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the device went back")
+
+    monkeypatch.setattr(TrainerService, "evaluate", ended)
+    out = tmp_path / "round.json"
+    with pytest.raises(RuntimeError, match="the device went back"):
+        main(_argv(tmp_path, out))
+    so_far = json.loads(out.read_text())
+    assert so_far["complete"] is False and so_far["stage"] == "validation"
+    assert list(so_far["fits"]) == ["81"] and so_far["fits"]["81"]["rollout_s"] > 0
+    assert so_far["fits"]["81"]["update_s"] > 0 and so_far["server_s"]["aggregation"] > 0
 
 
 def test_round_is_computed_from_the_measured_part(report: dict) -> None:
@@ -64,7 +85,7 @@ def test_report_names_its_shape_and_the_published_draw(report: dict) -> None:
     shape = report["shape"]
     assert (shape["clients_per_round"], shape["local_epochs"]) == (2, 3)  # the recipe's M and E
     assert (shape["tasks"], shape["group"], shape["max_turns"], shape["max_response_tokens"]) == (2, 2, 2, 4)
-    assert report["at_recipe_scale"] is False
+    assert report["at_recipe_scale"] is False and report["complete"] is True
     assert report["clients"] == [81, 14]  # Random(42 + 1 - 1).sample(range(100), 2): the published round 1
     assert list(report["fits"]) == ["81"]
     assert report["fits"]["81"]["rows"] > 0 and report["fits"]["81"]["optimizer_steps"] == 1
