@@ -204,7 +204,7 @@ def _call(svc: TrainerService, kind: type[C], **fields: Any) -> C:
     return kind(run_id=svc.run_id, recipe_sha256=recipe_sha256(svc.cfg), weights=refs, **fields)
 
 
-Progress = Callable[[str, dict[int, dict[str, float]], dict[str, float]], None]  # stage, fits, server s
+Progress = Callable[[str, dict[int, dict[str, float]], dict[str, float]], None]  # stage, fit metrics, server s
 
 
 def play_round(
@@ -234,20 +234,24 @@ def play_round(
     t_round = time.perf_counter()
     per_client: dict[int, dict[str, float]] = {}
     uploads: list[tuple[Path, float]] = []
-    report = progress or (lambda stage, fits, server: None)
+
+    def report(stage: str) -> None:
+        if progress is not None:
+            progress(stage, per_client, server)
+
     for cid in clients[: args.clients]:
-        report(f"fitting client {cid}", {c: _fit_numbers(m) for c, m in per_client.items()}, server)
+        report(f"fitting client {cid}")
         reply = fit(cid, args.iterations, f"upload-{cid}")
         per_client[cid] = reply["metrics"]
         uploads.append((work / f"upload-{cid}", float(reply["num_examples"])))
     server["train"] = time.perf_counter() - t_round
-    report("aggregation", {c: _fit_numbers(m) for c, m in per_client.items()}, server)
+    report("aggregation")
     replies.recording = False
     inputs = [uploads[i % len(uploads)] for i in range(fed.clients_per_round)]  # M uploads, as the server folds
     t0 = time.perf_counter()
     fedavg_manifests(inputs, work / "round-1", int(cfg.run.shard_max_mb * MB))
     server["aggregation"] = time.perf_counter() - t0
-    report("validation", {c: _fit_numbers(m) for c, m in per_client.items()}, server)
+    report("validation")
     t0 = time.perf_counter()
     val = svc.evaluate(
         _call(svc, EvalCall, round=1, seed=cfg.run.seed), Dirs(weights_in={"actor": str(work / "round-1")})
@@ -347,7 +351,7 @@ def run(cfg: Config, recipe: Config, args: argparse.Namespace) -> dict[str, Any]
             def progress(stage: str, fits: dict[int, dict[str, float]], server: dict[str, float]) -> None:
                 if args.json:
                     so_far = {"complete": False, "stage": stage, "recipe": args.recipe, "setup_s": round(setup_s, 3)}
-                    so_far |= {"fits": {str(c): f for c, f in fits.items()}, "server_s": server}
+                    so_far |= {"fits": {str(c): _fit_numbers(m) for c, m in fits.items()}, "server_s": server}
                     args.json.write_text(json.dumps(so_far, indent=1))
 
             measured = play_round(svc, args, replies, progress)

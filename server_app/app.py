@@ -715,9 +715,8 @@ def aggregate_train(
     rd, opt = run.rd, run.server_opt
     out_dirs = {m: rd.member_dir(rnd, m) for m in rd.members}
     previous = {m: rd.member_dir(rnd - 1, m) for m in rd.members}
-    before = {
-        m: d for m in rd.members if rnd >= 2 and (d := rd.member_dir(rnd - 2, m)).joinpath(MANIFEST_NAME).exists()
-    }
+    earlier = {m: rd.member_dir(rnd - 2, m) for m in rd.members} if rnd >= 2 else {}
+    before = {m: d for m, d in earlier.items() if (d / MANIFEST_NAME).exists()}  # the server's last step's origin
     if opt is None:
         manifests, train_metrics, scores = _average(run, rnd, replies, failures, out_dirs, previous, before)
     else:
