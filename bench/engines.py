@@ -46,6 +46,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from bench.published_round import catalog_dotlist, check_catalog
 from bench.report import emit
 from client_app.algos import ActorLossSpec
 from client_app.rollout import derive_seed, group_specs, training_rows
@@ -56,7 +57,7 @@ from client_app.trainer.engine import Engine
 from client_app.trainer.loop import RLTrainer, policy_pass
 from client_app.trainer.losses import loss_specs
 from envs.service import serve_in_subprocess
-from fl_app.config import Config, load_config
+from fl_app.config import Config, load_config, rollout_engine_dotlist
 from fl_app.weights import load_shards, save_shards
 
 ARMS = ("peak", "hf", "vllm", "update", "verl", "io")
@@ -87,7 +88,8 @@ def bench_config(args: argparse.Namespace, engine: str, backend: str = "builtin"
         f"run.device={args.device}",
         f"backend={backend}",
         f"env.max_turns={args.turns}",
-        f"rollout.engine={engine}",
+        *rollout_engine_dotlist(engine),
+        *catalog_dotlist(args.synthetic_catalog),
         *args.overrides,
     ]
     if engine == "vllm":
@@ -341,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--make-qwen05b", type=Path, help="write a random Qwen2.5-0.5B-shaped model here and use it")
     ap.add_argument("--tokenizer", type=Path, help="--make-qwen05b's tokenizer dir (default: the recipe's tiny build)")
     ap.add_argument("--recipe", default="tiny-shop-grpo")
+    ap.add_argument("--synthetic-catalog", action="store_true", help="the synthetic shop, 1,000 products")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--episodes", type=int, default=64)
@@ -385,10 +388,11 @@ def main(argv: list[str] | None = None) -> int:
         "turns": args.turns,
         "overrides": args.overrides,
     }
+    base = bench_config(args, "hf")
+    check_catalog(base, args.recipe)
     peak = peak_tflops(device) if arms & {"peak", "update", "verl"} else 0.0
     report["peak_tflops"] = round(peak, 1)
     print(json.dumps({"peak_tflops": report["peak_tflops"]}), flush=True)
-    base = bench_config(args, "hf")
     with (
         serve_in_subprocess(base.env.name, max(base.env.pool_size, args.episodes), base.env.params) as url,
         tempfile.TemporaryDirectory() as tmp,

