@@ -94,6 +94,8 @@ from fl_app.config import COMPRESSED, Aggregator, FederationCfg, Update
 from fl_app.quant import UpdateMeta, check_update, decode_tensor, is_update
 from fl_app.weights import Manifest, TensorInfo, WeightsError, all_finite, dtype_name, load_shards, save_shards
 
+PEERS_TO_FLAG = 3  # an update is judged against its peers only where it has at least two
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -125,6 +127,12 @@ class Rule:
             f.update,
             f.quant.block,
         )
+
+    def reads_step(self, clients: int) -> bool:
+        """Whether a round of `clients` live updates reads the server's last step: only the unrelated
+        rule uses it, and no peer rule flags under PEERS_TO_FLAG clients (a 1.5B model's step
+        is one more 6.2 GB read a round, for a score nothing would act on)."""
+        return clients >= PEERS_TO_FLAG and self.flag_unrelated_z is not None
 
     def check_upload(self, ref: WeightsRef, label: str) -> UpdateMeta | None:
         """The metadata of an upload in the recipe's `update` mode (None: full weights); an upload
@@ -256,7 +264,7 @@ def scores_from_gram(
     def flag(n: float, p: float | None, z: float | None, shrink: float, step: float | None) -> bool:
         if rule.flag_shrink_z is not None and shrink < -rule.flag_shrink_z:  # one update's own evidence: no peer
             return True
-        if k < 3 or p is None or z is None:
+        if k < PEERS_TO_FLAG or p is None or z is None:
             return False
         if n > rule.flag_norm_ratio * median_norm:
             return True
@@ -530,7 +538,7 @@ def aggregate_refs(
     ]
     rnd = _Round([*labels, PREVIOUS, BEFORE], channel.shard_bytes)
     rnd.states = [*((i, states[i]) for i in live), (len(items), w)]
-    if before is not None:
+    if before is not None and rule.reads_step(len(live)):
         rnd.before = (len(items) + 1, load_shards(before))
     return _aggregate(rnd, [weights[i] for i in live], rule, server_lr, out_dir)
 
@@ -570,7 +578,7 @@ def aggregate_manifests(
         w = step_from_manifest(previous, inputs[live[0]][0], "the aggregator and the anomaly scores read it")
     rnd = _Round([*_labels(names, len(inputs)), PREVIOUS, BEFORE], shard_bytes)
     rnd.manifests = [*((i, inputs[i][0]) for i in live), (len(inputs), w)]
-    if before is not None:
+    if before is not None and rule.reads_step(len(live)):
         rnd.before = (len(inputs) + 1, step_from_manifest(before, w, "the unrelated rule's step score reads it"))
     return _aggregate(rnd, [weights[i] for i in live], rule, server_lr, out_dir)
 

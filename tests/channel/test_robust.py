@@ -211,6 +211,26 @@ def test_an_update_along_the_server_s_last_step_is_not_unrelated_though_its_peer
         assert all(abs(z) < 5 for z in scores.step_z[1:])
 
 
+def test_the_last_step_is_read_only_where_the_unrelated_rule_can_use_it(tmp_path):
+    """Two clients, or the unrelated rule off: no rule would act on the step's score, so the
+    round-before model (6.2 GB for a 1.5B model) is not read and `step_z` stays None. The
+    round-before dir here does not exist, so a read would raise, as it does with three clients."""
+    w = _net(0)
+    states = [_trained(w, s) for s in range(3)]
+    prev = save_shards(w, tmp_path / "global", SHARD).root
+    missing = tmp_path / "no-such-round"
+    for inline in (True, False):
+        root = tmp_path / str(inline)
+        ch = _channel(root, inline)
+        items = _items(root, ch, states, [8.0] * 3)
+        _, two = aggregate_refs(items[:2], ch, root / "two", prev, Rule(), before=missing)
+        assert two.step_z == [None, None]
+        _, off = aggregate_refs(items, ch, root / "off", prev, Rule(flag_unrelated_z=None), before=missing)
+        assert off.step_z == [None] * 3
+        with pytest.raises(WeightsError, match="no-such-round: no manifest.json"):
+            aggregate_refs(items, ch, root / "three", prev, Rule(), before=missing)
+
+
 def _shrink_z(x: dict[str, torch.Tensor], w: dict[str, torch.Tensor]) -> float:
     """`shrink_z` by its definition on whole tensors: each row of every matrix votes shrank/grew."""
     sums = [-torch.sign((x[k] - w[k]) * w[k]).flatten(0, -2).sum(1) for k in w if w[k].dim() >= 2]
