@@ -1,9 +1,9 @@
-"""What `federation.update: lora` moves per round against full fp32, per rank: the exchanged
-tensors (the adapters' B, `client_app/trainer/lora.py`) of a model's shape, built on the meta
-device (no weights, no download), against all of its parameters.
+"""What `federation.update: lora` moves per round against full fp32, per rank and `lora.trained`:
+the exchanged tensors (the adapters' trained factors, `client_app/trainer/lora.py`) of a model's
+shape, built on the meta device (no weights, no download), against all of its parameters.
 
     python -m bench.lora_bytes                      # the tiny default and SmolLM2-135M's shape
-    python -m bench.lora_bytes --ranks 4 8 16 32
+    python -m bench.lora_bytes --ranks 4 8 16 32 --trained smaller
     python -m bench.lora_bytes --model-dir DIR      # a Hugging Face model dir's config.json
 
 A round moves the same members down and up for every client, so the ratio of a round's
@@ -64,8 +64,9 @@ def dir_shape(model_dir: Path) -> dict[str, Any]:
     return {k: config[k] for k in keys} | {k: config[k] for k in extra if k in config}
 
 
-def counts(shape: dict[str, Any], rank: int) -> tuple[int, int]:
-    """(all parameters, the adapters' exchanged numbers) of a causal LM of `shape` at `rank`."""
+def counts(shape: dict[str, Any], rank: int, trained: str = "B") -> tuple[int, int]:
+    """(all parameters, the adapters' exchanged numbers) of a causal LM of `shape` at `rank`,
+    training the factor `trained` picks."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = dict(shape)
@@ -73,7 +74,7 @@ def counts(shape: dict[str, Any], rank: int) -> tuple[int, int]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     full = sum(p.numel() for p in model.parameters())
-    add_adapters(model, "actor", LORA_TARGETS, rank, 2.0 * rank, seed=0)
+    add_adapters(model, "actor", LORA_TARGETS, rank, 2.0 * rank, seed=0, trained=trained)
     return full, sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -81,15 +82,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     ap.add_argument("--model-dir", type=Path, nargs="*", default=[], help="Hugging Face model dirs (config.json)")
+    ap.add_argument("--trained", nargs="+", choices=["B", "smaller"], default=["B", "smaller"], help="lora.trained")
     args = ap.parse_args()
     shapes = [(d.name[:13], dir_shape(d)) for d in args.model_dir] or [
         ("tiny default", tiny_shape()),
         ("SmolLM2-135M", SMOLLM2_135M),
     ]
     for label, shape in shapes:
-        for rank in args.ranks:
-            full, adapters = counts(shape, rank)
-            print(f"{label:>13} rank {rank:>3}: {full:>12,} params, adapters {adapters:>10,}: x{full / adapters:.1f}")
+        for trained in args.trained:
+            for rank in args.ranks:
+                full, adapters = counts(shape, rank, trained)
+                print(
+                    f"{label:>13} {trained:>7} rank {rank:>3}: {full:>12,} params, "
+                    f"adapters {adapters:>10,}: x{full / adapters:.1f}"
+                )
 
 
 if __name__ == "__main__":

@@ -513,7 +513,11 @@ class LoraCfg(_Strict):
     rank: int = Field(
         8,
         gt=0,
-        description="r: the rank of every adapter. Each target linear of shape out x in trains out x r numbers (B) and travels as them; A (r x in) is fixed.",
+        description="r: the rank of every adapter. Each target linear of shape out x in trains one factor, B (out x r) or A (r x in) as `trained` picks, and travels as it; the other is fixed.",
+    )
+    trained: Literal["B", "smaller"] = Field(
+        "B",
+        description="The factor each adapter trains and sends, the other drawn once from the run's seed and fixed (so the server's mean of the trained factors is exactly the mean of the clients' products). `B`: B (out x r) over a fixed A on every layer (FFA-LoRA). `smaller`: per layer the factor with fewer numbers, A (r x in) where in < out (the MLP's gate and up projections) over a fixed B, else B: the same bytes buy a higher rank (the tiny default's rank 8 moves what rank 4 moves with `B`).",
     )
     alpha: float = Field(
         16.0, gt=0, description="The adapter's scale is alpha / rank (LoRA's, as PEFT's `lora_alpha`)."
@@ -603,14 +607,16 @@ class FederationCfg(_Strict):
         "round's model fetches nothing, any other the fp32 model (`step_fallback` 1 in its metrics when a step "
         "was refused). `lora`: adapters over a frozen base (FFA-LoRA, Sun et "
         "al. 2024, arXiv 2403.12313): each target linear W of `lora.target_modules` computes W x + (alpha / r) "
-        "B A x, where A (r x in) is drawn once from a generator seeded by (run.seed, member, tensor name), the "
-        "same bits on every node, never trained nor sent, and B (out x r, zeros at round 0) is trained; the "
-        "critic's value head (ppo) is trained whole. A member's global model IS its B matrices (+ the value "
-        "head), fp32, through the same channel, aggregators and server optimizers: with A fixed, the mean of the "
-        "clients' products B_i A is exactly (mean B_i) A, which averaging both factors would not give. Every "
+        "B A x, where one factor (A, r x in, or under `lora.trained: smaller` B, out x r, where A is the "
+        "smaller) is drawn once from a generator seeded by (run.seed, member, tensor name, factor), the same "
+        "bits on every node, never trained nor sent, and the other (zeros at round 0) is trained; the "
+        "critic's value head (ppo) is trained whole. A member's global model IS its trained factors (+ the "
+        "value head), fp32, through the same channel, aggregators and server optimizers: with one factor "
+        "fixed, the mean of the clients' products is exactly (mean B_i) A or B (mean A_i), which averaging "
+        "both factors would not give. Every "
         "round records the frozen base's digest (`base_sha256`), and a node whose base differs is refused. "
-        "Both engines train the same adapters (same names, same A bits, same base digest: a lane of either "
-        "engine loads the other's B); on `backend: verl` a vLLM rollout is synced the merged weights W + s B A "
+        "Both engines train the same adapters (same names, same fixed bits, same base digest: a lane of either "
+        "engine loads the other's factors); on `backend: verl` a vLLM rollout is synced the merged weights W + s B A "
         "(docs/verl.md). PPO's critic follows the mode in each case.",
     )
     lora: LoraCfg = Field(default_factory=LoraCfg, description="`update: lora` only: its adapters.")

@@ -51,7 +51,7 @@ vLLM engine woken with the engine's full tensors before each rollout and asleep 
 `federation.update: lora`: the builtin engine's adapters (`lora.py`, the same layers, names and
 A bits), put on the Hugging Face module of the actor and the critic before verl wraps it in FSDP2
 (`adapters_at_build`), so verl's engine shards, steps and exports them as its own parameters:
-its optimizer holds only B (+ the critic's value head), the exchanged members are those, the
+its optimizer holds only the trained factors (+ the critic's value head), the exchanged members are those, the
 starting weights load into the frozen base, and `base_sha256` is `lora.base_digest` of the same
 tensors as builtin's. The reference stays the plain model; the vLLM rollout is synced the merged
 weights W + s B A (`lora.merged_tensors`), the hf rollout computes with the adapters in place.
@@ -81,7 +81,7 @@ from client_app.trainer import verl_config, verl_head
 from client_app.trainer.compute import compile_models
 from client_app.trainer.device import avoid_cudnn_attention, cuda_autocast, release_memory, resolve_device
 from client_app.trainer.engine import Batch, LossSpec, PolicyBatch, Role, StepResult, ValueBatch, micro_batches
-from client_app.trainer.lora import LORA_B, adapt, base_digest, merged_tensors
+from client_app.trainer.lora import adapt, base_digest, is_adapter, merged_tensors
 from client_app.trainer.losses import loss_specs
 from client_app.trainer.verl_cpu import arm_cpu
 from client_app.trainer.verl_rows import no_padding_batch
@@ -360,7 +360,7 @@ class VerlEngine:
         engine = self._engine_of(member)
         params = list(engine.module.named_parameters())
         self._names[member] = [n for n, p in params if p.requires_grad]
-        self._plain[member] = [n for n, _ in params if not n.endswith(f".{LORA_B}")]
+        self._plain[member] = [n for n, _ in params if not is_adapter(n)]
         if self.cfg.federation.update != "lora":
             return
         frozen = {id(p) for _, p in params if not p.requires_grad}
@@ -370,7 +370,7 @@ class VerlEngine:
         if stepped != len(self._names[member]):
             raise RuntimeError(
                 f"the verl {member} optimizer steps {stepped} tensors, not the {len(self._names[member])} "
-                "trained ones (the adapters' B, and the critic's value head): the frozen base would move"
+                "trained ones (the adapters' trained factors, and the critic's value head): the frozen base would move"
             )
 
     def _base_digest(self) -> str:

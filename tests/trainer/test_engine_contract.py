@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib.util
+from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ from client_app.trainer.base import ClientTasks
 from client_app.trainer.compute import resolve_precision
 from client_app.trainer.engine import PolicyBatch, ValueBatch
 from client_app.trainer.loop import RLTrainer, critic_pass, policy_pass
-from client_app.trainer.lora import adapter_layers
+from client_app.trainer.lora import adapter_layers, is_adapter
 from fl_app.calls import EvalCall, FitCall
 from fl_app.config import Config
 from fl_app.weights import save_shards
@@ -621,14 +622,15 @@ def pair(env_url, model_dir, tmp_path_factory):  # noqa: F811
             t.close()
 
 
-@pytest.fixture(scope="module")
-def lora_pair(env_url, model_dir, tmp_path_factory):  # noqa: F811
-    """A builtin and a verl PPO trainer under `federation.update: lora` on the same policy and
-    config, both holding the same random B (and value head): adapters that move the model."""
+def _lora_pair(trained: str, env_url: str, model_dir: Path, tmp_path_factory) -> Iterator[tuple[RLTrainer, RLTrainer]]:
+    """A builtin and a verl PPO trainer under `federation.update: lora` (`lora.trained`) on the
+    same policy and config, both holding the same random trained factors (and value head):
+    adapters that move the model."""
     if not HAS_VERL:
         pytest.skip("verl not installed")
+    federation = {"lora": {"rank": 4, "alpha": 8.0, "trained": trained}}
     made = [
-        build(kind, model_dir, env_url, tmp_path_factory.mktemp("run"), algo=PPO)
+        build(kind, model_dir, env_url, tmp_path_factory.mktemp("run"), algo=PPO, federation=federation)
         for kind in ("builtin-cpu-fp32-lora", "verl-lora")
     ]
     gen = torch.Generator().manual_seed(9)
@@ -642,6 +644,18 @@ def lora_pair(env_url, model_dir, tmp_path_factory):  # noqa: F811
     finally:
         for t in made:
             t.close()
+
+
+@pytest.fixture(scope="module")
+def lora_pair(env_url, model_dir, tmp_path_factory):  # noqa: F811
+    """B trained over a fixed A on every layer (`lora.trained: B`)."""
+    yield from _lora_pair("B", env_url, model_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def lora_pair_smaller(env_url, model_dir, tmp_path_factory):  # noqa: F811
+    """A trained over a fixed B where it is the smaller factor (`lora.trained: smaller`)."""
+    yield from _lora_pair("smaller", env_url, model_dir, tmp_path_factory)
 
 
 def _policy_pass_pair(
@@ -691,7 +705,7 @@ def test_fresh_critics_and_row_scores_are_the_same_on_both_engines(pair):
 
 
 @needs_verl
-@pytest.mark.parametrize("pairing", ["pair", "lora_pair"])
+@pytest.mark.parametrize("pairing", ["pair", "lora_pair", "lora_pair_smaller"])
 @pytest.mark.parametrize("mode,mu", [("windowed", 0.0), ("windowed", 0.3), ("concat", 0.0)])
 def test_engines_take_the_same_policy_steps(request, pairing, mode, mu):
     """Several mini-batches (one ragged), micro-batching, KL, entropy, temperature 0.7, FedProx,
@@ -721,7 +735,7 @@ def test_engines_take_the_same_policy_steps(request, pairing, mode, mu):
 
 
 @needs_verl
-@pytest.mark.parametrize("pairing", ["pair", "lora_pair"])
+@pytest.mark.parametrize("pairing", ["pair", "lora_pair", "lora_pair_smaller"])
 def test_engines_take_the_same_critic_steps(request, pairing):
     builtin, verl = pair = request.getfixturevalue(pairing)
     episodes, rows, _ = scored_rows(builtin, [0, 1, 2, 3], 1, seed=11)
@@ -746,12 +760,13 @@ def test_engines_take_the_same_critic_steps(request, pairing):
 
 
 @needs_verl
-def test_lora_engines_hold_the_same_adapters_and_either_s_b_merges_alike_in_the_other(lora_pair):
-    """Same members and names, the same A bits on every adapted layer, the same base digest;
-    B exported by either engine loads into the other and merges to the same bits (W + s B A,
-    the weights a vLLM rollout is synced), and both score rows alike with it (1e-5), also as the
-    reference of `algo.ref_anchor: round`."""
-    builtin, verl = lora_pair
+@pytest.mark.parametrize("pairing", ["lora_pair", "lora_pair_smaller"])
+def test_lora_engines_hold_the_same_adapters_and_either_s_b_merges_alike_in_the_other(request, pairing):
+    """Same members and names, the same fixed factors' bits on every adapted layer, the same base
+    digest; the trained factors exported by either engine load into the other and merge to the
+    same bits (W + s B A, the weights a vLLM rollout is synced), and both score rows alike with
+    them (1e-5), also as the reference of `algo.ref_anchor: round`."""
+    builtin, verl = lora_pair = request.getfixturevalue(pairing)
     assert builtin.members == verl.members == ("actor", "critic")
     assert len(verl.base_sha256) == 64 and verl.base_sha256 == builtin.base_sha256
     models = {"actor": (builtin.engine.model, verl.engine.engine.module)}
@@ -759,7 +774,9 @@ def test_lora_engines_hold_the_same_adapters_and_either_s_b_merges_alike_in_the_
     for member, (ours, theirs) in models.items():
         a_ours, a_theirs = dict(adapter_layers(ours)), dict(adapter_layers(theirs))
         assert a_ours.keys() == a_theirs.keys() and len(a_ours) == 7  # q k v o gate up down
-        assert all(torch.equal(a_ours[n].lora_A, a_theirs[n].lora_A) for n in a_ours), member
+        assert all(a_ours[n].trained == a_theirs[n].trained for n in a_ours), member
+        fixed = {n: "lora_A" if a.trained == "lora_B" else "lora_B" for n, a in a_ours.items()}
+        assert all(torch.equal(getattr(a_ours[n], f), getattr(a_theirs[n], f)) for n, f in fixed.items()), member
         assert list(builtin.export_weights(member)) == list(verl.export_weights(member))
     _, rows = play(builtin, [0, 1, 2], 2, seed=5)
     gen = torch.Generator().manual_seed(31)
@@ -768,7 +785,7 @@ def test_lora_engines_hold_the_same_adapters_and_either_s_b_merges_alike_in_the_
         source.load_weights(b)
         target.load_weights(source.export_weights())
         merged = [dict(t.engine.policy_tensors()) for t in (source, target)]
-        assert merged[0].keys() == merged[1].keys() and not any(k.endswith("lora_B") for k in merged[0])
+        assert merged[0].keys() == merged[1].keys() and not any(is_adapter(k) for k in merged[0])
         assert all(torch.equal(merged[0][k].cpu(), merged[1][k].cpu()) for k in merged[0])
         scores = [t.engine.score(rows, "policy") for t in (source, target)]
         assert max(float((x - y).abs().max()) for x, y in zip(*scores)) < TOL

@@ -23,7 +23,7 @@ from test_engine_contract import build
 from trainer_support import env_url, random_model_dir  # noqa: F401
 
 from client_app.models import hf_parameters
-from client_app.trainer.lora import LORA_B, fixed_a
+from client_app.trainer.lora import LORA_A, LORA_B, fixed_factor
 from fl_app.config import ConfigError, load_config
 
 
@@ -196,15 +196,20 @@ def gpu_trainer(request, env_url, tmp_path_factory):  # noqa: F811
 
 def _plain(t, exchanged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The plain model the exchanged weights stand for: themselves, or under lora the model
-    directory's weights with s B A added, A drawn again here from its seed (not the engine's)."""
+    directory's weights with s B A added, the fixed factor drawn again here from its seed (not
+    the engine's)."""
     if t.cfg.federation.update != "lora":
         return exchanged
     lora = t.cfg.federation.lora
     plain = hf_parameters(Path(t.cfg.model.path))
-    for name, b in exchanged.items():
-        w = name.removesuffix(f".{LORA_B}") + ".weight"
-        a = fixed_a(t.cfg.run.seed, "actor", w, lora.rank, plain[w].shape[1])
-        plain[w] = plain[w] + lora.alpha / lora.rank * (b @ a)
+    for name, trained in exchanged.items():
+        module, _, factor = name.rpartition(".")
+        w = f"{module}.weight"
+        out_features, in_features = plain[w].shape
+        fixed = LORA_A if factor == LORA_B else LORA_B
+        other = fixed_factor(t.cfg.run.seed, "actor", w, fixed, lora.rank, in_features, out_features)
+        product = trained @ other if factor == LORA_B else other @ trained
+        plain[w] = plain[w] + lora.alpha / lora.rank * product
     return plain
 
 
