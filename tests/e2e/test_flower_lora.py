@@ -17,6 +17,7 @@ from fl_app.weights import Manifest, load_shards
 
 RECIPE = ROOT / "tests" / "fixtures" / "e2e-recipe.yaml"
 LORA = {"federation.update": '"lora"', "federation.lora.rank": 2, "federation.lora.alpha": 4.0}
+SUFFIXES = {"B": {".lora_B"}, "smaller": {".lora_A", ".lora_B"}}  # smaller: A on gate and up, B elsewhere
 
 
 def _run(fr, run_dir: Path, rounds: int, **extra: object) -> str:
@@ -29,13 +30,15 @@ def _run(fr, run_dir: Path, rounds: int, **extra: object) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # four `flwr run`s of the e2e recipe (1 + 1 + 2 + 1 rounds)
-def test_a_lora_run_moves_adapters_only_records_its_base_and_resumes_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("trained", ["B", "smaller"])
+def test_a_lora_run_moves_adapters_only_records_its_base_and_resumes_bit_for_bit(tmp_path, trained):
     resumed, fresh, full = tmp_path / "resumed", tmp_path / "fresh", tmp_path / "full"
+    lora = {**LORA, "federation.lora.trained": f'"{trained}"'}
     with flower(tmp_path / "flwr") as fr:
-        _run(fr, resumed, 1, **LORA)
-        out = _run(fr, resumed, 2, **LORA)
+        _run(fr, resumed, 1, **lora)
+        out = _run(fr, resumed, 2, **lora)
         assert "resuming after round 1" in out, out[-4000:]
-        _run(fr, fresh, 2, **LORA)
+        _run(fr, fresh, 2, **lora)
         _run(fr, full, 1)
     rows = {d: RunDir(d, total_rounds=2).read_metrics() for d in (resumed, fresh)}
     base = rows[fresh][0]["base_sha256"]
@@ -45,8 +48,8 @@ def test_a_lora_run_moves_adapters_only_records_its_base_and_resumes_bit_for_bit
 
     rd, rd_full = RunDir(fresh), RunDir(full)
     adapters = load_shards(rd.member_dir(1))
-    assert adapters and all(name.endswith(".lora_B") for name in adapters)
-    assert any(t.abs().max() > 0 for t in adapters.values())  # round 1 trained B from zeros
+    assert adapters and {name[name.rindex(".") :] for name in adapters} == SUFFIXES[trained]
+    assert any(t.abs().max() > 0 for t in adapters.values())  # round 1 trained the factors from zeros
     want = load_shards(rd.member_dir(2))
     got = load_shards(RunDir(resumed).member_dir(2))
     assert got.keys() == want.keys()
