@@ -16,7 +16,7 @@
 #   engines  on the same random 1.5B: the device's bf16 peak, vLLM's multi-turn rollout against its
 #           fixed-shape rate, then the builtin and verl updates' MFU on those rows (issue: >= 40%)
 #   rollout-hf  the HF rollout's multi-turn rate on the same model, last (~5 min)
-#   seeds   cores 4-15 meanwhile: seeds 3-8 of the tiny default's clean and noise + trimmed mean
+#   seeds   cores 4-15 meanwhile: seeds 5-8 of the tiny default's clean and noise + trimmed mean
 #           arms (4 clients, docs/architecture.md)
 # alfworld (the arms sets, plus the ALFWorld set in a second site dir; docs/offline-gpu.md):
 #   games   the pinned default set (120 games), 12 generator processes
@@ -55,7 +55,7 @@ case $STAGE in  # what runs before (or, with &, beside) the SmolLM2 import
   alfworld) step games 900 python3 -m envs.alfworld.generate --workers 12 ;;
   vllm)
     P='recipe="tiny-shop-grpo-4clients'
-    step seeds 2400 python3 -m tools.sweep --jobs 12 --threads 1 --cores 4-15 --seeds 3,4,5,6,7,8 --out "$R/seeds" \
+    step seeds 2400 python3 -m tools.sweep --jobs 12 --threads 1 --cores 4-15 --seeds 5,6,7,8 --out "$R/seeds" \
       --arm clean="$P\"" --arm noise-trim="$P-poison-noise\" federation.aggregator=\"trimmed_mean\"" &
     ;;
 esac
