@@ -44,6 +44,11 @@ def is_adapter(name: str) -> bool:
     return name.endswith((f".{LORA_A}", f".{LORA_B}"))
 
 
+def other_factor(factor: str) -> str:
+    """A for B, B for A: the fixed factor of a layer that trains `factor`."""
+    return LORA_A if factor == LORA_B else LORA_B
+
+
 def trained_factor(trained: str, in_features: int, out_features: int) -> str:
     """The factor a layer trains under `lora.trained`: B, or the smaller of A (rank x in) and B
     (out x rank), B where they are the same size."""
@@ -74,9 +79,9 @@ class LoraLinear(torch.nn.Linear):
             self.bias.requires_grad_(False)
         rank = fixed.shape[0] if trained == LORA_B else fixed.shape[1]
         shape = (base.out_features, rank) if trained == LORA_B else (rank, base.in_features)
-        self.register_buffer(LORA_A if trained == LORA_B else LORA_B, fixed.to(base.weight.device), persistent=False)
+        self.trained, self.fixed = trained, other_factor(trained)
+        self.register_buffer(self.fixed, fixed.to(base.weight.device), persistent=False)
         self.register_parameter(trained, torch.nn.Parameter(torch.zeros(shape, device=base.weight.device)))
-        self.trained = trained
         self.scale = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +133,7 @@ def add_adapters(
             continue
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         factor = trained_factor(trained, module.in_features, module.out_features)
-        fixed = LORA_A if factor == LORA_B else LORA_B
+        fixed = other_factor(factor)
         draw = fixed_factor(seed, member, f"{name}.weight", fixed, rank, module.in_features, module.out_features)
         setattr(parent, leaf, LoraLinear(module, draw, factor, alpha / rank))
         found.append(name)

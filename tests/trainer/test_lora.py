@@ -43,13 +43,9 @@ def _engine(model: Path, trained: str = "B", **sections: dict) -> BuiltinEngine:
     return engine
 
 
-def _fixed(layer: LoraLinear) -> str:
-    return LORA_A if layer.trained == LORA_B else LORA_B
-
-
 def _product(layer: LoraLinear, trained: torch.Tensor, fixed: torch.Tensor | None = None) -> torch.Tensor:
     """B A in float64 with the layer's `trained` factor given (and its fixed one, or another)."""
-    other = (getattr(layer, _fixed(layer)) if fixed is None else fixed).double()
+    other = (getattr(layer, layer.fixed) if fixed is None else fixed).double()
     return trained.double() @ other if layer.trained == LORA_B else other @ trained.double()
 
 
@@ -92,7 +88,7 @@ def test_averaged_adapters_merge_to_the_exact_mean_of_the_products(model_dir, tm
         # the naive alternative: each client with its own draw of the other factor, both averaged
         rank = layer.lora_A.shape[0]
         own = [
-            fixed_factor(7 + i, "actor", name, _fixed(layer), rank, layer.in_features, layer.out_features)
+            fixed_factor(7 + i, "actor", name, layer.fixed, rank, layer.in_features, layer.out_features)
             for i in range(3)
         ]
         own_products = sum(w * _product(layer, s[key], o) for w, s, o in zip(weights, states, own)) / total
@@ -113,7 +109,7 @@ def test_smaller_trains_the_factor_with_fewer_numbers_and_doubles_the_rank_at_th
     for name, layer in adapter_layers(small.model):
         assert layer.trained == (LORA_A if layer.in_features < layer.out_features else LORA_B), name
         assert getattr(layer, layer.trained).numel() == 8 * min(layer.in_features, layer.out_features), name
-        assert _fixed(layer) not in dict(layer.named_parameters()), name
+        assert layer.fixed not in dict(layer.named_parameters()), name
     numbers = {e: sum(t.numel() for t in e.export_weights("actor").values()) for e in (small, plain)}
     assert numbers[plain] == sum(layer.out_features * 4 for _, layer in adapter_layers(plain.model))  # B: out x 4
     assert numbers[small] == numbers[plain], numbers
@@ -198,7 +194,7 @@ def test_the_bf16_compute_copy_runs_the_adapters_of_the_fp32_masters(model_dir, 
         engine.load_weights(_random_b(fp32, "actor", 0, scale=0.5), "actor")
     copy = dict(adapter_layers(bf16.generation_model()))
     for name, master in adapter_layers(bf16.model):
-        trained_copy, fixed_copy = getattr(copy[name], master.trained), getattr(copy[name], _fixed(master))
+        trained_copy, fixed_copy = getattr(copy[name], master.trained), getattr(copy[name], master.fixed)
         assert trained_copy.dtype == torch.bfloat16 and fixed_copy.dtype == torch.float32
         assert torch.equal(trained_copy, getattr(master, master.trained).detach().to(torch.bfloat16))
     assert fp32.ref is not None and bf16.ref is not None  # the frozen base (kl_coef > 0), in each precision
@@ -233,7 +229,7 @@ def test_a_ppo_fit_trains_and_exports_only_the_trained_factors_and_the_value_hea
             assert all(not p.requires_grad for n, p in model.named_parameters() if n not in want)
         start = {m: trainer.export_weights(m) for m in models}
         base = {m: _frozen(model) for m, model in models.items()}
-        fixed = {m: {n: getattr(a, _fixed(a)).clone() for n, a in adapter_layers(model)} for m, model in models.items()}
+        fixed = {m: {n: getattr(a, a.fixed).clone() for n, a in adapter_layers(model)} for m, model in models.items()}
         call = FitCall(round=1, client_id=3, local_epochs=1, seed=0, proximal_mu=0.01)
         res = trainer.fit(call, ClientTasks(TRAIN_TASKS))
         assert res.metrics["optimizer_steps"] > 0 and res.metrics["critic_optimizer_steps"] > 0
@@ -241,7 +237,7 @@ def test_a_ppo_fit_trains_and_exports_only_the_trained_factors_and_the_value_hea
             after = trainer.export_weights(member)
             assert any(not torch.equal(after[k], start[member][k]) for k in after), member
             assert all(torch.equal(t, base[member][n]) for n, t in _frozen(model).items()), member
-            assert all(torch.equal(getattr(a, _fixed(a)), fixed[member][n]) for n, a in adapter_layers(model))
+            assert all(torch.equal(getattr(a, a.fixed), fixed[member][n]) for n, a in adapter_layers(model))
             weights = _random_b(engine, member, 5)
             trainer.load_weights(weights, member)
             assert all(torch.equal(trainer.export_weights(member)[k], w) for k, w in weights.items())

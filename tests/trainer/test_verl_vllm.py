@@ -23,7 +23,7 @@ from test_engine_contract import build
 from trainer_support import env_url, random_model_dir  # noqa: F401
 
 from client_app.models import hf_parameters
-from client_app.trainer.lora import LORA_A, LORA_B, fixed_factor
+from client_app.trainer.lora import LORA_B, fixed_factor, other_factor
 from fl_app.config import ConfigError, load_config
 
 
@@ -206,8 +206,7 @@ def _plain(t, exchanged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         module, _, factor = name.rpartition(".")
         w = f"{module}.weight"
         out_features, in_features = plain[w].shape
-        fixed = LORA_A if factor == LORA_B else LORA_B
-        other = fixed_factor(t.cfg.run.seed, "actor", w, fixed, lora.rank, in_features, out_features)
+        other = fixed_factor(t.cfg.run.seed, "actor", w, other_factor(factor), lora.rank, in_features, out_features)
         product = trained @ other if factor == LORA_B else other @ trained
         plain[w] = plain[w] + lora.alpha / lora.rank * product
     return plain
