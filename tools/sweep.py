@@ -241,7 +241,7 @@ def _stop_on_signals() -> None:
         signal.signal(sig, leave)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tools.sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--arm", action="append", required=True, help="NAME=RUN_CONFIG (repeat per arm)")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds (default 0,1,2)")
@@ -251,7 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (and pinned cores) per run")
     ap.add_argument("--cores", default="", help="the cores to pin jobs on, e.g. 0-11 (default: all of them)")
     ap.add_argument("--out", type=Path, required=True, help="run dirs OUT/ARM-sSEED, logs, report")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     try:
         seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
         if a.jobs < 1 or a.threads < 1 or not seeds:
