@@ -15,7 +15,6 @@ from flower_harness import flower, run_status
 from fl_app.rundir import RunDir
 from tools import sweep
 
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # one run is ~8-11 min on 2 cores, three ~20
 
 
